@@ -1,0 +1,1 @@
+"""jaxlearn.cli: Leaf: the `jaxlearn` command."""

@@ -1,0 +1,55 @@
+"""jaxlearn.config: typed hierarchical configs. Imports no jax.
+
+See packages/config/README.md for the public API and the "every FFN becomes MoE" example.
+"""
+
+from jaxlearn.config.base import (
+    REQUIRED,
+    ConfigBase,
+    ConfigError,
+    ConfigTypeError,
+    RequiredFieldError,
+    UnknownFieldError,
+    format_path,
+    parse_path,
+)
+from jaxlearn.config.configurable import (
+    ClassConfigBase,
+    Configurable,
+    FunctionConfigBase,
+    InstantiableConfig,
+    config_for_class,
+    config_for_function,
+)
+from jaxlearn.config.flat import diff_configs, diff_flat_texts, to_flat_dict, to_flat_text
+from jaxlearn.config.overrides import OverrideError, apply_override, apply_overrides, parse_value
+from jaxlearn.config.traverse import carry_over_fields, leaves, replace_config, visit
+
+__all__ = [
+    "REQUIRED",
+    "ClassConfigBase",
+    "ConfigBase",
+    "ConfigError",
+    "ConfigTypeError",
+    "Configurable",
+    "FunctionConfigBase",
+    "InstantiableConfig",
+    "OverrideError",
+    "RequiredFieldError",
+    "UnknownFieldError",
+    "apply_override",
+    "apply_overrides",
+    "carry_over_fields",
+    "config_for_class",
+    "config_for_function",
+    "diff_configs",
+    "diff_flat_texts",
+    "format_path",
+    "leaves",
+    "parse_path",
+    "parse_value",
+    "replace_config",
+    "to_flat_dict",
+    "to_flat_text",
+    "visit",
+]

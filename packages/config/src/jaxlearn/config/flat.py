@@ -1,0 +1,81 @@
+"""The flat text form: one sorted `path: value` line per leaf.
+
+It is deterministic across runs and machines (no object ids, no hash order), so it is
+the basis of golden configs and of `config-diff`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import enum
+import functools
+import types
+from typing import Any
+
+from jaxlearn.config.base import ConfigError
+from jaxlearn.config.traverse import leaves
+
+
+def format_value(value: Any, path: str = "") -> str:
+    """A deterministic, human-readable rendering of a leaf value."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return repr(value)
+    if isinstance(value, enum.Enum):
+        return f"{type(value).__qualname__}.{value.name}"
+    if isinstance(value, functools.partial):
+        args = [format_value(a, path) for a in value.args]
+        args += [f"{k}={format_value(v, path)}" for k, v in sorted(value.keywords.items())]
+        return f"partial({format_value(value.func, path)}{''.join(', ' + a for a in args)})"
+    if isinstance(value, (type, types.FunctionType, types.BuiltinFunctionType)) or (
+        hasattr(value, "__qualname__") and hasattr(value, "__module__") and callable(value)
+    ):
+        return f"{value.__module__}.{value.__qualname__}"
+    if type(value).__module__.startswith("numpy") and type(value).__name__.endswith("DType"):
+        return f"dtype:{value.name}"  # numpy dtype objects
+    if isinstance(value, (list, tuple, dict)) and not value:
+        return repr(value)
+    text = repr(value)
+    if " at 0x" in text:
+        raise ConfigError(
+            f"{path or 'value'}: {type(value).__qualname__} has no deterministic text form "
+            f"({text}); use a config, a function, or a literal instead"
+        )
+    return text
+
+
+def to_flat_dict(cfg: Any) -> dict[str, str]:
+    """{path: formatted value} for every leaf, sorted by path."""
+    return {path: format_value(value, path) for path, value in sorted(leaves(cfg))}
+
+
+def to_flat_text(cfg: Any) -> str:
+    """The golden form: sorted `path: value` lines, newline-terminated."""
+    return "".join(f"{k}: {v}\n" for k, v in to_flat_dict(cfg).items())
+
+
+def diff_flat_texts(a: str, b: str, name_a: str = "a", name_b: str = "b") -> str:
+    """A unified diff of two flat texts ('' when equal)."""
+    return "".join(
+        difflib.unified_diff(
+            a.splitlines(keepends=True), b.splitlines(keepends=True), name_a, name_b, n=0
+        )
+    )
+
+
+def diff_configs(a: Any, b: Any) -> str:
+    """Changed, added and removed paths between two configs, one per line.
+
+        ~ model.decoder.num_layers: 2 -> 4
+        + model.decoder.layer.feed_forward.num_experts: 8
+        - model.decoder.layer.feed_forward.hidden_dim: 1376
+    """
+    fa, fb = to_flat_dict(a), to_flat_dict(b)
+    lines = []
+    for path in sorted(set(fa) | set(fb)):
+        if path not in fb:
+            lines.append(f"- {path}: {fa[path]}")
+        elif path not in fa:
+            lines.append(f"+ {path}: {fb[path]}")
+        elif fa[path] != fb[path]:
+            lines.append(f"~ {path}: {fa[path]} -> {fb[path]}")
+    return "\n".join(lines)

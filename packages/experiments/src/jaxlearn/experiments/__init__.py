@@ -1,0 +1,1 @@
+"""jaxlearn.experiments: Leaf: named recipes and their mesh rules; the source of golden_configs/; cross-package integration tests."""

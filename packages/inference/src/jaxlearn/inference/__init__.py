@@ -1,0 +1,1 @@
+"""jaxlearn.inference: Inference engine (prefill/extend), sampling, batching scheduler, server."""

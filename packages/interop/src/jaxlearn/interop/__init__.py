@@ -1,0 +1,1 @@
+"""jaxlearn.interop: Leaf: HF safetensors / GGUF import and export."""
