@@ -1,1 +1,69 @@
-"""jaxlearn.module: Module system: Module, InvocationContext, functional, ParameterSpec, parameter init, output collections, remat, scan over layers, Flax adapters."""
+"""jaxlearn.module: modules, invocation contexts, parameters and the functional entry point.
+
+See packages/module/README.md.
+"""
+
+from jaxlearn.module.context import (
+    InvocationContext,
+    ModuleError,
+    OutputCollection,
+    current_context,
+    iter_collection,
+    stable_hash,
+)
+from jaxlearn.module.functional import functional
+from jaxlearn.module.module import Module
+from jaxlearn.module.param import (
+    Constant,
+    FanAxes,
+    Initializer,
+    Normal,
+    ParameterSpec,
+    VarianceScaling,
+    flatten_specs,
+    is_spec,
+    ones,
+    stack_spec,
+    zeros,
+)
+from jaxlearn.module.remat import RematSpec, policy_from_name, remat, tag
+from jaxlearn.module.scan import scan_child
+from jaxlearn.module.sharding import (
+    abstract_parameters,
+    logical_sharding,
+    parameter_shardings,
+    spec_tree_map,
+    with_logical_constraint,
+)
+
+__all__ = [
+    "Constant",
+    "FanAxes",
+    "Initializer",
+    "InvocationContext",
+    "Module",
+    "ModuleError",
+    "Normal",
+    "OutputCollection",
+    "ParameterSpec",
+    "RematSpec",
+    "VarianceScaling",
+    "abstract_parameters",
+    "current_context",
+    "flatten_specs",
+    "functional",
+    "is_spec",
+    "iter_collection",
+    "logical_sharding",
+    "ones",
+    "parameter_shardings",
+    "policy_from_name",
+    "remat",
+    "scan_child",
+    "spec_tree_map",
+    "stable_hash",
+    "stack_spec",
+    "tag",
+    "with_logical_constraint",
+    "zeros",
+]

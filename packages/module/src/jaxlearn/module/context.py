@@ -1,0 +1,158 @@
+"""The invocation context: what a module call sees while it runs.
+
+A context holds the module being called, its state (the parameter subtree of that module),
+a PRNG key, `is_training`, and an output collection (summaries, state updates, module
+outputs). Contexts form a stack per thread; calling a child module pushes a child context
+whose state is the child's subtree and whose key is `fold_in(parent_key, crc32(name))`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import zlib
+from typing import TYPE_CHECKING, Any, Iterator, Optional
+
+import jax
+
+if TYPE_CHECKING:
+    from jaxlearn.module.module import Module
+
+Nested = dict[str, Any]
+
+
+class ModuleError(RuntimeError):
+    """Misuse of the module system (calls outside a context, repeated child calls, ...)."""
+
+
+def stable_hash(name: str) -> int:
+    """A process-independent 31-bit hash of `name` (Python's hash() is salted)."""
+    return zlib.crc32(name.encode("utf-8")) & 0x7FFFFFFF
+
+
+def fold_in_name(key: Optional[jax.Array], name: str) -> Optional[jax.Array]:
+    return None if key is None else jax.random.fold_in(key, stable_hash(name))
+
+
+@dataclasses.dataclass
+class OutputCollection:
+    """Outputs recorded during a call, each a nested dict keyed by child name.
+
+    summaries: scalars/histograms for TensorBoard.
+    state_updates: new values for non-trainable state (e.g. batch statistics, KV caches).
+    module_outputs: auxiliary values (e.g. MoE `aux_loss`) that ancestors may collect.
+    """
+
+    summaries: Nested = dataclasses.field(default_factory=dict)
+    state_updates: Nested = dataclasses.field(default_factory=dict)
+    module_outputs: Nested = dataclasses.field(default_factory=dict)
+
+    def child(self, name: str) -> "OutputCollection":
+        """The sub-collection of child `name` (created on first use, shared thereafter)."""
+        return OutputCollection(
+            summaries=self.summaries.setdefault(name, {}),
+            state_updates=self.state_updates.setdefault(name, {}),
+            module_outputs=self.module_outputs.setdefault(name, {}),
+        )
+
+
+jax.tree_util.register_dataclass(
+    OutputCollection, data_fields=["summaries", "state_updates", "module_outputs"], meta_fields=[]
+)
+
+
+@dataclasses.dataclass
+class InvocationContext:
+    """One frame of a module call. Created by `functional` and by child calls."""
+
+    name: str
+    parent: Optional["InvocationContext"]
+    module: "Module"
+    state: Nested
+    output_collection: OutputCollection
+    is_training: bool
+    prng_key: Optional[jax.Array]
+    _calls: set = dataclasses.field(default_factory=set)
+
+    def path(self) -> str:
+        names = []
+        ctx: Optional[InvocationContext] = self
+        while ctx is not None:
+            names.append(ctx.name)
+            ctx = ctx.parent
+        return ".".join(reversed(names))
+
+    def child_context(self, child: "Module", method: str, label: str = "") -> "InvocationContext":
+        """The context for calling `child.method` from this context."""
+        name = child.name
+        call = (name, method, label)
+        if call in self._calls:
+            raise ModuleError(
+                f"{self.path()}: child '{name}' method '{method}' was already called in this "
+                f"context; a second call would reuse its PRNG key and outputs. Use "
+                f"`self.invoke_child('{name}', label=..., method='{method}', ...)` to make "
+                f"a distinctly named sub-context."
+            )
+        self._calls.add(call)
+        if name not in self.state and child.has_state():
+            raise ModuleError(
+                f"{self.path()}: state has no entry for child '{name}' "
+                f"(keys: {sorted(self.state)})"
+            )
+        key = fold_in_name(self.prng_key, name)
+        if label:
+            key = fold_in_name(key, label)
+        return InvocationContext(
+            name=name,
+            parent=self,
+            module=child,
+            state=self.state.get(name, {}),
+            output_collection=self.output_collection.child(name),
+            is_training=self.is_training,
+            prng_key=key,
+        )
+
+    def add(self, kind: str, name: str, value: Any) -> None:
+        target: Nested = getattr(self.output_collection, kind)
+        if name in target:
+            raise ModuleError(f"{self.path()}: {kind} '{name}' recorded twice in one call")
+        target[name] = value
+
+
+class _Stack(threading.local):
+    def __init__(self) -> None:
+        self.frames: list[InvocationContext] = []
+
+
+_STACK = _Stack()
+
+
+def current_context() -> Optional[InvocationContext]:
+    return _STACK.frames[-1] if _STACK.frames else None
+
+
+class _Push:
+    def __init__(self, ctx: InvocationContext):
+        self.ctx = ctx
+
+    def __enter__(self) -> InvocationContext:
+        _STACK.frames.append(self.ctx)
+        return self.ctx
+
+    def __exit__(self, *exc: Any) -> None:
+        popped = _STACK.frames.pop()
+        assert popped is self.ctx
+
+
+def push_context(ctx: InvocationContext) -> _Push:
+    return _Push(ctx)
+
+
+def iter_collection(tree: Nested, name: str, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """Every (path, value) whose key is `name` in a nested output dict (e.g. 'aux_loss')."""
+    for key, value in tree.items():
+        path = f"{prefix}.{key}" if prefix else key
+        if key == name and not isinstance(value, dict):
+            yield path, value
+        elif isinstance(value, dict):
+            yield from iter_collection(value, name, path)
