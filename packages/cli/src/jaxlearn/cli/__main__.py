@@ -1,0 +1,5 @@
+import sys
+
+from jaxlearn.cli.main import main
+
+sys.exit(main())

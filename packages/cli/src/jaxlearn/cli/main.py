@@ -1,0 +1,174 @@
+"""The `jaxlearn` command.
+
+    jaxlearn train --experiment tiny-llama --output_dir runs/tiny [--mesh_selector cpu-8]
+                   [--set learner.learning_rate=1e-3 ...] [--max_step N]
+    jaxlearn experiments
+    jaxlearn config --experiment NAME [--mesh_selector SEL] [--set ...]
+    jaxlearn config-diff A B        (experiment names or flat-text files)
+
+Errors in what the user gave (unknown experiment, bad --set, bad data, unwritable output
+dir) print one line `jaxlearn: error: ...` and exit with status 2; nothing is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Any, Optional, Sequence
+
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """A problem with what the user asked for; printed as one line."""
+
+
+def _add_experiment_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--experiment", required=True, help="recipe name (see `jaxlearn experiments`)")
+    p.add_argument("--mesh_selector", default=None,
+                   help="hardware target, e.g. cpu-8, tpu-v5p-256, gpu-h100-8x4 "
+                        "(default: detected from this machine)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
+                   help="override a config field, e.g. --set model.decoder.num_layers=4 "
+                        "(repeatable; values are Python literals)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxlearn", description="Train and serve large "
+                                     "models on JAX (see README.md).")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("train", help="train an experiment (resumes from --output_dir)")
+    _add_experiment_args(p)
+    p.add_argument("--output_dir", required=True, help="checkpoints, TensorBoard, metrics")
+    p.add_argument("--max_step", type=int, default=None, help="stop after this many steps")
+    p.add_argument("--profile_steps", type=str, default=None,
+                   help="comma-separated steps to trace with the JAX profiler, e.g. 5,6,7")
+
+    sub.add_parser("experiments", help="list the named experiments")
+
+    p = sub.add_parser("config", help="print an experiment's final config (flat text form)")
+    _add_experiment_args(p)
+
+    p = sub.add_parser("config-diff", help="diff two configs (experiment names or files)")
+    p.add_argument("a")
+    p.add_argument("b")
+    return parser
+
+
+def final_config(experiment: str, mesh_selector: Optional[str], overrides: Sequence[str]) -> Any:
+    """Recipe -> mesh rule for the selector -> --set overrides."""
+    from jaxlearn.config import ConfigError, apply_overrides
+    from jaxlearn.experiments import get_experiment
+    from jaxlearn.mesh import apply_mesh_rules, current_selector
+
+    try:
+        cfg = get_experiment(experiment)
+    except KeyError as e:
+        raise UsageError(str(e.args[0])) from None
+    selector = mesh_selector or current_selector()
+    try:
+        cfg, _ = apply_mesh_rules(cfg, selector)
+        apply_overrides(cfg, overrides)
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+    return cfg
+
+
+def _check_output_dir(path: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--output_dir {path}: cannot create it ({e.strerror})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UsageError(f"--output_dir {path}: not writable")
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    overrides = list(args.overrides)
+    if args.max_step is not None:
+        overrides.append(f"max_step={args.max_step}")
+    if args.profile_steps:
+        steps = tuple(int(s) for s in args.profile_steps.split(",") if s.strip())
+        overrides.append(f"profile_steps={steps!r}")
+    cfg = final_config(args.experiment, args.mesh_selector, overrides)
+    from jaxlearn.config import ConfigError
+
+    try:
+        cfg.output_dir = args.output_dir
+        inputs = cfg.input.instantiate()
+        inputs.check()  # Bad data fails here, before anything is written.
+    except (ConfigError, ValueError, OSError) as e:
+        raise UsageError(str(e)) from None
+    _check_output_dir(args.output_dir)
+    trainer = cfg.instantiate()
+    print(f"jaxlearn: training {args.experiment} on {len(trainer.mesh.devices.flat)} device(s) "
+          f"(mesh {dict(trainer.mesh.shape)}), output in {args.output_dir}", file=sys.stderr)
+    last = trainer.run()
+    print("jaxlearn: done. " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(last.items())),
+          file=sys.stderr)
+    return 0
+
+
+def cmd_experiments(args: argparse.Namespace) -> int:
+    from jaxlearn.experiments import EXPERIMENTS
+
+    for name, fn in sorted(EXPERIMENTS.items()):
+        doc = (fn.__doc__ or "").strip().splitlines()
+        print(f"{name:16s} {doc[0] if doc else ''}")
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from jaxlearn.config import to_flat_text
+
+    sys.stdout.write(to_flat_text(final_config(args.experiment, args.mesh_selector,
+                                               args.overrides)))
+    return 0
+
+
+def _flat_text(name: str) -> str:
+    if os.path.exists(name):
+        with open(name, encoding="utf-8") as f:
+            return f.read()
+    from jaxlearn.config import to_flat_text
+
+    return to_flat_text(final_config(name, None, []))
+
+
+def cmd_config_diff(args: argparse.Namespace) -> int:
+    from jaxlearn.config import diff_flat_texts
+
+    diff = diff_flat_texts(_flat_text(args.a), _flat_text(args.b), args.a, args.b)
+    sys.stdout.write(diff)
+    return 1 if diff else 0
+
+
+COMMANDS = {
+    "train": cmd_train,
+    "experiments": cmd_experiments,
+    "config": cmd_config,
+    "config-diff": cmd_config_diff,
+}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    for noisy in ("absl", "jax._src", "orbax"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        return COMMANDS[args.command](args)
+    except UsageError as e:
+        print(f"jaxlearn: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("jaxlearn: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

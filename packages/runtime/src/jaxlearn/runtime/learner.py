@@ -1,0 +1,146 @@
+"""The learner: an optax optimizer built from config, plus per-parameter rules.
+
+    tx = Learner.default_config().set(optimizer="adamw", learning_rate=3e-4).instantiate(
+        total_steps=1000).optimizer(param_specs)
+
+Chain (all optax): clip_by_global_norm -> scale_by_{adam,lion,factored_rms} ->
+add_decayed_weights (scaled per parameter by its spec's `weight_decay_scale`; norms and
+biases default to 0) -> scale_by_learning_rate(warmup + cosine/linear schedule) ->
+per-path rules by regex (freeze, or scale the update). With uniform decay and no rules it
+is exactly `optax.adamw`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Optional
+
+import jax
+import optax
+
+from jaxlearn.config import ConfigError, Configurable
+from jaxlearn.module import flatten_specs, is_spec
+
+
+class Learner(Configurable):
+    """Optimizer, schedule, clipping, weight decay, per-path rules, microbatching, EMA."""
+
+    class Config(Configurable.Config):
+        optimizer: str = "adamw"  # adamw | lion | adafactor | sgd
+        learning_rate: float = 3e-4
+        b1: float = 0.9
+        b2: float = 0.95
+        eps: float = 1e-8
+        weight_decay: float = 0.1
+        schedule: str = "cosine"  # constant | cosine | linear
+        warmup_steps: int = 0
+        # Schedule length; None: the trainer's max_step.
+        total_steps: Optional[int] = None
+        # Final learning rate as a fraction of the peak (cosine / linear).
+        end_lr_fraction: float = 0.1
+        max_grad_norm: Optional[float] = 1.0
+        # Gradient accumulation: the global batch is split into this many microbatches.
+        num_microbatches: int = 1
+        # (path regex, "freeze" | scale) applied to updates; first full match wins.
+        update_rules: list[tuple[str, Any]] = []
+        # Keep an exponential moving average of parameters with this decay (None: off).
+        ema_decay: Optional[float] = None
+
+    def __init__(self, cfg: "Learner.Config", *, total_steps: Optional[int] = None):
+        super().__init__(cfg)
+        self._total_steps = cfg.total_steps or total_steps or 1
+        if cfg.num_microbatches < 1:
+            raise ConfigError(f"learner.num_microbatches must be >= 1, got {cfg.num_microbatches}")
+        for pattern, rule in cfg.update_rules:
+            if rule != "freeze" and not isinstance(rule, (int, float)):
+                raise ConfigError(f"learner.update_rules: rule for {pattern!r} must be "
+                                  f"'freeze' or a number, got {rule!r}")
+
+    def schedule(self) -> optax.Schedule:
+        cfg = self.config
+        peak, warm = cfg.learning_rate, cfg.warmup_steps
+        decay_steps = max(self._total_steps - warm, 1)
+        end = peak * cfg.end_lr_fraction
+        if cfg.schedule == "constant":
+            main: optax.Schedule = optax.constant_schedule(peak)
+        elif cfg.schedule == "cosine":
+            main = optax.cosine_decay_schedule(peak, decay_steps, alpha=cfg.end_lr_fraction)
+        elif cfg.schedule == "linear":
+            main = optax.linear_schedule(peak, end, decay_steps)
+        else:
+            raise ConfigError(f"learner.schedule: unknown {cfg.schedule!r} "
+                              f"(constant | cosine | linear)")
+        if warm <= 0:
+            return main
+        return optax.join_schedules([optax.linear_schedule(0.0, peak, warm), main], [warm])
+
+    def _scale_transform(self) -> optax.GradientTransformation:
+        cfg = self.config
+        if cfg.optimizer == "adamw":
+            return optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)
+        if cfg.optimizer == "lion":
+            return optax.scale_by_lion(b1=cfg.b1, b2=cfg.b2)
+        if cfg.optimizer == "adafactor":
+            return optax.scale_by_factored_rms()
+        if cfg.optimizer == "sgd":
+            return optax.identity()
+        raise ConfigError(f"learner.optimizer: unknown {cfg.optimizer!r} "
+                          f"(adamw | lion | adafactor | sgd)")
+
+    def optimizer(self, param_specs: Any) -> optax.GradientTransformation:
+        """The optax transformation for parameters described by `param_specs`."""
+        cfg = self.config
+        parts = []
+        if cfg.max_grad_norm:
+            parts.append(optax.clip_by_global_norm(cfg.max_grad_norm))
+        parts.append(self._scale_transform())
+        if cfg.weight_decay:
+            parts.append(_decay_by_spec(cfg.weight_decay, param_specs))
+        parts.append(optax.scale_by_learning_rate(self.schedule()))
+        if cfg.update_rules:
+            parts.append(_update_rules(cfg.update_rules, param_specs))
+        return optax.chain(*parts)
+
+
+def _labels(specs: Any, label_fn: Any) -> Any:
+    paths = dict(flatten_specs(specs))
+    flat, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)
+    out = []
+    for keypath, spec in flat:
+        path = "/".join(str(getattr(k, "key", k)) for k in keypath)
+        assert path in paths
+        out.append(label_fn(path, spec))
+    return jax.tree.unflatten(treedef, out)
+
+
+def _decay_by_spec(weight_decay: float, specs: Any) -> optax.GradientTransformation:
+    labels = _labels(specs, lambda path, spec: f"wd_{spec.weight_decay_scale!r}")
+    transforms = {
+        label: optax.add_decayed_weights(weight_decay * float(label[3:]))
+        for label in set(jax.tree.leaves(labels))
+    }
+    return optax.multi_transform(transforms, labels)
+
+
+def _update_rules(rules: list, specs: Any) -> optax.GradientTransformation:
+    def label(path: str, spec: Any) -> str:
+        for pattern, rule in rules:
+            if re.fullmatch(pattern, path):
+                return "freeze" if rule == "freeze" else f"scale_{float(rule)!r}"
+        return "keep"
+
+    labels = _labels(specs, label)
+    transforms: dict[str, optax.GradientTransformation] = {}
+    for name in set(jax.tree.leaves(labels)):
+        if name == "freeze":
+            transforms[name] = optax.set_to_zero()
+        elif name == "keep":
+            transforms[name] = optax.identity()
+        else:
+            transforms[name] = optax.scale(float(name[6:]))
+    return optax.multi_transform(transforms, labels)
+
+
+def ema_update(ema: Any, params: Any, decay: float) -> Any:
+    """EMA of parameters: decay * ema + (1 - decay) * params (optax.incremental_update)."""
+    return optax.incremental_update(params, ema, step_size=1.0 - decay)

@@ -1,0 +1,368 @@
+"""The SPMD trainer: one jitted, sharded, donated train step in a loop.
+
+State = {"params", "opt_state", "prng_key", "step"} (+ "ema"), sharded per the mesh and
+the logical axis rules. The model is any `jaxlearn.module.Module` whose `forward(batch)`
+returns `(loss, metrics)`; auxiliary losses (MoE) are the model's to add. The trainer does
+not import layers: recipes put a model config into `TrainerConfig.model`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxlearn.config import REQUIRED, Configurable, InstantiableConfig, to_flat_text
+from jaxlearn.mesh import (
+    MeshFieldsConfig,
+    logical_to_partition_spec,
+    mesh_from_config,
+    mesh_shape_from_axes,
+)
+from jaxlearn.module import Module, functional, is_spec, logical_sharding
+from jaxlearn.runtime.learner import Learner, ema_update
+from jaxlearn.runtime.summary import SummaryWriter
+
+log = logging.getLogger("jaxlearn.trainer")
+
+State = dict[str, Any]
+
+
+class TrainerError(RuntimeError):
+    """A training run that cannot start or continue (bad state, bad config combination)."""
+
+
+class Trainer(Configurable):
+    """Trains `model` on `input` with `learner`, checkpointing into `output_dir`."""
+
+    class Config(Configurable.Config, MeshFieldsConfig):
+        # Mesh fields (mesh_shape, mesh_axis_names, mesh_axis_rules, mesh_rules,
+        # mesh_selector, mesh_rule) come from MeshFieldsConfig; default: pure data parallel.
+        mesh_shape: Any = mesh_shape_from_axes(data=-1)
+        model: InstantiableConfig = REQUIRED
+        input: InstantiableConfig = REQUIRED
+        eval_input: Optional[InstantiableConfig] = None
+        learner: Learner.Config = Learner.default_config()
+        checkpointer: Optional[InstantiableConfig] = None
+        summary_writer: SummaryWriter.Config = SummaryWriter.default_config()
+        output_dir: str = REQUIRED
+        max_step: int = 1000
+        seed: int = 0
+        log_every_n_steps: int = 10
+        eval_every_n_steps: int = 0
+        eval_batches: int = 4
+        save_every_n_steps: int = 100
+        # Steps at which to write a JAX/Perfetto trace (first..last of the list).
+        profile_steps: tuple[int, ...] = ()
+        # Peak FLOP/s per device for MFU (None: from the hardware catalogue).
+        peak_flops_per_device: Optional[float] = None
+
+    def __init__(self, cfg: "Trainer.Config"):
+        super().__init__(cfg)
+        cfg = self.config
+        self.mesh: Mesh = mesh_from_config(cfg)
+        self.model: Module = cfg.model.clone(name="model").instantiate()
+        self.learner: Learner = cfg.learner.instantiate(total_steps=cfg.max_step)
+        self.param_specs = self.model.create_parameter_specs_recursively()
+        self.tx = self.learner.optimizer(self.param_specs)
+        self._schedule = self.learner.schedule()
+        self.param_shardings = jax.tree.map(
+            lambda s: self._sharding(s.mesh_axes, s.shape), self.param_specs, is_leaf=is_spec
+        )
+        self.batch_sharding = self._sharding(("batch", None))
+        self._replicated = NamedSharding(self.mesh, PartitionSpec())
+        self.state_shardings = self._state_shardings()
+        self._train_step: Any = None
+        self._eval_step: Any = None
+        self.compiled_flops: Optional[float] = None
+
+    # ---- sharding -------------------------------------------------------------------------
+
+    def _spec(self, logical_axes: Any, shape: Any = None) -> PartitionSpec:
+        return logical_to_partition_spec(
+            logical_axes, self.config.mesh_axis_rules, self.mesh, shape=shape
+        )
+
+    def _sharding(self, logical_axes: Any, shape: Any = None) -> NamedSharding:
+        return NamedSharding(self.mesh, self._spec(logical_axes, shape))
+
+    def _logical(self) -> Any:
+        return logical_sharding(self.mesh, self._spec)
+
+    # ---- state ----------------------------------------------------------------------------
+
+    def _init_state(self, seed_key: jax.Array) -> State:
+        init_key, train_key = jax.random.split(seed_key)
+        params = self.model.initialize_parameters_recursively(init_key)
+        params = jax.lax.with_sharding_constraint(params, self.param_shardings)
+        state: State = {
+            "params": params,
+            "opt_state": self.tx.init(params),
+            "prng_key": train_key,
+            "step": jnp.zeros((), jnp.int32),
+        }
+        if self.learner.config.ema_decay is not None:
+            state["ema"] = jax.tree.map(jnp.copy, params)
+        return state
+
+    def _state_shardings(self) -> State:
+        """Params per their specs; optimizer state as the compiler propagates it from them."""
+        key = jax.random.PRNGKey(self.config.seed)
+        with self.mesh:
+            compiled = jax.jit(self._init_state).lower(key).compile()
+        shardings = compiled.output_shardings
+        shardings["params"] = self.param_shardings
+        shardings["prng_key"] = self._replicated
+        shardings["step"] = self._replicated
+        if "ema" in shardings:
+            shardings["ema"] = self.param_shardings
+        return shardings
+
+    def init_state(self) -> State:
+        """Fresh sharded state for `config.seed` (bit-identical for the same seed)."""
+        fn = jax.jit(self._init_state, out_shardings=self.state_shardings)
+        with self.mesh:
+            return fn(jax.random.PRNGKey(self.config.seed))
+
+    def abstract_state(self) -> State:
+        """ShapeDtypeStructs with shardings: the restore target, and what AOT compiles for."""
+        shapes = jax.eval_shape(self._init_state, jax.random.PRNGKey(0))
+        return jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            shapes,
+            self.state_shardings,
+        )
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def _loss(self, params: Any, batch: Any, key: jax.Array) -> tuple[jax.Array, Any]:
+        (loss, metrics), collection = functional(
+            self.model, key, params, (batch,), is_training=True
+        )
+        return loss, (metrics, collection)
+
+    def _grads(self, params: Any, batch: Any, key: jax.Array) -> tuple[Any, ...]:
+        grad_fn = jax.value_and_grad(self._loss, has_aux=True)
+        n = self.learner.config.num_microbatches
+        if n == 1:
+            (loss, (metrics, collection)), grads = grad_fn(params, batch, key)
+            return loss, metrics, collection.state_updates, grads
+        # Gradient accumulation: microbatches weighted by their share of target tokens, so
+        # the result equals one step on the whole batch (for token-mean losses).
+        micro = jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
+        if "target_weights" in batch:
+            counts = micro["target_weights"].reshape(n, -1).sum(axis=1)
+        else:
+            counts = jnp.ones((n,), jnp.float32)
+        shares = counts / jnp.maximum(counts.sum(), 1e-9)
+        keys = jax.random.split(key, n)
+
+        def body(acc: Any, inp: Any) -> tuple[Any, Any]:
+            mb, k, share = inp
+            (loss, (metrics, collection)), grads = grad_fn(params, mb, k)
+            acc = jax.tree.map(lambda a, g: a + share * g, acc, grads)
+            return acc, (loss * share, metrics, collection.state_updates)
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        grads, (losses, metrics, updates) = jax.lax.scan(body, zeros, (micro, keys, shares))
+        metrics = jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
+        updates = jax.tree.map(lambda u: u[-1], updates)
+        return losses.sum(), metrics, updates, grads
+
+    def _step(self, state: State, batch: Any) -> tuple[State, dict[str, jax.Array]]:
+        key, step_key = jax.random.split(state["prng_key"])
+        params = state["params"]
+        loss, metrics, state_updates, grads = self._grads(params, batch, step_key)
+        updates, opt_state = self.tx.update(grads, state["opt_state"], params)
+        params = optax.apply_updates(params, updates)
+        params = _merge_updates(params, state_updates)
+        new_state = dict(state, params=params, opt_state=opt_state, prng_key=key,
+                         step=state["step"] + 1)
+        if "ema" in state:
+            new_state["ema"] = ema_update(state["ema"], params, self.learner.config.ema_decay)
+        summaries = {
+            "loss": loss,
+            "grad_norm": optax.global_norm(grads),
+            "learning_rate": self._schedule(state["step"]),
+            **{k: v for k, v in metrics.items() if jnp.ndim(v) == 0},
+        }
+        return new_state, summaries
+
+    def compile_train_step(self, batch_abstract: Any) -> Any:
+        """AOT-compiles the train step for the abstract state and batch."""
+        fn = jax.jit(
+            self._step,
+            in_shardings=(self.state_shardings, self.batch_sharding),
+            out_shardings=(self.state_shardings, self._replicated),
+            donate_argnums=(0,),
+        )
+        with self.mesh, self._logical():
+            return fn.lower(self.abstract_state(), batch_abstract).compile()
+
+    def _eval(self, params: Any, batch: Any) -> dict[str, jax.Array]:
+        (loss, metrics), _ = functional(self.model, None, params, (batch,), is_training=False)
+        return {"loss": loss, **{k: v for k, v in metrics.items() if jnp.ndim(v) == 0}}
+
+    # ---- data -----------------------------------------------------------------------------
+
+    def global_batch(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """Per-process numpy batch -> global arrays sharded over the batch axes."""
+        return {
+            k: jax.make_array_from_process_local_data(
+                self._sharding(("batch",) + (None,) * (v.ndim - 1)), v
+            )
+            for k, v in local.items()
+        }
+
+    # ---- the loop -------------------------------------------------------------------------
+
+    def run(self) -> dict[str, float]:
+        """Trains to `max_step` (resuming from the newest good checkpoint); returns the
+        last scalars."""
+        cfg = self.config
+        os.makedirs(cfg.output_dir, exist_ok=True)
+        is_main = jax.process_index() == 0
+        writer = cfg.summary_writer.instantiate(
+            output_dir=cfg.output_dir, max_step=cfg.max_step, enabled=is_main
+        )
+        inputs = cfg.input.instantiate()
+        data = inputs.iterator(jax.process_index(), jax.process_count())
+        checkpointer = (
+            cfg.checkpointer.instantiate(directory=os.path.join(cfg.output_dir, "checkpoints"))
+            if cfg.checkpointer is not None
+            else None
+        )
+        state, start = self._restore_or_init(checkpointer, data)
+        if is_main:
+            with open(os.path.join(cfg.output_dir, "config.txt"), "w") as f:
+                f.write(to_flat_text(cfg))
+        last: dict[str, float] = {}
+        step = start
+        tokens_per_step = None
+        t_last, steps_since = time.monotonic(), 0
+        profiling = False
+        try:
+            while step < cfg.max_step:
+                if cfg.profile_steps and step == min(cfg.profile_steps) and is_main:
+                    jax.profiler.start_trace(os.path.join(cfg.output_dir, "profile"),
+                                             create_perfetto_trace=True)
+                    profiling = True
+                local = next(data)
+                batch = self.global_batch(local)
+                if self._train_step is None:
+                    self._train_step = self._compile(batch)
+                    t_last = time.monotonic()
+                tokens_per_step = int(np.prod(batch["input_ids"].shape))
+                with self.mesh:
+                    state, summaries = self._train_step(state, batch)
+                step += 1
+                steps_since += 1
+                if profiling and step > max(cfg.profile_steps):
+                    jax.block_until_ready(state)
+                    jax.profiler.stop_trace()
+                    profiling = False
+                if step % cfg.log_every_n_steps == 0 or step == cfg.max_step or step == 1:
+                    scalars = {k: float(v) for k, v in jax.device_get(summaries).items()}
+                    dt = (time.monotonic() - t_last) / steps_since
+                    t_last, steps_since = time.monotonic(), 0
+                    scalars["step_time"] = dt
+                    scalars["tokens_per_sec"] = tokens_per_step / dt
+                    mfu = self._mfu(dt)
+                    if mfu is not None:
+                        scalars["mfu"] = mfu
+                    last = writer.write(step, scalars)
+                    writer.progress(step, last)
+                if cfg.eval_input is not None and cfg.eval_every_n_steps and (
+                    step % cfg.eval_every_n_steps == 0 or step == cfg.max_step
+                ):
+                    ev = self.evaluate(state["params"])
+                    writer.write(step, ev, prefix="eval")
+                    last.update({f"eval_{k}": v for k, v in ev.items()})
+                if checkpointer is not None and (
+                    step % cfg.save_every_n_steps == 0 or step == cfg.max_step
+                ):
+                    checkpointer.save(step, state, data_iterator_state=data.get_state(),
+                                      config_text=to_flat_text(cfg), metrics=last)
+        finally:
+            if profiling:
+                jax.profiler.stop_trace()
+            if checkpointer is not None:
+                checkpointer.wait_until_finished()
+                checkpointer.close()
+            writer.close()
+        self.final_state = state
+        return last
+
+    def _compile(self, batch: Any) -> Any:
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), batch
+        )
+        t0 = time.monotonic()
+        compiled = self.compile_train_step(abstract)
+        log.info("compiled the train step in %.1fs", time.monotonic() - t0)
+        cost = compiled.cost_analysis()
+        if isinstance(cost, list):
+            cost = cost[0] if cost else {}
+        self.compiled_flops = float(cost.get("flops", 0.0)) if cost else None
+        return compiled
+
+    def _mfu(self, step_time: float) -> Optional[float]:
+        peak = self.config.peak_flops_per_device
+        if peak is None:
+            try:
+                from jaxlearn.mesh import detect_hardware
+
+                peak = detect_hardware().peak_bf16_flops
+            except Exception:
+                return None
+        if not self.compiled_flops or not peak:
+            return None
+        return self.compiled_flops / step_time / peak
+
+    def evaluate(self, params: Any) -> dict[str, float]:
+        """Mean loss/metrics over `eval_batches` batches of `eval_input`, and perplexity."""
+        cfg = self.config
+        assert cfg.eval_input is not None
+        if self._eval_step is None:
+            self._eval_step = jax.jit(self._eval)
+        data = cfg.eval_input.instantiate().iterator(jax.process_index(), jax.process_count())
+        totals: dict[str, float] = {}
+        for _ in range(cfg.eval_batches):
+            with self.mesh, self._logical():
+                out = jax.device_get(self._eval_step(params, self.global_batch(next(data))))
+            for k, v in out.items():
+                totals[k] = totals.get(k, 0.0) + float(v) / cfg.eval_batches
+        totals["perplexity"] = float(np.exp(min(totals["loss"], 50.0)))
+        return totals
+
+    def _restore_or_init(self, checkpointer: Any, data: Any) -> tuple[State, int]:
+        if checkpointer is not None:
+            restored = checkpointer.restore_latest(self.abstract_state())
+            if restored is not None:
+                step, state, meta = restored
+                if meta.get("data_iterator_state") is not None:
+                    data.set_state(meta["data_iterator_state"])
+                log.info("resumed from step %d", step)
+                return state, int(step)
+        return self.init_state(), 0
+
+
+def _merge_updates(params: Any, updates: Any) -> Any:
+    """Overwrites params with non-empty state updates of the same path (e.g. batch stats)."""
+    if not isinstance(updates, dict) or not updates:
+        return params
+    out = dict(params)
+    for k, v in updates.items():
+        if isinstance(v, dict):
+            if v and k in out and isinstance(out[k], dict):
+                out[k] = _merge_updates(out[k], v)
+        elif k in out:
+            out[k] = v
+    return out
