@@ -67,7 +67,7 @@ class Trainer(Configurable):
     def __init__(self, cfg: "Trainer.Config"):
         super().__init__(cfg)
         cfg = self.config
-        self.mesh: Mesh = mesh_from_config(cfg)
+        self.mesh: Mesh = mesh_from_config(cfg, _devices_for(cfg.mesh_shape))
         self.model: Module = cfg.model.clone(name="model").instantiate()
         self.learner: Learner = cfg.learner.instantiate(total_steps=cfg.max_step)
         self.param_specs = self.model.create_parameter_specs_recursively()
@@ -115,7 +115,7 @@ class Trainer(Configurable):
     def _state_shardings(self) -> State:
         """Params per their specs; optimizer state as the compiler propagates it from them."""
         key = jax.random.PRNGKey(self.config.seed)
-        with self.mesh:
+        with jax.set_mesh(self.mesh):
             compiled = jax.jit(self._init_state).lower(key).compile()
         shardings = compiled.output_shardings
         shardings["params"] = self.param_shardings
@@ -128,7 +128,7 @@ class Trainer(Configurable):
     def init_state(self) -> State:
         """Fresh sharded state for `config.seed` (bit-identical for the same seed)."""
         fn = jax.jit(self._init_state, out_shardings=self.state_shardings)
-        with self.mesh:
+        with jax.set_mesh(self.mesh):
             return fn(jax.random.PRNGKey(self.config.seed))
 
     def abstract_state(self) -> State:
@@ -189,7 +189,7 @@ class Trainer(Configurable):
             new_state["ema"] = ema_update(state["ema"], params, self.learner.config.ema_decay)
         summaries = {
             "loss": loss,
-            "grad_norm": optax.global_norm(grads),
+            "grad_norm": optax.tree.norm(grads),
             "learning_rate": self._schedule(state["step"]),
             **{k: v for k, v in metrics.items() if jnp.ndim(v) == 0},
         }
@@ -203,7 +203,7 @@ class Trainer(Configurable):
             out_shardings=(self.state_shardings, self._replicated),
             donate_argnums=(0,),
         )
-        with self.mesh, self._logical():
+        with jax.set_mesh(self.mesh), self._logical():
             return fn.lower(self.abstract_state(), batch_abstract).compile()
 
     def _eval(self, params: Any, batch: Any) -> dict[str, jax.Array]:
@@ -260,7 +260,7 @@ class Trainer(Configurable):
                     self._train_step = self._compile(batch)
                     t_last = time.monotonic()
                 tokens_per_step = int(np.prod(batch["input_ids"].shape))
-                with self.mesh:
+                with jax.set_mesh(self.mesh):
                     state, summaries = self._train_step(state, batch)
                 step += 1
                 steps_since += 1
@@ -335,7 +335,7 @@ class Trainer(Configurable):
         data = cfg.eval_input.instantiate().iterator(jax.process_index(), jax.process_count())
         totals: dict[str, float] = {}
         for _ in range(cfg.eval_batches):
-            with self.mesh, self._logical():
+            with jax.set_mesh(self.mesh), self._logical():
                 out = jax.device_get(self._eval_step(params, self.global_batch(next(data))))
             for k, v in out.items():
                 totals[k] = totals.get(k, 0.0) + float(v) / cfg.eval_batches
@@ -352,6 +352,16 @@ class Trainer(Configurable):
                 log.info("resumed from step %d", step)
                 return state, int(step)
         return self.init_state(), 0
+
+
+def _devices_for(mesh_shape: Any) -> Optional[list]:
+    """A fully specified flat shape smaller than the device count uses the first devices
+    (e.g. a single-device reference run on a multi-device host)."""
+    if isinstance(mesh_shape, tuple) and all(d > 0 for d in mesh_shape):
+        n = int(np.prod(mesh_shape))
+        if n < jax.device_count() and jax.process_count() == 1:
+            return jax.devices()[:n]
+    return None
 
 
 def _merge_updates(params: Any, updates: Any) -> Any:

@@ -1,0 +1,96 @@
+"""The learner is optax: compare against optax's own optimizers on real updates."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxlearn.config import ConfigError
+from jaxlearn.module import ParameterSpec
+from jaxlearn.runtime.learner import Learner, ema_update
+
+SPECS = {
+    "w": ParameterSpec((4, 3), ("embed", "mlp"), dtype=jnp.float32),
+    "norm": {"scale": ParameterSpec((3,), ("embed",), dtype=jnp.float32, weight_decay_scale=0.0)},
+}
+
+
+def _params(seed: int = 0):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    return {"w": jax.random.normal(k1, (4, 3)), "norm": {"scale": jax.random.normal(k2, (3,))}}
+
+
+def _run(tx, steps: int = 5):
+    params = _params()
+    state = tx.init(params)
+    for i in range(steps):
+        grads = jax.tree.map(lambda p: jnp.sin(p * (i + 1)), params)
+        updates, state = tx.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+    return params
+
+
+def _learner(**kw):
+    return Learner.default_config().set(**kw).instantiate(total_steps=10)
+
+
+def test_uniform_decay_equals_optax_adamw():
+    specs = {"w": SPECS["w"], "norm": {"scale": ParameterSpec((3,), ("embed",), dtype="float32")}}
+    ours = _learner(schedule="constant", max_grad_norm=None, weight_decay=0.1).optimizer(specs)
+    ref = optax.adamw(3e-4, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
+    jax.tree.map(np.testing.assert_array_equal, _run(ours), _run(ref))
+
+
+def test_decay_scale_zero_skips_norms():
+    ours = _learner(schedule="constant", max_grad_norm=None, weight_decay=0.1).optimizer(SPECS)
+    mask = {"w": True, "norm": {"scale": False}}
+    ref = optax.adamw(3e-4, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, mask=mask)
+    jax.tree.map(np.testing.assert_array_equal, _run(ours), _run(ref))
+
+
+def test_clipping_and_schedule_match_optax_chain():
+    learner = _learner(schedule="cosine", warmup_steps=3, max_grad_norm=0.5, weight_decay=0.0,
+                       learning_rate=1e-2, end_lr_fraction=0.1)
+    sched = optax.join_schedules(
+        [optax.linear_schedule(0.0, 1e-2, 3), optax.cosine_decay_schedule(1e-2, 7, alpha=0.1)],
+        [3],
+    )
+    ref = optax.chain(optax.clip_by_global_norm(0.5), optax.adam(sched, b1=0.9, b2=0.95))
+    np.testing.assert_allclose(
+        [learner.schedule()(i) for i in range(10)], [sched(i) for i in range(10)], rtol=1e-6
+    )
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
+                 _run(learner.optimizer(SPECS)), _run(ref))
+
+
+@pytest.mark.parametrize("name,ref", [
+    ("lion", lambda: optax.lion(3e-4, b1=0.9, b2=0.95, weight_decay=0.0)),
+    ("sgd", lambda: optax.sgd(3e-4)),
+])
+def test_other_optimizers_match_optax(name, ref):
+    ours = _learner(optimizer=name, schedule="constant", max_grad_norm=None, weight_decay=0.0)
+    jax.tree.map(np.testing.assert_array_equal, _run(ours.optimizer(SPECS)), _run(ref()))
+
+
+def test_update_rules_freeze_and_scale():
+    base = _learner(schedule="constant", max_grad_norm=None, weight_decay=0.0)
+    frozen = _learner(schedule="constant", max_grad_norm=None, weight_decay=0.0,
+                      update_rules=[("norm/.*", "freeze"), ("w", 0.5)])
+    p0, pb, pf = _params(), _run(base.optimizer(SPECS)), _run(frozen.optimizer(SPECS))
+    np.testing.assert_array_equal(pf["norm"]["scale"], p0["norm"]["scale"])
+    np.testing.assert_allclose(pf["w"] - p0["w"], 0.5 * (pb["w"] - p0["w"]), rtol=1e-4, atol=1e-6)
+
+
+def test_bad_settings_raise():
+    with pytest.raises(ConfigError, match="num_microbatches"):
+        _learner(num_microbatches=0)
+    with pytest.raises(ConfigError, match="unknown 'adamz'"):
+        _learner(optimizer="adamz").optimizer(SPECS)
+    with pytest.raises(ConfigError, match="update_rules"):
+        _learner(update_rules=[("w", "melt")])
+
+
+def test_ema_update():
+    ema, p = {"a": jnp.zeros(3)}, {"a": jnp.ones(3)}
+    np.testing.assert_allclose(ema_update(ema, p, 0.9)["a"], 0.1 * np.ones(3), rtol=1e-6)
