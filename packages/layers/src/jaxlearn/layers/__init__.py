@@ -1,1 +1,50 @@
-"""jaxlearn.layers: Layer library: embeddings, norms, linear (+int8/fp8 dots), attention (MHA/GQA/MQA, RoPE, masks, KV cache), FFN, MoE, transformer stacks, decoder, causal LM."""
+"""jaxlearn.layers: embeddings, norms, linear (+int8/fp8 dots), attention (MHA/GQA/MQA,
+RoPE, masks, KV cache), FFN, MoE, transformer stacks, decoder, causal LM.
+
+See packages/layers/README.md for the public API, the HF Llama mapping and the contract
+between files.
+"""
+
+from jaxlearn.layers.attention import Attention, make_mask
+from jaxlearn.layers.causal_lm import CausalLM, cross_entropy
+from jaxlearn.layers.decoder import Decoder
+from jaxlearn.layers.dense import DotGeneral, Linear, dense, einsum, matmul
+from jaxlearn.layers.embedding import Embedding
+from jaxlearn.layers.ffn import ACTIVATIONS, FeedForward, get_activation
+from jaxlearn.layers.norm import LayerNorm, RMSNorm
+from jaxlearn.layers.recipes import llama_config
+from jaxlearn.layers.rope import (
+    FrequencyScaling,
+    LinearFrequencyScaling,
+    Llama3FrequencyScaling,
+    RotaryEmbedding,
+)
+from jaxlearn.layers.transformer import BaseStack, LoopStack, ScanStack, TransformerLayer
+
+__all__ = [
+    "ACTIVATIONS",
+    "Attention",
+    "BaseStack",
+    "CausalLM",
+    "Decoder",
+    "DotGeneral",
+    "Embedding",
+    "FeedForward",
+    "FrequencyScaling",
+    "LayerNorm",
+    "Linear",
+    "LinearFrequencyScaling",
+    "Llama3FrequencyScaling",
+    "LoopStack",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "ScanStack",
+    "TransformerLayer",
+    "cross_entropy",
+    "dense",
+    "einsum",
+    "get_activation",
+    "llama_config",
+    "make_mask",
+    "matmul",
+]

@@ -1,0 +1,298 @@
+"""Multi-head attention for MHA / GQA / MQA (`num_kv_heads` = heads / divisor / 1), with
+causal, sliding-window and segment (packed-sequence) masks, RoPE, optional QK-norm and
+logit soft-capping, an einsum reference path or `jax.nn.dot_product_attention`, and a KV
+cache (`init_states`, `prefill`, `extend_step`) that runs the same code as `forward`.
+
+Masks are built from token *indices* (slot in the sequence / cache); `positions` feed RoPE
+only, so packed sequences restart positions while the causal mask stays per token.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxlearn.config import REQUIRED, InstantiableConfig
+from jaxlearn.layers.dense import DotGeneral, dense, einsum, maybe_dot
+from jaxlearn.layers.rope import RotaryEmbedding
+from jaxlearn.module import FanAxes, Module, ParameterSpec, with_logical_constraint, zeros
+
+IMPLEMENTATIONS = ("einsum", "dot_product_attention")
+_NEG = float(jnp.finfo(jnp.float32).min)
+KVCache = dict[str, jax.Array]  # {"key", "value": [batch, max_len, kv_heads, head_dim]}
+
+
+def make_mask(
+    q_index: jax.Array,
+    kv_index: jax.Array,
+    *,
+    causal: bool,
+    sliding_window: Optional[int] = None,
+    q_segment_ids: Optional[jax.Array] = None,
+    kv_segment_ids: Optional[jax.Array] = None,
+    kv_end: Optional[jax.Array] = None,
+) -> jax.Array:
+    """Boolean mask [batch|1, q_len, kv_len]: True where query i may attend to key j.
+
+    q_index [batch|1, q_len], kv_index [kv_len] are token slots; segment ids are
+    [batch, q_len] / [batch, kv_len]; `kv_end [batch]` hides cache slots >= end.
+    """
+    qi, kj = q_index[:, :, None], kv_index[None, None, :]
+    mask = jnp.ones(jnp.broadcast_shapes(qi.shape, kj.shape), bool)
+    if causal:
+        mask &= kj <= qi
+    if sliding_window is not None:
+        mask &= qi - kj < sliding_window
+    if kv_end is not None:
+        mask &= kj < kv_end[:, None, None]
+    if q_segment_ids is not None and kv_segment_ids is not None:
+        mask = mask & (q_segment_ids[:, :, None] == kv_segment_ids[:, None, :])
+    return mask
+
+
+class Attention(Module):
+    """Self-attention. x [batch, seq, embed] -> [batch, seq, embed].
+
+    Params: q_proj [embed, heads, head_dim], k_proj/v_proj [embed, kv_heads, head_dim],
+    o_proj [heads, head_dim, embed] (+ q_bias/k_bias/v_bias [*, head_dim], o_bias [embed]).
+    Query head n uses kv head n // (heads // kv_heads) (the HF `repeat_kv` grouping).
+    """
+
+    class Config(Module.Config):
+        input_dim: int = REQUIRED  # Set by the parent layer.
+        num_heads: int = REQUIRED
+        num_kv_heads: Optional[int] = None  # None: num_heads (MHA); 1: MQA.
+        head_dim: Optional[int] = None  # None: input_dim // num_heads.
+        qkv_bias: bool = False
+        output_bias: bool = False
+        rope: Optional[RotaryEmbedding.Config] = RotaryEmbedding.default_config()
+        # Per-head norm of q and k before RoPE (e.g. RMSNorm.default_config()); None: off.
+        qk_norm: Optional[InstantiableConfig] = None
+        logit_soft_cap: Optional[float] = None
+        causal: bool = True
+        sliding_window: Optional[int] = None  # Keys at distance >= window are hidden.
+        query_scale: Optional[float] = None  # None: head_dim ** -0.5.
+        implementation: str = "einsum"  # "einsum" | "dot_product_attention"
+        dot: Optional[DotGeneral.Config] = None
+
+    def __init__(self, cfg: "Attention.Config", *, parent: Optional[Module] = None):
+        super().__init__(cfg, parent=parent)
+        c = self.config
+        where = self.path()
+        if c.implementation not in IMPLEMENTATIONS:
+            raise ValueError(
+                f"{where}.implementation: {c.implementation!r} not in {IMPLEMENTATIONS}"
+            )
+        if c.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"{where}: num_heads={c.num_heads} must be a multiple of num_kv_heads="
+                f"{self.num_kv_heads}"
+            )
+        if c.logit_soft_cap is not None and c.implementation != "einsum":
+            raise ValueError(f"{where}: logit_soft_cap needs implementation='einsum'")
+        if c.head_dim is None and c.input_dim % c.num_heads:
+            raise ValueError(f"{where}: input_dim {c.input_dim} % num_heads {c.num_heads} != 0")
+        self._dot = maybe_dot(c.dot)
+        self._rope = c.rope.instantiate() if c.rope is not None else None
+        if c.qk_norm is not None:
+            norm = c.qk_norm.clone(input_dim=self.head_dim)
+            if "axis_name" in norm:
+                norm.axis_name = None
+            self._add_child("q_norm", norm)
+            self._add_child("k_norm", norm)
+
+    @property
+    def num_kv_heads(self) -> int:
+        c = self.config
+        return c.num_heads if c.num_kv_heads is None else c.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        c = self.config
+        return c.head_dim if c.head_dim is not None else c.input_dim // c.num_heads
+
+    def _create_layer_parameter_specs(self) -> dict[str, ParameterSpec]:
+        c = self.config
+        e, h, kv, d = c.input_dim, c.num_heads, self.num_kv_heads, self.head_dim
+        fan_in = FanAxes((0,), (1, 2))
+        specs = {
+            "q_proj": ParameterSpec((e, h, d), ("embed", "heads", "head_dim"), fan_axes=fan_in),
+            "k_proj": ParameterSpec((e, kv, d), ("embed", "kv_heads", "head_dim"), fan_axes=fan_in),
+            "v_proj": ParameterSpec((e, kv, d), ("embed", "kv_heads", "head_dim"), fan_axes=fan_in),
+            "o_proj": ParameterSpec(
+                (h, d, e), ("heads", "head_dim", "embed"), fan_axes=FanAxes((0, 1), (2,))
+            ),
+        }
+        if c.qkv_bias:
+            for name, n, axis in (("q", h, "heads"), ("k", kv, "kv_heads"), ("v", kv, "kv_heads")):
+                specs[f"{name}_bias"] = ParameterSpec(
+                    (n, d), (axis, "head_dim"), initializer=zeros()
+                )
+        if c.output_bias:
+            specs["o_bias"] = ParameterSpec((e,), ("embed",), initializer=zeros())
+        return specs
+
+    # ---- public methods ---------------------------------------------------------------------
+
+    def forward(
+        self,
+        x: jax.Array,
+        positions: Optional[jax.Array] = None,
+        segment_ids: Optional[jax.Array] = None,
+    ) -> jax.Array:
+        """x [batch, seq, embed]; positions / segment_ids [batch, seq] -> [batch, seq, embed]."""
+        y, _ = self._attention(x, positions=positions, segment_ids=segment_ids)
+        return y
+
+    def init_states(self, batch_size: int, max_len: int) -> KVCache:
+        """An empty KV cache: key/value [batch, max_len, kv_heads, head_dim] (compute dtype)."""
+        shape = (batch_size, max_len, self.num_kv_heads, self.head_dim)
+        return {"key": jnp.zeros(shape, self.dtype), "value": jnp.zeros(shape, self.dtype)}
+
+    def prefill(
+        self,
+        cache: KVCache,
+        x: jax.Array,
+        positions: Optional[jax.Array] = None,
+        segment_ids: Optional[jax.Array] = None,
+    ) -> tuple[KVCache, jax.Array]:
+        """Runs `forward` on a prompt x [batch, seq, embed] and writes its keys and values
+        into cache slots [0, seq). Returns (cache, y [batch, seq, embed])."""
+        y, (k, v) = self._attention(x, positions=positions, segment_ids=segment_ids)
+        cache = {
+            "key": lax.dynamic_update_slice(
+                cache["key"], k.astype(cache["key"].dtype), (0, 0, 0, 0)
+            ),
+            "value": lax.dynamic_update_slice(
+                cache["value"], v.astype(cache["value"].dtype), (0, 0, 0, 0)
+            ),
+        }
+        return cache, y
+
+    def extend_step(
+        self,
+        cache: KVCache,
+        x: jax.Array,
+        time_step: jax.Array,
+        positions: Optional[jax.Array] = None,
+    ) -> tuple[KVCache, jax.Array]:
+        """Appends x [batch, steps, embed] at cache slot `time_step` ([batch] or scalar int)
+        and attends over the cache. Returns (cache, y [batch, steps, embed])."""
+        y, kv_cache = self._attention(x, positions=positions, cache=cache, time_step=time_step)
+        return kv_cache, y
+
+    # ---- shared implementation ------------------------------------------------------------
+
+    def _project_qkv(
+        self, x: jax.Array, positions: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [batch, seq, embed] -> q [b, s, heads, d], k, v [b, s, kv_heads, d] (RoPE'd)."""
+        p = self.parameters
+        x2d = x.reshape(-1, x.shape[-1])  # [tokens, embed]
+        out = []
+        for name in ("q", "k", "v"):
+            y = dense(x2d, p[f"{name}_proj"], dot=self._dot)
+            if f"{name}_bias" in p:
+                y = y + p[f"{name}_bias"].astype(y.dtype)
+            out.append(y.reshape(*x.shape[:2], *y.shape[1:]))
+        q, k, v = out
+        if self.config.qk_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self._rope is not None:
+            q, k = self._rope(q, positions), self._rope(k, positions)
+        q = with_logical_constraint(q, ("batch", "seq", "heads", "head_dim"))
+        k = with_logical_constraint(k, ("batch", "seq", "kv_heads", "head_dim"))
+        v = with_logical_constraint(v, ("batch", "seq", "kv_heads", "head_dim"))
+        return q, k, v
+
+    def _attention(
+        self,
+        x: jax.Array,
+        *,
+        positions: Optional[jax.Array] = None,
+        segment_ids: Optional[jax.Array] = None,
+        cache: Optional[KVCache] = None,
+        time_step: Optional[jax.Array] = None,
+    ) -> tuple[jax.Array, Any]:
+        """The one code path of forward / prefill (cache=None) and extend_step (cache set).
+
+        Returns (y [batch, seq, embed], (k, v) of this call, or the updated cache)."""
+        c = self.config
+        x = x.astype(self.dtype)
+        b, s, _ = x.shape
+        q_index = jnp.arange(s, dtype=jnp.int32)[None, :]  # [1, s]
+        if cache is not None:
+            t = jnp.broadcast_to(jnp.asarray(time_step, jnp.int32), (b,))
+            q_index = q_index + t[:, None]  # [b, s]
+        if positions is None:
+            positions = jnp.broadcast_to(q_index, (b, s))
+        q, k, v = self._project_qkv(x, positions)
+        if cache is None:
+            k_all, v_all, extra = k, v, (k, v)
+            mask = make_mask(
+                q_index,
+                jnp.arange(s, dtype=jnp.int32),
+                causal=c.causal,
+                sliding_window=c.sliding_window,
+                q_segment_ids=segment_ids,
+                kv_segment_ids=segment_ids,
+            )
+        else:
+            k_all = _write(cache["key"], k, time_step)
+            v_all = _write(cache["value"], v, time_step)
+            extra = {"key": k_all, "value": v_all}
+            mask = make_mask(
+                q_index,
+                jnp.arange(k_all.shape[1], dtype=jnp.int32),
+                causal=c.causal,
+                sliding_window=c.sliding_window,
+                kv_end=t + s,
+            )
+        o = self._core(q, k_all.astype(q.dtype), v_all.astype(q.dtype), mask)  # [b, s, h, d]
+        p = self.parameters
+        y = dense(o.reshape(b * s, *o.shape[2:]), p["o_proj"], dot=self._dot, in_dims=2)
+        if "o_bias" in p:
+            y = y + p["o_bias"].astype(y.dtype)
+        y = with_logical_constraint(y.reshape(b, s, -1), ("batch", "seq", "embed"))
+        return y, extra
+
+    def _core(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+        """q [b, s, heads, d], k/v [b, t, kv_heads, d], mask [b|1, s, t] -> [b, s, heads, d]."""
+        c = self.config
+        scale = c.query_scale if c.query_scale is not None else self.head_dim**-0.5
+        if c.implementation == "dot_product_attention":
+            return jax.nn.dot_product_attention(
+                q, k, v, mask=mask[:, None], scale=scale, implementation="xla"
+            )
+        b, s, h, d = q.shape
+        kv = k.shape[2]
+        qg = q.reshape(b, s, kv, h // kv, d)  # [b, s, kv_heads, group, d]
+        low_precision = jnp.dtype(q.dtype).itemsize < 4
+        if low_precision:  # bf16: custom VJP keeps the backward einsums in bf16.
+            ein = lambda spec, a, w, out=None: einsum(spec, a, w, out)  # noqa: E731
+        else:
+            ein = lambda spec, a, w, out=None: jnp.einsum(  # noqa: E731
+                spec, a, w, preferred_element_type=jnp.float32
+            ).astype(out or a.dtype)
+        logits = ein("bskgd,btkd->bkgst", qg, k, jnp.float32) * scale
+        if c.logit_soft_cap is not None:
+            logits = c.logit_soft_cap * jnp.tanh(logits / c.logit_soft_cap)
+        logits = jnp.where(mask[:, None, None], logits, _NEG)
+        probs = jax.nn.softmax(logits, axis=-1).astype(q.dtype)
+        o = ein("bkgst,btkd->bskgd", probs, v)
+        return o.reshape(b, s, h, d)
+
+
+def _write(buf: jax.Array, new: jax.Array, time_step: jax.Array) -> jax.Array:
+    """Writes new [b, s, ...] into buf [b, max_len, ...] at slot time_step (scalar or [b])."""
+    new = new.astype(buf.dtype)
+    time_step = jnp.asarray(time_step, jnp.int32)
+    zeros_ = (0,) * (buf.ndim - 2)
+    if time_step.ndim == 0:
+        return lax.dynamic_update_slice(buf, new, (0, time_step, *zeros_))
+    return jax.vmap(lambda bb, nn, t: lax.dynamic_update_slice(bb, nn, (t, *zeros_)))(
+        buf, new, time_step
+    )

@@ -1,0 +1,96 @@
+"""Decoder: token embedding -> transformer stack -> final norm -> LM head (tied or not)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+
+from jaxlearn.config import REQUIRED, InstantiableConfig
+from jaxlearn.layers.dense import Linear
+from jaxlearn.layers.embedding import Embedding
+from jaxlearn.layers.norm import RMSNorm
+from jaxlearn.layers.transformer import ScanStack
+from jaxlearn.module import Module
+
+Array = jax.Array
+
+
+class Decoder(Module):
+    """input_ids [batch, seq] -> logits [batch, seq, vocab] (f32).
+
+    Children: emb, transformer, output_norm, lm_head (absent when `lm_head` is None: the
+    embedding is tied as the output head via `Embedding.attend`).
+    """
+
+    class Config(Module.Config):
+        vocab_size: int = REQUIRED
+        dim: int = REQUIRED
+        emb: Embedding.Config = Embedding.default_config()
+        transformer: InstantiableConfig = ScanStack.default_config()
+        output_norm: InstantiableConfig = RMSNorm.default_config()
+        # None: tie the output head to the embedding.
+        lm_head: Optional[Linear.Config] = Linear.default_config().set(
+            weight_axes=("embed", "vocab")
+        )
+        # Final-logit soft cap c: logits = c * tanh(logits / c) (Gemma 2); None: off.
+        logits_soft_cap: Optional[float] = None
+
+    def __init__(self, cfg: "Decoder.Config", *, parent: Optional[Module] = None):
+        super().__init__(cfg, parent=parent)
+        c = self.config
+        self._add_child("emb", c.emb.clone(num_embeddings=c.vocab_size, dim=c.dim))
+        self._add_child("transformer", c.transformer.clone(input_dim=c.dim))
+        self._add_child("output_norm", c.output_norm.clone(input_dim=c.dim))
+        if c.lm_head is not None:
+            self._add_child("lm_head", c.lm_head.clone(input_dim=c.dim, output_dim=c.vocab_size))
+
+    def _logits(self, x: Array) -> Array:
+        x = self.output_norm(x)
+        if self.config.lm_head is None:
+            logits = self.emb.attend(x, out_dtype=jnp.float32)
+        else:
+            logits = self.lm_head(x, out_dtype=jnp.float32)
+        cap = self.config.logits_soft_cap
+        return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+    def forward(
+        self,
+        input_ids: Array,
+        positions: Optional[Array] = None,
+        segment_ids: Optional[Array] = None,
+    ) -> Array:
+        """input_ids / positions / segment_ids [batch, seq] -> logits [batch, seq, vocab]."""
+        x = self.emb(input_ids)
+        x = self.transformer(x, positions, segment_ids)
+        return self._logits(x)
+
+    def init_states(self, batch_size: int, max_len: int) -> Any:
+        """Empty per-layer KV caches for `batch_size` sequences of up to `max_len` tokens."""
+        return self.transformer.init_states(batch_size, max_len)
+
+    def prefill(
+        self,
+        cache: Any,
+        input_ids: Array,
+        positions: Optional[Array] = None,
+        segment_ids: Optional[Array] = None,
+    ) -> tuple[Any, Array]:
+        """Prompt [batch, seq] -> (cache with slots [0, seq) filled, logits [b, seq, vocab])."""
+        x = self.emb(input_ids)
+        cache, x = self.transformer.prefill(cache, x, positions, segment_ids)
+        return cache, self._logits(x)
+
+    def extend_step(
+        self,
+        cache: Any,
+        input_ids: Array,
+        time_step: Array,
+        positions: Optional[Array] = None,
+    ) -> tuple[Any, Array]:
+        """input_ids [batch, steps] written at slot `time_step` [batch] ->
+        (cache, logits [batch, steps, vocab])."""
+        x = self.emb(input_ids)
+        cache, x = self.transformer.extend_step(cache, x, time_step, positions)
+        return cache, self._logits(x)

@@ -1,0 +1,59 @@
+"""Token embedding, optionally tied as the output head (`attend`)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+
+from jaxlearn.config import REQUIRED
+from jaxlearn.layers.dense import DotGeneral, dense, maybe_dot
+from jaxlearn.module import FanAxes, Module, Normal, ParameterSpec, with_logical_constraint
+
+
+class Embedding(Module):
+    """Lookup `weight [vocab, embed]`; `attend` reuses it as a tied output head.
+
+    forward: ids [batch, seq] -> [batch, seq, embed] in the compute dtype.
+    attend:  x [batch, seq, embed] -> logits [batch, seq, vocab].
+    Init: Normal(stddev=init_stddev), default dim**-0.5.
+    """
+
+    class Config(Module.Config):
+        num_embeddings: int = REQUIRED
+        dim: int = REQUIRED
+        # Multiply looked-up vectors by sqrt(dim) (Gemma).
+        scale_by_sqrt_dim: bool = False
+        init_stddev: Optional[float] = None
+        dot: Optional[DotGeneral.Config] = None
+
+    def __init__(self, cfg: "Embedding.Config", *, parent: Optional[Module] = None):
+        super().__init__(cfg, parent=parent)
+        self._dot = maybe_dot(self.config.dot)
+
+    def _create_layer_parameter_specs(self) -> dict[str, ParameterSpec]:
+        c = self.config
+        stddev = c.init_stddev if c.init_stddev is not None else c.dim**-0.5
+        init = Normal.default_config().set(stddev=stddev)
+        return {
+            "weight": ParameterSpec(
+                (c.num_embeddings, c.dim),
+                ("vocab", "embed"),
+                initializer=init,
+                fan_axes=FanAxes((1,), (0,)),
+            )
+        }
+
+    def forward(self, ids: jax.Array) -> jax.Array:
+        w = self.parameters["weight"]
+        x = jnp.take(w, ids, axis=0).astype(self.dtype)
+        if self.config.scale_by_sqrt_dim:
+            x = x * jnp.asarray(math.sqrt(self.config.dim), x.dtype)
+        return with_logical_constraint(x, ("batch", "seq", "embed"))
+
+    def attend(self, x: jax.Array, *, out_dtype: Any = jnp.float32) -> jax.Array:
+        """x [batch, seq, embed] -> logits [batch, seq, vocab] (f32 by default)."""
+        w = self.parameters["weight"]
+        return dense(x.astype(self.dtype), w.T, dot=self._dot, out_dtype=out_dtype)

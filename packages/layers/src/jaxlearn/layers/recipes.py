@@ -1,0 +1,82 @@
+"""Model recipes: functions returning a `CausalLM.Config` for a named architecture."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from jaxlearn.layers.attention import Attention
+from jaxlearn.layers.causal_lm import CausalLM
+from jaxlearn.layers.decoder import Decoder
+from jaxlearn.layers.ffn import FeedForward
+from jaxlearn.layers.norm import RMSNorm
+from jaxlearn.layers.rope import Llama3FrequencyScaling, RotaryEmbedding
+from jaxlearn.layers.transformer import LoopStack, ScanStack, TransformerLayer
+from jaxlearn.module import RematSpec
+
+
+def llama_config(
+    vocab_size: int,
+    dim: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: Optional[int],
+    ffn_dim: int,
+    *,
+    head_dim: Optional[int] = None,
+    rope_theta: float = 500000.0,
+    rope_scaling: Optional[dict[str, Any]] = None,
+    norm_eps: float = 1e-5,
+    tie_embeddings: bool = False,
+    stack: str = "scan",
+    attention_implementation: str = "einsum",
+    dtype: Optional[str] = None,
+    remat_policy: Optional[str] = None,
+    z_loss_weight: float = 0.0,
+    name: str = "model",
+) -> Any:
+    """A Llama-style CausalLM config (RMSNorm pre-norm, GQA + RoPE, SwiGLU, untied or tied
+    head). Param layout maps to HF `LlamaForCausalLM` (see README "HF Llama mapping").
+
+    rope_scaling: HF-style dict for Llama 3.1, e.g. {"factor": 8.0, "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}; None: plain RoPE.
+    stack: "scan" (ScanStack, fast compile) or "loop" (LoopStack, faster CPU steps).
+    dtype: compute dtype (e.g. "bfloat16"); params stay float32.
+    remat_policy: e.g. "nothing_saveable" to rematerialise each layer in training.
+    """
+    scaling = None
+    if rope_scaling is not None:
+        allowed = set(Llama3FrequencyScaling.Config._fields) - {"klass"}
+        fields = {k: v for k, v in rope_scaling.items() if k in allowed}
+        scaling = Llama3FrequencyScaling.default_config().set(**fields)
+    rope = RotaryEmbedding.default_config().set(theta=rope_theta, frequency_scaling=scaling)
+    attention = Attention.default_config().set(
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        rope=rope,
+        implementation=attention_implementation,
+    )
+    norm = RMSNorm.default_config().set(eps=norm_eps)
+    layer = TransformerLayer.default_config().set(
+        norm=norm,
+        self_attention=attention,
+        feed_forward=FeedForward.default_config().set(
+            hidden_dim=ffn_dim, activation=("silu", "linear")
+        ),
+    )
+    if remat_policy is not None:
+        layer.remat_spec = RematSpec(policy=remat_policy)
+    stacks = {"scan": ScanStack, "loop": LoopStack}
+    if stack not in stacks:
+        raise ValueError(f"llama_config: stack must be one of {sorted(stacks)}, got {stack!r}")
+    decoder = Decoder.default_config().set(
+        vocab_size=vocab_size,
+        dim=dim,
+        transformer=stacks[stack].default_config().set(num_layers=num_layers, layer=layer),
+        output_norm=norm,
+    )
+    if tie_embeddings:
+        decoder.lm_head = None
+    return CausalLM.default_config().set(
+        name=name, decoder=decoder, z_loss_weight=z_loss_weight, dtype=dtype
+    )

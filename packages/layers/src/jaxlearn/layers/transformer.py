@@ -1,0 +1,227 @@
+"""Pre-norm transformer layer and layer stacks.
+
+- `TransformerLayer`: x + attn(norm(x)), then x + ffn(norm(x)). `feed_forward` is any
+  config with `input_dim` and `forward(x [batch, seq, embed])`, so MoE drops in.
+- `LoopStack`: a Python loop over per-layer children `layer0..layerN-1` (params per layer);
+  `layers` may list heterogeneous layer configs (e.g. alternating dense / MoE). Fastest
+  CPU steps (see shared/notes/jax-cpu-perf.md).
+- `ScanStack`: one child `layer` whose params are stacked [layers, ...] and run by
+  `lax.scan` (compiles like one layer), rematerialised by the layer's `remat_spec`.
+
+Every layer / stack has `forward`, `init_states`, `prefill`, `extend_step`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+
+from jaxlearn.config import REQUIRED, InstantiableConfig
+from jaxlearn.layers.attention import Attention
+from jaxlearn.layers.ffn import FeedForward
+from jaxlearn.layers.norm import RMSNorm
+from jaxlearn.module import (
+    Module,
+    ParameterSpec,
+    scan_child,
+    spec_tree_map,
+    stack_spec,
+    with_logical_constraint,
+)
+from jaxlearn.module.context import fold_in_name
+
+Array = jax.Array
+_AXES = ("batch", "seq", "embed")
+
+
+class TransformerLayer(Module):
+    """Pre-norm block. x [batch, seq, embed] -> [batch, seq, embed].
+
+    Children: attention_norm, self_attention, ffn_norm, feed_forward.
+    """
+
+    class Config(Module.Config):
+        input_dim: int = REQUIRED  # Set by the parent stack.
+        norm: InstantiableConfig = RMSNorm.default_config()
+        self_attention: InstantiableConfig = Attention.default_config()
+        feed_forward: InstantiableConfig = FeedForward.default_config()
+
+    def __init__(self, cfg: "TransformerLayer.Config", *, parent: Optional[Module] = None):
+        super().__init__(cfg, parent=parent)
+        c = self.config
+        dim = c.input_dim
+        self._add_child("attention_norm", c.norm.clone(input_dim=dim))
+        self._add_child("self_attention", c.self_attention.clone(input_dim=dim))
+        self._add_child("ffn_norm", c.norm.clone(input_dim=dim))
+        self._add_child("feed_forward", c.feed_forward.clone(input_dim=dim))
+
+    def _block(self, x: Array, attend: Any) -> tuple[Any, Array]:
+        x = with_logical_constraint(x, _AXES)
+        out = attend(self.attention_norm(x))
+        cache, h = out if isinstance(out, tuple) else (None, out)
+        x = x + h.astype(x.dtype)
+        x = x + self.feed_forward(self.ffn_norm(x)).astype(x.dtype)
+        return cache, with_logical_constraint(x, _AXES)
+
+    def forward(
+        self, x: Array, positions: Optional[Array] = None, segment_ids: Optional[Array] = None
+    ) -> Array:
+        return self._block(x, lambda h: self.self_attention(h, positions, segment_ids))[1]
+
+    def init_states(self, batch_size: int, max_len: int) -> Any:
+        return {"self_attention": self.self_attention.init_states(batch_size, max_len)}
+
+    def prefill(
+        self,
+        cache: Any,
+        x: Array,
+        positions: Optional[Array] = None,
+        segment_ids: Optional[Array] = None,
+    ) -> tuple[Any, Array]:
+        attn = self.self_attention
+        kv, x = self._block(
+            x, lambda h: attn.prefill(cache["self_attention"], h, positions, segment_ids)
+        )
+        return {"self_attention": kv}, x
+
+    def extend_step(
+        self, cache: Any, x: Array, time_step: Array, positions: Optional[Array] = None
+    ) -> tuple[Any, Array]:
+        attn = self.self_attention
+        kv, x = self._block(
+            x, lambda h: attn.extend_step(cache["self_attention"], h, time_step, positions)
+        )
+        return {"self_attention": kv}, x
+
+
+class BaseStack(Module):
+    """Common config of stacks: `num_layers` copies of `layer` (input_dim set here)."""
+
+    class Config(Module.Config):
+        input_dim: int = REQUIRED  # Set by the decoder.
+        num_layers: int = REQUIRED
+        layer: InstantiableConfig = TransformerLayer.default_config()
+
+
+class LoopStack(BaseStack):
+    """Python loop over children layer0..layer{n-1}; params {"layer0": ..., ...}.
+
+    `layers`, when set, lists one config per layer (heterogeneous stacks); otherwise
+    `layer` is repeated `num_layers` times.
+    """
+
+    class Config(BaseStack.Config):
+        layers: Optional[list[InstantiableConfig]] = None
+
+    def __init__(self, cfg: "LoopStack.Config", *, parent: Optional[Module] = None):
+        super().__init__(cfg, parent=parent)
+        c = self.config
+        cfgs = c.layers if c.layers is not None else [c.layer] * c.num_layers
+        if len(cfgs) != c.num_layers:
+            raise ValueError(f"{self.path()}: num_layers={c.num_layers} but {len(cfgs)} layers")
+        self._layers = [
+            self._add_child(f"layer{i}", lc.clone(input_dim=c.input_dim))
+            for i, lc in enumerate(cfgs)
+        ]
+
+    def forward(
+        self, x: Array, positions: Optional[Array] = None, segment_ids: Optional[Array] = None
+    ) -> Array:
+        for layer in self._layers:
+            x = layer(x, positions, segment_ids)
+        return x
+
+    def init_states(self, batch_size: int, max_len: int) -> Any:
+        return {layer.name: layer.init_states(batch_size, max_len) for layer in self._layers}
+
+    def prefill(
+        self,
+        cache: Any,
+        x: Array,
+        positions: Optional[Array] = None,
+        segment_ids: Optional[Array] = None,
+    ) -> tuple[Any, Array]:
+        out = {}
+        for layer in self._layers:
+            out[layer.name], x = layer.prefill(cache[layer.name], x, positions, segment_ids)
+        return out, x
+
+    def extend_step(
+        self, cache: Any, x: Array, time_step: Array, positions: Optional[Array] = None
+    ) -> tuple[Any, Array]:
+        out = {}
+        for layer in self._layers:
+            out[layer.name], x = layer.extend_step(cache[layer.name], x, time_step, positions)
+        return out, x
+
+
+class ScanStack(BaseStack):
+    """`lax.scan` over one child `layer` with params stacked [layers, ...] (logical axis
+    "layers"); the layer's `remat_spec` rematerialises each iteration in training. Decode
+    caches are stacked [layers, ...] too. `unroll` is passed to `lax.scan`."""
+
+    class Config(BaseStack.Config):
+        unroll: int = 1
+
+    def __init__(self, cfg: "ScanStack.Config", *, parent: Optional[Module] = None):
+        super().__init__(cfg, parent=parent)
+        c = self.config
+        self._add_child("layer", c.layer.clone(input_dim=c.input_dim))
+
+    def create_parameter_specs_recursively(self) -> dict[str, Any]:
+        n = self.config.num_layers
+        specs: dict[str, Any] = super().create_parameter_specs_recursively()
+        if "layer" in specs:
+            specs["layer"] = spec_tree_map(
+                lambda s: stack_spec(s, n) if isinstance(s, ParameterSpec) else s, specs["layer"]
+            )
+        return specs
+
+    def initialize_parameters_recursively(self, prng_key: Array) -> dict[str, Any]:
+        layer = self.children["layer"]
+        keys = jax.random.split(fold_in_name(prng_key, "layer"), self.config.num_layers)
+        params = jax.vmap(layer.initialize_parameters_recursively)(keys)
+        return {"layer": params} if params else {}
+
+    def _scan(self, fn: Any, carry: Any, xs: Any = None) -> tuple[Any, Any]:
+        c = self.config
+        return scan_child(
+            self, self.layer, fn, carry, xs, num_iterations=c.num_layers, unroll=c.unroll
+        )
+
+    def forward(
+        self, x: Array, positions: Optional[Array] = None, segment_ids: Optional[Array] = None
+    ) -> Array:
+        x, _ = self._scan(lambda layer, h, _: (layer(h, positions, segment_ids), None), x)
+        return x
+
+    def init_states(self, batch_size: int, max_len: int) -> Any:
+        one = self.layer.init_states(batch_size, max_len)
+        n = self.config.num_layers
+        return jax.tree.map(lambda a: jnp.broadcast_to(a, (n, *a.shape)), one)
+
+    def prefill(
+        self,
+        cache: Any,
+        x: Array,
+        positions: Optional[Array] = None,
+        segment_ids: Optional[Array] = None,
+    ) -> tuple[Any, Array]:
+        def step(layer: Module, h: Array, layer_cache: Any) -> tuple[Array, Any]:
+            new_cache, h = layer.prefill(layer_cache, h, positions, segment_ids)
+            return h, new_cache
+
+        x, cache = self._scan(step, x, cache)
+        return cache, x
+
+    def extend_step(
+        self, cache: Any, x: Array, time_step: Array, positions: Optional[Array] = None
+    ) -> tuple[Any, Array]:
+        def step(layer: Module, h: Array, layer_cache: Any) -> tuple[Array, Any]:
+            new_cache, h = layer.extend_step(layer_cache, h, time_step, positions)
+            return h, new_cache
+
+        x, cache = self._scan(step, x, cache)
+        return cache, x
