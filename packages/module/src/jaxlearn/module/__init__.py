@@ -7,11 +7,12 @@ from jaxlearn.module.context import (
     InvocationContext,
     ModuleError,
     OutputCollection,
+    child_key,
     current_context,
     iter_collection,
     stable_hash,
 )
-from jaxlearn.module.functional import functional
+from jaxlearn.module.functional import functional, merge_state_updates
 from jaxlearn.module.module import Module
 from jaxlearn.module.param import (
     Constant,
@@ -49,12 +50,14 @@ __all__ = [
     "RematSpec",
     "VarianceScaling",
     "abstract_parameters",
+    "child_key",
     "current_context",
     "flatten_specs",
     "functional",
     "is_spec",
     "iter_collection",
     "logical_sharding",
+    "merge_state_updates",
     "ones",
     "parameter_shardings",
     "policy_from_name",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import zlib
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional, overload
 
 import jax
 
@@ -30,8 +30,31 @@ def stable_hash(name: str) -> int:
     return zlib.crc32(name.encode("utf-8")) & 0x7FFFFFFF
 
 
+@overload
+def fold_in_name(key: jax.Array, name: str) -> jax.Array: ...
+
+
+@overload
+def fold_in_name(key: None, name: str) -> None: ...
+
+
 def fold_in_name(key: Optional[jax.Array], name: str) -> Optional[jax.Array]:
+    """`fold_in(key, stable_hash(name))`; None stays None (calls without randomness)."""
     return None if key is None else jax.random.fold_in(key, stable_hash(name))
+
+
+def child_key(
+    key: Optional[jax.Array], name: str, method: str = "forward", label: str = ""
+) -> Optional[jax.Array]:
+    """The key of a call to child `name`: folded with the name, then with the method name
+    unless it is `forward`, then with `label` if given (`invoke_child`). Two different
+    calls into one child therefore never share random bits."""
+    key = fold_in_name(key, name)
+    if method != "forward":
+        key = fold_in_name(key, method)
+    if label:
+        key = fold_in_name(key, label)
+    return key
 
 
 @dataclasses.dataclass
@@ -93,30 +116,49 @@ class InvocationContext:
                 f"`self.invoke_child('{name}', label=..., method='{method}', ...)` to make "
                 f"a distinctly named sub-context."
             )
-        self._calls.add(call)
         if name not in self.state and child.has_state():
             raise ModuleError(
                 f"{self.path()}: state has no entry for child '{name}' "
                 f"(keys: {sorted(self.state)})"
             )
-        key = fold_in_name(self.prng_key, name)
-        if label:
-            key = fold_in_name(key, label)
+        self._calls.add(call)
         return InvocationContext(
             name=name,
             parent=self,
             module=child,
             state=self.state.get(name, {}),
-            output_collection=self.output_collection.child(name),
+            output_collection=self.child_collection(name),
             is_training=self.is_training,
-            prng_key=key,
+            prng_key=child_key(self.prng_key, name, method, label),
         )
 
+    def child_collection(self, name: str) -> OutputCollection:
+        """The output sub-collection of child `name`; raises if an output of this module
+        already uses that name (outputs and children share one namespace per module)."""
+        oc = self.output_collection
+        for kind in _KINDS:
+            existing = getattr(oc, kind).get(name)
+            if existing is not None and not isinstance(existing, dict):
+                raise ModuleError(
+                    f"{self.path()}: child '{name}' clashes with the {kind} entry '{name}' "
+                    f"recorded by this module; rename one of them"
+                )
+        return oc.child(name)
+
     def add(self, kind: str, name: str, value: Any) -> None:
+        """Records `value` as output `name` of `kind` (summaries | state_updates |
+        module_outputs) of this module."""
         target: Nested = getattr(self.output_collection, kind)
         if name in target:
-            raise ModuleError(f"{self.path()}: {kind} '{name}' recorded twice in one call")
+            what = "a child's outputs" if isinstance(target[name], dict) else "an earlier output"
+            raise ModuleError(
+                f"{self.path()}: {kind} '{name}' recorded twice in one call (clashes with "
+                f"{what} of that name)"
+            )
         target[name] = value
+
+
+_KINDS = ("summaries", "state_updates", "module_outputs")
 
 
 class _Stack(threading.local):

@@ -1,6 +1,7 @@
 """`functional`: the pure entry point into a module tree.
 
     outputs, collection = functional(model, prng_key, state, inputs, method="forward")
+    state = merge_state_updates(state, collection.state_updates)
 
 `inputs` is a tuple/list of positional arguments, or a dict of keyword arguments. It is a
 pure function of its array arguments, so it works under jit, grad, vmap, scan and remat.
@@ -12,7 +13,7 @@ from typing import Any, Optional
 
 import jax
 
-from jaxlearn.module.context import InvocationContext, Nested, OutputCollection, push_context
+from jaxlearn.module.context import InvocationContext, Nested, OutputCollection
 from jaxlearn.module.module import Module
 
 
@@ -25,9 +26,13 @@ def functional(
     method: str = "forward",
     is_training: bool = True,
 ) -> tuple[Any, OutputCollection]:
-    """Calls `module.<method>(*inputs)` (or `**inputs`) with `state` as its parameters."""
+    """Calls `module.<method>(*inputs)` (or `**inputs`) with `state` as its parameters.
+
+    The root's own `remat_spec` applies in training, as it would if the root were a child.
+    """
+    args: tuple[Any, ...]
     if isinstance(inputs, dict):
-        args, kwargs = (), inputs
+        args, kwargs = (), dict(inputs)
     elif isinstance(inputs, (tuple, list)):
         args, kwargs = tuple(inputs), {}
     else:
@@ -42,6 +47,25 @@ def functional(
         is_training=is_training,
         prng_key=prng_key,
     )
-    with push_context(ctx):
-        outputs = getattr(module, method)(*args, **kwargs)
+    fn = getattr(type(module), method)
+    outputs = module._run(ctx, getattr(fn, "__wrapped__", fn), args, kwargs)
     return outputs, collection
+
+
+def merge_state_updates(state: Nested, updates: Nested) -> Nested:
+    """`state` with every leaf of `updates` (e.g. batch statistics) written at its path.
+
+    Empty sub-dicts (children that recorded nothing) are skipped, as are paths that `state`
+    does not have (updates that are not state, e.g. caches the caller keeps elsewhere).
+    Returns new dicts; the inputs are not modified.
+    """
+    out = dict(state)
+    for key, value in updates.items():
+        if key not in out:
+            continue
+        if isinstance(value, dict):
+            if value and isinstance(out[key], dict):
+                out[key] = merge_state_updates(out[key], value)
+        else:
+            out[key] = value
+    return out

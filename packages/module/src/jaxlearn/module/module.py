@@ -9,7 +9,9 @@ under its name. Everything runs as pure JAX through `functional(...)`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import re
 from typing import Any, Callable, Optional
 
 import jax
@@ -26,10 +28,11 @@ from jaxlearn.module.context import (
     iter_collection,
     push_context,
 )
-from jaxlearn.module.param import ParameterSpec, VarianceScaling
+from jaxlearn.module.param import ParameterSpec, VarianceScaling, is_spec, stack_spec
 from jaxlearn.module.remat import RematSpec, remat, tag
 
 _INHERITED = ("param_dtype", "dtype", "param_init")
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 class Module(Configurable):
@@ -64,6 +67,7 @@ class Module(Configurable):
         super().__init__(cfg, _path=path)
         self._parent = parent
         self._children: dict[str, Module] = {}
+        self._stacked: dict[str, int] = {}
         if parent is None:
             c = self._config
             if c.param_dtype is None:
@@ -91,6 +95,11 @@ class Module(Configurable):
 
     def _add_child(self, name: str, child_cfg: "Module.Config", **kwargs: Any) -> Any:
         """Instantiates `child_cfg` as child `name`, inheriting dtypes and initializer."""
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise ModuleError(
+                f"{self.path()}: child name {name!r} must be a Python identifier (it becomes "
+                f"a key of the state tree and a segment of dotted paths)"
+            )
         if name in self._children:
             raise ModuleError(f"{self.path()}: a child named '{name}' already exists")
         if hasattr(type(self), name):
@@ -106,6 +115,17 @@ class Module(Configurable):
                 setattr(cfg, field, getattr(self._config, field))
         child = cfg.instantiate(parent=self, **kwargs)
         self._children[name] = child
+        return child
+
+    def _add_stacked_child(
+        self, name: str, child_cfg: "Module.Config", num_layers: int, **kwargs: Any
+    ) -> Any:
+        """Adds child `name` whose state is `num_layers` independently initialised copies
+        stacked on a new leading axis (logical name "layers"); run it with `scan_child`."""
+        if not isinstance(num_layers, int) or num_layers < 1:
+            raise ModuleError(f"{self.path()}.{name}: num_layers must be >= 1, got {num_layers}")
+        child = self._add_child(name, child_cfg, **kwargs)
+        self._stacked[name] = num_layers
         return child
 
     def __getattr__(self, name: str) -> Any:
@@ -148,6 +168,9 @@ class Module(Configurable):
         specs: Nested = dict(self._resolved_layer_specs())
         for name, child in self._children.items():
             sub = child.create_parameter_specs_recursively()
+            if sub and name in self._stacked:
+                n = self._stacked[name]
+                sub = jax.tree.map(lambda s: stack_spec(s, n), sub, is_leaf=is_spec)
             if sub:
                 specs[name] = sub
         return specs
@@ -159,7 +182,12 @@ class Module(Configurable):
             init = spec.initializer.instantiate()  # type: ignore[union-attr]
             params[name] = init.init(fold_in_name(prng_key, name), spec)
         for name, child in self._children.items():
-            sub = child.initialize_parameters_recursively(fold_in_name(prng_key, name))
+            key = fold_in_name(prng_key, name)
+            if name in self._stacked and child.has_state():
+                keys = jax.random.split(key, self._stacked[name])
+                sub = jax.vmap(child.initialize_parameters_recursively)(keys)
+            else:
+                sub = child.initialize_parameters_recursively(key)
             if sub:
                 params[name] = sub
         return params
@@ -226,6 +254,13 @@ class Module(Configurable):
     ) -> Any:
         """Calls child `name` again in a distinctly labelled sub-context (its key is
         further folded with `label`, its outputs must not collide with earlier calls)."""
+        if name not in self._children:
+            raise ModuleError(
+                f"{self.path()}: invoke_child: no child '{name}' (children: "
+                f"{sorted(self._children)})"
+            )
+        if not label:
+            raise ModuleError(f"{self.path()}: invoke_child('{name}') needs a non-empty label")
         child = self._children[name]
         ctx = self._context().child_context(child, method, label=label)
         fn = getattr(type(child), method).__wrapped__
@@ -246,7 +281,7 @@ class Module(Configurable):
                 full[i] = v
             a, kw = jax.tree.unflatten(treedef, full)
             oc = OutputCollection()
-            sub = InvocationContext(ctx.name, None, self, state, oc, True, key)
+            sub = InvocationContext(ctx.name, ctx.parent, self, state, oc, True, key)
             with push_context(sub):
                 return fn(self, *a, **kw), oc
 
@@ -264,8 +299,6 @@ class Module(Configurable):
 
 
 def _replace(spec: ParameterSpec, **kw: Any) -> ParameterSpec:
-    import dataclasses
-
     return dataclasses.replace(spec, **kw)
 
 

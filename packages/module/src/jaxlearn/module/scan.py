@@ -18,8 +18,8 @@ import jax
 from jaxlearn.module.context import (
     InvocationContext,
     OutputCollection,
+    child_key,
     current_context,
-    fold_in_name,
     push_context,
 )
 from jaxlearn.module.module import Module, ModuleError
@@ -37,23 +37,35 @@ def scan_child(
     *,
     num_iterations: Optional[int] = None,
     unroll: int | bool = 1,
+    label: str = "",
 ) -> tuple[Any, Any]:
-    """Runs `fn` over the leading axis of `child`'s stacked state (and of `xs`)."""
+    """Runs `fn` over the leading axis of `child`'s stacked state (and of `xs`).
+
+    Layer i's key is `split(child_key(parent_key, child.name, "scan", label), n)[i]`. A
+    second scan over the same child in one call raises unless it has a distinct `label`.
+    """
     ctx = current_context()
     if ctx is None or ctx.module is not parent or child.parent is not parent:
         raise ModuleError(f"scan_child({child.path()}) must be called from its parent's call")
+    call = (child.name, "scan", label)
+    if call in ctx._calls:
+        raise ModuleError(
+            f"{ctx.path()}: scan_child over '{child.name}' was already run in this call; "
+            f"pass a distinct label=... for a second scan"
+        )
     state = ctx.state.get(child.name, {})
     leaves = jax.tree.leaves(state)
     n = num_iterations if num_iterations is not None else (leaves[0].shape[0] if leaves else None)
     if n is None:
         raise ModuleError(f"{child.path()}: stateless child needs num_iterations")
-    base_key = fold_in_name(ctx.prng_key, child.name)
+    ctx._calls.add(call)
+    base_key = child_key(ctx.prng_key, child.name, "scan", label)
     keys = jax.random.split(base_key, n) if base_key is not None else None
     is_training = ctx.is_training
 
     def step(layer_state: Any, key: Any, carry: Any, x: Any) -> tuple[Any, OutputCollection]:
         oc = OutputCollection()
-        sub = InvocationContext(child.name, None, child, layer_state, oc, is_training, key)
+        sub = InvocationContext(child.name, ctx, child, layer_state, oc, is_training, key)
         with push_context(sub):
             out = fn(child, carry, x)
         return out, oc
@@ -68,7 +80,7 @@ def scan_child(
         return carry, (ys, oc)
 
     carry, (ys, oc) = jax.lax.scan(body, carry, (state, keys, xs), length=n, unroll=unroll)
-    child_oc = ctx.output_collection.child(child.name)
+    child_oc = ctx.child_collection(child.name)
     child_oc.summaries.update(oc.summaries)
     child_oc.state_updates.update(oc.state_updates)
     child_oc.module_outputs.update(oc.module_outputs)
