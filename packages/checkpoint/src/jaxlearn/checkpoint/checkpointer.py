@@ -1,0 +1,340 @@
+"""`Checkpointer`: the configurable entry point (save, restore, metadata, retention).
+
+    ckpt = Checkpointer.default_config().set(directory="/ckpt", keep_last_n=3).instantiate()
+    ckpt.save(step, state, extra={"tokens": n}, data_iterator_state=it.get_state(),
+              config_text=to_flat_text(cfg), metrics={"loss": loss})
+    ...
+    found = ckpt.restore_latest(abstract_state)      # None when there is no step yet
+    if found is not None:
+        step, state = found
+
+Every process of a multi-process job constructs the same Checkpointer and makes the same
+calls in the same order (they contain collectives).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import threading
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import numpy as np
+import orbax.checkpoint as ocp
+
+from jaxlearn.checkpoint import commit, digest, garbage, layout, multihost
+from jaxlearn.checkpoint.errors import (
+    CheckpointCorruptionError,
+    CheckpointNotFoundError,
+    CheckpointSaveError,
+    NoGoodCheckpointError,
+)
+from jaxlearn.checkpoint.manifest import ArrayRecord, Manifest, check_json_metadata, check_metrics
+from jaxlearn.checkpoint.restore import restore_step
+from jaxlearn.checkpoint.retention import RetentionPolicy
+from jaxlearn.checkpoint.tree import flatten, leaf_spec
+from jaxlearn.config import REQUIRED, Configurable
+
+log = logging.getLogger(__name__)
+
+DataIteratorState = Union[bytes, str, dict]
+_ITER_SUFFIX = {bytes: ".bin", str: ".txt", dict: ".json"}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMetadata:
+    """Everything saved alongside a step's arrays (read back without touching them)."""
+
+    step: int
+    extra: dict[str, Any]
+    metrics: dict[str, float]
+    config_text: Optional[str]
+    data_iterator_state: Optional[DataIteratorState]
+    arrays: dict[str, ArrayRecord]
+    process_count: int
+    created_unix: float
+
+
+class Checkpointer(Configurable):
+    """Sharded, async, verified checkpoints of a pytree of arrays under one directory."""
+
+    class Config(Configurable.Config):
+        directory: str = REQUIRED
+        # Retention (see retention.py): None keeps every step.
+        keep_last_n: Optional[int] = None
+        keep_every_k_steps: Optional[int] = None
+        keep_best_n: int = 0
+        best_metric: Optional[str] = None
+        best_mode: Literal["min", "max"] = "min"
+        # Save returns after device->host copies; False also waits for the commit.
+        async_save: bool = True
+        # Orbax limits on bytes being written / read at once (None: orbax default).
+        save_concurrent_gb: Optional[int] = None
+        restore_concurrent_gb: Optional[int] = None
+        use_compression: bool = True
+        # Files up to this size also get a sha256 in the manifest.
+        hash_files_up_to_bytes: int = 1 << 20
+        verify_on_restore: bool = True
+        # Bound on the background commit (writes + barriers) of one step.
+        timeout_s: int = 3600
+
+    def __init__(self, cfg: "Checkpointer.Config", **kwargs: Any):
+        super().__init__(cfg, **kwargs)
+        cfg = self.config
+        self._root = Path(cfg.directory).absolute()
+        self._policy = RetentionPolicy(
+            keep_last_n=cfg.keep_last_n,
+            keep_every_k_steps=cfg.keep_every_k_steps,
+            keep_best_n=cfg.keep_best_n,
+            best_metric=cfg.best_metric,
+            best_mode=cfg.best_mode,
+        )
+        self._orbax: ocp.AsyncCheckpointer | None = None
+        self._restore_handler = ocp.PyTreeCheckpointHandler(
+            restore_concurrent_gb=cfg.restore_concurrent_gb,
+            use_compression=cfg.use_compression,
+        )
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._deleter = garbage.Deleter()
+        self._metrics_cache: dict[int, dict[str, float]] = {}
+        self._closed = False
+
+    @property
+    def directory(self) -> Path:
+        return self._root
+
+    # ---- save ----------------------------------------------------------------------------
+
+    def save(
+        self,
+        step: int,
+        state: Any,
+        *,
+        extra: Optional[dict[str, Any]] = None,
+        data_iterator_state: Optional[DataIteratorState] = None,
+        config_text: Optional[str] = None,
+        metrics: Optional[dict[str, Any]] = None,
+    ) -> None:
+        """Starts saving `state` as `step`; returns once device->host copies are done.
+
+        Waits first for the previous save (at most one in flight, so host memory holds at
+        most one copy of this process's shards). Raises CheckpointSaveError if the
+        previous background save failed, FileExistsError if `step` exists.
+        `data_iterator_state` is this process's (each process writes its own).
+        """
+        if self._closed:
+            raise RuntimeError("Checkpointer is closed")
+        self._wait_commit()
+        step = int(step)
+        extra = check_json_metadata("extra", extra)
+        metric_values = check_metrics(metrics)
+        named, _ = flatten(state)
+        if not named:
+            raise ValueError(f"checkpoint step {step}: the state has no array leaves")
+        specs = {p: leaf_spec(p, leaf) for p, leaf in named}
+        if data_iterator_state is not None and type(data_iterator_state) not in _ITER_SUFFIX:
+            raise TypeError("data_iterator_state must be bytes, str or a JSON dict")
+        if multihost.process_index() == 0:
+            self._root.mkdir(parents=True, exist_ok=True)
+        prefix = multihost.unique_name(f"step{step}")
+        tmp = commit.prepare_tmp_dir(self._root, step, f"{prefix}_mkdir")
+
+        device = [(p, leaf) for p, leaf in named if specs[p].kind == "jax"]
+        pending_digests = digest.start_digests([leaf for _, leaf in device])
+        host_digests = {
+            p: digest.digest_numpy(np.asarray(leaf, dtype=specs[p].dtype))
+            for p, leaf in named
+            if specs[p].kind != "jax"
+        }
+        self._write_sidecars(tmp, data_iterator_state, config_text)
+        self._checkpointer().save(tmp / layout.STATE_DIR, args=ocp.args.PyTreeSave(state))
+        pending = commit.PendingCommit(
+            step=step,
+            root=self._root,
+            specs=specs,
+            device_paths=[p for p, _ in device],
+            device_digests=pending_digests,
+            host_digests=host_digests,
+            extra=extra,
+            metrics=metric_values,
+            barrier_prefix=prefix,
+        )
+        self._thread = threading.Thread(
+            target=self._commit, args=(pending,), name=f"ckpt-commit-{step}"
+        )
+        self._thread.start()
+        if not self.config.async_save:
+            self._wait_commit()
+
+    def _write_sidecars(
+        self, tmp: Path, iter_state: Optional[DataIteratorState], config_text: Optional[str]
+    ) -> None:
+        if iter_state is not None:
+            if isinstance(iter_state, dict):
+                data = json.dumps(iter_state, sort_keys=True).encode()
+            elif isinstance(iter_state, str):
+                data = iter_state.encode()
+            else:
+                data = bytes(iter_state)
+            suffix = _ITER_SUFFIX[type(iter_state)]
+            path = layout.data_iter_file(tmp, multihost.process_index(), suffix)
+            layout.write_durable(path, data)
+        if config_text is not None and multihost.process_index() == 0:
+            layout.write_durable(tmp / layout.CONFIG_FILE, config_text.encode())
+
+    def _checkpointer(self) -> ocp.AsyncCheckpointer:
+        if self._orbax is None:
+            handler = ocp.PyTreeCheckpointHandler(
+                save_concurrent_gb=self.config.save_concurrent_gb,
+                use_compression=self.config.use_compression,
+            )
+            self._orbax = ocp.AsyncCheckpointer(handler, timeout_secs=self.config.timeout_s)
+        return self._orbax
+
+    def _commit(self, pending: commit.PendingCommit) -> None:
+        try:
+            self._checkpointer().wait_until_finished()
+            manifest = commit.finish(
+                pending,
+                hash_up_to_bytes=self.config.hash_files_up_to_bytes,
+                timeout_s=self.config.timeout_s,
+            )
+            log.info("checkpoint step %d committed at %s", pending.step, pending.final_path)
+            if multihost.process_index() == 0:
+                self._metrics_cache[pending.step] = manifest.metrics
+                garbage.collect(self._root, self._policy, self._metrics_cache, self._deleter)
+        except BaseException as e:  # Surfaced by the next save()/wait_until_finished().
+            log.error("checkpoint step %d failed: %s", pending.step, e)
+            self._error = e
+
+    def _wait_commit(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise CheckpointSaveError(f"a background checkpoint save failed: {error}") from error
+
+    def wait_until_finished(self) -> None:
+        """Blocks until the in-flight save is committed and GC deletions are done."""
+        self._wait_commit()
+        self._deleter.wait()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            self._wait_commit()
+        finally:
+            self._closed = True
+            self._deleter.close()
+            if self._orbax is not None:
+                self._orbax.close()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ---- listing and metadata ----------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """Committed steps (a manifest inside `step_<n>/`), ascending. Does not verify."""
+        return sorted(layout.scan(self._root).committed)
+
+    def latest_step(self) -> Optional[int]:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def _step_path(self, step: int) -> Path:
+        path = layout.step_dir(self._root, step)
+        if not path.is_dir():
+            raise CheckpointNotFoundError(f"no checkpoint step {step} under {self._root}")
+        return path
+
+    def read_metadata(self, step: int, *, process_index: Optional[int] = None) -> StepMetadata:
+        """Metadata of `step`; the data-iterator state is that of `process_index`
+        (default: this process), None if that process saved none."""
+        path = self._step_path(step)
+        manifest = Manifest.read(path, step)
+        config = self._read_sidecar(path, manifest, layout.CONFIG_FILE)
+        proc = multihost.process_index() if process_index is None else process_index
+        iter_state: Optional[DataIteratorState] = None
+        for kind, suffix in _ITER_SUFFIX.items():
+            rel = layout.data_iter_file(Path(), proc, suffix).as_posix()
+            data = self._read_sidecar(path, manifest, rel)
+            if data is not None:
+                iter_state = _decode_iter_state(kind, data)
+        return StepMetadata(
+            step=step,
+            extra=manifest.extra,
+            metrics=manifest.metrics,
+            config_text=None if config is None else config.decode(),
+            data_iterator_state=iter_state,
+            arrays=manifest.arrays,
+            process_count=manifest.process_count,
+            created_unix=manifest.created_unix,
+        )
+
+    @staticmethod
+    def _read_sidecar(path: Path, manifest: Manifest, rel: str) -> Optional[bytes]:
+        record = manifest.files.get(rel)
+        if record is None:
+            return None
+        problems = layout.check_inventory(path, {rel: record})
+        if problems:
+            raise CheckpointCorruptionError(
+                manifest.step, str(path), [p for _, p in problems], files=[rel]
+            )
+        return (path / rel).read_bytes()
+
+    # ---- restore -------------------------------------------------------------------------
+
+    def restore(self, step: int, target: Any, *, partial: bool = False) -> Any:
+        """Restores `step` into the structure, shardings and dtypes of `target`.
+
+        `target` leaves: jax.ShapeDtypeStruct (with a sharding; optional with one process),
+        jax.Array, numpy.ndarray or a scalar. With `partial=True` the target may name a
+        subset of the saved arrays. Raises CheckpointStructureError on a mismatch,
+        CheckpointCorruptionError when the step fails verification.
+        """
+        path = self._step_path(step)
+        manifest = Manifest.read(path, step)
+        return restore_step(
+            path,
+            step,
+            manifest,
+            target,
+            partial=partial,
+            verify=self.config.verify_on_restore,
+            handler=self._restore_handler,
+        )
+
+    def restore_latest(self, target: Any, *, partial: bool = False) -> Optional[tuple[int, Any]]:
+        """(step, state) from the newest step that passes verification, or None if there
+        is no step at all. Damaged steps are skipped with a warning; if every step is
+        damaged, raises NoGoodCheckpointError. Structure errors are raised at once."""
+        found = layout.scan(self._root)
+        candidates = sorted(set(found.committed) | set(found.uncommitted), reverse=True)
+        failures: dict[int, CheckpointCorruptionError] = {}
+        for step in candidates:
+            try:
+                return step, self.restore(step, target, partial=partial)
+            except CheckpointCorruptionError as e:
+                log.warning("checkpoint step %d is unusable, falling back: %s", step, e)
+                failures[step] = e
+        if failures:
+            raise NoGoodCheckpointError(str(self._root), failures)
+        return None
+
+
+def _decode_iter_state(kind: type, data: bytes) -> DataIteratorState:
+    if kind is bytes:
+        return data
+    if kind is str:
+        return data.decode()
+    return dict(json.loads(data))
