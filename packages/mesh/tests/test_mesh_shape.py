@@ -166,3 +166,23 @@ def test_split_for_granules():
     assert h.ici_mesh_shape == (1, 2, 1, 1, 1, 2) and h.dcn_mesh_shape == (1, 2, 1, 1, 1, 1)
     h = split_for_granules((2, 4, 2), 4)
     assert h.dcn_mesh_shape == (2, 2, 1) and h.full_shape == (2, 4, 2)
+
+
+@given(
+    ici=st.lists(st.sampled_from([1, 2]), min_size=3, max_size=3),
+    dcn_axis=st.integers(0, 2),
+)
+def test_hybrid_layout_is_a_permutation_with_granule_blocks(ici, dcn_axis):
+    """Every device appears once; each granule's devices form one contiguous ICI block."""
+    per_granule = math.prod(ici)
+    num_granules = 8 // per_granule
+    dcn = [num_granules if i == dcn_axis else 1 for i in range(3)]
+    array = create_device_array(HybridMeshShape(tuple(ici), tuple(dcn)))
+    ids = np.vectorize(lambda d: d.id)(array)
+    assert ids.shape == tuple(i * d for i, d in zip(ici, dcn))
+    assert sorted(ids.ravel()) == list(range(8))
+    for g in range(num_granules):
+        index = [slice(None)] * 3
+        index[dcn_axis] = slice(g * ici[dcn_axis], (g + 1) * ici[dcn_axis])
+        block = ids[tuple(index)]
+        assert sorted(block.ravel()) == list(range(g * per_granule, (g + 1) * per_granule))

@@ -76,7 +76,7 @@ def trainer_config(mesh_rules=()) -> TrainerConfig:
     )
 
 
-def modifier(cls: type, **kwargs: Any) -> Any:
+def modifier(cls: Any, **kwargs: Any) -> Any:
     return cls.default_config().set(**kwargs)
 
 
@@ -132,7 +132,7 @@ def test_full_match_not_search():
 
 def test_malformed_rules():
     with pytest.raises(MeshRuleError, match=r"\[0\] must be \(regex, value\)"):
-        select_mesh_rule("cpu-8", ["cpu-.*"])
+        select_mesh_rule("cpu-8", ["cpu-.*"])  # type: ignore[list-item]
     with pytest.raises(MeshRuleError, match="invalid regex"):
         select_mesh_rule("cpu-8", [("cpu-(", None)])
     with pytest.raises(MeshRuleError, match="Not a mesh shape or config modifier"):
@@ -257,3 +257,15 @@ def test_custom_modifier_and_overrides_after_rules():
     # --set overrides come after mesh rules and reach the same paths.
     apply_overrides(out, ["mesh_shape=(1, 2, 2, 1, 1, 2)", "learner.num_microbatches=3"])
     assert out.mesh_shape == (1, 2, 2, 1, 1, 2) and out.learner.num_microbatches == 3
+
+
+def test_mesh_fields_mix_into_a_configurable_config():
+    class Trainer(Configurable):
+        class Config(Configurable.Config, MeshFieldsConfig):
+            learner: LearnerConfig = LearnerConfig()
+
+    cfg = Trainer.default_config().set(mesh_shape=(1, -1, 1, 1, 1, 1), mesh_rules=RULES)
+    assert cfg.mesh_axis_rules == DEFAULT_AXIS_RULES and cfg.klass is Trainer
+    out, _ = apply_mesh_rules(cfg, "tpu-v5p-1024")
+    assert out.mesh_shape == (1, 1, -1, 1, 1, 1) and out.mesh_rule == "tpu-v5p-.*"
+    assert isinstance(out.instantiate(), Trainer)

@@ -111,7 +111,7 @@ STRATEGIES = {
 }
 
 # What the rules must give for a few parameters (checked against the compiled step).
-EXPECTED = {
+EXPECTED: dict[str, dict[str, tuple]] = {
     "dp": {"w_in": (), "x": ("data",)},
     "fsdp": {"w_in": ("fsdp",), "moe_in": (None, "fsdp"), "x": ("fsdp",)},
     "tp": {"w_in": (None, "model"), "wq": (None, "model"), "vocab": ("model",), "x": ()},

@@ -166,7 +166,7 @@ def logical_to_mesh_axes(
         logical_axes: one logical name (or None: replicated) per array dimension.
         rules: the rule set; see the module docstring for the semantics.
         mesh: a Mesh or {axis name: size}; without it no axis is dropped for size/absence.
-        shape: the array shape; axes that would not divide a dimension are dropped.
+        shape: the array shape; with a mesh, axes that would not divide a dim are dropped.
         strict: raise AxisRulesError for a logical name no rule mentions (else replicate).
     """
     rules = validate_axis_rules(rules)

@@ -96,7 +96,7 @@ def as_mesh_shape(value: Any) -> MeshShape:
 
 
 def mesh_shape_from_axes(
-    axis_names: Sequence[str] = DEFAULT_AXIS_NAMES, **sizes: int
+    axis_names: Sequence[str] = DEFAULT_AXIS_NAMES, /, **sizes: int
 ) -> tuple[int, ...]:
     """A flat shape aligned with `axis_names`, 1 for each axis not named.
 
