@@ -26,6 +26,8 @@ def llama_config(
     rope_theta: float = 500000.0,
     rope_scaling: Optional[dict[str, Any]] = None,
     norm_eps: float = 1e-5,
+    attention_bias: bool = False,
+    mlp_bias: bool = False,
     tie_embeddings: bool = False,
     stack: str = "scan",
     attention_implementation: str = "einsum",
@@ -39,6 +41,8 @@ def llama_config(
 
     rope_scaling: HF-style dict for Llama 3.1, e.g. {"factor": 8.0, "low_freq_factor": 1.0,
     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}; None: plain RoPE.
+    attention_bias / mlp_bias: biases on q/k/v/o and on the MLP (HF `attention_bias`,
+    `mlp_bias`).
     stack: "scan" (ScanStack, fast compile) or "loop" (LoopStack, faster CPU steps).
     dtype: compute dtype (e.g. "bfloat16"); params stay float32.
     remat_policy: e.g. "nothing_saveable" to rematerialise each layer in training.
@@ -54,6 +58,8 @@ def llama_config(
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         rope=rope,
+        qkv_bias=attention_bias,
+        output_bias=attention_bias,
         implementation=attention_implementation,
     )
     norm = RMSNorm.default_config().set(eps=norm_eps)
@@ -61,7 +67,7 @@ def llama_config(
         norm=norm,
         self_attention=attention,
         feed_forward=FeedForward.default_config().set(
-            hidden_dim=ffn_dim, activation=("silu", "linear")
+            hidden_dim=ffn_dim, activation=("silu", "linear"), use_bias=mlp_bias
         ),
     )
     if remat_policy is not None:
