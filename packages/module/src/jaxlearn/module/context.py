@@ -43,6 +43,12 @@ def fold_in_name(key: Optional[jax.Array], name: str) -> Optional[jax.Array]:
     return None if key is None else jax.random.fold_in(key, stable_hash(name))
 
 
+def labelled_name(name: str, label: str = "") -> str:
+    """Where a call's outputs are recorded: `name`, or `name@label` for a labelled call
+    (`invoke_child`, `scan_child(label=...)`), so repeated calls never collide."""
+    return f"{name}@{label}" if label else name
+
+
 def child_key(
     key: Optional[jax.Array], name: str, method: str = "forward", label: str = ""
 ) -> Optional[jax.Array]:
@@ -122,12 +128,13 @@ class InvocationContext:
                 f"(keys: {sorted(self.state)})"
             )
         self._calls.add(call)
+        entry = labelled_name(name, label)
         return InvocationContext(
-            name=name,
+            name=entry,
             parent=self,
             module=child,
             state=self.state.get(name, {}),
-            output_collection=self.child_collection(name),
+            output_collection=self.child_collection(entry),
             is_training=self.is_training,
             prng_key=child_key(self.prng_key, name, method, label),
         )

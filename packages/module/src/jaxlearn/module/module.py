@@ -252,8 +252,11 @@ class Module(Configurable):
     def invoke_child(
         self, name: str, *args: Any, label: str, method: str = "forward", **kwargs: Any
     ) -> Any:
-        """Calls child `name` again in a distinctly labelled sub-context (its key is
-        further folded with `label`, its outputs must not collide with earlier calls)."""
+        """Calls child `name` (again) in a distinctly labelled sub-context: its key is
+        further folded with `label` and its outputs are recorded under `name@label`.
+
+        State updates recorded there are not at a state path, so `merge_state_updates`
+        leaves them out; the unlabelled call (if any) owns the child's state updates."""
         if name not in self._children:
             raise ModuleError(
                 f"{self.path()}: invoke_child: no child '{name}' (children: "

@@ -20,6 +20,7 @@ from jaxlearn.module.context import (
     OutputCollection,
     child_key,
     current_context,
+    labelled_name,
     push_context,
 )
 from jaxlearn.module.module import Module, ModuleError
@@ -58,6 +59,12 @@ def scan_child(
     n = num_iterations if num_iterations is not None else (leaves[0].shape[0] if leaves else None)
     if n is None:
         raise ModuleError(f"{child.path()}: stateless child needs num_iterations")
+    bad = sorted({leaf.shape[:1] for leaf in leaves if leaf.shape[:1] != (n,)})
+    if bad:
+        raise ModuleError(
+            f"{child.path()}: scan_child needs state stacked [{n}, ...] (declare the child "
+            f"with _add_stacked_child); found leading dims {bad}"
+        )
     ctx._calls.add(call)
     base_key = child_key(ctx.prng_key, child.name, "scan", label)
     keys = jax.random.split(base_key, n) if base_key is not None else None
@@ -65,7 +72,9 @@ def scan_child(
 
     def step(layer_state: Any, key: Any, carry: Any, x: Any) -> tuple[Any, OutputCollection]:
         oc = OutputCollection()
-        sub = InvocationContext(child.name, ctx, child, layer_state, oc, is_training, key)
+        sub = InvocationContext(
+            labelled_name(child.name, label), ctx, child, layer_state, oc, is_training, key
+        )
         with push_context(sub):
             out = fn(child, carry, x)
         return out, oc
@@ -80,7 +89,7 @@ def scan_child(
         return carry, (ys, oc)
 
     carry, (ys, oc) = jax.lax.scan(body, carry, (state, keys, xs), length=n, unroll=unroll)
-    child_oc = ctx.child_collection(child.name)
+    child_oc = ctx.child_collection(labelled_name(child.name, label))
     child_oc.summaries.update(oc.summaries)
     child_oc.state_updates.update(oc.state_updates)
     child_oc.module_outputs.update(oc.module_outputs)

@@ -3,12 +3,16 @@
 The runtime (which may import jaxlearn.mesh) installs a mesh and a function mapping
 logical axis names to a PartitionSpec; layers call `with_logical_constraint(x, axes)`
 and never name a physical mesh axis. Without an installed mapping it is a no-op.
+
+The installed (mesh, spec_fn) pair is a `jax.make_user_context` value, so it is part of
+jit's trace-cache key: a function traced inside one `logical_sharding` block is re-traced
+(not silently reused) outside it or under another mesh or spec function. spec_fn must
+therefore be hashable and stable (a module-level function, not a fresh lambda per step).
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import jax
@@ -20,26 +24,22 @@ from jaxlearn.module.param import ParameterSpec, is_spec
 LogicalAxes = Sequence[Optional[str]]
 SpecFn = Callable[[LogicalAxes], PartitionSpec]
 
-_ACTIVE: contextvars.ContextVar[Optional[tuple[Mesh, SpecFn]]] = contextvars.ContextVar(
-    "jaxlearn_logical_sharding", default=None
-)
+# Part of jax.jit's cache key (see the module docstring).
+_ACTIVE = jax.make_user_context(default_value=None)
 
 
 @contextlib.contextmanager
 def logical_sharding(mesh: Mesh, spec_fn: SpecFn) -> Iterator[None]:
     """Within this block (while tracing), logical constraints map through `spec_fn`."""
-    token = _ACTIVE.set((mesh, spec_fn))
-    try:
+    with _ACTIVE((mesh, spec_fn)):
         yield
-    finally:
-        _ACTIVE.reset(token)
 
 
 def with_logical_constraint(x: jax.Array, logical_axes: LogicalAxes) -> jax.Array:
     """Constrains `x`'s sharding by logical axis names, one per dim (None = replicated)."""
     if len(logical_axes) != x.ndim:
         raise ValueError(f"with_logical_constraint: {len(logical_axes)} axes for shape {x.shape}")
-    active = _ACTIVE.get()
+    active: Optional[tuple[Mesh, SpecFn]] = _ACTIVE.value
     if active is None:
         return x
     mesh, spec_fn = active
