@@ -12,8 +12,8 @@ import tensorstore as ts
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from jaxlearn.checkpoint import (
-    CheckpointError,
     Checkpointer,
+    CheckpointError,
     CheckpointStructureError,
     StepMetadata,
 )
@@ -74,8 +74,10 @@ def abstract(state, m, spec_fn):
 
     def one(x):
         if isinstance(x, jax.Array):
-            s = NamedSharding(m, spec_fn(x)) if m is not None else SingleDeviceSharding(
-                jax.devices()[0]
+            s = (
+                NamedSharding(m, spec_fn(x))
+                if m is not None
+                else SingleDeviceSharding(jax.devices()[0])
             )
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
         return x
@@ -118,7 +120,10 @@ def test_restore_into_other_dtypes(make_checkpointer):
     ckpt.save(3, {"w": put(w, m, "data", None), "h": w.copy()}, config_text=None)
     ckpt.wait_until_finished()
     sharding = NamedSharding(mesh((8,), ("d",)), PartitionSpec(None, "d"))
-    target = {"w": jax.ShapeDtypeStruct((8, 8), jnp.bfloat16, sharding=sharding), "h": np.zeros((8, 8), np.float16)}
+    target = {
+        "w": jax.ShapeDtypeStruct((8, 8), jnp.bfloat16, sharding=sharding),
+        "h": np.zeros((8, 8), np.float16),
+    }
     out = ckpt.restore(3, target)
     assert out["w"].dtype == jnp.bfloat16 and out["w"].sharding == sharding
     np.testing.assert_array_equal(np.asarray(out["w"]), w.astype(ml_dtypes.bfloat16))
@@ -202,7 +207,9 @@ def test_config_is_configurable(tmp_path):
         Checkpointer.default_config().set(directory=str(tmp_path), keep_best_n=2).instantiate()
     cfg = Checkpointer.default_config().set(directory=str(tmp_path), keep_last_n=3)
     text = to_flat_text(cfg)
-    assert "keep_last_n: 3" in text and "klass: jaxlearn.checkpoint.checkpointer.Checkpointer" in text
+    assert (
+        "keep_last_n: 3" in text and "klass: jaxlearn.checkpoint.checkpointer.Checkpointer" in text
+    )
     with cfg.instantiate() as ckpt:
         assert ckpt.steps() == [] and ckpt.latest_step() is None
         assert ckpt.restore_latest({"x": jnp.zeros(2)}) is None
@@ -271,3 +278,25 @@ def test_sync_mode_commits_before_returning(make_checkpointer):
     ckpt = make_checkpointer(async_save=False)
     ckpt.save(1, {"x": jnp.ones(3)})
     assert ckpt.steps() == [1]  # No wait needed.
+
+
+def test_background_failure_surfaces_and_step_stays_invisible(make_checkpointer, monkeypatch):
+    from jaxlearn.checkpoint import CheckpointSaveError, commit
+
+    ckpt = make_checkpointer()
+    ckpt.save(1, {"x": jnp.ones(3)})
+    ckpt.wait_until_finished()
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(commit, "publish", broken)
+    ckpt.save(2, {"x": jnp.ones(3)})  # Returns: the failure happens in the background.
+    with pytest.raises(CheckpointSaveError, match="disk full"):
+        ckpt.wait_until_finished()
+    assert ckpt.steps() == [1]
+    monkeypatch.undo()
+    ckpt.save(3, {"x": jnp.ones(3)})  # The error was reported once; saving goes on.
+    ckpt.wait_until_finished()
+    assert ckpt.steps() == [1, 3]
+    assert not (ckpt.directory / "step_00000002.tmp").exists()  # Cleaned by the GC.

@@ -163,7 +163,7 @@ def start_digests(arrays: Sequence[jax.Array]) -> list[jax.Array]:
     """
     groups: dict[tuple[int, ...], list[int]] = {}
     for i, a in enumerate(arrays):
-        key = tuple(sorted(d.id for d in a.sharding.device_set))
+        key = tuple(sorted(d.id for d in a.sharding.device_set))  # type: ignore[attr-defined]
         groups.setdefault(key, []).append(i)
     out: list[Any] = [None] * len(arrays)
     for idx in groups.values():

@@ -23,10 +23,9 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from etils import epath
+from etils import epath  # type: ignore[import-untyped]
 from jax.sharding import SingleDeviceSharding
 
 from jaxlearn.checkpoint import digest as digest_lib
@@ -57,7 +56,9 @@ class _Plan:
 
     def orbax_item(self) -> Any:
         if self.on_device:
-            return jax.ShapeDtypeStruct(self.record.shape, self.stored_dtype, sharding=self.sharding)
+            return jax.ShapeDtypeStruct(
+                self.record.shape, self.stored_dtype, sharding=self.sharding
+            )
         return np.zeros((), np.int8) if self.record.kind == "scalar" else np.zeros(0, np.int8)
 
     def orbax_args(self) -> ocp.RestoreArgs:
@@ -66,8 +67,6 @@ class _Plan:
         if self.record.kind == "scalar":
             return ocp.RestoreArgs()
         return ocp.RestoreArgs(restore_type=np.ndarray)
-
-
 
 
 def plan_restore(
@@ -149,7 +148,10 @@ def restore_step(
         bad = _verify(plans, values)
         if bad:
             raise CheckpointCorruptionError(
-                step, str(step_path), [f"array {p}: {why}" for p, why in bad.items()], arrays=list(bad)
+                step,
+                str(step_path),
+                [f"array {p}: {why}" for p, why in bad.items()],
+                arrays=list(bad),
             )
     return jax.tree_util.tree_unflatten(treedef, [_convert(p, v) for p, v in zip(plans, values)])
 
@@ -246,7 +248,11 @@ def _root_cause(e: BaseException) -> str:
 
 
 def _convert(plan: _Plan, value: Any) -> Any:
-    want = plan.target_leaf.dtype if plan.target_dtype.startswith("key<") else np.dtype(plan.target_dtype)
+    want = (
+        plan.target_leaf.dtype
+        if plan.target_dtype.startswith("key<")
+        else np.dtype(plan.target_dtype)
+    )
     if plan.target_kind == "jax":
         if not plan.on_device:
             return jax.device_put(np.asarray(value).astype(want), plan.sharding)
