@@ -18,6 +18,8 @@ import os
 import sys
 from typing import Any, Optional, Sequence
 
+from jaxlearn.cli import aot_cmd
+
 EXIT_USAGE = 2
 
 
@@ -55,6 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config-diff", help="diff two configs (experiment names or files)")
     p.add_argument("a")
     p.add_argument("b")
+
+    aot_cmd.add_parsers(sub, _add_experiment_args)  # aot, plan
+
+    p = sub.add_parser("golden", help="check or regenerate golden_configs/")
+    p.add_argument("--write", action="store_true", help="rewrite the golden files")
+    p.add_argument("--dir", default=None, help="default: <repo>/golden_configs")
     return parser
 
 
@@ -99,7 +107,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         cfg.output_dir = args.output_dir
         inputs = cfg.input.instantiate()
-        inputs.check()  # Bad data fails here, before anything is written.
+        inputs.iterator(0, 1)  # Bad data fails here, before anything is written.
     except (ConfigError, ValueError, OSError) as e:
         raise UsageError(str(e)) from None
     _check_output_dir(args.output_dir)
@@ -146,12 +154,49 @@ def cmd_config_diff(args: argparse.Namespace) -> int:
     return 1 if diff else 0
 
 
+def cmd_golden(args: argparse.Namespace) -> int:
+    from jaxlearn.config import diff_flat_texts
+    from jaxlearn.experiments import golden_texts, write_golden
+
+    directory = args.dir or os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), *[os.pardir] * 6, "golden_configs"
+    )
+    directory = os.path.normpath(directory)
+    if args.write:
+        names = write_golden(directory)
+        print(f"jaxlearn: wrote {len(names)} golden configs to {directory}", file=sys.stderr)
+        return 0
+    drift = 0
+    for name, text in golden_texts().items():
+        path = os.path.join(directory, name)
+        old = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
+        if old != text:
+            drift += 1
+            sys.stdout.write(diff_flat_texts(old, text, f"golden/{name}", "current"))
+    print(f"jaxlearn: {drift} golden config(s) drifted", file=sys.stderr)
+    return 1 if drift else 0
+
+
 COMMANDS = {
     "train": cmd_train,
     "experiments": cmd_experiments,
     "config": cmd_config,
     "config-diff": cmd_config_diff,
+    **aot_cmd.COMMANDS,
+    "golden": cmd_golden,
 }
+
+
+def _enable_compilation_cache() -> None:
+    """Persistent XLA compilation cache (JAXLEARN_COMPILATION_CACHE=0 disables it)."""
+    path = os.environ.get("JAXLEARN_COMPILATION_CACHE",
+                          os.path.join(os.path.expanduser("~"), ".cache", "jaxlearn", "xla"))
+    if path in ("", "0"):
+        return
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -160,6 +205,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         stream=sys.stderr)
     for noisy in ("absl", "jax._src", "orbax"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    _enable_compilation_cache()
     try:
         return COMMANDS[args.command](args)
     except UsageError as e:

@@ -1,1 +1,19 @@
-"""jaxlearn.experiments: Leaf: named recipes and their mesh rules; the source of golden_configs/; cross-package integration tests."""
+"""jaxlearn.experiments: named recipes with their mesh rules; the source of golden configs."""
+
+from jaxlearn.experiments.golden import SELECTORS, golden_texts, write_golden
+from jaxlearn.experiments.recipes import (
+    DEFAULT_EXPERIMENT,
+    EXPERIMENTS,
+    get_experiment,
+    moe,
+)
+
+__all__ = [
+    "DEFAULT_EXPERIMENT",
+    "EXPERIMENTS",
+    "SELECTORS",
+    "get_experiment",
+    "golden_texts",
+    "moe",
+    "write_golden",
+]

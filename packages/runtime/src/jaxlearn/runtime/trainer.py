@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -64,10 +64,14 @@ class Trainer(Configurable):
         # Peak FLOP/s per device for MFU (None: from the hardware catalogue).
         peak_flops_per_device: Optional[float] = None
 
-    def __init__(self, cfg: "Trainer.Config"):
+    def __init__(self, cfg: "Trainer.Config", *, devices: Optional[Sequence[Any]] = None):
+        """`devices`: what the mesh is built from (default: this process's view of
+        `jax.devices()`); e.g. mock TPU topology devices or fake CPU devices for AOT."""
         super().__init__(cfg)
         cfg = self.config
-        self.mesh: Mesh = mesh_from_config(cfg, _devices_for(cfg.mesh_shape))
+        if devices is None:
+            devices = _devices_for(cfg.mesh_shape)
+        self.mesh: Mesh = mesh_from_config(cfg, devices)
         self.model: Module = cfg.model.clone(name="model").instantiate()
         self.learner: Learner = cfg.learner.instantiate(total_steps=cfg.max_step)
         self.param_specs = self.model.create_parameter_specs_recursively()
@@ -203,8 +207,9 @@ class Trainer(Configurable):
             out_shardings=(self.state_shardings, self._replicated),
             donate_argnums=(0,),
         )
+        state = self.abstract_state()  # Outside the mesh: it may have no local devices.
         with jax.set_mesh(self.mesh), self._logical():
-            return fn.lower(self.abstract_state(), batch_abstract).compile()
+            return fn.lower(state, batch_abstract).compile()
 
     def _eval(self, params: Any, batch: Any) -> dict[str, jax.Array]:
         (loss, metrics), _ = functional(self.model, None, params, (batch,), is_training=False)
@@ -235,7 +240,8 @@ class Trainer(Configurable):
         inputs = cfg.input.instantiate()
         data = inputs.iterator(jax.process_index(), jax.process_count())
         checkpointer = (
-            cfg.checkpointer.instantiate(directory=os.path.join(cfg.output_dir, "checkpoints"))
+            cfg.checkpointer.clone(directory=os.path.join(cfg.output_dir, "checkpoints"))
+            .instantiate()
             if cfg.checkpointer is not None
             else None
         )
@@ -346,9 +352,10 @@ class Trainer(Configurable):
         if checkpointer is not None:
             restored = checkpointer.restore_latest(self.abstract_state())
             if restored is not None:
-                step, state, meta = restored
-                if meta.get("data_iterator_state") is not None:
-                    data.set_state(meta["data_iterator_state"])
+                step, state = restored
+                meta = checkpointer.read_metadata(step, process_index=jax.process_index())
+                if meta.data_iterator_state is not None:
+                    data.set_state(meta.data_iterator_state)
                 log.info("resumed from step %d", step)
                 return state, int(step)
         return self.init_state(), 0

@@ -1,0 +1,42 @@
+"""Golden configs: the flat text of every experiment and of every experiment x mesh
+selector whose rule changes it, under `golden_configs/`.
+
+    tools/jaxlearn golden --write     # regenerate after an intended change
+"""
+
+from __future__ import annotations
+
+import os
+
+from jaxlearn.config import to_flat_text
+from jaxlearn.experiments.recipes import EXPERIMENTS
+from jaxlearn.mesh import apply_mesh_rules
+
+# One representative selector per hardware family.
+SELECTORS = ("cpu-8", "tpu-v5e-256", "tpu-v5p-512", "tpu-v6e-256", "gpu-h100-8x4",
+             "gpu-h200-8x16", "gpu-b200-8x8", "trn2-64")
+
+
+def golden_texts() -> dict[str, str]:
+    """{file name: flat text}: `<exp>.txt` for the recipe, `<exp>@<selector>.txt` per target."""
+    out: dict[str, str] = {}
+    for name, fn in sorted(EXPERIMENTS.items()):
+        base = fn()
+        out[f"{name}.txt"] = to_flat_text(base)
+        for selector in SELECTORS:
+            cfg, _ = apply_mesh_rules(base, selector)
+            out[f"{name}@{selector}.txt"] = to_flat_text(cfg)
+    return out
+
+
+def write_golden(directory: str) -> list[str]:
+    """Writes every golden file (removing stale ones); returns the names written."""
+    os.makedirs(directory, exist_ok=True)
+    texts = golden_texts()
+    for stale in set(os.listdir(directory)) - set(texts):
+        if stale.endswith(".txt"):
+            os.remove(os.path.join(directory, stale))
+    for name, text in texts.items():
+        with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
+            f.write(text)
+    return sorted(texts)

@@ -1,0 +1,134 @@
+"""Named experiments: one function per recipe returning a complete `Trainer.Config`.
+
+Model shapes follow the published architectures (Llama 2: arXiv:2307.09288; Llama 3:
+arXiv:2407.21783; Mixtral: arXiv:2401.04088). Every recipe carries mesh rules for CPU, TPU
+(v4/v5e/v5p/v6e), GPU (H100/H200/B200) and Trainium2; `--mesh_selector` picks one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxlearn.config import replace_config
+from jaxlearn.experiments.common import (
+    large_model_mesh_rules,
+    small_model_mesh_rules,
+    trainer_config,
+)
+from jaxlearn.layers import FeedForward, llama_config
+from jaxlearn.layers.moe import MixtureOfExperts
+from jaxlearn.runtime.bundled import BundledSource
+from jaxlearn.runtime.input_pipeline import Input
+from jaxlearn.runtime.tokenizers import ByteTokenizer
+from jaxlearn.runtime.trainer import Trainer
+
+
+def _input(seq_len: int, global_batch_size: int, split: str = "train") -> Any:
+    return Input.default_config().set(
+        source=BundledSource.default_config(),
+        tokenizer=ByteTokenizer.default_config(),
+        seq_len=seq_len,
+        global_batch_size=global_batch_size,
+        split=split,
+        shuffle=split == "train",
+    )
+
+
+def moe(model: Any, num_experts: int, top_k: int, **kw: Any) -> Any:
+    """Every dense FFN becomes a mixture of experts (hidden_dim, activation carried over)."""
+    experts = MixtureOfExperts.default_config().set(
+        num_experts=num_experts, num_experts_per_token=top_k, **kw
+    )
+    return replace_config(model, FeedForward, experts)
+
+
+def _tiny_model() -> Any:
+    # Byte-level vocabulary (259 ids) padded to 320 so it shards evenly.
+    return llama_config(vocab_size=320, dim=128, num_layers=4, num_heads=4, num_kv_heads=2,
+                        ffn_dim=352, rope_theta=10000.0, tie_embeddings=True)
+
+
+def tiny_llama() -> Trainer.Config:
+    """Default: a 0.9M-parameter Llama on the bundled text; a few minutes on a laptop CPU."""
+    return trainer_config(
+        _tiny_model(),
+        _input(seq_len=128, global_batch_size=16),
+        eval_input=_input(seq_len=128, global_batch_size=16, split="eval"),
+        eval_every_n_steps=100,
+        max_step=300,
+        learning_rate=3e-3,
+        warmup_steps=30,
+        save_every_n_steps=100,
+        mesh_rules=small_model_mesh_rules(),
+    )
+
+
+def tiny_moe() -> Trainer.Config:
+    """tiny-llama with every FFN replaced by 4 experts, top-2 (Mixtral-style)."""
+    cfg = tiny_llama()
+    cfg.model = moe(cfg.model, num_experts=4, top_k=2, capacity_factor=2.0)
+    return cfg
+
+
+def _large(model: Any, *, seq_len: int, global_batch: int, max_step: int, lr: float,
+           gpu_microbatches: int = 1) -> Trainer.Config:
+    return trainer_config(
+        model,
+        _input(seq_len=seq_len, global_batch_size=global_batch),
+        max_step=max_step,
+        learning_rate=lr,
+        warmup_steps=2000,
+        save_every_n_steps=1000,
+        mesh_rules=large_model_mesh_rules(gpu_microbatches=gpu_microbatches),
+    )
+
+
+def llama2_7b() -> Trainer.Config:
+    """Llama 2 7B: 32 layers, d=4096, 32 heads (MHA), FFN 11008, vocab 32000, seq 4096."""
+    model = llama_config(32000, 4096, 32, 32, 32, 11008, rope_theta=10000.0, dtype="bfloat16")
+    return _large(model, seq_len=4096, global_batch=1024, max_step=500_000, lr=3e-4)
+
+
+def llama2_70b() -> Trainer.Config:
+    """Llama 2 70B: 80 layers, d=8192, 64 heads / 8 KV heads, FFN 28672, vocab 32000."""
+    model = llama_config(32000, 8192, 80, 64, 8, 28672, rope_theta=10000.0, dtype="bfloat16")
+    return _large(model, seq_len=4096, global_batch=1024, max_step=500_000, lr=1.5e-4,
+                  gpu_microbatches=4)
+
+
+def llama3_8b() -> Trainer.Config:
+    """Llama 3 8B: 32 layers, d=4096, 32 heads / 8 KV heads, FFN 14336, vocab 128256,
+    RoPE theta 500000, seq 8192."""
+    model = llama_config(128256, 4096, 32, 32, 8, 14336, rope_theta=500000.0,
+                         dtype="bfloat16")
+    return _large(model, seq_len=8192, global_batch=512, max_step=500_000, lr=3e-4)
+
+
+def mixtral_8x7b() -> Trainer.Config:
+    """Mixtral 8x7B: 32 layers, d=4096, 32/8 heads, 8 experts top-2 with FFN 14336,
+    vocab 32000, RoPE theta 1e6."""
+    model = llama_config(32000, 4096, 32, 32, 8, 14336, rope_theta=1e6, dtype="bfloat16")
+    model = moe(model, num_experts=8, top_k=2)
+    return _large(model, seq_len=4096, global_batch=1024, max_step=500_000, lr=3e-4,
+                  gpu_microbatches=2)
+
+
+EXPERIMENTS = {
+    "tiny-llama": tiny_llama,
+    "tiny-moe": tiny_moe,
+    "llama2-7b": llama2_7b,
+    "llama2-70b": llama2_70b,
+    "llama3-8b": llama3_8b,
+    "mixtral-8x7b": mixtral_8x7b,
+}
+DEFAULT_EXPERIMENT = "tiny-llama"
+
+
+def get_experiment(name: str) -> Trainer.Config:
+    """The config of experiment `name`; KeyError with the list (and a suggestion) if unknown."""
+    if name not in EXPERIMENTS:
+        from jaxlearn.config.base import suggest
+
+        raise KeyError(f"unknown experiment {name!r}{suggest(name, list(EXPERIMENTS))}; "
+                       f"known: {', '.join(sorted(EXPERIMENTS))}")
+    return EXPERIMENTS[name]()
