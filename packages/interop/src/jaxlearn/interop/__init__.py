@@ -1,1 +1,63 @@
-"""jaxlearn.interop: Leaf: HF safetensors / GGUF import and export."""
+"""jaxlearn.interop: HF safetensors / GGUF import and export for jaxlearn causal LMs.
+
+    from jaxlearn.interop import load_pretrained, export_hf
+    loaded = load_pretrained("model_dir_or_file.gguf")   # LoadedModel
+    model = loaded.model()                               # CausalLM
+    ids = loaded.encode_chat([{"role": "user", "content": "Hi"}])
+    export_hf("out_dir", loaded.config, loaded.params, tokenizer=loaded.tokenizer)
+
+See packages/interop/README.md.
+"""
+
+from jaxlearn.interop.arch import Architecture, architecture_from_config, build_config
+from jaxlearn.interop.chat import HAVE_JINJA2, ChatTemplate, detect_family
+from jaxlearn.interop.errors import (
+    ChatTemplateError,
+    InteropError,
+    ParameterMismatchError,
+    TokenizerError,
+    UnsupportedModelError,
+)
+from jaxlearn.interop.generate import greedy_generate
+from jaxlearn.interop.hf import (
+    architecture_from_hf,
+    export_hf,
+    hf_config_dict,
+    load_hf,
+    load_hf_tokenizer,
+)
+from jaxlearn.interop.model import LoadedModel
+from jaxlearn.interop.pretrained import JaxlearnCheckpointError, load_pretrained
+
+__all__ = [
+    "HAVE_JINJA2",
+    "Architecture",
+    "ChatTemplate",
+    "ChatTemplateError",
+    "InteropError",
+    "JaxlearnCheckpointError",
+    "LoadedModel",
+    "ParameterMismatchError",
+    "TokenizerError",
+    "UnsupportedModelError",
+    "architecture_from_config",
+    "architecture_from_hf",
+    "build_config",
+    "detect_family",
+    "export_hf",
+    "greedy_generate",
+    "hf_config_dict",
+    "load_gguf",
+    "load_hf",
+    "load_hf_tokenizer",
+    "load_pretrained",
+]
+
+
+def __getattr__(name: str):  # type: ignore[no-untyped-def]
+    # gguf is imported lazily: the `gguf` package is only needed for GGUF files.
+    if name == "load_gguf":
+        from jaxlearn.interop.gguf import load_gguf
+
+        return load_gguf
+    raise AttributeError(f"module 'jaxlearn.interop' has no attribute {name!r}")

@@ -1,0 +1,321 @@
+"""`Architecture`: the hyperparameters of a Llama-family decoder, independent of the file
+format they come from (HF config.json, GGUF metadata) or go to (HF export).
+
+`build_config(arch)` turns one into a `CausalLM.Config` with `llama_config` (plus a
+dense-FFN -> MoE replacement for Mixtral, per-attention biases for Qwen2 and per-layer
+sliding windows); `architecture_from_config(cfg)` reads one back from a `CausalLM.Config`
+and raises `UnsupportedModelError` for anything the HF Llama/Mistral/Qwen2/Mixtral classes
+cannot express.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+from jaxlearn.config import replace_config
+from jaxlearn.interop.errors import UnsupportedModelError
+from jaxlearn.layers import (
+    Attention,
+    FeedForward,
+    LinearFrequencyScaling,
+    Llama3FrequencyScaling,
+    LoopStack,
+    RMSNorm,
+    ScanStack,
+    TransformerLayer,
+    llama_config,
+)
+from jaxlearn.layers.moe import MixtureOfExperts
+
+FAMILIES = ("llama", "mistral", "qwen2", "mixtral")
+STACKS = ("scan", "loop")
+
+
+@dataclasses.dataclass
+class Architecture:
+    """Format-neutral hyperparameters of a Llama-family causal LM.
+
+    rope_scaling: None, or an HF-style dict with "rope_type" "llama3" (factor,
+    low_freq_factor, high_freq_factor, original_max_position_embeddings) or "linear"
+    (factor). sliding_windows: one entry per layer (None = full attention), or () when no
+    layer has a window. num_experts > 0 makes every FFN a top-k softmax MoE (Mixtral).
+    """
+
+    family: str
+    vocab_size: int
+    dim: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    norm_eps: float
+    rope_theta: float
+    rope_scaling: Optional[dict[str, Any]] = None
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    output_bias: bool = False
+    mlp_bias: bool = False
+    sliding_windows: tuple[Optional[int], ...] = ()
+    num_experts: int = 0
+    num_experts_per_token: int = 2
+    router_aux_loss_coef: float = 0.0
+    max_position_embeddings: Optional[int] = None
+    bos_token_id: Optional[int] = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise UnsupportedModelError(f"architecture family {self.family!r} not in {FAMILIES}")
+        if self.sliding_windows and len(self.sliding_windows) != self.num_layers:
+            raise UnsupportedModelError(
+                f"sliding_windows has {len(self.sliding_windows)} entries for "
+                f"{self.num_layers} layers"
+            )
+        if self.sliding_windows and all(w is None for w in self.sliding_windows):
+            self.sliding_windows = ()
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedModelError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads="
+                f"{self.num_kv_heads}"
+            )
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def uniform_sliding_window(self) -> tuple[bool, Optional[int]]:
+        """(True, window) when every layer has the same window (None = none)."""
+        if not self.sliding_windows:
+            return True, None
+        first = self.sliding_windows[0]
+        return all(w == first for w in self.sliding_windows), first
+
+
+def build_config(
+    arch: Architecture,
+    *,
+    stack: str = "scan",
+    dtype: Optional[str] = None,
+    param_dtype: Optional[str] = None,
+    attention_implementation: str = "einsum",
+    moe_dropless_method: str = "ragged_dot",
+    name: str = "model",
+) -> Any:
+    """A `CausalLM.Config` for `arch` (built with `llama_config`).
+
+    stack: "scan" or "loop"; layers with different sliding windows need per-layer configs,
+    so they always get a `LoopStack` (whatever `stack` says).
+    dtype: compute dtype (e.g. "bfloat16"); param_dtype: storage dtype of the params
+    (default float32).
+    """
+    if stack not in STACKS:
+        raise ValueError(f"stack must be one of {STACKS}, got {stack!r}")
+    uniform, window = arch.uniform_sliding_window()
+    if not uniform:
+        stack = "loop"
+    scaling = arch.rope_scaling
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+    if scaling is not None and rope_type not in ("llama3", "linear", "default", None):
+        raise UnsupportedModelError(
+            f"RoPE scaling type {rope_type!r} is not supported (llama3, linear, default)"
+        )
+    if arch.is_moe and arch.mlp_bias:
+        raise UnsupportedModelError("MoE experts with MLP biases are not supported")
+    cfg = llama_config(
+        vocab_size=arch.vocab_size,
+        dim=arch.dim,
+        num_layers=arch.num_layers,
+        num_heads=arch.num_heads,
+        num_kv_heads=arch.num_kv_heads,
+        ffn_dim=arch.ffn_dim,
+        head_dim=arch.head_dim,
+        rope_theta=arch.rope_theta,
+        rope_scaling=scaling if rope_type == "llama3" else None,
+        norm_eps=arch.norm_eps,
+        mlp_bias=arch.mlp_bias,
+        tie_embeddings=arch.tie_embeddings,
+        stack=stack,
+        attention_implementation=attention_implementation,
+        dtype=dtype,
+        name=name,
+    )
+    if param_dtype is not None:
+        cfg.param_dtype = param_dtype
+    layer = cfg.decoder.transformer.layer
+    attention = layer.self_attention
+    attention.qkv_bias = arch.qkv_bias
+    attention.output_bias = arch.output_bias
+    if rope_type == "linear":
+        attention.rope.frequency_scaling = LinearFrequencyScaling.default_config().set(
+            factor=float(scaling["factor"])  # type: ignore[index]
+        )
+    if uniform:
+        attention.sliding_window = window
+    else:
+        layers = []
+        for w in arch.sliding_windows:
+            one = layer.clone()
+            one.self_attention = one.self_attention.clone(sliding_window=w)
+            layers.append(one)
+        cfg.decoder.transformer.layers = layers
+    if arch.is_moe:
+        experts = MixtureOfExperts.default_config().set(
+            num_experts=arch.num_experts,
+            num_experts_per_token=arch.num_experts_per_token,
+            router_scores="softmax",
+            normalize_top_k_weights=True,
+            capacity_factor=None,
+            dropless_method=moe_dropless_method,
+            # HF's load_balancing_loss_func is num_experts_per_token times ours.
+            load_balance_loss_weight=arch.router_aux_loss_coef * arch.num_experts_per_token,
+        )
+        cfg = replace_config(cfg, FeedForward, experts)
+    return cfg
+
+
+# ---- reading an Architecture back from a CausalLM config -------------------------------------
+
+
+def _is(cfg: Any, klass: type) -> bool:
+    k = getattr(cfg, "klass", None)
+    return isinstance(k, type) and issubclass(k, klass)
+
+
+def architecture_from_config(cfg: Any, *, max_position_embeddings: Optional[int] = None) -> Any:
+    """Reads an `Architecture` from a `CausalLM.Config` (as built by `llama_config`, possibly
+    with MoE / bias / sliding-window changes). Raises `UnsupportedModelError` naming the
+    config path of anything an HF Llama/Mistral/Qwen2/Mixtral checkpoint cannot express."""
+
+    def bad(path: str, why: str) -> UnsupportedModelError:
+        return UnsupportedModelError(f"cannot export {path}: {why}")
+
+    dec = cfg.decoder
+    if dec.emb.scale_by_sqrt_dim:
+        raise bad("model.decoder.emb.scale_by_sqrt_dim", "HF Llama does not scale embeddings")
+    if dec.logits_soft_cap is not None:
+        raise bad("model.decoder.logits_soft_cap", "no final-logit soft cap in HF Llama")
+    t = dec.transformer
+    if not (_is(t, ScanStack) or _is(t, LoopStack)):
+        raise bad("model.decoder.transformer", f"unknown stack {t.klass}")
+    layer_cfgs = list(getattr(t, "layers", None) or [t.layer] * t.num_layers)
+
+    def norm_eps(path: str, norm: Any) -> float:
+        if not _is(norm, RMSNorm) or norm.scale_offset:
+            raise bad(path, "only RMSNorm without scale offset maps to HF Llama")
+        return float(norm.eps)
+
+    eps = norm_eps("model.decoder.output_norm", dec.output_norm)
+    windows: list[Optional[int]] = []
+    first: Optional[dict[str, Any]] = None
+    for i, lc in enumerate(layer_cfgs):
+        where = f"model.decoder.transformer.layers[{i}]"
+        if not _is(lc, TransformerLayer):
+            raise bad(where, f"unknown layer {lc.klass}")
+        if norm_eps(f"{where}.norm", lc.norm) != eps:
+            raise bad(f"{where}.norm.eps", "HF Llama has one rms_norm_eps for every norm")
+        a = lc.self_attention
+        if not _is(a, Attention):
+            raise bad(f"{where}.self_attention", f"unknown attention {a.klass}")
+        for field, ok in (
+            ("qk_norm", a.qk_norm is None),
+            ("logit_soft_cap", a.logit_soft_cap is None),
+            ("causal", a.causal),
+            ("rope", a.rope is not None and a.rope.rotary_fraction == 1.0),
+        ):
+            if not ok:
+                raise bad(f"{where}.self_attention.{field}", f"unsupported value {getattr(a, field)!r}")
+        head_dim = a.head_dim if a.head_dim is not None else a.input_dim // a.num_heads
+        if a.query_scale is not None and not math.isclose(a.query_scale, head_dim**-0.5):
+            raise bad(f"{where}.self_attention.query_scale", "HF uses head_dim ** -0.5")
+        fs = a.rope.frequency_scaling
+        rope_scaling: Optional[dict[str, Any]] = None
+        if fs is not None:
+            if _is(fs, Llama3FrequencyScaling):
+                rope_scaling = {"rope_type": "llama3"}
+                rope_scaling.update({k: getattr(fs, k) for k in fs.keys() if k != "klass"})
+            elif _is(fs, LinearFrequencyScaling):
+                rope_scaling = {"rope_type": "linear", "factor": float(fs.factor)}
+            else:
+                raise bad(f"{where}.self_attention.rope.frequency_scaling", f"{fs.klass}")
+        f = lc.feed_forward
+        if _is(f, MixtureOfExperts):
+            if tuple(f.activation) != ("silu", "linear"):
+                raise bad(f"{where}.feed_forward.activation", "Mixtral experts are SwiGLU")
+            if f.router_scores != "softmax" or not f.normalize_top_k_weights:
+                raise bad(f"{where}.feed_forward", "Mixtral routing is softmax + top-k renorm")
+            ffn = dict(
+                ffn_dim=f.hidden_dim,
+                num_experts=f.num_experts,
+                num_experts_per_token=f.num_experts_per_token,
+                mlp_bias=False,
+            )
+        elif _is(f, FeedForward):
+            if tuple(f.activation) != ("silu", "linear"):
+                raise bad(f"{where}.feed_forward.activation", "HF Llama MLP is SwiGLU")
+            ffn = dict(ffn_dim=f.hidden_dim, num_experts=0, mlp_bias=bool(f.use_bias))
+        else:
+            raise bad(f"{where}.feed_forward", f"unknown feed-forward {f.klass}")
+        this = dict(
+            num_heads=a.num_heads,
+            num_kv_heads=a.num_kv_heads if a.num_kv_heads is not None else a.num_heads,
+            head_dim=head_dim,
+            rope_theta=float(a.rope.theta),
+            rope_scaling=rope_scaling,
+            qkv_bias=bool(a.qkv_bias),
+            output_bias=bool(a.output_bias),
+            **ffn,
+        )
+        if first is None:
+            first = this
+        elif this != first:
+            diff = sorted(k for k in this if this[k] != first[k])
+            raise bad(where, f"layers differ from layer 0 in {diff}; HF needs uniform layers")
+        windows.append(a.sliding_window)
+    assert first is not None
+    family = _family(first, windows)
+    return Architecture(
+        family=family,
+        vocab_size=dec.vocab_size,
+        dim=dec.dim,
+        num_layers=len(layer_cfgs),
+        norm_eps=eps,
+        tie_embeddings=dec.lm_head is None,
+        sliding_windows=tuple(windows),
+        max_position_embeddings=max_position_embeddings,
+        **first,
+    )
+
+
+def _family(layer: dict[str, Any], windows: list[Optional[int]]) -> str:
+    """The HF model class that can express these settings."""
+    sliding = any(w is not None for w in windows)
+    uniform = all(w == windows[0] for w in windows)
+    if layer["num_experts"]:
+        if layer["qkv_bias"] or layer["output_bias"]:
+            raise UnsupportedModelError("cannot export: Mixtral has no attention biases")
+        if not uniform:
+            raise UnsupportedModelError("cannot export: Mixtral needs one sliding window")
+        return "mixtral"
+    if layer["qkv_bias"] and not layer["output_bias"]:
+        if layer["mlp_bias"]:
+            raise UnsupportedModelError("cannot export: Qwen2 has no MLP biases")
+        if sliding:
+            # Qwen2: full attention for layers < max_window_layers, the window after.
+            k = next(i for i, w in enumerate(windows) if w is not None)
+            if any(w is not None for w in windows[:k]) or any(w != windows[k] for w in windows[k:]):
+                raise UnsupportedModelError(
+                    "cannot export: Qwen2 windows must be full attention then one window"
+                )
+        return "qwen2"
+    if layer["qkv_bias"] != layer["output_bias"]:
+        raise UnsupportedModelError("cannot export: output bias without q/k/v biases")
+    if sliding:
+        if not uniform:
+            raise UnsupportedModelError("cannot export: per-layer windows need q/k/v biases")
+        if layer["qkv_bias"] or layer["mlp_bias"]:
+            raise UnsupportedModelError("cannot export: Mistral has no biases")
+        return "mistral"
+    return "llama"

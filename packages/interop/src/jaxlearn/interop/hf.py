@@ -1,0 +1,642 @@
+"""HF transformers checkpoints: load an HF model directory and export one.
+
+    loaded = load_hf("path/to/dir")          # LoadedModel (config, params, tokenizer, ...)
+    export_hf("out/", loaded.config, loaded.params, tokenizer=loaded.tokenizer,
+              chat_template=loaded.chat_template)
+
+Supported `model_type`s: llama (incl. Llama-3.1 RoPE scaling, attention/MLP biases),
+mistral (sliding window), qwen2 (q/k/v biases, per-layer sliding windows via
+`layer_types` / `use_sliding_window` + `max_window_layers`), mixtral (top-k softmax MoE;
+both the hub layout `block_sparse_moe.experts.N.w1/w2/w3` and the fused
+`mlp.experts.gate_up_proj/down_proj` layout of transformers 5). Tensors are read with
+`safetensors` into numpy (no torch, no pickle), single-file or sharded
+(`model.safetensors.index.json`); bf16 works through `ml_dtypes`.
+
+Layout mapping (HF [out, in] `nn.Linear` weights; ours [in, *out]):
+
+| HF (model.layers.N.)                 | jaxlearn (decoder.transformer.<layer>.)           |
+|--------------------------------------|---------------------------------------------------|
+| input_layernorm.weight               | attention_norm.scale                              |
+| self_attn.q_proj.weight [H*D, E]     | self_attention.q_proj [E, H, D] = W.T.reshape     |
+| self_attn.k/v_proj.weight [K*D, E]   | self_attention.k/v_proj [E, K, D]                 |
+| self_attn.o_proj.weight [E, H*D]     | self_attention.o_proj [H, D, E] = W.T.reshape     |
+| self_attn.q/k/v_proj.bias, o_proj.bias | self_attention.q/k/v_bias [n, D], o_bias [E]    |
+| post_attention_layernorm.weight      | ffn_norm.scale                                    |
+| mlp.gate/up/down_proj.weight (+bias) | feed_forward.wi_0 / wi_1 / wo = W.T (+ *_bias)    |
+| block_sparse_moe.gate.weight [X, E]  | feed_forward.router [E, X] = W.T                  |
+| block_sparse_moe.experts.j.w1/w3/w2  | feed_forward.wi_0[j] / wi_1[j] / wo[j] = W.T      |
+| model.embed_tokens.weight            | decoder.emb.weight                                |
+| model.norm.weight                    | decoder.output_norm.scale                         |
+| lm_head.weight [V, E] (untied)       | decoder.lm_head.weight [E, V] = W.T               |
+
+RoPE uses the rotate-half convention of HF, so q/k need no permutation.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any, Iterable, Optional
+
+import ml_dtypes  # noqa: F401  (registers bfloat16 & co. with numpy for safetensors)
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from jaxlearn.interop.arch import Architecture, architecture_from_config, build_config
+from jaxlearn.interop.chat import ChatTemplate
+from jaxlearn.interop.errors import (
+    InteropError,
+    ParameterMismatchError,
+    TokenizerError,
+    UnsupportedModelError,
+)
+from jaxlearn.interop.model import LoadedModel
+from jaxlearn.interop.tree import assemble_params, split_params
+
+Nested = dict[str, Any]
+INDEX_FILE = "model.safetensors.index.json"
+HF_CLASSES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+}
+# Tensors that carry no parameters (buffers some exporters write).
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+# ---- config.json -----------------------------------------------------------------------------
+
+
+def read_json(path: pathlib.Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise InteropError(f"{path}: not found") from None
+    except json.JSONDecodeError as e:
+        raise InteropError(f"{path}: invalid JSON ({e})") from None
+
+
+def _ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, (list, tuple)):
+        return tuple(int(v) for v in value)
+    return (int(value),)
+
+
+def _rope(hf: dict[str, Any], where: str) -> tuple[float, Optional[dict[str, Any]]]:
+    """(theta, scaling dict or None) from transformers 5 `rope_parameters` or the older
+    top-level `rope_theta` + `rope_scaling`."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:  # per-layer-type form
+        params = params["full_attention"]
+    if isinstance(params, dict):
+        theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+        scaling: Optional[dict[str, Any]] = dict(params)
+    else:
+        theta = float(hf.get("rope_theta", 10000.0))
+        scaling = dict(hf["rope_scaling"]) if hf.get("rope_scaling") else None
+    if scaling is not None:
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        scaling.pop("rope_theta", None)
+        scaling.pop("type", None)
+        scaling["rope_type"] = rope_type
+        if rope_type == "default":
+            scaling = None
+        elif rope_type not in ("llama3", "linear"):
+            raise UnsupportedModelError(
+                f"{where}: RoPE scaling {rope_type!r} is not supported (llama3, linear)"
+            )
+    if float(hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise UnsupportedModelError(f"{where}: partial_rotary_factor != 1 is not supported")
+    return theta, scaling
+
+
+def architecture_from_hf(hf: dict[str, Any], *, where: str = "config.json") -> Architecture:
+    """Reads an HF `config.json` dict (Llama / Mistral / Qwen2 / Mixtral)."""
+    model_type = hf.get("model_type")
+    if model_type not in HF_CLASSES:
+        archs = hf.get("architectures") or []
+        raise UnsupportedModelError(
+            f"{where}: model_type {model_type!r} ({archs}) is not supported; "
+            f"supported: {sorted(HF_CLASSES)}"
+        )
+    act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
+    if act != "silu":
+        raise UnsupportedModelError(f"{where}: hidden_act {act!r} (only silu/SwiGLU)")
+    try:
+        dim = int(hf["hidden_size"])
+        heads = int(hf["num_attention_heads"])
+        kv = int(hf.get("num_key_value_heads") or heads)
+        layers = int(hf["num_hidden_layers"])
+        theta, scaling = _rope(hf, where)
+        n_windows: tuple[Optional[int], ...] = ()
+        window = hf.get("sliding_window")
+        layer_types = hf.get("layer_types")
+        if model_type == "qwen2":
+            if not hf.get("use_sliding_window", False):
+                window = None
+            if layer_types is None:
+                k = int(hf.get("max_window_layers", layers))
+                layer_types = [
+                    "sliding_attention" if window is not None and i >= k else "full_attention"
+                    for i in range(layers)
+                ]
+        if layer_types is not None and model_type in ("qwen2", "llama"):
+            n_windows = tuple(
+                int(window) if t == "sliding_attention" and window is not None else None
+                for t in layer_types
+            )
+        elif model_type in ("mistral", "mixtral") and window is not None:
+            n_windows = (int(window),) * layers
+        bias = bool(hf.get("attention_bias", False))
+        return Architecture(
+            family=model_type,
+            vocab_size=int(hf["vocab_size"]),
+            dim=dim,
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=kv,
+            head_dim=int(hf.get("head_dim") or dim // heads),
+            ffn_dim=int(hf["intermediate_size"]),
+            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=True if model_type == "qwen2" else bias,
+            output_bias=bias if model_type == "llama" else False,
+            mlp_bias=bool(hf.get("mlp_bias", False)) if model_type == "llama" else False,
+            sliding_windows=n_windows,
+            num_experts=int(hf.get("num_local_experts", 0)) if model_type == "mixtral" else 0,
+            num_experts_per_token=int(hf.get("num_experts_per_tok", 2)),
+            router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)),
+            max_position_embeddings=hf.get("max_position_embeddings"),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=_ids(hf.get("eos_token_id")),
+        )
+    except KeyError as e:
+        raise InteropError(f"{where}: missing field {e.args[0]!r}") from None
+
+
+def hf_config_dict(arch: Architecture, *, dtype: str = "float32") -> dict[str, Any]:
+    """An HF `config.json` dict for `arch` (the classic `rope_theta`/`rope_scaling` keys,
+    which transformers 4 and 5 both read)."""
+    scaling = None
+    if arch.rope_scaling is not None:
+        scaling = {k: v for k, v in arch.rope_scaling.items()}
+    out: dict[str, Any] = {
+        "architectures": [HF_CLASSES[arch.family]],
+        "model_type": arch.family,
+        "vocab_size": arch.vocab_size,
+        "hidden_size": arch.dim,
+        "intermediate_size": arch.ffn_dim,
+        "num_hidden_layers": arch.num_layers,
+        "num_attention_heads": arch.num_heads,
+        "num_key_value_heads": arch.num_kv_heads,
+        "head_dim": arch.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": arch.max_position_embeddings or 4096,
+        "rms_norm_eps": arch.norm_eps,
+        "rope_theta": arch.rope_theta,
+        "rope_scaling": scaling,
+        "tie_word_embeddings": arch.tie_embeddings,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "torch_dtype": dtype,
+    }
+    if arch.bos_token_id is not None:
+        out["bos_token_id"] = arch.bos_token_id
+    if arch.eos_token_ids:
+        eos = list(arch.eos_token_ids)
+        out["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    windows = arch.sliding_windows
+    if arch.family == "llama":
+        out["attention_bias"] = arch.qkv_bias
+        out["mlp_bias"] = arch.mlp_bias
+    elif arch.family == "mistral":
+        out["sliding_window"] = windows[0] if windows else None
+    elif arch.family == "qwen2":
+        sliding = [i for i, w in enumerate(windows) if w is not None]
+        out["use_sliding_window"] = bool(sliding)
+        out["sliding_window"] = windows[sliding[0]] if sliding else None
+        out["max_window_layers"] = sliding[0] if sliding else arch.num_layers
+        if sliding:
+            out["layer_types"] = [
+                "sliding_attention" if w is not None else "full_attention" for w in windows
+            ]
+    elif arch.family == "mixtral":
+        out["sliding_window"] = windows[0] if windows else None
+        out["num_local_experts"] = arch.num_experts
+        out["num_experts_per_tok"] = arch.num_experts_per_token
+        out["router_aux_loss_coef"] = arch.router_aux_loss_coef
+        out["output_router_logits"] = False
+        out["router_jitter_noise"] = 0.0
+    return out
+
+
+# ---- safetensors ----------------------------------------------------------------------------
+
+
+class SafetensorsReader:
+    """Name -> numpy tensor over the *.safetensors files of a directory (sharded via
+    `model.safetensors.index.json`, or every *.safetensors file)."""
+
+    def __init__(self, directory: pathlib.Path):
+        self.directory = directory
+        index = directory / INDEX_FILE
+        self._where: dict[str, pathlib.Path] = {}
+        self._handles: dict[pathlib.Path, Any] = {}
+        if index.exists():
+            weight_map = read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise InteropError(f"{index}: no 'weight_map' object")
+            for name, file in weight_map.items():
+                path = directory / file
+                if not path.exists():
+                    raise InteropError(f"{index}: shard {file!r} (for {name}) is missing")
+                self._where[name] = path
+        else:
+            files = sorted(directory.glob("*.safetensors"))
+            if not files:
+                raise InteropError(f"{directory}: no *.safetensors files (and no {INDEX_FILE})")
+            for path in files:
+                for name in self._open(path).keys():
+                    self._where[name] = path
+
+    def _open(self, path: pathlib.Path) -> Any:
+        if path not in self._handles:
+            try:
+                self._handles[path] = safe_open(str(path), framework="numpy")
+            except Exception as e:  # safetensors raises its own error types
+                raise InteropError(f"{path}: not a readable safetensors file ({e})") from None
+        return self._handles[path]
+
+    def keys(self) -> list[str]:
+        return list(self._where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._open(self._where[name]).get_slice(name).get_shape())
+
+    def get(self, name: str) -> np.ndarray:
+        return np.asarray(self._open(self._where[name]).get_tensor(name))
+
+
+class _Taker:
+    """Reads tensors by name, recording missing / mis-shaped / consumed names so that one
+    error can list every problem."""
+
+    def __init__(self, reader: SafetensorsReader, dtype: Any):
+        self.reader = reader
+        self.dtype = dtype
+        self.used: set[str] = set()
+        self.missing: list[str] = []
+        self.mismatched: list[str] = []
+
+    def __call__(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if name not in self.reader:
+            self.missing.append(f"{name} {shape}")
+            return np.zeros(shape, self.dtype)
+        self.used.add(name)
+        got = self.reader.shape(name)
+        if got != shape:
+            self.mismatched.append(f"{name}: got {got}, expected {shape}")
+            return np.zeros(shape, self.dtype)
+        return self.reader.get(name).astype(self.dtype, copy=False)
+
+    def has(self, name: str) -> bool:
+        return name in self.reader
+
+
+def _hf_layer(take: _Taker, arch: Architecture, i: int) -> Nested:
+    e, h, kv, d, f = arch.dim, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.ffn_dim
+    pre = f"model.layers.{i}."
+    a = pre + "self_attn."
+    attn = {
+        "q_proj": take(a + "q_proj.weight", (h * d, e)).T.reshape(e, h, d),
+        "k_proj": take(a + "k_proj.weight", (kv * d, e)).T.reshape(e, kv, d),
+        "v_proj": take(a + "v_proj.weight", (kv * d, e)).T.reshape(e, kv, d),
+        "o_proj": take(a + "o_proj.weight", (e, h * d)).T.reshape(h, d, e),
+    }
+    if arch.qkv_bias:
+        for name, n in (("q", h), ("k", kv), ("v", kv)):
+            attn[f"{name}_bias"] = take(a + f"{name}_proj.bias", (n * d,)).reshape(n, d)
+    if arch.output_bias:
+        attn["o_bias"] = take(a + "o_proj.bias", (e,))
+    if arch.is_moe:
+        x = arch.num_experts
+        if take.has(pre + "mlp.experts.gate_up_proj"):  # transformers 5 fused layout
+            router = take(pre + "mlp.gate.weight", (x, e))
+            gate_up = take(pre + "mlp.experts.gate_up_proj", (x, 2 * f, e))
+            down = take(pre + "mlp.experts.down_proj", (x, e, f))
+            wi_0 = gate_up[:, :f].transpose(0, 2, 1)
+            wi_1 = gate_up[:, f:].transpose(0, 2, 1)
+            wo = down.transpose(0, 2, 1)
+        else:
+            m = pre + "block_sparse_moe."
+            router = take(m + "gate.weight", (x, e))
+            wi_0 = np.stack([take(m + f"experts.{j}.w1.weight", (f, e)).T for j in range(x)])
+            wi_1 = np.stack([take(m + f"experts.{j}.w3.weight", (f, e)).T for j in range(x)])
+            wo = np.stack([take(m + f"experts.{j}.w2.weight", (e, f)).T for j in range(x)])
+        ffn = {"router": router.T, "wi_0": wi_0, "wi_1": wi_1, "wo": wo}
+    else:
+        m = pre + "mlp."
+        ffn = {
+            "wi_0": take(m + "gate_proj.weight", (f, e)).T,
+            "wi_1": take(m + "up_proj.weight", (f, e)).T,
+            "wo": take(m + "down_proj.weight", (e, f)).T,
+        }
+        if arch.mlp_bias:
+            ffn["wi_0_bias"] = take(m + "gate_proj.bias", (f,))
+            ffn["wi_1_bias"] = take(m + "up_proj.bias", (f,))
+            ffn["wo_bias"] = take(m + "down_proj.bias", (e,))
+    return {
+        "attention_norm": {"scale": take(pre + "input_layernorm.weight", (e,))},
+        "self_attention": attn,
+        "ffn_norm": {"scale": take(pre + "post_attention_layernorm.weight", (e,))},
+        "feed_forward": ffn,
+    }
+
+
+def hf_layer_tensors(arch: Architecture, i: int, layer: Nested) -> dict[str, np.ndarray]:
+    """One jaxlearn layer (canonical dict) -> HF tensors of `model.layers.{i}.`."""
+    e, h, kv, d = arch.dim, arch.num_heads, arch.num_kv_heads, arch.head_dim
+    pre = f"model.layers.{i}."
+    a, attn, ffn = pre + "self_attn.", layer["self_attention"], layer["feed_forward"]
+    out = {
+        pre + "input_layernorm.weight": layer["attention_norm"]["scale"],
+        pre + "post_attention_layernorm.weight": layer["ffn_norm"]["scale"],
+        a + "q_proj.weight": attn["q_proj"].reshape(e, h * d).T,
+        a + "k_proj.weight": attn["k_proj"].reshape(e, kv * d).T,
+        a + "v_proj.weight": attn["v_proj"].reshape(e, kv * d).T,
+        a + "o_proj.weight": attn["o_proj"].reshape(h * d, e).T,
+    }
+    for name in ("q", "k", "v"):
+        if f"{name}_bias" in attn:
+            out[a + f"{name}_proj.bias"] = attn[f"{name}_bias"].reshape(-1)
+    if "o_bias" in attn:
+        out[a + "o_proj.bias"] = attn["o_bias"]
+    if "router" in ffn:
+        m = pre + "block_sparse_moe."
+        out[m + "gate.weight"] = ffn["router"].T
+        for j in range(ffn["wi_0"].shape[0]):
+            out[m + f"experts.{j}.w1.weight"] = ffn["wi_0"][j].T
+            out[m + f"experts.{j}.w3.weight"] = ffn["wi_1"][j].T
+            out[m + f"experts.{j}.w2.weight"] = ffn["wo"][j].T
+    else:
+        m = pre + "mlp."
+        for ours, theirs in (("wi_0", "gate_proj"), ("wi_1", "up_proj"), ("wo", "down_proj")):
+            out[m + f"{theirs}.weight"] = ffn[ours].T
+            if f"{ours}_bias" in ffn:
+                out[m + f"{theirs}.bias"] = ffn[f"{ours}_bias"]
+    return out
+
+
+def hf_state_dict(arch: Architecture, top: Nested, layers: list[Nested]) -> dict[str, np.ndarray]:
+    """Canonical (top, layers) -> the HF state dict (numpy, HF shapes)."""
+    out = {
+        "model.embed_tokens.weight": top["emb"]["weight"],
+        "model.norm.weight": top["output_norm"]["scale"],
+    }
+    if "lm_head" in top:
+        out["lm_head.weight"] = top["lm_head"]["weight"].T
+    for i, layer in enumerate(layers):
+        out.update(hf_layer_tensors(arch, i, layer))
+    return out
+
+
+def load_hf_params(
+    directory: str | pathlib.Path,
+    arch: Architecture,
+    model: Any,
+    *,
+    names_out: Optional[dict[str, str]] = None,
+) -> Nested:
+    """Reads the safetensors of `directory` into `model`'s params (numpy, spec dtypes).
+
+    Raises ParameterMismatchError listing every missing, unexpected or mis-shaped tensor.
+    """
+    directory = pathlib.Path(directory)
+    reader = SafetensorsReader(directory)
+    take = _Taker(reader, np.float32)
+    e, v = arch.dim, arch.vocab_size
+    top: Nested = {
+        "emb": {"weight": take("model.embed_tokens.weight", (v, e))},
+        "output_norm": {"scale": take("model.norm.weight", (e,))},
+    }
+    if not arch.tie_embeddings:
+        top["lm_head"] = {"weight": take("lm_head.weight", (v, e)).T}
+    layers = [_hf_layer(take, arch, i) for i in range(arch.num_layers)]
+    ignored = {"lm_head.weight"} if arch.tie_embeddings else set()
+    unexpected = sorted(
+        n
+        for n in reader.keys()
+        if n not in take.used and n not in ignored and not n.endswith(_IGNORED_SUFFIXES)
+    )
+    if take.missing or take.mismatched or unexpected:
+        raise ParameterMismatchError(
+            str(directory),
+            missing=take.missing,
+            unexpected=unexpected,
+            mismatched=take.mismatched,
+        )
+    return assemble_params(model, top, layers, source=str(directory), names=names_out)
+
+
+# ---- tokenizer ------------------------------------------------------------------------------
+
+
+def _token_text(value: Any) -> Optional[str]:
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def load_hf_tokenizer(
+    directory: str | pathlib.Path,
+) -> tuple[Any, Optional[ChatTemplate], dict[str, Any]]:
+    """(tokenizers.Tokenizer or None, ChatTemplate or None, info) from `tokenizer.json`,
+    `tokenizer_config.json`, `chat_template.jinja` / `chat_template.json`.
+
+    info: {"bos_token", "eos_token", "pad_token" (text or None), "eos_token_ids" (ids of
+    eos_token and generation_config.json's eos_token_id)}.
+    """
+    from tokenizers import Tokenizer
+
+    directory = pathlib.Path(directory)
+    tokenizer = None
+    if (directory / "tokenizer.json").exists():
+        try:
+            tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+        except Exception as e:  # tokenizers raises a plain Exception subclass
+            raise TokenizerError(f"{directory / 'tokenizer.json'}: {e}") from None
+    tc: dict[str, Any] = {}
+    if (directory / "tokenizer_config.json").exists():
+        tc = read_json(directory / "tokenizer_config.json")
+    template = tc.get("chat_template")
+    if (directory / "chat_template.jinja").exists():
+        template = (directory / "chat_template.jinja").read_text()
+    elif (directory / "chat_template.json").exists():
+        template = read_json(directory / "chat_template.json").get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    bos, eos, pad = (_token_text(tc.get(k)) for k in ("bos_token", "eos_token", "pad_token"))
+    eos_ids: list[int] = []
+    if (directory / "generation_config.json").exists():
+        eos_ids += _ids(read_json(directory / "generation_config.json").get("eos_token_id"))
+    if tokenizer is not None and eos is not None and tokenizer.token_to_id(eos) is not None:
+        eos_ids.append(int(tokenizer.token_to_id(eos)))
+    chat = (
+        ChatTemplate(template, bos_token=bos or "", eos_token=eos or "")
+        if isinstance(template, str) and template
+        else None
+    )
+    info = {
+        "bos_token": bos,
+        "eos_token": eos,
+        "pad_token": pad,
+        "eos_token_ids": tuple(dict.fromkeys(eos_ids)),
+    }
+    return tokenizer, chat, info
+
+
+# ---- entry points ---------------------------------------------------------------------------
+
+
+def load_hf(
+    path: str | pathlib.Path,
+    *,
+    stack: str = "scan",
+    dtype: Optional[str] = None,
+    param_dtype: Optional[str] = None,
+    attention_implementation: str = "einsum",
+    moe_dropless_method: str = "ragged_dot",
+) -> LoadedModel:
+    """Loads an HF model directory (config.json + safetensors [+ tokenizer files]).
+
+    stack / dtype / param_dtype / attention_implementation / moe_dropless_method: see
+    `build_config`. Params are numpy arrays in `param_dtype` (default float32).
+    """
+    directory = pathlib.Path(path)
+    if not directory.is_dir():
+        raise InteropError(f"{directory}: not a directory")
+    hf = read_json(directory / "config.json")
+    arch = architecture_from_hf(hf, where=str(directory / "config.json"))
+    config = build_config(
+        arch,
+        stack=stack,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        attention_implementation=attention_implementation,
+        moe_dropless_method=moe_dropless_method,
+    )
+    model = config.instantiate()
+    params = load_hf_params(directory, arch, model)
+    tokenizer, chat, info = load_hf_tokenizer(directory)
+    eos = tuple(dict.fromkeys(arch.eos_token_ids + info["eos_token_ids"]))
+    pad = hf.get("pad_token_id")
+    if pad is None and tokenizer is not None and info["pad_token"] is not None:
+        pad = tokenizer.token_to_id(info["pad_token"])
+    return LoadedModel(
+        config=config,
+        params=params,
+        tokenizer=tokenizer,
+        chat_template=chat,
+        eos_token_ids=eos,
+        bos_token_id=arch.bos_token_id,
+        pad_token_id=pad,
+        architecture=arch,
+        format="hf",
+        source=str(directory),
+        metadata=hf,
+    )
+
+
+def _cast_for_export(x: np.ndarray, dtype: str) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(x).astype(np.dtype(dtype)))
+
+
+def export_hf(
+    path: str | pathlib.Path,
+    config: Any,
+    params: Nested,
+    *,
+    tokenizer: Any = None,
+    chat_template: Optional[ChatTemplate] = None,
+    bos_token_id: Optional[int] = None,
+    eos_token_ids: Iterable[int] = (),
+    max_position_embeddings: Optional[int] = None,
+    dtype: str = "float32",
+    max_shard_bytes: Optional[int] = None,
+) -> pathlib.Path:
+    """Writes an HF model directory for a jaxlearn `CausalLM` (config + params): config.json,
+    model.safetensors (or shards + index when larger than `max_shard_bytes`),
+    generation_config.json, and tokenizer.json / tokenizer_config.json when a tokenizer is
+    given. dtype: "float32", "bfloat16" or "float16".
+
+    Raises UnsupportedModelError if the config has features HF Llama/Mistral/Qwen2/Mixtral
+    cannot express (the message names the config path).
+    """
+    out = pathlib.Path(path)
+    arch = architecture_from_config(config, max_position_embeddings=max_position_embeddings)
+    arch.bos_token_id = bos_token_id
+    arch.eos_token_ids = tuple(int(i) for i in eos_token_ids)
+    top, layers = split_params(config.instantiate(), params)
+    state = {k: _cast_for_export(v, dtype) for k, v in hf_state_dict(arch, top, layers).items()}
+    out.mkdir(parents=True, exist_ok=True)
+    _save_safetensors(out, state, max_shard_bytes)
+    (out / "config.json").write_text(json.dumps(hf_config_dict(arch, dtype=dtype), indent=2) + "\n")
+    gen: dict[str, Any] = {}
+    if bos_token_id is not None:
+        gen["bos_token_id"] = bos_token_id
+    if arch.eos_token_ids:
+        gen["eos_token_id"] = list(arch.eos_token_ids)
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    if tokenizer is not None:
+        tokenizer.save(str(out / "tokenizer.json"))
+        tc: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast"}
+        if chat_template is not None:
+            tc["chat_template"] = chat_template.source
+            tc["bos_token"] = chat_template.bos_token or None
+            tc["eos_token"] = chat_template.eos_token or None
+        (out / "tokenizer_config.json").write_text(json.dumps(tc, indent=2) + "\n")
+    return out
+
+
+def _save_safetensors(
+    out: pathlib.Path, state: dict[str, np.ndarray], max_shard_bytes: Optional[int]
+) -> None:
+    meta = {"format": "pt"}
+    total = sum(v.nbytes for v in state.values())
+    if max_shard_bytes is None or total <= max_shard_bytes:
+        save_file(state, str(out / "model.safetensors"), metadata=meta)
+        return
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name in sorted(state):
+        if shards[-1] and size + state[name].nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = state[name]
+        size += state[name].nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / file), metadata=meta)
+        weight_map.update({name: file for name in shard})
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def hf_params_to_state(config: Any, params: Nested) -> dict[str, np.ndarray]:
+    """The HF state dict (numpy, float32) of a jaxlearn config + params, without writing."""
+    arch = architecture_from_config(config)
+    top, layers = split_params(config.instantiate(), params)
+    return hf_state_dict(arch, top, layers)
+

@@ -1,0 +1,65 @@
+"""`load_pretrained(path)`: one entry point for every checkpoint format.
+
+- a directory with `config.json` -> HF transformers checkpoint (`jaxlearn.interop.hf`);
+- a `*.gguf` file -> GGUF (`jaxlearn.interop.gguf`);
+- a jaxlearn checkpoint directory -> not handled here: `jaxlearn.inference` owns that
+  loader (its config comes from a recipe, its params from `jaxlearn.checkpoint`).
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+from jaxlearn.interop.errors import InteropError
+from jaxlearn.interop.model import LoadedModel
+
+
+class JaxlearnCheckpointError(InteropError):
+    """`load_pretrained` was given a jaxlearn checkpoint directory; those are loaded by
+    `jaxlearn.inference` (config from the recipe + params from `jaxlearn.checkpoint`)."""
+
+
+def _looks_like_jaxlearn_checkpoint(directory: pathlib.Path) -> bool:
+    names = {p.name for p in directory.iterdir()}
+    markers = ("_CHECKPOINT_METADATA", "checkpoint_metadata.json", "commit_success.txt")
+    return any(m in names for m in markers) or any(
+        p.is_dir() and (p.name.isdigit() or p.name.startswith("step_")) for p in directory.iterdir()
+    )
+
+
+def load_pretrained(path: str | pathlib.Path, **kwargs: Any) -> LoadedModel:
+    """Loads an HF model directory or a GGUF file into a `LoadedModel`.
+
+    kwargs go to `load_hf` / `load_gguf` (stack, dtype, param_dtype,
+    attention_implementation, moe_dropless_method).
+    """
+    p = pathlib.Path(path)
+    if p.is_file():
+        if p.suffix.lower() == ".gguf":
+            from jaxlearn.interop.gguf import load_gguf
+
+            return load_gguf(p, **kwargs)
+        raise InteropError(f"{p}: a file that is not .gguf; expected a GGUF file or a directory")
+    if p.is_dir():
+        if (p / "config.json").exists():
+            from jaxlearn.interop.hf import load_hf
+
+            return load_hf(p, **kwargs)
+        ggufs = sorted(p.glob("*.gguf"))
+        if len(ggufs) == 1:
+            from jaxlearn.interop.gguf import load_gguf
+
+            return load_gguf(ggufs[0], **kwargs)
+        if _looks_like_jaxlearn_checkpoint(p):
+            raise JaxlearnCheckpointError(
+                f"{p}: looks like a jaxlearn checkpoint directory; load it with "
+                f"jaxlearn.inference (its config comes from the recipe), not "
+                f"jaxlearn.interop.load_pretrained"
+            )
+        raise InteropError(
+            f"{p}: neither an HF model directory (no config.json) nor a GGUF file "
+            f"({len(ggufs)} *.gguf files); a jaxlearn checkpoint directory is loaded by "
+            f"jaxlearn.inference"
+        )
+    raise InteropError(f"{p}: no such file or directory")
