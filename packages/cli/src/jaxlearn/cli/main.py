@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_experiment_args(p)
     p.add_argument("--output_dir", required=True, help="checkpoints, TensorBoard, metrics")
     p.add_argument("--max_step", type=int, default=None, help="stop after this many steps")
+    p.add_argument("--data", action="append", default=[], metavar="PATH",
+                   help="train on local .txt/.jsonl files or directories instead of the "
+                        "bundled data (repeatable)")
     p.add_argument("--profile_steps", type=str, default=None,
                    help="comma-separated steps to trace with the JAX profiler, e.g. 5,6,7")
 
@@ -106,18 +109,34 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     try:
         cfg.output_dir = args.output_dir
+        if args.data:
+            _use_local_data(cfg, args.data)
         inputs = cfg.input.instantiate()
         inputs.iterator(0, 1)  # Bad data fails here, before anything is written.
     except (ConfigError, ValueError, OSError) as e:
         raise UsageError(str(e)) from None
+    from jaxlearn.runtime.trainer import TrainerError
+
+    try:
+        trainer = cfg.instantiate()
+    except (ConfigError, TrainerError) as e:
+        raise UsageError(str(e)) from None
     _check_output_dir(args.output_dir)
-    trainer = cfg.instantiate()
     print(f"jaxlearn: training {args.experiment} on {len(trainer.mesh.devices.flat)} device(s) "
           f"(mesh {dict(trainer.mesh.shape)}), output in {args.output_dir}", file=sys.stderr)
     last = trainer.run()
     print("jaxlearn: done. " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(last.items())),
           file=sys.stderr)
     return 0
+
+
+def _use_local_data(cfg: Any, paths: Sequence[str]) -> None:
+    from jaxlearn.runtime.data import TextFilesSource
+
+    for name in ("input", "eval_input"):
+        input_cfg = getattr(cfg, name)
+        if input_cfg is not None:
+            input_cfg.source = TextFilesSource.default_config().set(paths=list(paths))
 
 
 def cmd_experiments(args: argparse.Namespace) -> int:

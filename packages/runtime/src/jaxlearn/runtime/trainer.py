@@ -82,12 +82,29 @@ class Trainer(Configurable):
         )
         self.batch_sharding = self._sharding(("batch", None))
         self._replicated = NamedSharding(self.mesh, PartitionSpec())
+        self._check_batch_size()
         self.state_shardings = self._state_shardings()
         self._train_step: Any = None
         self._eval_step: Any = None
         self.compiled_flops: Optional[float] = None
 
     # ---- sharding -------------------------------------------------------------------------
+
+    def _check_batch_size(self) -> None:
+        """The global batch must split evenly over the batch mesh axes and microbatches."""
+        batch = getattr(self.config.input, "global_batch_size", None)
+        if not isinstance(batch, int):
+            return
+        spec = self._spec(("batch",))
+        axes = spec[0] if spec and spec[0] is not None else ()
+        axes = (axes,) if isinstance(axes, str) else tuple(axes)
+        shards = int(np.prod([self.mesh.shape[a] for a in axes])) if axes else 1
+        micro = self.learner.config.num_microbatches
+        if batch % (shards * micro):
+            raise TrainerError(
+                f"input.global_batch_size={batch} must be divisible by the batch shards "
+                f"({shards}: mesh axes {axes}) x learner.num_microbatches ({micro})"
+            )
 
     def _spec(self, logical_axes: Any, shape: Any = None) -> PartitionSpec:
         return logical_to_partition_spec(
