@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -121,8 +122,10 @@ def restore_step(
     verify: bool,
     handler: ocp.PyTreeCheckpointHandler,
 ) -> Any:
+    t0 = time.perf_counter()
     plans, treedef = plan_restore(step, manifest, target, partial=partial)
     file_problems = check_inventory(step_path, manifest.files) if verify else []
+    t1 = time.perf_counter()
     values: list[Any] | None = None
     read_error: BaseException | None = None
     if not file_problems:
@@ -144,6 +147,7 @@ def restore_step(
             files=[f for f, _ in file_problems],
         ) from read_error
     assert values is not None
+    t2 = time.perf_counter()
     if verify:
         bad = _verify(plans, values)
         if bad:
@@ -153,7 +157,18 @@ def restore_step(
                 [f"array {p}: {why}" for p, why in bad.items()],
                 arrays=list(bad),
             )
-    return jax.tree_util.tree_unflatten(treedef, [_convert(p, v) for p, v in zip(plans, values)])
+    t3 = time.perf_counter()
+    out = jax.tree_util.tree_unflatten(treedef, [_convert(p, v) for p, v in zip(plans, values)])
+    log.info(
+        "restored step %d (%d arrays): files %.2fs, read %.2fs, verify %.2fs, convert %.2fs",
+        step,
+        len(plans),
+        t1 - t0,
+        t2 - t1,
+        t3 - t2,
+        time.perf_counter() - t3,
+    )
+    return out
 
 
 def _request(treedef: Any, plans: Sequence[_Plan]) -> ocp.args.PyTreeRestore:
