@@ -225,12 +225,15 @@ class Attention(Module):
         b, s, _ = x.shape
         q_index = jnp.arange(s, dtype=jnp.int32)[None, :]  # [1, s]
         if cache is not None:
+            if time_step is None:
+                raise ValueError(f"{self.path()}: a cache call needs time_step")
             t = jnp.broadcast_to(jnp.asarray(time_step, jnp.int32), (b,))
             q_index = q_index + t[:, None]  # [b, s]
         if positions is None:
             positions = jnp.broadcast_to(q_index, (b, s))
         q, k, v = self._project_qkv(x, positions)
-        if cache is None:
+        extra: Any
+        if cache is None or time_step is None:
             k_all, v_all, extra = k, v, (k, v)
             mask = make_mask(
                 q_index,

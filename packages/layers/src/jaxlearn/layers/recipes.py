@@ -10,7 +10,7 @@ from jaxlearn.layers.decoder import Decoder
 from jaxlearn.layers.ffn import FeedForward
 from jaxlearn.layers.norm import RMSNorm
 from jaxlearn.layers.rope import Llama3FrequencyScaling, RotaryEmbedding
-from jaxlearn.layers.transformer import LoopStack, ScanStack, TransformerLayer
+from jaxlearn.layers.transformer import BaseStack, LoopStack, ScanStack, TransformerLayer
 from jaxlearn.module import RematSpec
 
 
@@ -72,7 +72,7 @@ def llama_config(
     )
     if remat_policy is not None:
         layer.remat_spec = RematSpec(policy=remat_policy)
-    stacks = {"scan": ScanStack, "loop": LoopStack}
+    stacks: dict[str, type[BaseStack]] = {"scan": ScanStack, "loop": LoopStack}
     if stack not in stacks:
         raise ValueError(f"llama_config: stack must be one of {sorted(stacks)}, got {stack!r}")
     decoder = Decoder.default_config().set(
