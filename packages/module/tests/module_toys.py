@@ -82,6 +82,11 @@ def block_config(dim: int = 8, hidden_dim: int = 16, **kw: Any) -> Block.Config:
     return Block.default_config().set(dim=dim, hidden_dim=hidden_dim, **kw)
 
 
+def tree_paths(tree: Any) -> list[str]:
+    """The key path of every leaf, to compare tree structures."""
+    return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(tree)]
+
+
 def max_abs_diff(a: Any, b: Any) -> float:
     """Largest absolute difference over two pytrees of arrays."""
     diffs = jax.tree.map(lambda x, y: float(jnp.max(jnp.abs(x - y))), a, b)

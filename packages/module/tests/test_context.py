@@ -34,13 +34,13 @@ def key_data(key: jax.Array) -> np.ndarray:
 class Probe(Module):
     """Returns the data of its context key; records its context path."""
 
-    def forward(self) -> jax.Array:
+    def forward(self) -> np.ndarray:
         ctx = current_context()
         assert ctx is not None
         self.add_summary("path", ctx.path())
         return key_data(self.prng_key)
 
-    def other(self) -> jax.Array:
+    def other(self) -> np.ndarray:
         return key_data(self.prng_key)
 
 
@@ -238,7 +238,7 @@ def test_prng_key_required_when_drawn() -> None:
 
 def test_output_collection_paths_and_aux_outputs() -> None:
     class Model(Stack):
-        def forward(self, x: jax.Array) -> tuple[jax.Array, Any]:
+        def forward(self, x: jax.Array) -> tuple[jax.Array, Any]:  # type: ignore[override]
             y = super().forward(x)
             aux = self.get_module_outputs("aux_loss")
             self.add_module_output("total_aux", sum(v for _, v in aux))

@@ -9,6 +9,7 @@ from jaxlearn.module.context import (
     OutputCollection,
     child_key,
     current_context,
+    fold_in_name,
     iter_collection,
     stable_hash,
 )
@@ -53,6 +54,7 @@ __all__ = [
     "child_key",
     "current_context",
     "flatten_specs",
+    "fold_in_name",
     "functional",
     "is_spec",
     "iter_collection",

@@ -49,6 +49,14 @@ def labelled_name(name: str, label: str = "") -> str:
     return f"{name}@{label}" if label else name
 
 
+@overload
+def child_key(key: jax.Array, name: str, method: str = ..., label: str = ...) -> jax.Array: ...
+
+
+@overload
+def child_key(key: None, name: str, method: str = ..., label: str = ...) -> None: ...
+
+
 def child_key(
     key: Optional[jax.Array], name: str, method: str = "forward", label: str = ""
 ) -> Optional[jax.Array]:
