@@ -1,0 +1,460 @@
+"""`Engine`: the Python API of inference on the training layers.
+
+    engine = Engine(model_cfg, params, tokenizer, max_seq_len=512, max_batch=8)
+    engine.logits([[1, 5, 7]])                        # [batch, seq, vocab] float32
+    out = engine.generate("Once upon", max_new_tokens=32, temperature=0.7, top_p=0.9,
+                          seed=1, stop=["\\n\\n"])   # GenerationResult
+    for delta in engine.stream("Once upon", max_new_tokens=32):
+        print(delta.text, end="")
+
+`model_cfg` is a `CausalLM` config (e.g. `jaxlearn.layers.llama_config(...)`), `params`
+its parameter tree (as `initialize_parameters_recursively` returns it, or restored by
+`Engine.from_checkpoint`, or converted by `jaxlearn.interop`). Everything runs through the
+continuous-batching `Scheduler`; `generate` with a list of prompts batches them.
+
+While `start()`ed (the server does this), one background thread steps the scheduler and
+`generate`/`stream` from other threads just enqueue and wait; otherwise they step the
+scheduler themselves in the calling thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence, Union
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from jaxlearn.config import REQUIRED
+from jaxlearn.inference.detokenize import Delta
+from jaxlearn.inference.errors import InferenceError, QueueFullError, RequestError
+from jaxlearn.inference.metrics import Metrics
+from jaxlearn.inference.runner import ModelRunner, next_pow2
+from jaxlearn.inference.sampling import SamplingParams
+from jaxlearn.inference.scheduler import Request, Scheduler
+from jaxlearn.inference.tokenizer import ByteTokenizer
+from jaxlearn.mesh import DEFAULT_AXIS_RULES, logical_to_partition_spec, merge_axis_rules
+from jaxlearn.module import Module, is_spec
+
+log = logging.getLogger(__name__)
+
+Prompt = Union[str, Sequence[int]]
+Stop = Union[None, str, int, Sequence[Union[str, int]]]
+
+# Serving shards parameters like training, but never the batch: slots come and go.
+INFERENCE_AXIS_RULES = merge_axis_rules(DEFAULT_AXIS_RULES, (("batch", None), ("seq", None)))
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """One finished request.
+
+    tokens: generated ids (a final stop/EOS token included); text: their text, cut before
+    a stop string; finish_reason: "stop" (EOS, stop token or stop string), "length"
+    (max_new_tokens or max_seq_len), "cancelled" or "error"; stop_reason: the stop string
+    or token id that matched.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    tokens: list[int]
+    text: str
+    finish_reason: str
+    stop_reason: Optional[Union[str, int]] = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+
+def split_stop(stop: Stop) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """stop strings / token ids from `stop` (one string or id, or a list mixing both)."""
+    if stop is None:
+        return (), ()
+    items = [stop] if isinstance(stop, (str, int)) else list(stop)
+    strings = tuple(s for s in items if isinstance(s, str))
+    ids = tuple(int(s) for s in items if isinstance(s, int) and not isinstance(s, bool))
+    if len(strings) + len(ids) != len(items):
+        raise RequestError(f"stop={stop!r}: expected strings and/or token ids", param="stop")
+    return strings, ids
+
+
+def _is_prompt_list(prompt: Any) -> bool:
+    """A list of prompts (texts or id lists), as opposed to one prompt of ids."""
+    return isinstance(prompt, (list, tuple)) and any(
+        isinstance(p, (str, list, tuple, np.ndarray)) for p in prompt
+    )
+
+
+class Engine:
+    """A model, its params, a tokenizer, a slot KV cache and a continuous-batching
+    scheduler.
+
+    mesh: optional `jax.sharding.Mesh`; params are placed per their logical axes and
+        `axis_rules` (default INFERENCE_AXIS_RULES: the training rules with the batch
+        replicated); the KV cache is replicated.
+    max_seq_len: prompt + generated tokens per request.
+    max_batch: concurrent requests (KV-cache slots).
+    prefill_chunk: prompt tokens per prefill chunk (power of two; clipped to max_seq_len).
+    decode_burst: most decode steps fused into one jit call when nobody waits.
+    max_queue: most requests waiting for a slot (beyond it: QueueFullError / HTTP 429).
+    add_bos: prepend BOS to text prompts (None: the tokenizer's `add_bos` attribute if it
+        has one, else whether it has a BOS id).
+    """
+
+    def __init__(
+        self,
+        model_cfg: Any,
+        params: Any,
+        tokenizer: Any = None,
+        *,
+        mesh: Optional[Mesh] = None,
+        axis_rules: Any = None,
+        max_seq_len: int = 2048,
+        max_batch: int = 8,
+        prefill_chunk: int = 256,
+        decode_burst: int = 8,
+        max_queue: int = 64,
+        add_bos: Optional[bool] = None,
+        model_name: str = "jaxlearn",
+    ):
+        if max_seq_len < 2 or max_batch < 1 or prefill_chunk < 1:
+            raise ValueError(
+                f"Engine: need max_seq_len >= 2, max_batch >= 1, prefill_chunk >= 1; got "
+                f"{max_seq_len}, {max_batch}, {prefill_chunk}"
+            )
+        if getattr(model_cfg, "name", None) is REQUIRED:
+            model_cfg = model_cfg.clone(name="model")
+        self.model_cfg = model_cfg
+        self.model: Module = model_cfg.instantiate()
+        self.tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
+        self.model_name = model_name
+        self.max_seq_len = max_seq_len
+        self.max_batch = max_batch
+        self.mesh = mesh
+        self.axis_rules = axis_rules if axis_rules is not None else INFERENCE_AXIS_RULES
+        spec_fn = None
+        if mesh is not None:
+            params = jax.device_put(params, self.param_shardings(mesh))
+            rules, m = self.axis_rules, mesh
+            spec_fn = _SpecFn(rules, m)
+        chunk = min(next_pow2(prefill_chunk), next_pow2(max_seq_len))
+        cache_len = -(-max_seq_len // chunk) * chunk
+        vocab = int(
+            jax.eval_shape(
+                lambda p: self.model_logits_fn(p, np.zeros((1, 1), np.int32)), params
+            ).shape[-1]
+        )
+        self.vocab_size = vocab
+        tok_vocab = int(getattr(self.tokenizer, "vocab_size", vocab) or vocab)
+        dtype = jax.eval_shape(
+            lambda p: _init_states(self.model, p, 1, 1), params
+        )
+        low = any(np.dtype(x.dtype).itemsize < 4 for x in jax.tree.leaves(dtype))
+        self.runner = ModelRunner(
+            self.model,
+            params,
+            cache_batch=max(max_batch, 2) if low else max_batch,
+            cache_len=cache_len,
+            vocab_size=vocab,
+            vocab_limit=min(tok_vocab, vocab),
+            mesh=mesh,
+            spec_fn=spec_fn,
+        )
+        self.metrics = Metrics()
+        self.scheduler = Scheduler(
+            self.runner,
+            self.tokenizer,
+            max_batch=max_batch,
+            max_seq_len=max_seq_len,
+            prefill_chunk=chunk,
+            decode_burst=decode_burst,
+            max_queue=max_queue,
+            metrics=self.metrics,
+        )
+        if add_bos is None:
+            attr = getattr(self.tokenizer, "add_bos", None)
+            add_bos = bool(attr) if attr is not None else self.tokenizer.bos_id is not None
+        self.add_bos = add_bos
+        self._thread: Optional[threading.Thread] = None
+        self._stopping = threading.Event()
+
+    # ---- construction helpers -------------------------------------------------------------
+
+    def model_logits_fn(self, params: Any, ids: Any) -> Any:
+        from jaxlearn.module import functional
+
+        out, _ = functional(
+            self.model, None, params, ({"input_ids": ids},), method="logits", is_training=False
+        )
+        return out
+
+    def param_shardings(self, mesh: Mesh) -> Any:
+        """NamedSharding per parameter from its logical axes and `axis_rules`."""
+        specs = self.model.create_parameter_specs_recursively()
+        return jax.tree.map(
+            lambda s: NamedSharding(
+                mesh, logical_to_partition_spec(s.mesh_axes, self.axis_rules, mesh, shape=s.shape)
+            ),
+            specs,
+            is_leaf=is_spec,
+        )
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        directory: Union[str, Path],
+        model_cfg: Any,
+        tokenizer: Any = None,
+        *,
+        step: Optional[int] = None,
+        use_ema: bool = False,
+        mesh: Optional[Mesh] = None,
+        **kwargs: Any,
+    ) -> "Engine":
+        """An engine on the params of a jaxlearn checkpoint (`jaxlearn.checkpoint`).
+
+        directory: a Checkpointer directory (holding `step_*/`) or a training output_dir
+        (holding `checkpoints/`). step: default the newest step that verifies. Only the
+        params (or, with use_ema, the EMA params) are read, directly into the shardings of
+        `mesh` (any mesh, whatever the training mesh was). Other kwargs go to `Engine`.
+        """
+        from jaxlearn.checkpoint import Checkpointer, CheckpointNotFoundError
+
+        root = Path(directory)
+        if not any(root.glob("step_*")) and (root / "checkpoints").is_dir():
+            root = root / "checkpoints"
+        if getattr(model_cfg, "name", None) is REQUIRED:
+            model_cfg = model_cfg.clone(name="model")
+        model = model_cfg.instantiate()
+        shapes = jax.eval_shape(model.initialize_parameters_recursively, jax.random.key(0))
+        if mesh is not None:
+            probe = cls.__new__(cls)
+            probe.model, probe.axis_rules = model, kwargs.get("axis_rules") or INFERENCE_AXIS_RULES
+            shardings = probe.param_shardings(mesh)
+            shapes = jax.tree.map(
+                lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings
+            )
+        key = "ema" if use_ema else "params"
+        ckpt = Checkpointer.default_config().set(directory=str(root)).instantiate()
+        try:
+            if step is None:
+                found = ckpt.restore_latest({key: shapes}, partial=True)
+                if found is None:
+                    raise CheckpointNotFoundError(f"no checkpoint steps under {root}")
+                step, tree = found
+            else:
+                tree = ckpt.restore(step, {key: shapes}, partial=True)
+        finally:
+            ckpt.close()
+        log.info("restored %s of step %d from %s", key, step, root)
+        return cls(model_cfg, tree[key], tokenizer, mesh=mesh, **kwargs)
+
+    # ---- prompts ------------------------------------------------------------------------
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Text -> ids (BOS prepended when `add_bos`); ids are returned unchanged."""
+        if isinstance(prompt, str):
+            ids = list(self.tokenizer.encode(prompt))
+            bos = self.tokenizer.bos_id
+            if self.add_bos and bos is not None and (not ids or ids[0] != bos):
+                ids = [int(bos)] + ids
+            return [int(t) for t in ids]
+        if isinstance(prompt, np.ndarray):
+            prompt = prompt.reshape(-1).tolist()
+        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
+            raise RequestError("a prompt is a string or a list of token ids", param="prompt")
+        return [int(t) for t in prompt]
+
+    # ---- public API -----------------------------------------------------------------------
+
+    def logits(self, input_ids: Any) -> np.ndarray:
+        """Cache-free forward pass: input_ids [batch, seq] (or [seq]) -> logits
+        [batch, seq, vocab] float32. The sequence is padded to a power of two (the model
+        is causal, so padding never changes earlier positions)."""
+        ids = np.asarray(input_ids, dtype=np.int64)
+        if ids.ndim == 1:
+            ids = ids[None]
+        if ids.ndim != 2 or ids.shape[1] == 0:
+            raise RequestError(f"input_ids must be [batch, seq] with seq >= 1, got {ids.shape}")
+        if ids.min() < 0 or ids.max() >= self.vocab_size:
+            raise RequestError(f"input_ids outside [0, {self.vocab_size})")
+        b, s = ids.shape
+        padded = np.zeros((b, max(8, next_pow2(s))), np.int32)
+        padded[:, :s] = ids
+        return self.runner.logits(padded)[:, :s]
+
+    def sampling_params(
+        self,
+        *,
+        max_new_tokens: int = 16,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        repetition_penalty: float = 1.0,
+        seed: Optional[int] = None,
+        stop: Stop = None,
+        ignore_eos: bool = False,
+    ) -> SamplingParams:
+        strings, ids = split_stop(stop)
+        return SamplingParams(
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            repetition_penalty=repetition_penalty,
+            seed=seed,
+            stop=strings,
+            stop_token_ids=ids,
+            ignore_eos=ignore_eos,
+        )
+
+    def request(self, prompt: Prompt, params: SamplingParams, **kw: Any) -> Request:
+        """A validated (not yet submitted) scheduler request for `prompt`."""
+        return self.scheduler.make_request(self.encode(prompt), params, **kw)
+
+    def generate(
+        self, prompt: Union[Prompt, Sequence[Prompt]], **sampling: Any
+    ) -> Union[GenerationResult, list[GenerationResult]]:
+        """Generates for one prompt (-> GenerationResult) or a list of prompts (-> list,
+        batched continuously). `sampling`: max_new_tokens, temperature, top_k, top_p,
+        repetition_penalty, seed, stop (strings and/or token ids), ignore_eos; or
+        `params=SamplingParams(...)`. With a list and an int seed, prompt i uses seed + i."""
+        many = _is_prompt_list(prompt)
+        prompts: list[Any] = list(prompt) if many else [prompt]
+        params = sampling.pop("params", None) or self.sampling_params(**sampling)
+        reqs = []
+        for i, p in enumerate(prompts):
+            pi = params
+            if many and params.seed is not None:
+                pi = dataclasses.replace(params, seed=params.seed + i)
+            reqs.append(self.request(p, pi))
+        pending = list(reqs)
+        while pending or not all(r.done for r in reqs):
+            while pending:
+                try:
+                    self.scheduler.submit(pending[0])
+                    pending.pop(0)
+                except QueueFullError:
+                    if self.running:
+                        pending[0].done_event.wait(0.01)
+                    break
+            self._advance(reqs)
+        results = [self._result(r) for r in reqs]
+        return results if many else results[0]
+
+    def stream(self, prompt: Prompt, **sampling: Any) -> Iterator[Delta]:
+        """Yields `Delta`s (new token ids, new visible text, finish_reason on the last) as
+        tokens are generated. Closing the iterator early cancels the request."""
+        params = sampling.pop("params", None) or self.sampling_params(**sampling)
+        box: "queue.Queue[Delta]" = queue.Queue()
+        req = self.request(prompt, params, sink=lambda _r, d: box.put(d))
+        self.scheduler.submit(req)
+        try:
+            while True:
+                if not self.running and box.empty():
+                    self._advance([req])
+                try:
+                    delta = box.get(timeout=0.05) if self.running else box.get_nowait()
+                except queue.Empty:
+                    continue
+                yield delta
+                if delta.finish_reason is not None:
+                    return
+        finally:
+            if not req.done:
+                self.scheduler.cancel(req)
+                if not self.running:
+                    self.scheduler.step()
+
+    def _advance(self, reqs: Sequence[Request]) -> None:
+        """One step of progress on `reqs`: a scheduler step here, or a short wait while
+        the background thread runs."""
+        if self.running:
+            for r in reqs:
+                if not r.done:
+                    r.done_event.wait(0.05)
+                    return
+        else:
+            self.scheduler.step()
+
+    @staticmethod
+    def _result(req: Request) -> GenerationResult:
+        out = req.output
+        return GenerationResult(
+            request_id=req.request_id,
+            prompt_ids=list(req.prompt_ids),
+            tokens=list(out.tokens),
+            text=out.text,
+            finish_reason=out.finish_reason or "error",
+            stop_reason=out.stop_reason,
+        )
+
+    # ---- background loop ----------------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        """Starts the scheduler thread (idempotent)."""
+        if self.running:
+            return
+        self._stopping.clear()
+        self._thread = threading.Thread(target=self._loop, name="jaxlearn-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stops the scheduler thread; queued and running requests are cancelled."""
+        self._stopping.set()
+        self.scheduler.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._thread = None
+        self.scheduler.fail_all("cancelled")
+
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            if not self.scheduler.has_work():
+                self.scheduler.wait_for_work(0.1)
+                continue
+            try:
+                self.scheduler.step()
+            except Exception:  # A device failure must not kill the server.
+                log.exception("engine step failed; failing the running requests")
+                self.scheduler.fail_all("error")
+                try:
+                    self.runner.reset()
+                except Exception:  # pragma: no cover - nothing more to do
+                    log.exception("could not reset the KV cache")
+                    raise InferenceError("engine is unusable after a device failure") from None
+
+
+class _SpecFn:
+    """Hashable logical-axes -> PartitionSpec function (part of jit's cache key)."""
+
+    def __init__(self, rules: Any, mesh: Mesh):
+        self.rules, self.mesh = tuple(rules), mesh
+
+    def __call__(self, axes: Any) -> Any:
+        return logical_to_partition_spec(axes, self.rules, self.mesh, strict=False)
+
+    def __hash__(self) -> int:
+        return hash((self.rules, id(self.mesh)))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _SpecFn) and (other.rules, other.mesh) == (self.rules, self.mesh)
+
+
+def _init_states(model: Module, params: Any, batch: int, max_len: int) -> Any:
+    from jaxlearn.module import functional
+
+    out, _ = functional(
+        model, None, params, (batch, max_len), method="init_states", is_training=False
+    )
+    return out

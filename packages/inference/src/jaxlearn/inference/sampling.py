@@ -1,0 +1,190 @@
+"""Sampling: greedy, temperature, top-k, top-p, repetition penalty, per-request seeds.
+
+`SamplingParams` is the validated per-request setting. `sample_tokens` is the batched,
+jit-able sampler the engine runs on device after every forward pass; `filtered_logits`
+exposes the distribution it samples from (for tests and for logprobs).
+
+Order of operations (the HF `generate` order):
+  1. repetition penalty on every token seen so far (prompt + generated; HF CTRL rule:
+     logit > 0 -> logit / p, else logit * p);
+  2. ids >= `vocab_limit` (model vocabulary padded past the tokenizer's) get -inf;
+  3. temperature == 0 -> argmax (greedy); else logits / temperature;
+  4. top-k (k <= 0: off), then top-p over what top-k kept (top_p >= 1: off; the most
+     likely token is always kept);
+  5. one categorical draw with key `fold_in(PRNGKey(seed), generated_index)`, so a
+     request's tokens depend only on its seed and its own history, never on which other
+     requests share the batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Literal, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jaxlearn.inference.errors import RequestError
+
+Array = jax.Array
+Mode = Literal["greedy", "sample", "filter"]
+
+MAX_TEMPERATURE = 100.0
+MAX_REPETITION_PENALTY = 100.0
+
+
+def _seed32(seed: int) -> int:
+    """Any Python int -> a uint32 seed (64-bit seeds fold their high half in)."""
+    seed = int(seed) & 0xFFFF_FFFF_FFFF_FFFF
+    return (seed ^ (seed >> 32)) & 0xFFFF_FFFF
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-request generation settings (validated in `__post_init__`).
+
+    max_new_tokens: tokens to generate at most (>= 1).
+    temperature: 0 = greedy; else in (0, 100].
+    top_k: keep the k most likely tokens (<= 0: off).
+    top_p: nucleus mass in (0, 1] (1: off).
+    repetition_penalty: > 0 (1: off; HF semantics over prompt + generated tokens).
+    seed: request seed (None: drawn from os.urandom, so runs differ).
+    stop: stop strings; the text ends before the first occurrence of any of them.
+    stop_token_ids: extra ids that end generation (the tokenizer's EOS always does unless
+        `ignore_eos`).
+    """
+
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    seed: Optional[int] = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        def bad(param: str, why: str) -> RequestError:
+            value = getattr(self, param)
+            return RequestError(f"{param}={value!r}: {why}", param=param)
+
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
+            raise bad("max_new_tokens", "must be an integer")
+        if self.max_new_tokens < 1:
+            raise bad("max_new_tokens", "must be >= 1")
+        for name, lo, hi in (
+            ("temperature", 0.0, MAX_TEMPERATURE),
+            ("top_p", 0.0, 1.0),
+            ("repetition_penalty", 0.0, MAX_REPETITION_PENALTY),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise bad(name, "must be a number")
+            if not (lo <= float(value) <= hi):  # NaN fails too.
+                raise bad(name, f"must be in [{lo:g}, {hi:g}]")
+        if self.top_p <= 0.0:
+            raise bad("top_p", "must be > 0")
+        if self.repetition_penalty <= 0.0:
+            raise bad("repetition_penalty", "must be > 0")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
+            raise bad("top_k", "must be an integer")
+        seed = self.seed
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise bad("seed", "must be an integer or None")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop", "stop strings must be non-empty strings")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be integers")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def filtered(self) -> bool:
+        """Whether top-k or top-p cut the distribution (the sampler then sorts)."""
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0)
+
+    def resolved_seed(self) -> int:
+        """The uint32 seed of this request (a fresh random one when `seed` is None)."""
+        if self.seed is None:
+            return int.from_bytes(os.urandom(4), "little")
+        return _seed32(self.seed)
+
+
+def batch_mode(params: Sequence[SamplingParams]) -> Mode:
+    """The cheapest static sampler variant that serves every request of a batch."""
+    if any(p.filtered for p in params):
+        return "filter"
+    if any(not p.greedy for p in params):
+        return "sample"
+    return "greedy"
+
+
+def penalize(logits: Array, seen: Array, penalty: Array, vocab_limit: Optional[int]) -> Array:
+    """Steps 1-2: logits [b, v] f32, seen [b, v] bool, penalty [b] -> [b, v]."""
+    p = penalty[:, None].astype(logits.dtype)
+    pen = jnp.where(logits > 0, logits / p, logits * p)
+    logits = jnp.where(seen & (p != 1.0), pen, logits)
+    if vocab_limit is not None and vocab_limit < logits.shape[-1]:
+        ids = jnp.arange(logits.shape[-1])
+        logits = jnp.where(ids[None, :] < vocab_limit, logits, -jnp.inf)
+    return logits
+
+
+def filtered_logits(logits: Array, temperature: Array, top_k: Array, top_p: Array) -> Array:
+    """Steps 3-4 for sampled rows: logits [b, v] -> logits / temperature [b, v] with -inf
+    outside top-k / top-p, in vocabulary order; softmax of it is the sampling
+    distribution. Unfiltered rows (top_k <= 0, top_p >= 1) come back unmasked, so they
+    draw exactly what mode "sample" draws."""
+    b, v = logits.shape
+    t = jnp.where(temperature > 0, temperature, 1.0).astype(logits.dtype)
+    scaled = logits / t[:, None]
+    vals, idx = jax.lax.top_k(scaled, v)  # Descending.
+    ranks = jnp.arange(v)[None, :]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
+    keep = ranks < k[:, None]
+    probs = jax.nn.softmax(jnp.where(keep, vals, -jnp.inf), axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # Mass strictly above each token.
+    keep = keep & ((before < top_p[:, None]) | (top_p[:, None] >= 1.0) | (ranks == 0))
+    keep_by_id = jnp.zeros((b, v), bool).at[jnp.arange(b)[:, None], idx].set(keep)
+    return jnp.where(keep_by_id, scaled, -jnp.inf)
+
+
+def request_keys(seeds: Array, index: Array) -> Array:
+    """seeds [b] uint32, index [b] int32 (tokens generated so far) -> keys [b] (raw)."""
+    return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(seeds, index)
+
+
+def sample_tokens(
+    logits: Array,
+    seen: Array,
+    *,
+    temperature: Array,
+    top_k: Array,
+    top_p: Array,
+    penalty: Array,
+    seeds: Array,
+    index: Array,
+    mode: Mode,
+    vocab_limit: Optional[int] = None,
+) -> Array:
+    """One token per row. logits [b, v] (any float), seen [b, v] bool, per-row settings
+    [b] (temperature f32, top_k i32, top_p f32, penalty f32, seeds u32, index i32).
+    `mode` (static) picks the cheapest variant that is exact for every row:
+    "greedy" (all rows greedy), "sample" (no top-k/top-p anywhere), "filter".
+    Returns [b] int32."""
+    logits = penalize(logits.astype(jnp.float32), seen, penalty, vocab_limit)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if mode == "greedy":
+        return greedy
+    keys = request_keys(seeds, index)
+    if mode == "sample":
+        t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
+        scaled = logits / t
+    else:
+        scaled = filtered_logits(logits, temperature, top_k, top_p)
+    drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+    return jnp.where(temperature > 0, drawn, greedy)
