@@ -1,0 +1,522 @@
+"""GGUF (llama.cpp) checkpoints: metadata, (de)quantised tensors, embedded tokenizer.
+
+    loaded = load_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")      # LoadedModel
+
+Read with the `gguf` package (`GGUFReader`, memory-mapped). Every tensor is dequantised to
+float32 with `gguf.quants.dequantize` (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the
+K-quants and the IQ types that the package implements), then cast to the param dtype.
+
+Architectures: `llama` (Llama 1/2/3, Mistral and Mixtral as llama.cpp converts them, and
+SmolLM), `qwen2` (q/k/v biases), `mistral`-named files with the llama layout. llama.cpp
+permutes the rows of the q/k projections of `llama` files for its interleaved RoPE
+(`convert_hf_to_gguf.LlamaModel.permute`); `unpermute_qk` undoes it so the weights match the
+HF rotate-half layout that jaxlearn's RoPE uses. qwen2 files are not permuted.
+
+Llama-3.1 RoPE scaling is stored by llama.cpp as a `rope_freqs.weight` tensor of per-
+frequency divisors; the loader recovers the `Llama3FrequencyScaling` parameters that
+produce exactly those divisors (or raises UnsupportedModelError).
+
+Tokenizer (`tokenizer.ggml.*`): model `gpt2` (byte-level BPE from tokens + merges, with the
+pre-tokenizer regex chosen by `tokenizer.ggml.pre`: default/gpt2, smollm, llama-bpe,
+qwen2...) or `llama` (SentencePiece-style BPE rebuilt from tokens + scores with byte
+fallback). Control (type 3) and user-defined (type 4) tokens become added tokens; BOS is
+prepended by the post-processor when `tokenizer.ggml.add_bos_token` is true. The chat
+template is `tokenizer.chat_template`.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any, Optional
+
+import numpy as np
+
+from jaxlearn.interop.arch import Architecture, build_config
+from jaxlearn.interop.chat import ChatTemplate
+from jaxlearn.interop.errors import (
+    InteropError,
+    ParameterMismatchError,
+    TokenizerError,
+    UnsupportedModelError,
+)
+from jaxlearn.interop.model import LoadedModel
+from jaxlearn.interop.tree import assemble_params
+
+try:
+    import gguf as _gguf
+except ImportError:  # pragma: no cover - depends on the environment
+    _gguf = None
+
+Nested = dict[str, Any]
+ARCHITECTURES = ("llama", "mistral", "qwen2")
+# Pre-tokenizer regexes of llama.cpp's `tokenizer.ggml.pre` values (as in the models' HF
+# tokenizer.json files).
+_LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TOKEN_NORMAL, _TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER, _TOKEN_UNUSED, _TOKEN_BYTE = range(
+    1, 7
+)
+
+
+def _require_gguf() -> Any:
+    if _gguf is None:
+        raise InteropError(
+            "reading GGUF files needs the `gguf` package (pip install gguf; it is pinned in "
+            "third_party/python/requirements.txt)"
+        )
+    return _gguf
+
+
+# ---- metadata -------------------------------------------------------------------------------
+
+
+class GGUFFile:
+    """A GGUF file: `metadata` (key -> value; token arrays included), `tensors` by name."""
+
+    def __init__(self, path: str | pathlib.Path):
+        g = _require_gguf()
+        self.path = pathlib.Path(path)
+        try:
+            self.reader = g.GGUFReader(str(self.path))
+        except Exception as e:  # the reader raises ValueError / struct errors
+            raise InteropError(f"{self.path}: not a readable GGUF file ({e})") from None
+        self.metadata: dict[str, Any] = {}
+        for key, field in self.reader.fields.items():
+            try:
+                self.metadata[key] = field.contents()
+            except Exception:  # pragma: no cover - exotic field types
+                continue
+        self.tensors = {t.name: t for t in self.reader.tensors}
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(key, default)
+
+    def require(self, key: str) -> Any:
+        if key not in self.metadata:
+            raise InteropError(f"{self.path}: metadata key {key!r} is missing")
+        return self.metadata[key]
+
+    def tensor(self, name: str) -> np.ndarray:
+        """Dequantised float32 tensor in numpy (row-major, HF-like) shape."""
+        g = _require_gguf()
+        t = self.tensors[name]
+        shape = tuple(int(d) for d in reversed(t.shape))  # ggml `ne` is innermost-first
+        try:
+            data = g.quants.dequantize(np.asarray(t.data), t.tensor_type)
+        except NotImplementedError as e:
+            raise UnsupportedModelError(
+                f"{self.path}: tensor {name} has type {t.tensor_type.name}, which gguf "
+                f"{getattr(g, '__version__', '')} cannot dequantise ({e})"
+            ) from None
+        return np.asarray(data, np.float32).reshape(shape)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(int(d) for d in reversed(self.tensors[name].shape))
+
+    def tensor_types(self) -> dict[str, int]:
+        """{type name: number of tensors}, e.g. {"Q4_1": 210, "F32": 61}."""
+        out: dict[str, int] = {}
+        for t in self.tensors.values():
+            out[t.tensor_type.name] = out.get(t.tensor_type.name, 0) + 1
+        return out
+
+
+def _llama3_scaling_from_factors(
+    factors: np.ndarray, theta: float, rotary_dim: int, original: Optional[int]
+) -> dict[str, Any]:
+    """Finds Llama-3 scaling parameters whose per-frequency divisors equal `factors`."""
+    from jaxlearn.layers import Llama3FrequencyScaling
+
+    inv = 1.0 / (theta ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim))
+    factor = float(np.max(factors))
+    originals = [original] if original else [8192, 4096, 16384, 2048, 32768, 131072]
+    for orig in originals:
+        for low, high in ((1.0, 4.0), (1.0, 2.0), (1.0, 8.0), (2.0, 4.0)):
+            cand = {
+                "factor": factor,
+                "low_freq_factor": low,
+                "high_freq_factor": high,
+                "original_max_position_embeddings": int(orig),
+            }
+            scaled = Llama3FrequencyScaling.default_config().set(**cand).instantiate()(inv)
+            if np.allclose(inv / scaled, factors, rtol=1e-4, atol=1e-5):
+                return {"rope_type": "llama3", **cand}
+    raise UnsupportedModelError(
+        "rope_freqs.weight holds per-frequency RoPE factors that match no Llama-3 scaling "
+        "(factor, low/high freq factor, original context) that was tried"
+    )
+
+
+def architecture_from_gguf(f: GGUFFile) -> Architecture:
+    """Reads the hyperparameters of a llama/qwen2 GGUF file."""
+    arch_name = f.require("general.architecture")
+    if arch_name not in ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{f.path}: general.architecture {arch_name!r} is not supported ({ARCHITECTURES})"
+        )
+
+    def key(name: str, default: Any = None, required: bool = False) -> Any:
+        full = f"{arch_name}.{name}"
+        return f.require(full) if required else f.get(full, default)
+
+    dim = int(key("embedding_length", required=True))
+    heads = int(key("attention.head_count", required=True))
+    kv = int(key("attention.head_count_kv", heads))
+    head_dim = int(key("attention.key_length", dim // heads))
+    if int(key("attention.value_length", head_dim)) != head_dim:
+        raise UnsupportedModelError(f"{f.path}: key_length != value_length")
+    rot = int(key("rope.dimension_count", head_dim))
+    if rot != head_dim:
+        raise UnsupportedModelError(f"{f.path}: partial RoPE ({rot} of {head_dim} dims)")
+    layers = int(key("block_count", required=True))
+    tokens = f.get("tokenizer.ggml.tokens")
+    vocab = int(key("vocab_size", len(tokens) if tokens is not None else 0))
+    if not vocab and "token_embd.weight" in f.tensors:
+        vocab = f.shape("token_embd.weight")[0]
+    theta = float(key("rope.freq_base", 10000.0))
+    scaling: Optional[dict[str, Any]] = None
+    stype = key("rope.scaling.type")
+    if stype == "linear":
+        scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor", 1.0))}
+    elif stype not in (None, "none"):
+        raise UnsupportedModelError(f"{f.path}: RoPE scaling type {stype!r} is not supported")
+    if "rope_freqs.weight" in f.tensors:
+        scaling = _llama3_scaling_from_factors(
+            f.tensor("rope_freqs.weight").reshape(-1),
+            theta,
+            head_dim,
+            key("rope.scaling.original_context_length"),
+        )
+    experts = int(key("expert_count", 0) or 0)
+    window = key("attention.sliding_window")
+    q_bias = "blk.0.attn_q.bias" in f.tensors
+    o_bias = "blk.0.attn_output.bias" in f.tensors
+    eos = [f.get("tokenizer.ggml.eos_token_id")]
+    eos += [f.get("tokenizer.ggml.eot_token_id"), f.get("tokenizer.ggml.eom_token_id")]
+    family = "mixtral" if experts else ("qwen2" if arch_name == "qwen2" else "llama")
+    if window is not None and family == "llama":
+        family = "mistral"
+    return Architecture(
+        family=family,
+        vocab_size=vocab,
+        dim=dim,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=head_dim,
+        ffn_dim=int(key("expert_feed_forward_length", 0) or key("feed_forward_length", 0)),
+        norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        tie_embeddings="output.weight" not in f.tensors,
+        qkv_bias=q_bias,
+        output_bias=o_bias,
+        mlp_bias="blk.0.ffn_up.bias" in f.tensors,
+        sliding_windows=(int(window),) * layers if window is not None else (),
+        num_experts=experts,
+        num_experts_per_token=int(key("expert_used_count", 2) or 2),
+        max_position_embeddings=key("context_length"),
+        bos_token_id=f.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos if i is not None)),
+    )
+
+
+# ---- tensors --------------------------------------------------------------------------------
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undoes llama.cpp's `permute(w, n_head)` of q/k rows (weights [out, in] or biases
+    [out]): per head, rows (0, 2, 4, ..., 1, 3, ...) -> rotate-half order."""
+    rest = w.shape[1:]
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's permutation (the inverse of `unpermute_qk`), for writing test files."""
+    rest = w.shape[1:]
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+class _Taker:
+    def __init__(self, f: GGUFFile):
+        self.f = f
+        self.used: set[str] = set()
+        self.missing: list[str] = []
+        self.mismatched: list[str] = []
+
+    def __call__(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if name not in self.f.tensors:
+            self.missing.append(f"{name} {shape}")
+            return np.zeros(shape, np.float32)
+        self.used.add(name)
+        got = self.f.shape(name)
+        if got != shape:
+            self.mismatched.append(f"{name}: got {got}, expected {shape}")
+            return np.zeros(shape, np.float32)
+        return self.f.tensor(name)
+
+    def has(self, name: str) -> bool:
+        return name in self.f.tensors
+
+
+def _gguf_layer(take: _Taker, arch: Architecture, i: int, permuted: bool) -> Nested:
+    e, h, kv, d, f = arch.dim, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.ffn_dim
+    pre = f"blk.{i}."
+    q = take(pre + "attn_q.weight", (h * d, e))
+    k = take(pre + "attn_k.weight", (kv * d, e))
+    if permuted:
+        q, k = unpermute_qk(q, h), unpermute_qk(k, kv)
+    attn = {
+        "q_proj": q.T.reshape(e, h, d),
+        "k_proj": k.T.reshape(e, kv, d),
+        "v_proj": take(pre + "attn_v.weight", (kv * d, e)).T.reshape(e, kv, d),
+        "o_proj": take(pre + "attn_output.weight", (e, h * d)).T.reshape(h, d, e),
+    }
+    if arch.qkv_bias:
+        for name, n in (("q", h), ("k", kv), ("v", kv)):
+            b = take(pre + f"attn_{name}.bias", (n * d,))
+            if permuted and name in ("q", "k"):
+                b = unpermute_qk(b, n)
+            attn[f"{name}_bias"] = b.reshape(n, d)
+    if arch.output_bias:
+        attn["o_bias"] = take(pre + "attn_output.bias", (e,))
+    if arch.is_moe:
+        x = arch.num_experts
+        router = take(pre + "ffn_gate_inp.weight", (x, e)).T
+        if take.has(pre + "ffn_gate_exps.weight"):
+            wi_0 = take(pre + "ffn_gate_exps.weight", (x, f, e)).transpose(0, 2, 1)
+            wi_1 = take(pre + "ffn_up_exps.weight", (x, f, e)).transpose(0, 2, 1)
+            wo = take(pre + "ffn_down_exps.weight", (x, e, f)).transpose(0, 2, 1)
+        else:  # older files: one tensor per expert
+            wi_0 = np.stack([take(pre + f"ffn_gate.{j}.weight", (f, e)).T for j in range(x)])
+            wi_1 = np.stack([take(pre + f"ffn_up.{j}.weight", (f, e)).T for j in range(x)])
+            wo = np.stack([take(pre + f"ffn_down.{j}.weight", (e, f)).T for j in range(x)])
+        ffn = {"router": router, "wi_0": wi_0, "wi_1": wi_1, "wo": wo}
+    else:
+        ffn = {
+            "wi_0": take(pre + "ffn_gate.weight", (f, e)).T,
+            "wi_1": take(pre + "ffn_up.weight", (f, e)).T,
+            "wo": take(pre + "ffn_down.weight", (e, f)).T,
+        }
+        if arch.mlp_bias:
+            ffn["wi_0_bias"] = take(pre + "ffn_gate.bias", (f,))
+            ffn["wi_1_bias"] = take(pre + "ffn_up.bias", (f,))
+            ffn["wo_bias"] = take(pre + "ffn_down.bias", (e,))
+    return {
+        "attention_norm": {"scale": take(pre + "attn_norm.weight", (e,))},
+        "self_attention": attn,
+        "ffn_norm": {"scale": take(pre + "ffn_norm.weight", (e,))},
+        "feed_forward": ffn,
+    }
+
+
+def load_gguf_params(f: GGUFFile, arch: Architecture, model: Any) -> Nested:
+    """Dequantised params of `model` from GGUF file `f` (numpy, spec dtypes)."""
+    take = _Taker(f)
+    e, v = arch.dim, arch.vocab_size
+    permuted = f.get("general.architecture") in ("llama", "mistral")
+    top: Nested = {
+        "emb": {"weight": take("token_embd.weight", (v, e))},
+        "output_norm": {"scale": take("output_norm.weight", (e,))},
+    }
+    if not arch.tie_embeddings:
+        top["lm_head"] = {"weight": take("output.weight", (v, e)).T}
+    layers = []
+    for i in range(arch.num_layers):
+        layers.append(_gguf_layer(take, arch, i, permuted))
+    ignored = {"rope_freqs.weight"}
+    unexpected = sorted(n for n in f.tensors if n not in take.used and n not in ignored)
+    if take.missing or take.mismatched or unexpected:
+        raise ParameterMismatchError(
+            str(f.path), missing=take.missing, unexpected=unexpected, mismatched=take.mismatched
+        )
+    return assemble_params(model, top, layers, source=str(f.path))
+
+
+# ---- tokenizer ------------------------------------------------------------------------------
+
+
+def _bpe_pre_tokenizer(pre: Optional[str]) -> Any:
+    from tokenizers import Regex, pre_tokenizers
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    if pre in (None, "default", "gpt2", "gpt-2"):
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre == "smollm":
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
+    regex = {"llama-bpe": _LLAMA3_REGEX, "llama3": _LLAMA3_REGEX, "qwen2": _QWEN2_REGEX}.get(pre)
+    if regex is None:
+        raise TokenizerError(
+            f"tokenizer.ggml.pre={pre!r} is not supported (default, gpt2, smollm, llama-bpe, "
+            f"qwen2)"
+        )
+    split = pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False)
+    return pre_tokenizers.Sequence([split, byte_level])
+
+
+def _spm_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """BPE merges of a SentencePiece-BPE vocab (as HF's SentencePieceExtractor): every split
+    of a piece into two vocab pieces, ordered by the piece's score (highest first)."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges: list[tuple[float, int, int, str, str]] = []
+    for piece, score in zip(tokens, scores):
+        for k in range(1, len(piece)):
+            left, right = piece[:k], piece[k:]
+            if left in vocab and right in vocab:
+                merges.append((-score, vocab[left], vocab[right], left, right))
+    merges.sort()
+    return [(m[3], m[4]) for m in merges]
+
+
+def tokenizer_from_gguf(f: GGUFFile) -> Any:
+    """A `tokenizers.Tokenizer` equivalent to the one embedded in `f`."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
+
+    kind = f.get("tokenizer.ggml.model")
+    tokens = f.get("tokenizer.ggml.tokens")
+    if kind is None or tokens is None:
+        raise TokenizerError(f"{f.path}: no embedded tokenizer (tokenizer.ggml.model/tokens)")
+    tokens = list(tokens)
+    types = list(f.get("tokenizer.ggml.token_type") or [_TOKEN_NORMAL] * len(tokens))
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise TokenizerError(f"{f.path}: duplicate tokens in tokenizer.ggml.tokens")
+    if kind == "gpt2":
+        merges_raw = f.get("tokenizer.ggml.merges")
+        if merges_raw is None:
+            raise TokenizerError(f"{f.path}: gpt2 tokenizer without tokenizer.ggml.merges")
+        merges = [tuple(m.split(" ", 1)) for m in merges_raw]
+        pre = f.get("tokenizer.ggml.pre")
+        tok = Tokenizer(
+            models.BPE(
+                vocab=vocab,
+                merges=merges,
+                fuse_unk=False,
+                byte_fallback=False,
+                ignore_merges=pre in ("llama-bpe", "llama3"),
+            )
+        )
+        tok.pre_tokenizer = _bpe_pre_tokenizer(pre)
+        tok.decoder = decoders.ByteLevel()
+        base_post: Any = processors.ByteLevel(trim_offsets=False)
+    elif kind == "llama":
+        scores = list(f.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
+        unk_id = f.get("tokenizer.ggml.unknown_token_id", 0)
+        tok = Tokenizer(
+            models.BPE(
+                vocab=vocab,
+                merges=_spm_merges(tokens, scores),
+                unk_token=tokens[unk_id],
+                fuse_unk=True,
+                byte_fallback=True,
+            )
+        )
+        prefix = bool(f.get("tokenizer.ggml.add_space_prefix", True))
+        norm = [normalizers.Replace(" ", "\u2581")]
+        if prefix:
+            norm.insert(0, normalizers.Prepend("\u2581"))
+        tok.normalizer = normalizers.Sequence(norm)
+        steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+        if prefix:
+            steps.append(decoders.Strip(" ", 1, 0))
+        tok.decoder = decoders.Sequence(steps)
+        base_post = None
+    else:
+        raise TokenizerError(
+            f"{f.path}: tokenizer.ggml.model={kind!r} is not supported (gpt2, llama)"
+        )
+    special = [
+        AddedToken(t, special=(ty == _TOKEN_CONTROL), normalized=False)
+        for t, ty in zip(tokens, types)
+        if ty in (_TOKEN_CONTROL, _TOKEN_USER) or (kind == "llama" and ty == _TOKEN_UNKNOWN)
+    ]
+    tok.add_special_tokens([a for a in special if a.special])
+    tok.add_tokens([a for a in special if not a.special])
+    bos_id = f.get("tokenizer.ggml.bos_token_id")
+    add_bos = bool(f.get("tokenizer.ggml.add_bos_token", kind == "llama"))
+    if add_bos and bos_id is not None:
+        bos = tokens[int(bos_id)]
+        template = processors.TemplateProcessing(
+            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
+            special_tokens=[(bos, int(bos_id))],
+        )
+        tok.post_processor = (
+            processors.Sequence([base_post, template]) if base_post is not None else template
+        )
+    elif base_post is not None:
+        tok.post_processor = base_post
+    return tok
+
+
+# ---- entry point ----------------------------------------------------------------------------
+
+
+def load_gguf(
+    path: str | pathlib.Path,
+    *,
+    stack: str = "scan",
+    dtype: Optional[str] = None,
+    param_dtype: Optional[str] = None,
+    attention_implementation: str = "einsum",
+    moe_dropless_method: str = "ragged_dot",
+) -> LoadedModel:
+    """Loads a GGUF file: hyperparameters, dequantised params, tokenizer, chat template.
+
+    Options as for `load_hf`. `metadata` holds the GGUF key/values without the large token
+    arrays, plus "tensor_types" ({type name: count}).
+    """
+    f = GGUFFile(path)
+    arch = architecture_from_gguf(f)
+    config = build_config(
+        arch,
+        stack=stack,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        attention_implementation=attention_implementation,
+        moe_dropless_method=moe_dropless_method,
+    )
+    params = load_gguf_params(f, arch, config.instantiate())
+    tokenizer = tokenizer_from_gguf(f) if f.get("tokenizer.ggml.tokens") is not None else None
+    chat = None
+    template = f.get("tokenizer.chat_template")
+    tokens = f.get("tokenizer.ggml.tokens") or []
+
+    def text(key: str) -> str:
+        i = f.get(key)
+        return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else ""
+
+    if isinstance(template, str) and template:
+        chat = ChatTemplate(
+            template,
+            bos_token=text("tokenizer.ggml.bos_token_id"),
+            eos_token=text("tokenizer.ggml.eos_token_id"),
+        )
+    meta = {
+        k: v for k, v in f.metadata.items() if not (isinstance(v, list) and len(v) > 64)
+    }
+    meta["tensor_types"] = f.tensor_types()
+    return LoadedModel(
+        config=config,
+        params=params,
+        tokenizer=tokenizer,
+        chat_template=chat,
+        eos_token_ids=arch.eos_token_ids,
+        bos_token_id=arch.bos_token_id,
+        pad_token_id=f.get("tokenizer.ggml.padding_token_id"),
+        architecture=arch,
+        format="gguf",
+        source=str(f.path),
+        metadata=meta,
+    )
+
