@@ -300,3 +300,30 @@ def test_background_failure_surfaces_and_step_stays_invisible(make_checkpointer,
     ckpt.wait_until_finished()
     assert ckpt.steps() == [1, 3]
     assert not (ckpt.directory / "step_00000002.tmp").exists()  # Cleaned by the GC.
+
+
+def test_grain_iterator_state_resumes_exactly(make_checkpointer):
+    grain = pytest.importorskip("grain.python")
+
+    def loader():
+        return grain.DataLoader(
+            data_source=grain.RangeDataSource(0, 64, 1),
+            sampler=grain.IndexSampler(
+                64, grain.NoSharding(), shuffle=True, num_epochs=1, seed=7
+            ),
+            operations=[grain.Batch(4)],
+            worker_count=0,
+        )
+
+    it = iter(loader())
+    for _ in range(3):
+        next(it)
+    ckpt = make_checkpointer()
+    ckpt.save(3, {"x": jnp.zeros(2)}, data_iterator_state=it.get_state())
+    ckpt.wait_until_finished()
+    expected = [next(it) for _ in range(3)]
+
+    resumed = iter(loader())
+    resumed.set_state(ckpt.read_metadata(3).data_iterator_state)
+    for want in expected:
+        np.testing.assert_array_equal(next(resumed), want)
