@@ -1,1 +1,3 @@
-"""jaxlearn.runtime: Trainer, learner (optax), input pipeline (grain), summaries, watchdog, AOT compile, multi-process start."""
+"""jaxlearn.runtime: the trainer, learner (optax), input pipeline (grain), summaries,
+AOT compilation and resilience. Import submodules directly, e.g.
+`from jaxlearn.runtime.trainer import Trainer`; see packages/runtime/README.md."""
