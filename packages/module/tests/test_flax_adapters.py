@@ -22,6 +22,7 @@ from jaxlearn.module import (
     abstract_parameters,
     fold_in_name,
     functional,
+    is_spec,
     merge_state_updates,
 )
 from jaxlearn.module.flax_adapters import AdapterInit, LinenAdapter, NNXAdapter, linen_config
@@ -149,6 +150,9 @@ def test_linen_specs_init_and_config_text() -> None:
         jnp.zeros((1, DIN)),
     )
     assert_close(state["body"], nn.unbox(direct))
+    all_specs = model.create_parameter_specs_recursively()
+    shapes = jax.tree.map(lambda s: s.shape, all_specs, is_leaf=is_spec)
+    assert shapes == jax.tree.map(jnp.shape, state)
 
     mesh = Mesh(np.array(jax.devices()).reshape(8), ("data",))
     spec_fn = lambda axes: PartitionSpec(*("data" if a == "embed" else None for a in axes))  # noqa: E731
@@ -274,6 +278,9 @@ def test_nnx_specs_and_init() -> None:
     state = model.initialize_parameters_recursively(key)
     direct = NNXMLP(DIN, HIDDEN, 1, rngs=nnx.Rngs(fold_in_name(key, "body")))
     assert_close(state["body"]["params"], nnx.to_pure_dict(nnx.state(direct, nnx.Param)))
+    shapes = jax.tree.map(lambda s: s.shape, model.create_parameter_specs_recursively(),
+                          is_leaf=is_spec)
+    assert shapes == jax.tree.map(jnp.shape, state)
     abstract = abstract_parameters(model)
     assert abstract["body"]["batch_stats"]["bn"]["mean"].shape == (HIDDEN,)
 

@@ -122,9 +122,16 @@ def test_spec_logical_axes_count_checked(shape: tuple[int, ...], axes: tuple[str
         ParameterSpec(shape, axes)
 
 
-def test_spec_rejects_bad_shape() -> None:
+@pytest.mark.parametrize("shape", [(2, -1), (2.0,), (True,)])
+def test_spec_rejects_bad_shape(shape: tuple) -> None:
     with pytest.raises(ValueError, match="bad shape"):
-        ParameterSpec((2, -1), (None, None))
+        ParameterSpec(shape, (None,) * len(shape))
+
+
+def test_spec_normalises_shape_and_axes() -> None:
+    spec = ParameterSpec([np.int64(2), 3], ["embed", None])  # type: ignore[arg-type]
+    assert spec == ParameterSpec((2, 3), ("embed", None))
+    assert all(isinstance(d, int) and not isinstance(d, np.integer) for d in spec.shape)
 
 
 def test_dtype_and_initializer_inherited_unless_set() -> None:

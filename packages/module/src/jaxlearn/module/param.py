@@ -8,6 +8,7 @@ weight-decay scale. Initializers are configs so they appear in the flat text for
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -39,13 +40,17 @@ class ParameterSpec:
     weight_decay_scale: float = 1.0
 
     def __post_init__(self) -> None:
+        if any(not isinstance(d, numbers.Integral) or isinstance(d, bool) or d < 0
+               for d in self.shape):
+            raise ValueError(f"ParameterSpec: bad shape {self.shape}")
+        # Normalise lists / numpy ints so that equal specs compare (and hash) equal.
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        object.__setattr__(self, "mesh_axes", tuple(self.mesh_axes))
         if len(self.mesh_axes) != len(self.shape):
             raise ValueError(
                 f"ParameterSpec: {len(self.mesh_axes)} logical axes {self.mesh_axes} for a "
                 f"{len(self.shape)}-d shape {self.shape}; give one name (or None) per dim"
             )
-        if any(not isinstance(d, int) or d < 0 for d in self.shape):
-            raise ValueError(f"ParameterSpec: bad shape {self.shape}")
 
 
 class Initializer(Configurable):
