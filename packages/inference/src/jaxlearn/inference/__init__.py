@@ -1,1 +1,40 @@
-"""jaxlearn.inference: Inference engine (prefill/extend), sampling, batching scheduler, server."""
+"""jaxlearn.inference: inference on the training layers: engine (prefill / extend_step
+with a slot KV cache), sampling, continuous-batching scheduler, OpenAI-compatible server.
+
+See packages/inference/README.md.
+"""
+
+from jaxlearn.inference.detokenize import Delta, OutputState
+from jaxlearn.inference.engine import INFERENCE_AXIS_RULES, Engine, GenerationResult
+from jaxlearn.inference.errors import (
+    InferenceError,
+    MissingDependencyError,
+    QueueFullError,
+    RequestError,
+)
+from jaxlearn.inference.metrics import Metrics
+from jaxlearn.inference.runner import ModelRunner
+from jaxlearn.inference.sampling import SamplingParams, sample_tokens
+from jaxlearn.inference.scheduler import Request, Scheduler
+from jaxlearn.inference.tokenizer import ByteTokenizer, Tokenizer, chat_prompt
+
+__all__ = [
+    "INFERENCE_AXIS_RULES",
+    "ByteTokenizer",
+    "Delta",
+    "Engine",
+    "GenerationResult",
+    "InferenceError",
+    "Metrics",
+    "MissingDependencyError",
+    "ModelRunner",
+    "OutputState",
+    "QueueFullError",
+    "Request",
+    "RequestError",
+    "SamplingParams",
+    "Scheduler",
+    "Tokenizer",
+    "chat_prompt",
+    "sample_tokens",
+]

@@ -1,0 +1,185 @@
+"""Sampling: masks against a NumPy reference, chi-square on the drawn distribution, seeds,
+repetition penalty, validation."""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from jaxlearn.inference import RequestError, SamplingParams
+from jaxlearn.inference.sampling import batch_mode, filtered_logits, penalize, sample_tokens
+
+V = 16
+
+
+def ref_kept(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """NumPy reference of the top-k / top-p support (bool [v]) of one row."""
+    scaled = logits / temperature
+    order = np.argsort(-scaled, kind="stable")
+    k = len(logits) if top_k <= 0 else min(top_k, len(logits))
+    keep = np.zeros(len(logits), bool)
+    keep[order[:k]] = True
+    vals = np.where(keep, scaled, -np.inf)
+    p = np.exp(vals - vals.max())
+    p /= p.sum()
+    before = np.cumsum(p[order]) - p[order]
+    kept = np.zeros(len(logits), bool)
+    for rank, i in enumerate(order[:k]):
+        if rank == 0 or top_p >= 1.0 or before[rank] < top_p:
+            kept[i] = True
+    return kept
+
+
+def ref_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    kept = ref_kept(logits, temperature, top_k, top_p)
+    z = np.where(kept, logits / temperature, -np.inf)
+    p = np.exp(z - z.max())
+    return p / p.sum()
+
+
+def _row(**kw):
+    return {k: jnp.asarray([v]) for k, v in kw.items()}
+
+
+@given(
+    st.lists(st.integers(-40, 40), min_size=V, max_size=V, unique=True),
+    st.sampled_from([0.5, 1.0, 2.0]),
+    st.integers(0, V + 2),
+    st.sampled_from([0.05, 0.3, 0.7, 0.95, 1.0]),
+)
+def test_filter_masks_match_numpy(logits, temperature, top_k, top_p):
+    # Distinct logits (tenths) so the order is unambiguous.
+    x = np.asarray(logits, np.float32) / 10
+    got = filtered_logits(jnp.asarray(x[None]), *_row(
+        temperature=np.float32(temperature), top_k=np.int32(top_k), top_p=np.float32(top_p)
+    ).values())
+    kept = np.isfinite(np.asarray(got[0]))
+    np.testing.assert_array_equal(kept, ref_kept(x, temperature, top_k, top_p))
+    np.testing.assert_allclose(np.asarray(got[0])[kept], (x / temperature)[kept], rtol=1e-6)
+
+
+@functools.lru_cache(maxsize=None)
+def _draw_many(n: int, mode: str):
+    """A jit'ed sampler drawing n tokens of one distribution with seeds 0..n-1."""
+
+    def draw(logits, temperature, top_k, top_p):
+        b = jnp.broadcast_to
+        return sample_tokens(
+            b(logits, (n, V)),
+            jnp.zeros((n, V), bool),
+            temperature=b(temperature, (n,)),
+            top_k=b(top_k, (n,)),
+            top_p=b(top_p, (n,)),
+            penalty=jnp.ones((n,)),
+            seeds=jnp.arange(n, dtype=jnp.uint32),
+            index=jnp.zeros((n,), jnp.int32),
+            mode=mode,
+        )
+
+    return jax.jit(draw)
+
+
+def chi_square_ok(counts: np.ndarray, probs: np.ndarray, n: int) -> tuple[bool, float, float]:
+    """Pearson chi-square against a p ~ 1e-4 critical value (Wilson-Hilferty)."""
+    support = probs > 0
+    assert counts[~support].sum() == 0, "drew a token outside the top-k/top-p support"
+    exp = probs[support] * n
+    stat = float(((counts[support] - exp) ** 2 / exp).sum())
+    df = max(int(support.sum()) - 1, 1)
+    z = 3.72  # one-sided 1e-4
+    crit = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    return stat <= crit, stat, crit
+
+
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p",
+    [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (1.0, 6, 0.6), (2.0, 3, 0.9)],
+)
+def test_chi_square_of_draws(temperature, top_k, top_p):
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=V).astype(np.float32)
+    n = 20000
+    mode = "filter" if top_k or top_p < 1 else "sample"
+    toks = _draw_many(n, mode)(x, np.float32(temperature), np.int32(top_k), np.float32(top_p))
+    counts = np.bincount(np.asarray(toks), minlength=V)
+    ok, stat, crit = chi_square_ok(counts, ref_probs(x, temperature, top_k, top_p), n)
+    assert ok, f"chi2={stat:.1f} > {crit:.1f}"
+
+
+def test_greedy_and_modes_agree_per_row():
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(4, V)), jnp.float32)
+    kw = dict(
+        temperature=jnp.asarray([0.0, 1.0, 0.8, 0.0]),
+        top_k=jnp.asarray([0, 0, 0, 3]),
+        top_p=jnp.ones((4,)),
+        penalty=jnp.ones((4,)),
+        seeds=jnp.asarray([1, 2, 3, 4], jnp.uint32),
+        index=jnp.asarray([0, 5, 9, 2], jnp.int32),
+    )
+    seen = jnp.zeros((4, V), bool)
+    sample = np.asarray(sample_tokens(logits, seen, mode="sample", **kw))
+    filt = np.asarray(sample_tokens(logits, seen, mode="filter", **kw))
+    greedy = np.asarray(sample_tokens(logits, seen, mode="greedy", **kw))
+    argmax = np.asarray(jnp.argmax(logits, -1))
+    assert sample[0] == filt[0] == greedy[0] == argmax[0]
+    assert filt[3] == greedy[3] == argmax[3]  # temperature 0 wins over top_k.
+    # An unfiltered sampled row draws the same token whichever variant runs.
+    assert sample[1] == filt[1] and sample[2] == filt[2]
+
+
+def test_seeds_are_per_request_and_deterministic():
+    rng = np.random.default_rng(1)
+    logits = jnp.asarray(rng.normal(size=(1, V)), jnp.float32)
+
+    def one(seed, index, batch_with=()):
+        rows = [seed, *batch_with]
+        n = len(rows)
+        return int(sample_tokens(
+            jnp.broadcast_to(logits, (n, V)), jnp.zeros((n, V), bool),
+            temperature=jnp.ones((n,)), top_k=jnp.zeros((n,), jnp.int32),
+            top_p=jnp.full((n,), 0.9), penalty=jnp.ones((n,)),
+            seeds=jnp.asarray(rows, jnp.uint32), index=jnp.full((n,), index, jnp.int32),
+            mode="filter")[0])
+
+    draws = [one(11, i) for i in range(12)]
+    assert draws == [one(11, i) for i in range(12)]
+    assert draws == [one(11, i, batch_with=(5, 6, 7)) for i in range(12)]
+    assert len(set(draws)) > 1
+    assert [one(12, i) for i in range(12)] != draws
+
+
+def test_repetition_penalty_hf_rule():
+    logits = jnp.asarray([[2.0, -2.0, 1.0, -1.0]])
+    seen = jnp.asarray([[True, True, False, False]])
+    out = np.asarray(penalize(logits, seen, jnp.asarray([2.0]), None))
+    np.testing.assert_allclose(out, [[1.0, -4.0, 1.0, -1.0]])
+    out = np.asarray(penalize(logits, seen, jnp.asarray([2.0]), 3))
+    assert out[0, 3] == -np.inf and out[0, 2] == 1.0
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("temperature", -0.1), ("temperature", float("nan")), ("temperature", 1e9),
+     ("top_p", 0.0), ("top_p", 1.5), ("repetition_penalty", 0.0), ("max_new_tokens", 0),
+     ("max_new_tokens", 1.5), ("top_k", 2.0), ("seed", "x"), ("temperature", True),
+     ("stop", ("",))],
+)
+def test_invalid_sampling_params(field, value):
+    with pytest.raises(RequestError) as e:
+        SamplingParams(**{field: value})
+    assert e.value.param == field
+
+
+def test_batch_mode():
+    g, s, f = SamplingParams(), SamplingParams(temperature=1.0), SamplingParams(
+        temperature=1.0, top_p=0.5)
+    assert batch_mode([g, g]) == "greedy"
+    assert batch_mode([g, s]) == "sample"
+    assert batch_mode([g, s, f]) == "filter"
+    assert batch_mode([SamplingParams(top_k=3)]) == "greedy"
