@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jaxlearn.layers import llama_config
+from jaxlearn.layers import llama_config, mixtral_config
 from jaxlearn.module import functional
 
 VOCAB, DIM, S = 32, 16, 12
@@ -17,6 +17,8 @@ VOCAB, DIM, S = 32, 16, 12
 
 def tiny(stack="scan", **kw):
     kw.setdefault("rope_theta", 100.0)
+    if kw.pop("moe", False):
+        return mixtral_config(VOCAB, DIM, 2, 4, 2, 24, 4, 2, stack=stack, **kw)
     return llama_config(VOCAB, DIM, 2, 4, 2, 24, stack=stack, **kw)
 
 
@@ -67,9 +69,9 @@ def _decode(model, params, prompt, lengths, new_tokens, max_len=16):
     return first, jnp.stack(outs, 1), states
 
 
-@pytest.mark.parametrize("stack", ["scan", "loop"])
-def test_prefill_plus_extend_equals_forward_with_ragged_prompts(stack):
-    model, params = setup(stack)
+@pytest.mark.parametrize("stack,kw", [("scan", {}), ("loop", {}), ("scan", {"moe": True})])
+def test_prefill_plus_extend_equals_forward_with_ragged_prompts(stack, kw):
+    model, params = setup(stack, **kw)
     full = run(model, params, {"input_ids": IDS}, method="logits")  # [2, S, vocab]
     lengths = jnp.array([6, 4])
     prompt = IDS[:, :6].at[1, 4:].set(0)  # Row 1 is right-padded after 4 tokens.

@@ -1,4 +1,5 @@
-"""Logit parity with HF transformers `LlamaForCausalLM` on tiny random checkpoints.
+"""Logit parity with HF transformers `LlamaForCausalLM` / `MixtralForCausalLM` on tiny
+random checkpoints.
 
 Fixtures come from fixtures/make_hf_fixtures.py (run offline in a venv with torch). The
 small converter below documents the layout mapping (see the README's HF Llama table); the
@@ -14,16 +15,32 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from jaxlearn.layers import llama_config
+from jaxlearn.layers import llama_config, mixtral_config
 from jaxlearn.module import functional
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
-VARIANTS = ["gqa_untied", "gqa_tied_llama3", "mqa_bias"]
+VARIANTS = ["llama_gqa_untied", "llama_gqa_tied_llama3", "llama_mqa_bias", "mixtral_e4_top2"]
 
 
 def config_from_hf(hf: dict, **kw):
     rope = dict(hf["rope_parameters"])
     scaling = rope if rope.get("rope_type") == "llama3" else None
+    if "num_local_experts" in hf:
+        return mixtral_config(
+            vocab_size=hf["vocab_size"],
+            dim=hf["hidden_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=hf["num_attention_heads"],
+            num_kv_heads=hf["num_key_value_heads"],
+            ffn_dim=hf["intermediate_size"],
+            num_experts=hf["num_local_experts"],
+            num_experts_per_token=hf["num_experts_per_tok"],
+            head_dim=hf["head_dim"],
+            rope_theta=rope["rope_theta"],
+            norm_eps=hf["rms_norm_eps"],
+            tie_embeddings=hf["tie_word_embeddings"],
+            **kw,
+        )
     return llama_config(
         vocab_size=hf["vocab_size"],
         dim=hf["hidden_size"],
@@ -61,11 +78,21 @@ def params_from_hf(hf: dict, sd: dict, stack: str) -> dict:
             attn["k_bias"] = sd[pre + "self_attn.k_proj.bias"].reshape(kv, d)
             attn["v_bias"] = sd[pre + "self_attn.v_proj.bias"].reshape(kv, d)
             attn["o_bias"] = sd[pre + "self_attn.o_proj.bias"]
-        ffn = {
-            "wi_0": sd[pre + "mlp.gate_proj.weight"].T,
-            "wi_1": sd[pre + "mlp.up_proj.weight"].T,
-            "wo": sd[pre + "mlp.down_proj.weight"].T,
-        }
+        if "num_local_experts" in hf:
+            f = hf["intermediate_size"]
+            gate_up = sd[pre + "mlp.experts.gate_up_proj"]  # [experts, 2F, E]
+            ffn = {
+                "router": sd[pre + "mlp.gate.weight"].T,
+                "wi_0": gate_up[:, :f].transpose(0, 2, 1),
+                "wi_1": gate_up[:, f:].transpose(0, 2, 1),
+                "wo": sd[pre + "mlp.experts.down_proj"].transpose(0, 2, 1),
+            }
+        else:
+            ffn = {
+                "wi_0": sd[pre + "mlp.gate_proj.weight"].T,
+                "wi_1": sd[pre + "mlp.up_proj.weight"].T,
+                "wo": sd[pre + "mlp.down_proj.weight"].T,
+            }
         if hf["mlp_bias"]:
             ffn["wi_0_bias"] = sd[pre + "mlp.gate_proj.bias"]
             ffn["wi_1_bias"] = sd[pre + "mlp.up_proj.bias"]
@@ -93,15 +120,16 @@ def params_from_hf(hf: dict, sd: dict, stack: str) -> dict:
 
 
 def load(name):
-    hf = json.loads((FIXTURES / f"hf_llama_{name}.json").read_text())
-    sd = load_file(str(FIXTURES / f"hf_llama_{name}.safetensors"))
-    ref = np.load(FIXTURES / f"hf_llama_{name}.npz", allow_pickle=False)
+    hf = json.loads((FIXTURES / f"hf_{name}.json").read_text())
+    sd = load_file(str(FIXTURES / f"hf_{name}.safetensors"))
+    ref = np.load(FIXTURES / f"hf_{name}.npz", allow_pickle=False)
     return hf, sd, ref["input_ids"], ref["logits"]
 
 
 CASES = [(v, "scan", "einsum") for v in VARIANTS] + [
-    ("gqa_untied", "loop", "dot_product_attention"),
-    ("gqa_tied_llama3", "loop", "einsum"),
+    ("llama_gqa_untied", "loop", "dot_product_attention"),
+    ("llama_gqa_tied_llama3", "loop", "einsum"),
+    ("mixtral_e4_top2", "loop", "einsum"),
 ]
 
 

@@ -12,7 +12,7 @@ from jaxlearn.layers.dense import DotGeneral, Linear, dense, einsum, matmul
 from jaxlearn.layers.embedding import Embedding
 from jaxlearn.layers.ffn import ACTIVATIONS, FeedForward, get_activation
 from jaxlearn.layers.norm import LayerNorm, RMSNorm
-from jaxlearn.layers.recipes import llama_config
+from jaxlearn.layers.recipes import llama_config, mixtral_config
 from jaxlearn.layers.rope import (
     FrequencyScaling,
     LinearFrequencyScaling,
@@ -47,4 +47,5 @@ __all__ = [
     "llama_config",
     "make_mask",
     "matmul",
+    "mixtral_config",
 ]

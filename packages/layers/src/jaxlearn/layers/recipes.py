@@ -86,3 +86,49 @@ def llama_config(
     return CausalLM.default_config().set(
         name=name, decoder=decoder, z_loss_weight=z_loss_weight, dtype=dtype
     )
+
+
+def mixtral_config(
+    vocab_size: int,
+    dim: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: Optional[int],
+    ffn_dim: int,
+    num_experts: int,
+    num_experts_per_token: int = 2,
+    *,
+    capacity_factor: Optional[float] = None,
+    load_balance_loss_weight: float = 0.01,
+    router_z_loss_weight: float = 0.0,
+    sliding_window: Optional[int] = None,
+    rope_theta: float = 1e6,
+    **llama_kwargs: Any,
+) -> Any:
+    """A Mixtral-style CausalLM config: `llama_config` with every feed-forward replaced by
+    a top-k `MixtureOfExperts` (dropless unless `capacity_factor` is set). Remaining
+    keyword arguments go to `llama_config`. Maps to HF `MixtralForCausalLM` (README)."""
+    from jaxlearn.layers.moe import MixtureOfExperts  # Imported lazily (own file, own owner).
+
+    cfg = llama_config(
+        vocab_size,
+        dim,
+        num_layers,
+        num_heads,
+        num_kv_heads,
+        ffn_dim,
+        rope_theta=rope_theta,
+        **llama_kwargs,
+    )
+    layer = cfg.decoder.transformer.layer
+    layer.self_attention.sliding_window = sliding_window
+    layer.feed_forward = MixtureOfExperts.default_config().set(
+        hidden_dim=ffn_dim,
+        activation=("silu", "linear"),
+        num_experts=num_experts,
+        num_experts_per_token=num_experts_per_token,
+        capacity_factor=capacity_factor,
+        load_balance_loss_weight=load_balance_loss_weight,
+        router_z_loss_weight=router_z_loss_weight,
+    )
+    return cfg
