@@ -22,6 +22,7 @@ from jaxlearn.interop.generate import greedy_generate
 from jaxlearn.interop.hf import (
     architecture_from_hf,
     export_hf,
+    export_pretrained,
     hf_config_dict,
     load_hf,
     load_hf_tokenizer,
@@ -45,6 +46,7 @@ __all__ = [
     "build_config",
     "detect_family",
     "export_hf",
+    "export_pretrained",
     "greedy_generate",
     "hf_config_dict",
     "load_gguf",

@@ -227,7 +227,7 @@ def architecture_from_config(cfg: Any, *, max_position_embeddings: Optional[int]
         ):
             if not ok:
                 raise bad(f"{where}.self_attention.{field}", f"unsupported value {getattr(a, field)!r}")
-        head_dim = a.head_dim if a.head_dim is not None else a.input_dim // a.num_heads
+        head_dim = a.head_dim if a.head_dim is not None else dec.dim // a.num_heads
         if a.query_scale is not None and not math.isclose(a.query_scale, head_dim**-0.5):
             raise bad(f"{where}.self_attention.query_scale", "HF uses head_dim ** -0.5")
         fs = a.rope.frequency_scaling
@@ -250,6 +250,7 @@ def architecture_from_config(cfg: Any, *, max_position_embeddings: Optional[int]
                 ffn_dim=f.hidden_dim,
                 num_experts=f.num_experts,
                 num_experts_per_token=f.num_experts_per_token,
+                router_aux_loss_coef=f.load_balance_loss_weight / f.num_experts_per_token,
                 mlp_bias=False,
             )
         elif _is(f, FeedForward):

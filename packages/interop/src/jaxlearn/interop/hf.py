@@ -609,6 +609,26 @@ def export_hf(
     return out
 
 
+def export_pretrained(
+    path: str | pathlib.Path, loaded: LoadedModel, **kwargs: Any
+) -> pathlib.Path:
+    """`export_hf` of a `LoadedModel` (e.g. a GGUF file -> an HF directory), carrying its
+    tokenizer, chat template, BOS/EOS ids and context length. kwargs: dtype,
+    max_shard_bytes."""
+    arch = loaded.architecture
+    return export_hf(
+        path,
+        loaded.config,
+        loaded.params,
+        tokenizer=loaded.tokenizer,
+        chat_template=loaded.chat_template,
+        bos_token_id=loaded.bos_token_id,
+        eos_token_ids=loaded.eos_token_ids,
+        max_position_embeddings=arch.max_position_embeddings if arch is not None else None,
+        **kwargs,
+    )
+
+
 def _save_safetensors(
     out: pathlib.Path, state: dict[str, np.ndarray], max_shard_bytes: Optional[int]
 ) -> None:
