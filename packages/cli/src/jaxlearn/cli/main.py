@@ -18,7 +18,7 @@ import os
 import sys
 from typing import Any, Optional, Sequence
 
-from jaxlearn.cli import aot_cmd
+from jaxlearn.cli import aot_cmd, serve_cmd
 
 EXIT_USAGE = 2
 
@@ -62,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("b")
 
     aot_cmd.add_parsers(sub, _add_experiment_args)  # aot, plan
+    serve_cmd.add_parsers(sub)  # serve, generate
 
     p = sub.add_parser("golden", help="check or regenerate golden_configs/")
     p.add_argument("--write", action="store_true", help="rewrite the golden files")
@@ -202,6 +203,7 @@ COMMANDS = {
     "config": cmd_config,
     "config-diff": cmd_config_diff,
     **aot_cmd.COMMANDS,
+    **serve_cmd.COMMANDS,
     "golden": cmd_golden,
 }
 

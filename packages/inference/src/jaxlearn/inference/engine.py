@@ -141,8 +141,9 @@ class Engine:
         spec_fn = None
         if mesh is not None:
             params = jax.device_put(params, self.param_shardings(mesh))
-            rules, m = self.axis_rules, mesh
-            spec_fn = _SpecFn(rules, m)
+            spec_fn = _SpecFn(self.axis_rules, mesh)
+        else:  # Host (numpy) params would be copied to the device on every call.
+            params = jax.device_put(params)
         chunk = min(next_pow2(prefill_chunk), next_pow2(max_seq_len))
         cache_len = -(-max_seq_len // chunk) * chunk
         vocab = int(

@@ -47,6 +47,15 @@ Sink = Callable[["Request", Delta], None]
 _ids = itertools.count()
 
 
+def eos_ids(tokenizer: Any) -> set[int]:
+    """Ids that end a generation: the tokenizer's `eos_token_ids` (optional) and `eos_id`."""
+    out = {int(t) for t in getattr(tokenizer, "eos_token_ids", None) or ()}
+    eos = getattr(tokenizer, "eos_id", None)
+    if eos is not None:
+        out.add(int(eos))
+    return out
+
+
 @dataclasses.dataclass(eq=False)
 class Request:
     """One generation request and its progress (owned by the scheduler once submitted)."""
@@ -173,9 +182,8 @@ class Scheduler:
                 param="prompt",
             )
         stops = set(params.stop_token_ids)
-        eos = getattr(self.tokenizer, "eos_id", None)
-        if eos is not None and not params.ignore_eos:
-            stops.add(int(eos))
+        if not params.ignore_eos:
+            stops |= eos_ids(self.tokenizer)
         output = OutputState(
             self.tokenizer,
             ids,

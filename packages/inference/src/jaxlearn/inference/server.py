@@ -283,7 +283,11 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             if parsed.kind == "chat":
                 assert parsed.messages is not None
-                prompt: Any = chat_prompt(eng.tokenizer, parsed.messages)
+                try:
+                    prompt: Any = chat_prompt(eng.tokenizer, parsed.messages)
+                except Exception as e:  # Templates reject some conversations (roles...).
+                    raise RequestError(f"the chat template refused the messages: {e}",
+                                       param="messages") from None
             else:
                 prompt = parsed.prompt
             ids = eng.encode(prompt)

@@ -11,7 +11,13 @@ from typing import Any, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
 @runtime_checkable
 class Tokenizer(Protocol):
-    """encode(text) -> ids (no BOS/EOS added); decode(ids) -> text (special ids dropped)."""
+    """encode(text) -> ids; decode(ids) -> text (special ids dropped).
+
+    Optional members the engine uses when present: `eos_token_ids` (every id that ends a
+    generation, besides `eos_id`), `add_bos` (whether the engine should prepend BOS to
+    encoded text; default: yes when `bos_id` is set, so a tokenizer whose `encode`
+    already adds BOS sets it False), `apply_chat_template(messages) -> str | ids`.
+    """
 
     @property
     def vocab_size(self) -> int: ...
@@ -62,15 +68,16 @@ class ByteTokenizer:
 
 def chat_prompt(tokenizer: Any, messages: Sequence[Mapping[str, str]]) -> str | list[int]:
     """The prompt of a chat: the tokenizer's own `apply_chat_template(messages)` when it has
-    one (returning text or ids), else a plain fallback transcript:
+    one (returning text or ids; None means "no template"), else a plain fallback
+    transcript:
 
         <|system|>\\n...\\n<|user|>\\n...\\n<|assistant|>\\n
     """
     template = getattr(tokenizer, "apply_chat_template", None)
-    if callable(template):
-        out = template(list(messages))
-        if isinstance(out, str):
-            return out
+    out = template(list(messages)) if callable(template) else None
+    if isinstance(out, str):
+        return out
+    if out is not None:
         return [int(i) for i in out]
     parts = [f"<|{m['role']}|>\n{m['content']}\n" for m in messages]
     return "".join(parts) + "<|assistant|>\n"
