@@ -64,8 +64,9 @@ def test_does_not_fit_with_tiny_hbm():
 
 def test_grad_accumulation_flops_counted_per_microbatch():
     """cost_analysis counts a loop body once; the report counts every iteration."""
-    one = aot_compile(mlp_trainer_config(fsdp=-1), resolve_target("cpu-8")).train
     cfg = mlp_trainer_config(fsdp=-1)
+    cfg.input.global_batch_size = 32
+    one = aot_compile(cfg, resolve_target("cpu-8")).train
     cfg.learner.num_microbatches = 4
     four = aot_compile(cfg, resolve_target("cpu-8")).train
     assert four.flops_xla < 0.6 * one.flops_xla
@@ -108,10 +109,12 @@ def test_multi_host_target_layout_and_dcn_classification():
     cfg = mlp_trainer_config()
     cfg.mesh_shape = hybrid_mesh_shape_from_axes(ici={"fsdp": -1}, dcn={"data": -1})
     t = aot_compile(cfg, target).train
-    # Parameter all-gathers stay inside a host; the gradient all-reduce over data crosses.
-    assert t.collectives["all-gather"]["bytes_fast_link"] > 0
-    assert t.collectives["all-gather"]["bytes_dcn"] == 0
-    assert t.collective_bytes_dcn > 0
+    # Parameter all-gathers stay inside a host (groups [[0, 1], [2, 3], ...]); what crosses
+    # hosts is the gradient reduction over `data` (and the embedding's scatter-add
+    # gradient, which the partitioner gathers across all devices).
+    ag = t.collectives["all-gather"]
+    assert ag["bytes_fast_link"] > ag["bytes_dcn"]
+    assert t.collectives["all-reduce"]["bytes_dcn"] > 0
 
 
 def test_resolve_target_errors_and_fallbacks():

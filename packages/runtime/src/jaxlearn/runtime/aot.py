@@ -250,7 +250,10 @@ def target_mesh_shape(shape: Any, target: Target) -> MeshShape:
     n, g = target.num_devices, target.num_granules
     try:
         if isinstance(shape, HybridMeshShape):
-            return infer_hybrid_mesh_shape(shape, n, g)
+            hybrid = infer_hybrid_mesh_shape(shape, n, g)
+            # One granule: flat, so that make_mesh does not read hosts of a mock TPU
+            # topology (whose devices have no slice_index) as granules of the DCN part.
+            return hybrid if g > 1 else hybrid.full_shape
         flat = infer_mesh_shape(shape, n)
         return split_for_granules(flat, g) if g > 1 else flat
     except ValueError as e:
@@ -475,8 +478,9 @@ def build_trainer(cfg: ConfigBase, target: Target) -> Any:
     cfg.mesh_shape = target_mesh_shape(cfg.mesh_shape, target)
     try:
         return cfg.instantiate(devices=list(target.devices))
-    except TypeError as e:
-        raise AOTError(f"{type(cfg).__name__} does not take devices=: {e}") from None
+    except (ValueError, RuntimeError, TypeError) as e:  # ConfigError, TrainerError, ...
+        raise AOTError(f"{target.selector}: cannot build the trainer on mesh "
+                       f"{cfg.mesh_shape}: {type(e).__name__}: {e}") from e
 
 
 def aot_compile(

@@ -449,9 +449,9 @@ def plan(
     if winner is not None:
         if winner.layout.baseline:
             notes.append("the config as given is the best layout found")
-            base = _baseline_layout(cfg, winner)
-            if not base.baseline:
-                rule = mesh_rule_literal(target.selector, base, cfg, remat_target)
+            as_layout = _baseline_layout(cfg, winner)
+            if not as_layout.baseline:
+                rule = mesh_rule_literal(target.selector, as_layout, cfg, remat_target)
         else:
             rule = mesh_rule_literal(target.selector, winner.layout, cfg, remat_target)
     return PlanResult(target.selector, target.num_devices, candidates, winner, rule,
