@@ -172,3 +172,35 @@ def test_loss_decreases_with_adam(stack):
         params, state, loss = step(params, state)
         losses.append(float(loss))
     assert losses[-1] < losses[0] - 0.3, losses
+
+
+def _eqns(jaxpr):
+    """Every equation of a jaxpr, including those of nested (custom-VJP, pjit) jaxprs."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            inner = getattr(value, "jaxpr", value)
+            if hasattr(inner, "eqns"):
+                yield from _eqns(inner)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_batch1_bf16_decode_has_no_one_row_dots(kv_heads):
+    """XLA:CPU upcasts one-row bf16 dots to f32 (weights and KV cache converted every token);
+    every dot of a batch-1 bf16 extend_step must have >= 2 rows and columns, bf16 operands."""
+    cfg = llama_config(VOCAB, DIM, 2, 4, kv_heads, 24, stack="loop", dtype="bfloat16")
+    model = cfg.instantiate()
+    params = jax.eval_shape(model.initialize_parameters_recursively, jax.random.key(0))
+    states = jax.eval_shape(lambda p: run(model, p, 1, 16, method="init_states"), params)
+    jaxpr = jax.make_jaxpr(lambda p, s: run(model, p, s, IDS[:1, :1], method="extend_step"))(
+        params, states
+    )
+    dots = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
+    assert len(dots) == 2 * (7 + 2) + 1  # 7 dense + 2 attention einsums per layer, lm head.
+    for eqn in dots:
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        for var, contract, batch in ((eqn.invars[0], lc, lb), (eqn.invars[1], rc, rb)):
+            shape = var.aval.shape
+            free = np.prod([n for i, n in enumerate(shape) if i not in contract and i not in batch])
+            assert free >= 2, eqn  # Neither a GEMV (m = 1) nor a vector-matrix (n = 1).
+        assert all(v.aval.dtype == jnp.bfloat16 for v in eqn.invars), eqn

@@ -272,8 +272,14 @@ class Attention(Module):
             )
         b, s, h, d = q.shape
         kv = k.shape[2]
-        qg = q.reshape(b, s, kv, h // kv, d)  # [b, s, kv_heads, group, d]
         low_precision = jnp.dtype(q.dtype).itemsize < 4
+        # One query row per (batch, kv head) -- MHA decode -- is a bf16 GEMV that XLA
+        # upcasts (converting the whole KV cache); pad it to two rows, like dense() does.
+        pad = low_precision and s * (h // kv) == 1
+        if pad:
+            q = jnp.concatenate([q, jnp.zeros_like(q)], axis=1)
+            mask = jnp.concatenate([mask, mask], axis=1)
+        qg = q.reshape(b, q.shape[1], kv, h // kv, d)  # [b, s, kv_heads, group, d]
         if low_precision:  # bf16: custom VJP keeps the backward einsums in bf16.
             ein = lambda spec, a, w, out=None: einsum(spec, a, w, out)  # noqa: E731
         else:
@@ -286,7 +292,7 @@ class Attention(Module):
         logits = jnp.where(mask[:, None, None], logits, _NEG)
         probs = jax.nn.softmax(logits, axis=-1).astype(q.dtype)
         o = ein("bkgst,btkd->bskgd", probs, v)
-        return o.reshape(b, s, h, d)
+        return o[:, :s].reshape(b, s, h, d)
 
 
 def _write(buf: jax.Array, new: jax.Array, time_step: jax.Array) -> jax.Array:
