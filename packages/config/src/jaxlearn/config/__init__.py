@@ -21,7 +21,14 @@ from jaxlearn.config.configurable import (
     config_for_class,
     config_for_function,
 )
-from jaxlearn.config.flat import diff_configs, diff_flat_texts, to_flat_dict, to_flat_text
+from jaxlearn.config.flat import (
+    diff_configs,
+    diff_flat_texts,
+    format_value,
+    path_sort_key,
+    to_flat_dict,
+    to_flat_text,
+)
 from jaxlearn.config.overrides import OverrideError, apply_override, apply_overrides, parse_value
 from jaxlearn.config.traverse import carry_over_fields, leaves, replace_config, visit
 
@@ -45,9 +52,11 @@ __all__ = [
     "diff_configs",
     "diff_flat_texts",
     "format_path",
+    "format_value",
     "leaves",
     "parse_path",
     "parse_value",
+    "path_sort_key",
     "replace_config",
     "to_flat_dict",
     "to_flat_text",

@@ -18,72 +18,23 @@ from __future__ import annotations
 
 import collections.abc
 import copy
-import difflib
-import re
+import dataclasses
 import types
 import typing
-from typing import Any, Sequence, TypeVar, Union
+from typing import Any, Sequence, TypeVar
+
+from jaxlearn.config.errors import (
+    REQUIRED,
+    ConfigError,
+    ConfigTypeError,
+    RequiredFieldError,
+    UnknownFieldError,
+    suggest,
+)
+from jaxlearn.config.paths import format_path, parse_path, with_items
+from jaxlearn.config.typecheck import is_classvar, resolve_annotation, type_matches, type_name
 
 T = TypeVar("T", bound="ConfigBase")
-
-
-class ConfigError(ValueError):
-    """Base class of every error raised by jaxlearn.config."""
-
-
-class RequiredFieldError(ConfigError):
-    """A REQUIRED field was used or instantiated before it was set."""
-
-
-class UnknownFieldError(ConfigError, AttributeError):
-    """A field name (or path) that the config does not declare."""
-
-
-class ConfigTypeError(ConfigError, TypeError):
-    """A value that does not match the field's annotated type."""
-
-
-class _Required:
-    """Sentinel for fields that must be set before use. Any use as a value raises."""
-
-    _instance: "_Required | None" = None
-
-    def __new__(cls) -> "_Required":
-        if cls._instance is None:
-            cls._instance = super().__new__(cls)
-        return cls._instance
-
-    def __repr__(self) -> str:
-        return "REQUIRED"
-
-    def __copy__(self) -> "_Required":
-        return self
-
-    def __deepcopy__(self, memo: dict) -> "_Required":
-        return self
-
-    def __reduce__(self) -> str:
-        return "REQUIRED"
-
-    def _fail(self, *args: Any, **kwargs: Any) -> Any:
-        raise RequiredFieldError(
-            "A REQUIRED config field was used before it was set; set it on the config "
-            "(cfg.set(...), or --set path=value) before instantiating."
-        )
-
-    __bool__ = __int__ = __float__ = __index__ = __len__ = __iter__ = _fail
-    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _fail
-    __truediv__ = __rtruediv__ = __floordiv__ = __rfloordiv__ = __mod__ = __pow__ = _fail
-    __lt__ = __le__ = __gt__ = __ge__ = __neg__ = __getitem__ = __call__ = _fail
-
-
-REQUIRED: Any = _Required()
-
-
-def suggest(name: str, candidates: Sequence[str]) -> str:
-    """Returns ' (did you mean: x?)' for the closest candidate, or ''."""
-    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
-    return f" (did you mean: {close[0]}?)" if close else ""
 
 
 class _Field:
@@ -94,64 +45,65 @@ class _Field:
         self.default = default
 
 
-def _type_name(hint: Any) -> str:
-    if isinstance(hint, type):
-        return hint.__name__
-    return str(hint).replace("typing.", "")
-
-
-def type_matches(value: Any, hint: Any) -> bool:
-    """Whether `value` conforms to the annotation `hint` (shallow for containers)."""
-    if value is REQUIRED or hint is Any or hint is None and value is None:
-        return True
-    if isinstance(hint, (str, TypeVar, typing.ForwardRef)):
-        return True  # Unresolvable annotation: accept rather than guess.
-    if hint is type(None):
-        return value is None
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    if origin is Union or origin is types.UnionType:
-        return any(type_matches(value, a) for a in args)
-    if origin is typing.Literal:
-        return value in args
-    if origin is type:
-        return isinstance(value, type) and (
-            not args or not isinstance(args[0], type) or issubclass(value, args[0])
-        )
-    if origin in (collections.abc.Callable,) or hint is collections.abc.Callable:
-        return callable(value)
-    if origin is not None:
-        if not isinstance(origin, type) or not isinstance(value, origin):
-            return False
-        if origin is tuple and args:
-            if len(args) == 2 and args[1] is Ellipsis:
-                return all(type_matches(v, args[0]) for v in value)
-            return len(args) == len(value) and all(
-                type_matches(v, a) for v, a in zip(value, args)
-            )
-        if issubclass(origin, collections.abc.Mapping) and len(args) == 2:
-            return all(
-                type_matches(k, args[0]) and type_matches(v, args[1]) for k, v in value.items()
-            )
-        if issubclass(origin, collections.abc.Iterable) and len(args) == 1:
-            return all(type_matches(v, args[0]) for v in value)
-        return True
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if isinstance(hint, type):
-        try:
-            return isinstance(value, hint)
-        except TypeError:
-            return True
-    return True
+# Values that are references, not data: shared, never deep-copied.
+_ATOMIC = (
+    type,
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.MethodType,
+    types.ModuleType,
+)
 
 
 def _copy_value(value: Any) -> Any:
-    if isinstance(value, (type, types.FunctionType, types.BuiltinFunctionType, types.ModuleType)):
+    """A deep copy in which no two places share an object: `[layer] * 4` becomes four
+    independent layers, so editing one path never changes another."""
+    return _copy_tree(value, set())
+
+
+def _copy_tree(value: Any, active: set[int]) -> Any:
+    if isinstance(value, _ATOMIC):
         return value
-    return copy.deepcopy(value)
+    kind = type(value)
+    is_dataclass = dataclasses.is_dataclass(value) and not isinstance(value, type)
+    if not (isinstance(value, ConfigBase) or kind in (list, dict, tuple) or is_dataclass):
+        return copy.deepcopy(value)
+    if id(value) in active:
+        raise ConfigError(f"A config value contains itself: {type(value).__name__}")
+    active.add(id(value))
+    try:
+        if isinstance(value, ConfigBase):
+            new = object.__new__(type(value))
+            for name in value._fields:
+                object.__setattr__(new, name, _copy_tree(getattr(value, name), active))
+            return new
+        if kind is list:
+            return [_copy_tree(v, active) for v in value]
+        if kind is tuple:
+            return tuple(_copy_tree(v, active) for v in value)
+        if kind is dict:
+            return {k: _copy_tree(v, active) for k, v in value.items()}
+        new_dc = copy.copy(value)
+        for field in dataclasses.fields(value):
+            copied = _copy_tree(getattr(value, field.name), active)
+            object.__setattr__(new_dc, field.name, copied)  # Works for frozen ones too.
+        return new_dc
+    finally:
+        active.discard(id(value))
+
+
+def _short_repr(value: Any, limit: int = 200) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _check_not_reserved(cls: type, name: str) -> None:
+    for klass in cls.__mro__[1:]:
+        if name in vars(klass) and name not in getattr(klass, "_fields", {}):
+            raise ConfigError(
+                f"{cls.__qualname__}: field '{name}' would shadow {klass.__qualname__}.{name}; "
+                "rename the field"
+            )
 
 
 class ConfigBase:
@@ -159,37 +111,68 @@ class ConfigBase:
 
     _fields: dict[str, _Field] = {}
     _hints: dict[str, Any] | None = None
+    _defaults_checked: bool = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         fields: dict[str, _Field] = {}
         for base in reversed(cls.__mro__[1:]):
             fields.update(getattr(base, "_fields", {}))
-        for name in cls.__dict__.get("__annotations__", {}):
-            if name.startswith("_"):
+        # A subclass may change an inherited default without repeating the annotation.
+        for name in fields:
+            if name in cls.__dict__:
+                fields[name] = _Field(name, cls.__dict__[name])
+        for name, annotation in cls.__dict__.get("__annotations__", {}).items():
+            if name.startswith("_") or is_classvar(annotation):
                 continue
+            _check_not_reserved(cls, name)
             default = cls.__dict__.get(name, fields[name].default if name in fields else REQUIRED)
             fields[name] = _Field(name, default)
         cls._fields = fields
         cls._hints = None
+        cls._defaults_checked = False
 
     @classmethod
     def _field_hints(cls) -> dict[str, Any]:
-        if cls.__dict__.get("_hints") is None:
-            try:
-                hints = typing.get_type_hints(cls)
-            except Exception:  # Forward references that cannot be resolved: check per field.
-                hints = {}
-                for klass in reversed(cls.__mro__):
-                    for name, ann in klass.__dict__.get("__annotations__", {}).items():
-                        hints[name] = ann
+        cached = cls.__dict__.get("_hints")
+        if cached is not None:
+            return cached
+        try:
+            hints = typing.get_type_hints(cls)
+            resolved = True
+        except Exception:  # Some forward reference does not resolve: resolve field by field.
+            hints, resolved = {}, True
+            for klass in reversed(cls.__mro__):
+                localns = dict(vars(klass))
+                for name, ann in klass.__dict__.get("__annotations__", {}).items():
+                    hints[name] = resolve_annotation(ann, klass.__module__, localns)
+                    resolved = resolved and not isinstance(hints[name], str)
+        if resolved:  # Unresolved names may be defined later: retry next time.
             cls._hints = hints
-        return cls._hints  # type: ignore[return-value]
+        return hints
+
+    @classmethod
+    def _check_defaults(cls) -> None:
+        hints = cls._field_hints()
+        for name, field in cls._fields.items():
+            hint = hints.get(name, Any)
+            if not type_matches(field.default, hint):
+                raise ConfigTypeError(
+                    f"{cls.__qualname__}.{name}: default {field.default!r} does not match its "
+                    f"annotation {type_name(hint)}"
+                )
+        cls._defaults_checked = True
 
     def __init__(self, **kwargs: Any):
+        if not type(self).__dict__.get("_defaults_checked", True):
+            type(self)._check_defaults()
         for name, field in self._fields.items():
             object.__setattr__(self, name, _copy_value(field.default))
         self.set(**kwargs)
+
+    def __deepcopy__(self: T, memo: dict[int, Any]) -> T:
+        new: T = _copy_value(self)
+        return new
 
     # ---- field access -----------------------------------------------------------------
 
@@ -202,8 +185,8 @@ class ConfigBase:
         hint = self._field_hints().get(name, Any)
         if not type_matches(value, hint):
             raise ConfigTypeError(
-                f"{type(self).__qualname__}.{name} expects {_type_name(hint)}, "
-                f"got {type(value).__name__} {value!r}"
+                f"{type(self).__qualname__}.{name} expects {type_name(hint)}, "
+                f"got {type(value).__name__} {_short_repr(value)}"
             )
         object.__setattr__(self, name, _copy_value(value))
 
@@ -231,7 +214,10 @@ class ConfigBase:
         return name in self._fields
 
     def __eq__(self, other: object) -> bool:
-        return type(self) is type(other) and self.items() == other.items()  # type: ignore[attr-defined]
+        if type(self) is not type(other):
+            return False
+        assert isinstance(other, ConfigBase)
+        return self.items() == other.items()
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -249,40 +235,43 @@ class ConfigBase:
 
     def clone(self: T, **kwargs: Any) -> T:
         """A deep copy with `kwargs` applied; the original is unchanged."""
-        return copy.deepcopy(self).set(**kwargs)
+        new: T = _copy_value(self)
+        return new.set(**kwargs)
 
     def get_recursively(self, path: str | Sequence[str | int]) -> Any:
         """Value at `path`, e.g. 'model.decoder.layers[3].feed_forward' or a key list."""
         keys = parse_path(path) if isinstance(path, str) else list(path)
         node: Any = self
         for i, key in enumerate(keys):
-            node = _child(node, key, keys[: i + 1])
+            node = _child(node, key, format_path(keys[: i + 1]))
         return node
 
     def set_recursively(self, path: str | Sequence[str | int], value: Any) -> None:
-        """Sets the field at `path` (validated against the owning config's annotation)."""
+        """Sets the value at `path`, validated against the annotation of the config field
+        that owns it: `a.layers[2]=x` rebuilds the list and sets `a.layers` (type-checked);
+        items of lists, tuples, dicts and dataclasses can all be set this way.
+        """
         keys = parse_path(path) if isinstance(path, str) else list(path)
         if not keys:
             raise ConfigError("set_recursively needs a non-empty path")
-        parent = self.get_recursively(keys[:-1]) if len(keys) > 1 else self
-        last = keys[-1]
         where = format_path(keys)
-        if isinstance(parent, ConfigBase):
-            if not isinstance(last, str) or last not in parent._fields:
-                raise UnknownFieldError(
-                    f"Unknown config path '{where}': {type(parent).__qualname__} has no field "
-                    f"'{last}'{suggest(str(last), list(parent._fields))}"
-                )
-            try:
-                setattr(parent, last, value)
-            except ConfigTypeError as e:
-                raise ConfigTypeError(f"{where}: {e}") from None
-        elif isinstance(parent, collections.abc.MutableMapping):
-            parent[last] = _copy_value(value)
-        elif isinstance(parent, list) and isinstance(last, int):
-            parent[last] = _copy_value(value)
-        else:
-            raise ConfigError(f"Cannot set '{where}': parent is a {type(parent).__name__}")
+        nodes: list[Any] = [self]
+        for i, key in enumerate(keys[:-1]):
+            nodes.append(_child(nodes[-1], key, format_path(keys[: i + 1])))
+        owner = max(i for i, node in enumerate(nodes) if isinstance(node, ConfigBase))
+        new = value
+        for i in range(len(keys) - 1, owner, -1):
+            new = _with_item(nodes[i], keys[i], new, format_path(keys[: i + 1]))
+        cfg, name = nodes[owner], keys[owner]
+        if not isinstance(name, str) or name not in cfg._fields:
+            raise UnknownFieldError(
+                f"Unknown config path '{where}': {type(cfg).__qualname__} has no field "
+                f"'{name}'{suggest(str(name), list(cfg._fields))}"
+            )
+        try:
+            setattr(cfg, name, new)
+        except ConfigTypeError as e:
+            raise ConfigTypeError(f"{where}: {e}") from None
 
     # ---- validation ---------------------------------------------------------------------
 
@@ -299,7 +288,7 @@ class ConfigBase:
         def enter(path: str, value: Any) -> bool:
             if value is REQUIRED:
                 missing.append(path)
-            if path and not into_instantiable and isinstance(value, ConfigBase):
+            if value is not self and not into_instantiable and isinstance(value, ConfigBase):
                 from jaxlearn.config.configurable import InstantiableConfig
 
                 if isinstance(value, InstantiableConfig):
@@ -318,40 +307,8 @@ class ConfigBase:
             )
 
 
-_PATH_TOKEN = re.compile(r"\.?([A-Za-z_][A-Za-z0-9_]*)|\[(-?\d+)\]|\[('[^']*'|\"[^\"]*\")\]")
-
-
-def parse_path(path: str) -> list[str | int]:
-    """'a.b[3].c' -> ['a', 'b', 3, 'c']; "d['x y']" -> ['d', 'x y']."""
-    keys: list[str | int] = []
-    pos = 0
-    while pos < len(path):
-        m = _PATH_TOKEN.match(path, pos)
-        if not m or (pos == 0 and path.startswith(".")):
-            raise ConfigError(f"Malformed config path '{path}' at position {pos}")
-        name, index, quoted = m.groups()
-        keys.append(name if name is not None else int(index) if index is not None else quoted[1:-1])
-        pos = m.end()
-    return keys
-
-
-_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-
-
-def format_path(keys: Sequence[Any]) -> str:
-    out = ""
-    for key in keys:
-        if isinstance(key, int):
-            out += f"[{key}]"
-        elif isinstance(key, str) and _IDENT.match(key):
-            out += f".{key}" if out else key
-        else:
-            out += f"[{str(key)!r}]"
-    return out
-
-
-def _child(node: Any, key: str | int, keys_so_far: Sequence[Any]) -> Any:
-    where = format_path(keys_so_far)
+def _child(node: Any, key: str | int, where: str) -> Any:
+    """Item `key` of `node`; `where` is the path of that item, for error messages."""
     if isinstance(node, ConfigBase):
         if not isinstance(key, str) or key not in node._fields:
             raise UnknownFieldError(
@@ -368,9 +325,30 @@ def _child(node: Any, key: str | int, keys_so_far: Sequence[Any]) -> Any:
         return node[key]
     if isinstance(node, (list, tuple)) and isinstance(key, int):
         if not -len(node) <= key < len(node):
-            raise UnknownFieldError(f"Unknown config path '{where}': index out of range")
+            raise UnknownFieldError(
+                f"Unknown config path '{where}': index {key} out of range (length {len(node)})"
+            )
         return node[key]
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        names = [f.name for f in dataclasses.fields(node)]
+        if key not in names:
+            raise UnknownFieldError(
+                f"Unknown config path '{where}': {type(node).__qualname__} has no field "
+                f"'{key}'{suggest(str(key), names)}"
+            )
+        return getattr(node, str(key))
     raise UnknownFieldError(f"Unknown config path '{where}': cannot index a {type(node).__name__}")
+
+
+def _with_item(container: Any, key: Any, value: Any, where: str) -> Any:
+    """A copy of `container` with item `key` set to `value` (containers never change in
+    place, so a failed type check leaves the config untouched)."""
+    if not isinstance(container, collections.abc.MutableMapping):
+        _child(container, key, where)  # Index / field check with a readable error.
+    try:
+        return with_items(container, {key: value})
+    except TypeError:
+        raise ConfigError(f"Cannot set '{where}': parent is a {type(container).__name__}") from None
 
 
 __all__ = [

@@ -17,7 +17,7 @@ import inspect
 import typing
 from typing import Any, Callable, Generic, TypeVar
 
-from jaxlearn.config.base import REQUIRED, ConfigBase, ConfigError, RequiredFieldError
+from jaxlearn.config.base import REQUIRED, ConfigBase, ConfigError, RequiredFieldError, _copy_value
 
 C = TypeVar("C")
 
@@ -47,14 +47,19 @@ class Configurable:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        parent_cfg = next(
-            b.Config for b in cls.__mro__[1:] if issubclass(b, Configurable) and "Config" in vars(b)
-        )
-        if not issubclass(cls.Config, parent_cfg):
+        config = vars(cls).get("Config", cls.Config)
+        if not (isinstance(config, type) and issubclass(config, Configurable.Config)):
             raise ConfigError(
-                f"{cls.__qualname__}.Config must subclass {parent_cfg.__qualname__} "
-                f"(declare it as `class Config({parent_cfg.__qualname__}):`)"
+                f"{cls.__name__}.Config must be a class derived from Configurable.Config"
             )
+        for base in cls.__bases__:
+            if not issubclass(base, Configurable):
+                continue
+            if not issubclass(config, base.Config):
+                raise ConfigError(
+                    f"{cls.__name__}.Config must subclass {base.__name__}.Config "
+                    f"(declare it as `class Config({base.__name__}.Config):`)"
+                )
 
     @classmethod
     def default_config(cls) -> Any:
@@ -81,64 +86,89 @@ class Configurable:
         return self._config
 
 
+def _call_kwargs(cfg: ConfigBase, reserved: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    # Copies, so the callee cannot alias (or mutate) the config's own values.
+    values = {k: _copy_value(v) for k, v in cfg.items() if k != reserved}
+    values.update(kwargs)
+    return values
+
+
+def _call(target: Callable[..., Any], positional: tuple[str, ...], values: dict[str, Any]) -> Any:
+    args = [values.pop(name) for name in positional if name in values]
+    return target(*args, **values)
+
+
 class FunctionConfigBase(InstantiableConfig):
     """Config whose fields are the parameters of `fn`; `instantiate()` calls it."""
 
-    fn: Callable = REQUIRED  # type: ignore[type-arg]
+    fn: Callable[..., Any] = REQUIRED
+    _positional_only: tuple[str, ...] = ()
 
     def instantiate(self, **kwargs: Any) -> Any:
         self.check_required()
-        values = {k: v for k, v in self.items() if k != "fn"}
-        values.update(kwargs)
-        return self.fn(**values)
+        return _call(self.fn, self._positional_only, _call_kwargs(self, "fn", kwargs))
 
 
 class ClassConfigBase(InstantiableConfig):
     """Config whose fields are the constructor parameters of `klass`."""
 
     klass: type = REQUIRED
+    _positional_only: tuple[str, ...] = ()
 
     def instantiate(self, **kwargs: Any) -> Any:
         self.check_required()
-        values = {k: v for k, v in self.items() if k != "klass"}
-        values.update(kwargs)
-        return self.klass(**values)
+        return _call(self.klass, self._positional_only, _call_kwargs(self, "klass", kwargs))
 
 
 def _config_from_signature(
-    base: type[InstantiableConfig], target: Callable, name: str, skip_first: bool
+    base: type[InstantiableConfig], target: Callable[..., Any], hints_of: Any, name: str
 ) -> type[InstantiableConfig]:
     sig = inspect.signature(target)
     try:
-        hints = typing.get_type_hints(target)
-    except Exception:
+        hints = typing.get_type_hints(hints_of)
+    except Exception:  # Unresolvable names: keep the raw annotations, resolved per field.
         hints = {}
     annotations: dict[str, Any] = {}
     namespace: dict[str, Any] = {}
-    params = list(sig.parameters.values())[1 if skip_first else 0 :]
-    for p in params:
+    positional: list[str] = []
+    for p in sig.parameters.values():
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if p.name.startswith("_"):
+            if p.default is p.empty:
+                raise ConfigError(f"{name}: private parameter '{p.name}' has no default")
             continue
         if p.name in base._fields:
             raise ConfigError(f"{name}: parameter '{p.name}' clashes with a reserved field")
-        annotations[p.name] = hints.get(p.name, Any)
+        hint = hints.get(p.name, Any if p.annotation is p.empty else p.annotation)
+        if p.default is None and hint is not Any:
+            hint = typing.Optional[hint]  # `x: int = None` means Optional[int].
+        annotations[p.name] = hint
         namespace[p.name] = REQUIRED if p.default is p.empty else p.default
+        if p.kind is p.POSITIONAL_ONLY:
+            positional.append(p.name)
     namespace["__annotations__"] = annotations
-    namespace["__module__"] = getattr(target, "__module__", __name__)
+    namespace["__module__"] = getattr(target, "__module__", None) or __name__
+    namespace["_positional_only"] = tuple(positional)
     return type(name, (base,), namespace)
 
 
-def config_for_function(fn: Callable, **kwargs: Any) -> FunctionConfigBase:
+def _qualname(obj: Any) -> str:
+    return str(getattr(obj, "__qualname__", None) or type(obj).__qualname__)
+
+
+def config_for_function(fn: Callable[..., Any], **kwargs: Any) -> FunctionConfigBase:
     """A config with one field per parameter of `fn` (REQUIRED where it has no default)."""
-    cls = _config_from_signature(
-        FunctionConfigBase, fn, f"FunctionConfig[{fn.__qualname__}]", skip_first=False
-    )
-    return cls(fn=fn).set(**kwargs)  # type: ignore[return-value]
+    cls = _config_from_signature(FunctionConfigBase, fn, fn, f"FunctionConfig[{_qualname(fn)}]")
+    cfg = cls(fn=fn).set(**kwargs)
+    assert isinstance(cfg, FunctionConfigBase)
+    return cfg
 
 
 def config_for_class(klass: type, **kwargs: Any) -> ClassConfigBase:
-    """A config with one field per parameter of `klass.__init__`."""
-    cls = _config_from_signature(
-        ClassConfigBase, klass.__init__, f"ClassConfig[{klass.__qualname__}]", skip_first=True
-    )
-    return cls(klass=klass).set(**kwargs)  # type: ignore[return-value]
+    """A config with one field per parameter of `klass`'s constructor."""
+    init = klass.__dict__.get("__init__") or getattr(klass, "__init__")
+    cls = _config_from_signature(ClassConfigBase, klass, init, f"ClassConfig[{_qualname(klass)}]")
+    cfg = cls(klass=klass).set(**kwargs)
+    assert isinstance(cfg, ClassConfigBase)
+    return cfg

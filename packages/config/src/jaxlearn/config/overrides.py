@@ -2,25 +2,31 @@
 
 Values are parsed with `ast.literal_eval` (never `eval`). A field annotated `str` takes the
 raw text when it is not a string literal; a field annotated with a class or callable takes
-a dotted import path (`pkg.module.Name`), which is imported, not evaluated.
+a dotted import path (`pkg.module.Name`), which is imported, not evaluated. Every line of
+the flat text form (`to_flat_text`) is itself a valid override.
 """
 
 from __future__ import annotations
 
 import ast
+import collections.abc
+import dataclasses
+import enum
 import importlib
 import re
+import types
 import typing
-from typing import Any, Iterable
+from typing import Any, Iterable, Union
 
 from jaxlearn.config.base import (
+    REQUIRED,
     ConfigBase,
     ConfigError,
     ConfigTypeError,
     UnknownFieldError,
     parse_path,
-    type_matches,
 )
+from jaxlearn.config.typecheck import element_hint, is_unresolved, type_matches, type_name
 
 _DOTTED = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+$")
 
@@ -29,8 +35,36 @@ class OverrideError(ConfigError):
     """A malformed or invalid `path=value` override."""
 
 
-def _accepts_str(hint: Any) -> bool:
-    return type_matches("x", hint) and hint is not Any
+def _accepts_raw_text(text: str, hint: Any) -> bool:
+    return hint is not Any and not is_unresolved(hint) and type_matches(text, hint)
+
+
+def _accepts_objects(hint: Any) -> bool:
+    """Whether a field annotated `hint` may hold classes, callables or other objects that
+    only a dotted import path can name (as opposed to literals only)."""
+    if hint is Any or is_unresolved(hint) or hint is type or hint is collections.abc.Callable:
+        return True
+    origin = typing.get_origin(hint)
+    if origin is Union or origin is types.UnionType:
+        return any(_accepts_objects(a) for a in typing.get_args(hint))
+    if origin in (type, collections.abc.Callable):
+        return True
+    return isinstance(hint, type) and origin is None and hint not in _LITERAL_TYPES
+
+
+_LITERAL_TYPES = (int, float, complex, str, bytes, bool, list, tuple, dict, set, type(None))
+_FLOAT_WORDS = {"nan", "inf", "+inf", "-inf", "infinity", "+infinity", "-infinity"}
+
+
+def _enum_member(text: str, hint: Any) -> Any:
+    """`RED` for a field annotated with an Enum (or Optional of one) -> the member."""
+    candidates = [hint]
+    if typing.get_origin(hint) in (Union, types.UnionType):
+        candidates = list(typing.get_args(hint))
+    for klass in candidates:
+        if isinstance(klass, type) and issubclass(klass, enum.Enum) and text in klass.__members__:
+            return klass.__members__[text]
+    return _NOT_LITERAL
 
 
 def _import_dotted(text: str) -> Any:
@@ -50,48 +84,95 @@ def _import_dotted(text: str) -> Any:
 
 
 def parse_value(text: str, hint: Any = Any, where: str = "") -> Any:
-    """Parses the text of an override for a field annotated `hint`."""
+    """Parses the text of an override for a field annotated `hint`.
+
+    In order: a Python literal (`ast.literal_eval`, never `eval`) that fits `hint`; `nan`
+    and `inf` for float fields; an enum member's name for enum fields; the raw text for
+    fields that accept `str`; a dotted import path for fields that hold classes, callables
+    or other objects.
+    """
+    text = text.strip()
+    if text == "REQUIRED":  # As the flat form prints it; quote it to mean the string.
+        return REQUIRED
     try:
         value = ast.literal_eval(text)
-    except (ValueError, SyntaxError):
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
         value = _NOT_LITERAL
     if value is not _NOT_LITERAL and type_matches(value, hint):
         return value
-    if _accepts_str(hint) and type_matches(text, hint):
+    if text.lower() in _FLOAT_WORDS and type_matches(float("nan"), hint):
+        return float(text)
+    member = _enum_member(text, hint)
+    if member is not _NOT_LITERAL:
+        return member
+    if _accepts_raw_text(text, hint):
         return text
-    if _DOTTED.match(text.strip()) and typing.get_origin(hint) is not typing.Literal:
+    if _DOTTED.match(text) and _accepts_objects(hint):
         try:
-            obj = _import_dotted(text.strip())
+            obj = _import_dotted(text)
         except (ImportError, AttributeError):
             obj = _NOT_LITERAL
         if obj is not _NOT_LITERAL and type_matches(obj, hint):
             return obj
+        if obj is not _NOT_LITERAL:
+            value = obj
+    shown = type_name(hint)
     if value is _NOT_LITERAL:
-        raise OverrideError(f"{where}: cannot parse {text!r} as a Python literal")
-    raise ConfigTypeError(
-        f"{where}: expects {getattr(hint, '__name__', hint)}, got {type(value).__name__} {text!r}"
-    )
+        raise OverrideError(
+            f"{where}: cannot parse {text!r} as a Python literal (expected {shown}; quote "
+            "strings, and name classes or functions by an importable dotted path)"
+        )
+    raise ConfigTypeError(f"{where}: expects {shown}, got {type(value).__name__} {text!r}")
 
 
 _NOT_LITERAL = object()
 
 
+def _assignment_index(override: str) -> int:
+    """Index of the `=` that ends the path (not one inside a quoted `['a=b']` key)."""
+    quote = ""
+    for i, ch in enumerate(override):
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "=":
+            return i
+    return -1
+
+
+def _dataclass_hints(klass: type) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(klass)
+    except Exception:
+        return {}
+
+
 def apply_override(cfg: ConfigBase, override: str) -> None:
-    """Applies one `path=value` override in place."""
-    if "=" not in override:
+    """Applies one `path=value` override in place (type-checked against the field)."""
+    split = _assignment_index(override)
+    if split < 0:
         raise OverrideError(f"Override {override!r} is not of the form path=value")
-    path, _, text = override.partition("=")
-    path = path.strip()
+    path, text = override[:split].strip(), override[split + 1 :]
     keys = parse_path(path)
-    parent = cfg.get_recursively(keys[:-1]) if len(keys) > 1 else cfg
+    if not keys:
+        raise OverrideError(f"Override {override!r} has an empty path")
+    # Walk to the parent, tracking the annotation that governs each step.
+    node: Any = cfg
     hint: Any = Any
-    if isinstance(parent, ConfigBase):
-        if not isinstance(keys[-1], str) or keys[-1] not in parent:
-            # Let set_recursively produce the did-you-mean error.
-            cfg.set_recursively(keys, None)
-        hint = parent.field_type(str(keys[-1]))
-    value = parse_value(text.strip(), hint, where=path)
-    cfg.set_recursively(keys, value)
+    for i, key in enumerate(keys):
+        if isinstance(node, ConfigBase):
+            if not isinstance(key, str) or key not in node:
+                cfg.set_recursively(keys[: i + 1], None)  # Raises the did-you-mean error.
+            assert isinstance(key, str)
+            hint = node.field_type(key)
+        elif dataclasses.is_dataclass(node):
+            hint = _dataclass_hints(type(node)).get(str(key), Any)
+        else:
+            hint = element_hint(hint, key)
+        if i < len(keys) - 1:
+            node = cfg.get_recursively(keys[: i + 1])
+    cfg.set_recursively(keys, parse_value(text, hint, where=path))
 
 
 def apply_overrides(cfg: ConfigBase, overrides: Iterable[str]) -> ConfigBase:

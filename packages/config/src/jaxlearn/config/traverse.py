@@ -16,7 +16,8 @@ import dataclasses
 import re
 from typing import Any, Callable, Optional
 
-from jaxlearn.config.base import REQUIRED, ConfigBase, ConfigError, format_path
+from jaxlearn.config.base import REQUIRED, ConfigBase, ConfigError, ConfigTypeError
+from jaxlearn.config.paths import join_path, with_items
 
 EnterFn = Callable[[str, Any], Optional[bool]]
 ExitFn = Callable[[str, Any], None]
@@ -48,27 +49,22 @@ def visit(
     *,
     prefix: str = "",
 ) -> None:
-    """Depth-first traversal. If `enter` returns True the node's children are skipped."""
+    """Depth-first traversal of `tree`, paths prefixed by `prefix`.
+
+    `enter(path, value)` runs before a node's children and `exit(path, value)` after them,
+    for every node (leaves included), so the two always pair up. If `enter` returns True,
+    the node's children are skipped (its `exit` still runs).
+    """
 
     def rec(keys: list[Any], value: Any) -> None:
-        path = _join(prefix, keys)
-        if enter is not None and enter(path, value):
-            return
-        for key, child in children(value):
-            rec(keys + [key], child)
+        path = join_path(prefix, keys)
+        if enter is None or not enter(path, value):
+            for key, child in children(value):
+                rec(keys + [key], child)
         if exit is not None:
             exit(path, value)
 
     rec([], tree)
-
-
-def _join(prefix: str, keys: list[Any]) -> str:
-    rest = format_path(keys)
-    if not prefix:
-        return rest
-    if not rest:
-        return prefix
-    return prefix + rest if rest.startswith("[") else f"{prefix}.{rest}"
 
 
 def leaves(tree: Any) -> list[tuple[str, Any]]:
@@ -100,12 +96,31 @@ def _matches(match: Matcher, path: str, cfg: ConfigBase) -> bool:
     return bool(match(path, cfg))
 
 
-def carry_over_fields(old: ConfigBase, new: ConfigBase, exclude: tuple[str, ...] = ()) -> None:
-    """Copies into `new` every field it shares with `old` that `old` has set."""
+def carry_over_fields(
+    old: ConfigBase, new: ConfigBase, exclude: tuple[str, ...] = (), *, keep_set: bool = True
+) -> None:
+    """Copies into `new` every field it shares with `old` that `old` has set.
+
+    `klass`/`fn` and the names in `exclude` are never copied. With `keep_set` (default), a
+    field that `new` already sets to something other than its class default keeps its
+    value: what the replacement states explicitly wins over what is carried over.
+    """
     for name, value in old.items():
         if name in ("klass", "fn") or name in exclude or name not in new or value is REQUIRED:
             continue
+        if keep_set and not _at_default(new, name):
+            continue
         new.set(**{name: value})
+
+
+def _at_default(cfg: ConfigBase, name: str) -> bool:
+    value, default = getattr(cfg, name), type(cfg)._fields[name].default
+    if value is REQUIRED or default is REQUIRED:
+        return value is default
+    try:
+        return bool(type(value) is type(default) and value == default)
+    except Exception:  # e.g. arrays, whose == is elementwise
+        return False
 
 
 def replace_config(
@@ -124,14 +139,18 @@ def replace_config(
         match: a config class (isinstance), a Configurable class (the config's `klass` is a
             subclass), a regex that must fully match the path (e.g. r'.*layers\\[\\d*[02468]\\]
             \\.feed_forward'), or a predicate `fn(path, cfg) -> bool`.
-        replacement: a config (cloned for each match) or `fn(old_cfg, path) -> new_cfg`.
+        replacement: a config (cloned for each match), a Configurable class (its
+            `default_config()`), or `fn(old_cfg, path) -> new_cfg`.
         carry_over: copy fields shared by the old and new config (e.g. `input_dim`,
-            `hidden_dim`) from the old one, except those in `exclude`.
+            `hidden_dim`) from the old one, except those in `exclude` and those the
+            replacement sets to a non-default value (see `carry_over_fields`).
         allow_no_match: if False (default), matching nothing raises ConfigError, because a
             rewrite that silently does nothing is almost always a typo.
 
     Matched configs are not searched further, so a replacement that contains a config of
-    the matched kind (MoE wrapping an FFN) is not rewritten again.
+    the matched kind (MoE wrapping an FFN) is not rewritten again. The root itself is never
+    matched. Replacements are set through the parent's fields, so they must fit the
+    parent's annotation (annotate swappable children as e.g. `InstantiableConfig`).
     """
     new_root = root.clone()
     count = 0
@@ -139,21 +158,14 @@ def replace_config(
     def rewrite(path: str, value: Any) -> Any:
         nonlocal count
         if isinstance(value, ConfigBase) and path and _matches(match, path, value):
-            new = replacement(value, path) if callable(replacement) and not isinstance(
-                replacement, ConfigBase
-            ) else replacement.clone()
-            if not isinstance(new, ConfigBase):
-                raise ConfigError(f"replace_config: replacement for '{path}' is not a config")
-            if carry_over:
-                carry_over_fields(value, new, exclude)
             count += 1
-            return new
+            return _replacement_for(value, path, replacement, carry_over, exclude)
+        changed = {}
         for key, child in children(value):
-            sub = _join(path, [key])
-            new_child = rewrite(sub, child)
+            new_child = rewrite(join_path(path, [key]), child)
             if new_child is not child:
-                _assign(value, key, new_child)
-        return value
+                changed[key] = new_child
+        return _rebuilt(value, changed, path) if changed else value
 
     rewrite("", new_root)
     if count == 0 and not allow_no_match:
@@ -161,12 +173,48 @@ def replace_config(
     return new_root
 
 
-def _assign(container: Any, key: Any, value: Any) -> None:
-    if isinstance(container, ConfigBase):
-        object.__setattr__(container, key, value)  # Already validated by the replacement.
-    elif isinstance(container, (dict, list)):
-        container[key] = value
-    elif dataclasses.is_dataclass(container):
-        object.__setattr__(container, key, value)
+def _replacement_for(
+    old: ConfigBase,
+    path: str,
+    replacement: Replacement,
+    carry_over: bool,
+    exclude: tuple[str, ...],
+) -> ConfigBase:
+    new: Any
+    if isinstance(replacement, ConfigBase):
+        new = replacement.clone()
+    elif isinstance(replacement, type) and hasattr(replacement, "default_config"):
+        new = replacement.default_config()  # A Configurable class.
+    elif callable(replacement):
+        new = replacement(old, path)
+        if isinstance(new, ConfigBase) and new is not old:
+            new = new.clone()  # The callable may return one shared config for every match.
     else:
-        raise ConfigError(f"Cannot replace inside an immutable {type(container).__name__}")
+        raise ConfigError(
+            f"replace_config: replacement must be a config, a Configurable class or a "
+            f"callable, got {replacement!r}"
+        )
+    if not isinstance(new, ConfigBase):
+        raise ConfigError(f"replace_config: replacement for '{path}' is not a config: {new!r}")
+    if carry_over and new is not old:
+        try:
+            carry_over_fields(old, new, exclude)
+        except ConfigTypeError as e:
+            raise ConfigTypeError(f"replace_config: carrying fields to '{path}': {e}") from None
+    return new
+
+
+def _rebuilt(container: Any, changed: dict[Any, Any], path: str) -> Any:
+    """`container` with the items in `changed` replaced; configs are set in place (validated
+    against the field annotations), other containers are copied."""
+    if not isinstance(container, ConfigBase):
+        try:
+            return with_items(container, changed)
+        except TypeError:
+            raise ConfigError(f"replace_config: cannot rebuild '{path}'") from None
+    for key, value in changed.items():
+        try:
+            setattr(container, key, value)
+        except ConfigTypeError as e:
+            raise ConfigTypeError(f"replace_config: at '{join_path(path, [key])}': {e}") from None
+    return container
