@@ -185,3 +185,37 @@ def test_hlo_analysis_trip_counts_and_collective_bytes():
     assert cp.count == 1 and cp.bytes_slow == 128 * 128 * 4
     assert shape_bytes("(bf16[2,3]{1,0}, s8[4])") == 16
     assert stats.unknown_trip_counts == 0 and stats.while_loops == 1
+
+
+TPU_STYLE = """
+%body (p: (s32[], f32[8,16])) -> (s32[], f32[8,16]) {
+  %p = (s32[], f32[8,16]{1,0}) parameter(0)
+  %x = f32[8,16]{1,0} get-tuple-element(%p), index=1
+  %w = f32[16,32]{1,0} constant({...})
+  %c = f32[8,32]{1,0} convolution(%x, %w), dim_labels=bf_io->bf
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %t = (s32[], f32[8,16]{1,0}) tuple(%i, %x)
+}
+
+%cond (q: (s32[], f32[8,16])) -> pred[] {
+  %n = s32[]{:T(128)} constant(6)
+  %q = (s32[], f32[8,16]{1,0}) parameter(0)
+  %i = s32[]{:T(128)} get-tuple-element(%q), index=0
+  ROOT %lt = pred[]{:T(512)} compare(%i, %n), direction=LT
+}
+
+ENTRY %main () -> f32[8,16] {
+  %init = (s32[], f32[8,16]{1,0}) constant({...})
+  %wl = (s32[], f32[8,16]{1,0}) while(%init), condition=%cond, body=%body
+  ROOT %r = f32[8,16]{1,0} get-tuple-element(%wl), index=1
+}
+"""
+
+
+def test_hlo_trip_count_from_condition_and_convolution_flops():
+    """What the TPU compiler emits: no known_trip_count, matmuls as convolutions."""
+    stats = analyze_hlo(TPU_STYLE, 1)
+    conv = 2 * 8 * 32 * 16
+    assert stats.unknown_trip_counts == 0
+    # (+1: the loop condition's compare.)
+    assert stats.flops_static == conv + 1 and stats.flops_per_step == 6 * conv + 1

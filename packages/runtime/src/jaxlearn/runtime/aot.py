@@ -25,9 +25,9 @@ Figures, per device:
   aliased (donated) bytes, temporaries, code; `required = max(peak, args + outputs - alias +
   temp + code)` is checked against `hbm_utilization * HBM` from the hardware catalogue (or
   `hbm_bytes` given to `resolve_target`);
-- FLOPs: `cost_analysis()["flops"]`, plus the FLOPs (matmuls, elementwise, reductions) of
-  loop bodies beyond their first iteration (cost_analysis counts a `while` body once; see
-  `jaxlearn.runtime.hlo`);
+- FLOPs: `cost_analysis()["flops"]` times the ratio of per-step to static FLOPs that
+  `jaxlearn.runtime.hlo` counts in the HLO (cost_analysis counts a `while` body once, so a
+  scanned layer stack or gradient accumulation would look `trip count` times cheaper);
 - collectives: counts and bytes sent from `compiled.as_text()` (`jaxlearn.runtime.hlo`);
 - time model: `t_compute = flops / (peak_bf16_flops * mfu)`, `t_comm = bytes_fast_link /
   fast_link_bytes_per_s + bytes_dcn / dcn_bytes_per_s` (ring-algorithm bytes, each
@@ -403,7 +403,9 @@ def analyze_compiled(
     stats: HloStats = analyze_hlo(compiled.as_text(), len(mesh_devices),
                                   granule if target.num_granules > 1 else None)
     xla = _xla_flops(compiled)
-    flops = xla + max(stats.flops_per_step - stats.flops_static, 0.0)
+    # Loops: scale XLA's count (bodies once) by the HLO-level per-step / static ratio.
+    ratio = stats.flops_per_step / stats.flops_static if stats.flops_static > 0 else 1.0
+    flops = xla * max(ratio, 1.0)
     hw = target.hardware
     compute = flops / (hw.peak_bf16_flops * mfu) if mfu > 0 else float("inf")
     comm = (stats.collective_bytes_fast / hw.fast_link_bytes_per_s

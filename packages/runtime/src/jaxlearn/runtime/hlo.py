@@ -10,8 +10,11 @@ taken as 1 and reported), and from that:
 
 - FLOPs, static (each instruction once, what cost_analysis sees) and per step (times
   executions): 2 * prod(result) * prod(contracted lhs dims) per `dot`, one per result
-  element of elementwise arithmetic, one per input element of `reduce` (convolutions,
-  custom calls and sort are not counted); `aot` adds `per_step - static` to XLA's figure;
+  element of elementwise arithmetic, one per input element of `reduce`, and for a
+  `convolution` (how the TPU compiler emits matmuls) 2 * output elements * kernel
+  elements per output feature (custom calls and sort are not counted); `aot` scales
+  XLA's figure by `per_step / static`. Loops without a recorded trip count (the TPU
+  compiler records none) get it from their condition `i < constant(N)`;
 - collectives (all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute and
   their async `-start` forms; `-done` is not counted): per kind the instruction count, the
   executions per step, and the bytes each device sends under ring algorithms:
@@ -184,6 +187,29 @@ def _called(instr: Instruction) -> list[tuple[str, str]]:
     return out
 
 
+def _trip_from_condition(comps: dict[str, Computation], instr: Instruction
+                         ) -> Optional[float]:
+    """Trip count of a counted loop whose backend_config lacks one (the TPU compiler does
+    not record it): the condition is `compare(i, constant(N)), direction=LT` on an integer
+    induction variable, which `lax.scan`/`fori_loop` start at 0 and step by 1."""
+    m = re.search(r"\bcondition=%?([\w.\-]+)", instr.attrs)
+    cond = comps.get(m.group(1)) if m else None
+    if cond is None:
+        return None
+    consts: dict[str, float] = {}
+    for i in cond.instructions:
+        if i.opcode == "constant" and re.match(r"[su](8|16|32|64)\[\]", i.shape):
+            cm = re.fullmatch(r"-?\d+", i.operands[0] if i.operands else "")
+            if cm:
+                consts[i.name] = float(i.operands[0])
+    for i in reversed(cond.instructions):
+        if i.opcode == "compare" and "direction=LT" in i.attrs and len(i.operands) == 2:
+            bound = consts.get(i.operands[1].split()[-1].lstrip("%"))
+            if bound is not None and bound >= 0:
+                return bound
+    return None
+
+
 def executions(comps: dict[str, Computation]) -> tuple[dict[str, float], int]:
     """Per computation, how many times it runs per call of the entry computation; and the
     number of `while` loops whose trip count XLA did not record (taken as 1)."""
@@ -194,8 +220,11 @@ def executions(comps: dict[str, Computation]) -> tuple[dict[str, float], int]:
             trip = 1.0
             if instr.opcode == "while":
                 m = _TRIP.search(instr.attrs)
+                guessed = _trip_from_condition(comps, instr)
                 if m:
                     trip = float(m.group(1))
+                elif guessed is not None:
+                    trip = guessed
                 else:
                     unknown += 1
             for key, callee in _called(instr):
@@ -215,6 +244,20 @@ def executions(comps: dict[str, Computation]) -> tuple[dict[str, float], int]:
             if indeg[callee] == 0:
                 ready.append(callee)
     return mult, unknown
+
+
+def _conv_flops(instr: Instruction, symbols: dict[str, str]) -> float:
+    """2 * output elements * kernel elements per output feature / feature groups (the TPU
+    compiler lowers matmuls to convolutions)."""
+    kernel = _dims(_operand_shape(instr.operands[1], symbols))
+    labels = re.search(r"dim_labels=\w+_(\w+)->", instr.attrs)
+    if not kernel or not labels or len(labels.group(1)) != len(kernel):
+        return 0.0
+    o = labels.group(1).find("o")
+    per_output = math.prod(kernel) / (kernel[o] if o >= 0 else 1)
+    groups = re.search(r"feature_group_count=(\d+)", instr.attrs)
+    per_output /= int(groups.group(1)) if groups else 1
+    return 2.0 * math.prod(_dims(instr.shape) or [1]) * per_output
 
 
 def _operand_shape(operand: str, symbols: dict[str, str]) -> str:
@@ -374,6 +417,11 @@ def analyze_hlo(
                 continue
             if instr.opcode == "reduce" and instr.operands:
                 flops = float(math.prod(_dims(_operand_shape(instr.operands[0], symbols)) or [1]))
+                fl_static += flops
+                fl_step += flops * m
+                continue
+            if instr.opcode == "convolution" and len(instr.operands) == 2:
+                flops = _conv_flops(instr, symbols)
                 fl_static += flops
                 fl_step += flops * m
                 continue
