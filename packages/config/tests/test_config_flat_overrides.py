@@ -72,21 +72,18 @@ EXPECTED = """\
 decoder.layers[0].color: test_config_flat_overrides.Color.RED
 decoder.layers[0].dim: REQUIRED
 decoder.layers[0].mode: 'fast'
-decoder.layers[0].names[0]: 'q'
-decoder.layers[0].names[1]: 'k'
+decoder.layers[0].names: ['q', 'k']
 decoder.layers[0].scale: None
 decoder.layers[1].color: test_config_flat_overrides.Color.RED
 decoder.layers[1].dim: REQUIRED
 decoder.layers[1].mode: 'fast'
-decoder.layers[1].names[0]: 'q'
-decoder.layers[1].names[1]: 'k'
+decoder.layers[1].names: ['q', 'k']
 decoder.layers[1].scale: None
 decoder.num_layers: 2
 decoder.table.a: 1
 decoder.table.b: 2
 learner.klass: builtins.dict
-learner.optimizer.betas[0]: 0.9
-learner.optimizer.betas[1]: 0.999
+learner.optimizer.betas: (0.9, 0.999)
 learner.optimizer.learning_rate: 0.001
 learner.optimizer.name: 'adam'
 learner.optimizer.schedule: math.cos
@@ -105,10 +102,19 @@ def test_flat_text_is_sorted_path_value_lines():
 
 
 def test_flat_text_orders_indices_numerically():
-    cfg = Trainer(tags=list(range(12)))
+    cfg = Trainer(tags=[{"i": i} for i in range(12)])
     paths = [line.split(": ")[0] for line in to_flat_text(cfg).splitlines()]
     tags = [p for p in paths if p.startswith("tags")]
-    assert tags == [f"tags[{i}]" for i in range(12)]  # tags[2] before tags[10].
+    assert tags == [f"tags[{i}].i" for i in range(12)]  # tags[2] before tags[10].
+
+
+def test_flat_text_prints_literal_sequences_on_one_line():
+    cfg = Trainer(tags={"shape": (1, -1, 2), "rules": (("batch", ("data", "fsdp")), ("x", None))})
+    flat = to_flat_dict(cfg)
+    assert flat["tags.shape"] == "(1, -1, 2)"
+    assert flat["tags.rules"] == "(('batch', ('data', 'fsdp')), ('x', None))"
+    mixed = to_flat_dict(Trainer(tags=[1, Optimizer()]))
+    assert mixed["tags[0]"] == "1" and "tags[1].name" in mixed
 
 
 def test_flat_text_renders_values_deterministically():

@@ -46,9 +46,13 @@ def test_sharded_matches_single_device(tmp_path):
 
 
 def test_grad_accumulation_equals_big_batch(tmp_path):
-    big, _ = _train(tmp_path, "big", max_step=4)
-    cfg_kw = dict(max_step=4)
-    micro_cfg = toy_trainer_config(str(tmp_path / "micro"), **cfg_kw)
+    # 32 rows = 4 microbatches of 8, one row per device each.
+    big_cfg = toy_trainer_config(str(tmp_path / "big"), max_step=4)
+    big_cfg.input.global_batch_size = 32
+    big = big_cfg.instantiate()
+    big.run()
+    micro_cfg = toy_trainer_config(str(tmp_path / "micro"), max_step=4)
+    micro_cfg.input.global_batch_size = 32
     micro_cfg.learner.num_microbatches = 4
     micro = micro_cfg.instantiate()
     micro.run()

@@ -2,12 +2,16 @@
 
     jaxlearn train --experiment tiny-llama --output_dir runs/tiny [--mesh_selector cpu-8]
                    [--set learner.learning_rate=1e-3 ...] [--max_step N]
+                   [--supervise [--max_restarts N] [--restart_backoff_s S]] [--elastic]
     jaxlearn experiments
     jaxlearn config --experiment NAME [--mesh_selector SEL] [--set ...]
     jaxlearn config-diff A B        (experiment names or flat-text files)
 
 Errors in what the user gave (unknown experiment, bad --set, bad data, unwritable output
-dir) print one line `jaxlearn: error: ...` and exit with status 2; nothing is written.
+dir, a checkpoint in --output_dir from another model) print one line `jaxlearn: error: ...`
+and exit with status 2; nothing is written. Detected faults exit with their own status
+(42 hang, 43 silent data corruption, 44 non-finite values, 45 health check; see
+jaxlearn.runtime.failures), which `--supervise` uses to restart the run.
 """
 
 from __future__ import annotations
@@ -51,6 +55,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "bundled data (repeatable)")
     p.add_argument("--profile_steps", type=str, default=None,
                    help="comma-separated steps to trace with the JAX profiler, e.g. 5,6,7")
+    p.add_argument("--supervise", action="store_true",
+                   help="run training in a child process and restart it (from the newest "
+                        "good checkpoint) when it crashes or hangs; implies --elastic")
+    p.add_argument("--max_restarts", type=int, default=3,
+                   help="with --supervise: restart budget (default 3)")
+    p.add_argument("--restart_backoff_s", type=float, default=10.0,
+                   help="with --supervise: first restart delay, doubled each restart")
+    p.add_argument("--elastic", action="store_true",
+                   help="on a device count other than the run's first, keep the global batch "
+                        "by raising learner.num_microbatches (the mesh's -1 axis adapts)")
 
     sub.add_parser("experiments", help="list the named experiments")
 
@@ -98,7 +112,32 @@ def _check_output_dir(path: str) -> None:
         raise UsageError(f"--output_dir {path}: not writable")
 
 
+_SUPERVISOR_FLAGS = {"--supervise": False, "--max_restarts": True, "--restart_backoff_s": True}
+
+
+def _supervise(args: argparse.Namespace) -> int:
+    """The parent of `train --supervise`: never touches the accelerators itself."""
+    from jaxlearn.runtime.supervisor import Supervisor, child_argv, python_module_command
+
+    if args.max_restarts < 0:
+        raise UsageError(f"--max_restarts must be >= 0, got {args.max_restarts}")
+    if not args.restart_backoff_s >= 0:
+        raise UsageError(f"--restart_backoff_s must be >= 0, got {args.restart_backoff_s}")
+    argv = child_argv(args.argv, _SUPERVISOR_FLAGS)
+    argv += ["--elastic", "--set", "resilience.watchdog.exit_on_hang=True"]
+    supervisor = Supervisor(python_module_command("jaxlearn.cli", argv),
+                            output_dir=args.output_dir, max_restarts=args.max_restarts,
+                            backoff_s=args.restart_backoff_s)
+    return supervisor.run()
+
+
+def _one_line(e: BaseException) -> str:
+    return "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    if args.supervise:
+        return _supervise(args)
     overrides = list(args.overrides)
     if args.max_step is not None:
         overrides.append(f"max_step={args.max_step}")
@@ -116,16 +155,37 @@ def cmd_train(args: argparse.Namespace) -> int:
         inputs.iterator(0, 1)  # Bad data fails here, before anything is written.
     except (ConfigError, ValueError, OSError) as e:
         raise UsageError(str(e)) from None
+    from jaxlearn.checkpoint import CheckpointStructureError, NoGoodCheckpointError
+    from jaxlearn.runtime.data import DataError
+    from jaxlearn.runtime.failures import ResilienceError
+    from jaxlearn.runtime.resilience import CheckpointSaveFailed
     from jaxlearn.runtime.trainer import TrainerError
 
     try:
+        elastic = None
+        if args.elastic:
+            from jaxlearn.runtime.elastic import adapt_to_devices
+
+            elastic = adapt_to_devices(cfg)
         trainer = cfg.instantiate()
     except (ConfigError, TrainerError) as e:
         raise UsageError(str(e)) from None
     _check_output_dir(args.output_dir)
+    if elastic is not None:
+        elastic.record()
     print(f"jaxlearn: training {args.experiment} on {len(trainer.mesh.devices.flat)} device(s) "
           f"(mesh {dict(trainer.mesh.shape)}), output in {args.output_dir}", file=sys.stderr)
-    last = trainer.run()
+    try:
+        last = trainer.run()
+    except (CheckpointStructureError, NoGoodCheckpointError, DataError) as e:
+        # Another model's checkpoint, all checkpoints damaged, another input's state.
+        raise UsageError(f"--output_dir {args.output_dir}: {_one_line(e)}") from None
+    except ResilienceError as e:
+        print(f"jaxlearn: error: {_one_line(e)}", file=sys.stderr)
+        return e.exit_code
+    except CheckpointSaveFailed as e:
+        print(f"jaxlearn: error: {_one_line(e)}", file=sys.stderr)
+        return 1
     print("jaxlearn: done. " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(last.items())),
           file=sys.stderr)
     return 0
@@ -179,7 +239,7 @@ def cmd_golden(args: argparse.Namespace) -> int:
     from jaxlearn.experiments import golden_texts, write_golden
 
     directory = args.dir or os.path.join(
-        os.path.dirname(os.path.abspath(__file__)), *[os.pardir] * 6, "golden_configs"
+        os.path.dirname(os.path.abspath(__file__)), *[os.pardir] * 5, "golden_configs"
     )
     directory = os.path.normpath(directory)
     if args.write:
@@ -221,7 +281,9 @@ def _enable_compilation_cache() -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv[1:]  # After the command name (train --supervise re-runs them).
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s",
                         stream=sys.stderr)
     for noisy in ("absl", "jax._src", "orbax"):

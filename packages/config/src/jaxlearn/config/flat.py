@@ -65,9 +65,11 @@ def path_sort_key(path: str) -> tuple[Any, ...]:
 
 
 def to_flat_dict(cfg: Any) -> dict[str, str]:
-    """{path: formatted value} for every leaf, in natural path order (`path_sort_key`)."""
+    """{path: formatted value} for every leaf, in natural path order (`path_sort_key`).
+    Lists/tuples of plain literals print on one line as their repr."""
     out: dict[str, str] = {}
-    for path, value in sorted(leaves(cfg), key=lambda kv: path_sort_key(kv[0])):
+    items = leaves(cfg, literal_sequences=True)
+    for path, value in sorted(items, key=lambda kv: path_sort_key(kv[0])):
         if path in out:
             raise ConfigError(f"Two leaves share the path '{path}' (dict keys that format alike)")
         out[path] = format_value(value, path)

@@ -67,12 +67,26 @@ def visit(
     rec([], tree)
 
 
-def leaves(tree: Any) -> list[tuple[str, Any]]:
-    """Every (path, leaf) pair; empty containers count as leaves."""
+def is_literal_sequence(value: Any) -> bool:
+    """A list/tuple of None/bool/int/float/str (or of such sequences), e.g. a mesh shape."""
+    if not isinstance(value, (list, tuple)) or type(value) not in (list, tuple):
+        return False
+    return all(
+        v is None or type(v) in (bool, int, float, str) or is_literal_sequence(v) for v in value
+    )
+
+
+def leaves(tree: Any, *, literal_sequences: bool = False) -> list[tuple[str, Any]]:
+    """Every (path, leaf) pair; empty containers count as leaves. With
+    `literal_sequences`, a list/tuple of literals is one leaf (`mesh_shape: (1, -1, 1)`)."""
     out: list[tuple[str, Any]] = []
 
     def enter(path: str, value: Any) -> bool:
-        if not is_container(value) or not children(value):
+        if (
+            not is_container(value)
+            or not children(value)
+            or (literal_sequences and is_literal_sequence(value))
+        ):
             out.append((path, value))
             return True
         return False
