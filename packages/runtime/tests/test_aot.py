@@ -102,9 +102,10 @@ def test_fsdp_state_memory_falls_as_one_over_n():
 def test_multi_host_target_layout_and_dcn_classification():
     """4 hosts of 2 GPUs (a made-up small target): data across hosts, fsdp inside."""
     target = dataclasses.replace(resolve_target("cpu-8"), num_granules=4)
-    from jaxlearn.mesh import hybrid_mesh_shape_from_axes, mesh_shape_from_axes
+    from jaxlearn.mesh import HybridMeshShape, hybrid_mesh_shape_from_axes, mesh_shape_from_axes
 
     shape = target_mesh_shape(mesh_shape_from_axes(data=-1, fsdp=2), target)
+    assert isinstance(shape, HybridMeshShape)
     assert shape.dcn_mesh_shape[1] == 4 and shape.ici_mesh_shape[2] == 2
     cfg = mlp_trainer_config()
     cfg.mesh_shape = hybrid_mesh_shape_from_axes(ici={"fsdp": -1}, dcn={"data": -1})
