@@ -86,10 +86,6 @@ def test_fsdp_parameter_memory_falls_as_one_over_n():
         assert args[n] < args[n // 2]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Trainer._state_shardings takes the optimizer state's shardings from compiler "
-    "propagation of tx.init(params), which leaves Adam's mu/nu replicated: under FSDP only "
-    "the parameters shard, so per-device state falls as (1/N + 2)/3, not 1/N."))
 def test_fsdp_state_memory_falls_as_one_over_n():
     args = {}
     for n in (1, 2, 4, 8):

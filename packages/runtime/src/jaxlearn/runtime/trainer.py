@@ -27,7 +27,9 @@ from jaxlearn.mesh import (
     mesh_shape_from_axes,
 )
 from jaxlearn.module import Module, functional, is_spec, logical_sharding
+from jaxlearn.runtime import nonfinite
 from jaxlearn.runtime.learner import Learner, ema_update
+from jaxlearn.runtime.resilience import Resilience
 from jaxlearn.runtime.summary import SummaryWriter
 
 log = logging.getLogger("jaxlearn.trainer")
@@ -63,6 +65,8 @@ class Trainer(Configurable):
         profile_steps: tuple[int, ...] = ()
         # Peak FLOP/s per device for MFU (None: from the hardware catalogue).
         peak_flops_per_device: Optional[float] = None
+        # Watchdog, health checks, SDC and non-finite policies, goodput (resilience.py).
+        resilience: Resilience.Config = Resilience.default_config()
 
     def __init__(self, cfg: "Trainer.Config", *, devices: Optional[Sequence[Any]] = None):
         """`devices`: what the mesh is built from (default: this process's view of
@@ -134,15 +138,32 @@ class Trainer(Configurable):
         return state
 
     def _state_shardings(self) -> State:
-        """Params per their specs; optimizer state as the compiler propagates it from them."""
-        key = jax.random.PRNGKey(self.config.seed)
-        with jax.set_mesh(self.mesh):
-            compiled = jax.jit(self._init_state).lower(key).compile()
-        shardings = compiled.output_shardings
-        shardings["params"] = self.param_shardings
-        shardings["prng_key"] = self._replicated
-        shardings["step"] = self._replicated
-        if "ema" in shardings:
+        """Params per their specs; every optimizer-state leaf that mirrors a parameter (Adam's
+        mu/nu, EMA, ...) sharded like that parameter, so FSDP divides the whole state by N;
+        anything else (step counts, factored statistics) replicated."""
+        shapes = jax.eval_shape(self._init_state, jax.random.PRNGKey(0))
+        by_path: dict[tuple[str, ...], tuple[Any, NamedSharding]] = {}
+        for keypath, spec in jax.tree_util.tree_flatten_with_path(
+            self.param_specs, is_leaf=is_spec
+        )[0]:
+            sharding = self._sharding(spec.mesh_axes, spec.shape)
+            by_path[_dict_keys(keypath)] = (tuple(spec.shape), sharding)
+
+        def opt_leaf(keypath: Any, leaf: Any) -> NamedSharding:
+            names = _dict_keys(keypath)
+            for start in range(len(names)):
+                hit = by_path.get(names[start:])
+                if hit is not None and hit[0] == tuple(leaf.shape):
+                    return hit[1]
+            return self._replicated
+
+        shardings: State = {
+            "params": self.param_shardings,
+            "opt_state": jax.tree_util.tree_map_with_path(opt_leaf, shapes["opt_state"]),
+            "prng_key": self._replicated,
+            "step": self._replicated,
+        }
+        if "ema" in shapes:
             shardings["ema"] = self.param_shardings
         return shardings
 
@@ -214,6 +235,13 @@ class Trainer(Configurable):
             "learning_rate": self._schedule(state["step"]),
             **{k: v for k, v in metrics.items() if jnp.ndim(v) == 0},
         }
+        if self.config.resilience.nonfinite != "off":
+            # NaN/Inf anywhere: keep params, optimizer state and EMA (the step advances).
+            flags = nonfinite.step_flags(loss, grads)
+            kept = [k for k in ("params", "opt_state", "ema") if k in state]
+            new_state.update(nonfinite.keep_if(
+                jnp.all(flags), {k: new_state[k] for k in kept}, {k: state[k] for k in kept}))
+            summaries[nonfinite.FLAGS_KEY] = flags
         return new_state, summaries
 
     def compile_train_step(self, batch_abstract: Any) -> Any:
@@ -247,46 +275,57 @@ class Trainer(Configurable):
 
     def run(self) -> dict[str, float]:
         """Trains to `max_step` (resuming from the newest good checkpoint); returns the
-        last scalars."""
+        last scalars. Nothing is written before the restore succeeded."""
         cfg = self.config
         os.makedirs(cfg.output_dir, exist_ok=True)
         is_main = jax.process_index() == 0
-        writer = cfg.summary_writer.instantiate(
-            output_dir=cfg.output_dir, max_step=cfg.max_step, enabled=is_main
-        )
-        inputs = cfg.input.instantiate()
-        data = inputs.iterator(jax.process_index(), jax.process_count())
-        checkpointer = (
-            cfg.checkpointer.clone(directory=os.path.join(cfg.output_dir, "checkpoints"))
-            .instantiate()
-            if cfg.checkpointer is not None
-            else None
-        )
-        state, start = self._restore_or_init(checkpointer, data)
-        if is_main:
-            with open(os.path.join(cfg.output_dir, "config.txt"), "w") as f:
-                f.write(to_flat_text(cfg))
+        guard = self.guard = cfg.resilience.instantiate(
+            output_dir=cfg.output_dir, is_main=is_main,
+            param_paths=nonfinite.leaf_paths(self.param_specs, is_leaf=is_spec))
+        writer: Any = None
+        checkpointer: Any = None
         last: dict[str, float] = {}
-        step = start
-        tokens_per_step = None
-        t_last, steps_since = time.monotonic(), 0
         profiling = False
         try:
+            guard.start(list(self.mesh.devices.flat))
+            inputs = cfg.input.instantiate()
+            data = inputs.iterator(jax.process_index(), jax.process_count())
+            checkpointer = (
+                cfg.checkpointer.clone(directory=os.path.join(cfg.output_dir, "checkpoints"))
+                .instantiate()
+                if cfg.checkpointer is not None
+                else None
+            )
+            with guard.span("restore"):
+                state, start = self._restore_or_init(checkpointer, data)
+            writer = cfg.summary_writer.instantiate(
+                output_dir=cfg.output_dir, max_step=cfg.max_step, enabled=is_main
+            )
+            if is_main:
+                with open(os.path.join(cfg.output_dir, "config.txt"), "w") as f:
+                    f.write(to_flat_text(cfg))
+            step = start
+            tokens_per_step = None
+            t_last, steps_since = time.monotonic(), 0
+            guard.loop_started(start)
             while step < cfg.max_step:
                 if cfg.profile_steps and step == min(cfg.profile_steps) and is_main:
                     jax.profiler.start_trace(os.path.join(cfg.output_dir, "profile"),
                                              create_perfetto_trace=True)
                     profiling = True
-                local = next(data)
-                batch = self.global_batch(local)
+                with guard.span("data"):
+                    local = guard.before_step(step + 1, next(data))
+                    batch = self.global_batch(local)
                 if self._train_step is None:
-                    self._train_step = self._compile(batch)
+                    with guard.span("compile"):
+                        self._train_step = self._compile(batch)
                     t_last = time.monotonic()
                 tokens_per_step = int(np.prod(batch["input_ids"].shape))
                 with jax.set_mesh(self.mesh):
-                    state, summaries = self._train_step(state, batch)
+                    state, summaries = guard.train_step(self._train_step, state, batch, step + 1)
                 step += 1
                 steps_since += 1
+                state, summaries = guard.after_step(step, state, summaries)
                 if profiling and step > max(cfg.profile_steps):
                     jax.block_until_ready(state)
                     jax.profiler.stop_trace()
@@ -302,24 +341,37 @@ class Trainer(Configurable):
                         scalars["mfu"] = mfu
                     last = writer.write(step, scalars)
                     writer.progress(step, last)
+                    guard.log(step, last, writer)
                 if cfg.eval_input is not None and cfg.eval_every_n_steps and (
                     step % cfg.eval_every_n_steps == 0 or step == cfg.max_step
                 ):
-                    ev = self.evaluate(state["params"])
+                    with guard.span("eval", step=step, wait_for=state):
+                        ev = self.evaluate(state["params"])
                     writer.write(step, ev, prefix="eval")
                     last.update({f"eval_{k}": v for k, v in ev.items()})
                 if checkpointer is not None and (
                     step % cfg.save_every_n_steps == 0 or step == cfg.max_step
                 ):
-                    checkpointer.save(step, state, data_iterator_state=data.get_state(),
-                                      config_text=to_flat_text(cfg), metrics=last)
+                    state = guard.save(checkpointer, step, state,
+                                       data_iterator_state=data.get_state(),
+                                       config_text=to_flat_text(cfg), metrics=last)
+            guard.finish()
+            if checkpointer is not None:
+                checkpointer, pending = None, checkpointer
+                guard.finish_saves(pending)
         finally:
             if profiling:
                 jax.profiler.stop_trace()
-            if checkpointer is not None:
-                checkpointer.wait_until_finished()
-                checkpointer.close()
-            writer.close()
+            if checkpointer is not None:  # An error is in flight: do not mask it.
+                try:
+                    checkpointer.wait_until_finished()
+                    checkpointer.close()
+                except Exception as e:
+                    log.error("while stopping on an error, the last checkpoint save failed "
+                              "too: %s", e)
+            if writer is not None:
+                writer.close()
+            guard.close()
         self.final_state = state
         return last
 
@@ -371,11 +423,41 @@ class Trainer(Configurable):
             if restored is not None:
                 step, state = restored
                 meta = checkpointer.read_metadata(step, process_index=jax.process_index())
-                if meta.data_iterator_state is not None:
-                    data.set_state(meta.data_iterator_state)
-                log.info("resumed from step %d", step)
+                iterator_state = meta.data_iterator_state
+                if meta.process_count != jax.process_count():
+                    iterator_state = _merged_iterator_state(checkpointer, step, meta.process_count)
+                if iterator_state is not None:
+                    data.set_state(iterator_state)
+                # Newer step dirs failed verification: move them aside so that those
+                # step numbers can be saved again.
+                skipped = checkpointer.quarantine_newer_than(step)
+                if skipped:
+                    log.warning("resumed from step %d: newer step(s) failed verification "
+                                "(see above) and were moved aside: %s", step,
+                                ", ".join(p.name for p in skipped))
+                else:
+                    log.info("resumed from step %d", step)
                 return state, int(step)
         return self.init_state(), 0
+
+
+def _merged_iterator_state(checkpointer: Any, step: int, saved_processes: int) -> Any:
+    """The input states of all `saved_processes` of `step`, merged so that this process
+    count can resume them (elastic restart with fewer or more hosts)."""
+    from jaxlearn.runtime.input_pipeline import merge_states
+
+    states = [checkpointer.read_metadata(step, process_index=i).data_iterator_state
+              for i in range(saved_processes)]
+    if any(s is None for s in states):
+        return None
+    log.warning("step %d was saved by %d process(es), resuming on %d: merging their input "
+                "states", step, saved_processes, jax.process_count())
+    return merge_states(states)
+
+
+def _dict_keys(keypath: Any) -> tuple[str, ...]:
+    """The dict-key names along a pytree key path (attribute/index entries dropped)."""
+    return tuple(str(k.key) for k in keypath if isinstance(k, jax.tree_util.DictKey))
 
 
 def _devices_for(mesh_shape: Any) -> Optional[list]:
