@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import threading
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
@@ -330,6 +331,37 @@ class Checkpointer(Configurable):
         if failures:
             raise NoGoodCheckpointError(str(self._root), failures)
         return None
+
+    def quarantine_newer_than(self, step: Optional[int]) -> list[Path]:
+        """Moves every step directory newer than `step` (None: all), committed or not,
+        to `step_n.corrupt`: after `restore_latest` skipped damaged steps, training can
+        save those step numbers again, and the damaged data stays for inspection.
+        Every process calls it (process 0 renames; a barrier follows)."""
+        moved: list[Path] = []
+        if multihost.process_index() == 0:
+            found = layout.scan(self._root)
+            doomed = {**found.uncommitted, **found.committed}
+            for s in sorted(doomed):
+                if step is None or s > step:
+                    target = _quarantine_name(doomed[s])
+                    os.rename(doomed[s], target)
+                    log.warning("checkpoint step %d moved aside to %s", s, target)
+                    moved.append(target)
+            if moved:
+                layout.fsync_dir(self._root)
+        multihost.foreground_barrier(multihost.unique_name("quarantine"))
+        return moved
+
+
+def _quarantine_name(path: Path) -> Path:
+    """`step_n.corrupt` (or `.corrupt-2`, ...): matches neither the step nor the transient
+    pattern, so no reader uses it and GC never deletes it."""
+    target = path.with_name(path.name + ".corrupt")
+    n = 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}.corrupt-{n}")
+    return target
 
 
 def _decode_iter_state(kind: type, data: bytes) -> DataIteratorState:
