@@ -22,7 +22,7 @@ import os
 import sys
 from typing import Any, Optional, Sequence
 
-from jaxlearn.cli import aot_cmd, serve_cmd
+from jaxlearn.cli import aot_cmd, launch_cmd, serve_cmd
 
 EXIT_USAGE = 2
 
@@ -65,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--elastic", action="store_true",
                    help="on a device count other than the run's first, keep the global batch "
                         "by raising learner.num_microbatches (the mesh's -1 axis adapts)")
+    launch_cmd.add_distributed_args(p)  # --coordinator_address, --num_processes, ...
 
     sub.add_parser("experiments", help="list the named experiments")
 
@@ -77,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     aot_cmd.add_parsers(sub, _add_experiment_args)  # aot, plan
     serve_cmd.add_parsers(sub)  # serve, generate
+    launch_cmd.add_parsers(sub)  # launch local|slurm|k8s
 
     p = sub.add_parser("golden", help="check or regenerate golden_configs/")
     p.add_argument("--write", action="store_true", help="rewrite the golden files")
@@ -91,7 +93,7 @@ def final_config(experiment: str, mesh_selector: Optional[str], overrides: Seque
     from jaxlearn.mesh import apply_mesh_rules, current_selector
 
     try:
-        cfg = get_experiment(experiment)
+        cfg: Any = get_experiment(experiment)
     except KeyError as e:
         raise UsageError(str(e.args[0])) from None
     selector = mesh_selector or current_selector()
@@ -138,6 +140,7 @@ def _one_line(e: BaseException) -> str:
 def cmd_train(args: argparse.Namespace) -> int:
     if args.supervise:
         return _supervise(args)
+    launch_cmd.start_distributed(args)  # Multi-process: join before any JAX use.
     overrides = list(args.overrides)
     if args.max_step is not None:
         overrides.append(f"max_step={args.max_step}")
@@ -264,6 +267,7 @@ COMMANDS = {
     "config-diff": cmd_config_diff,
     **aot_cmd.COMMANDS,
     **serve_cmd.COMMANDS,
+    **launch_cmd.COMMANDS,
     "golden": cmd_golden,
 }
 
