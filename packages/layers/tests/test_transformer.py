@@ -75,7 +75,7 @@ def test_heterogeneous_loop_stack():
     wide.feed_forward.hidden_dim = 40
     nope = template.clone()
     nope.self_attention.rope = None  # A NoPE layer.
-    cfg.decoder.transformer = LoopStack.default_config().set(num_layers=2, layers=[wide, nope])
+    cfg.decoder.transformer = LoopStack.default_config().set(layers=[wide, nope])
     model = cfg.instantiate()
     params = model.initialize_parameters_recursively(jax.random.key(0))
     t = params["decoder"]["transformer"]

@@ -162,15 +162,8 @@ class Attention(Module):
         """Runs `forward` on a prompt x [batch, seq, embed] and writes its keys and values
         into cache slots [0, seq). Returns (cache, y [batch, seq, embed])."""
         y, (k, v) = self._attention(x, positions=positions, segment_ids=segment_ids)
-        cache = {
-            "key": lax.dynamic_update_slice(
-                cache["key"], k.astype(cache["key"].dtype), (0, 0, 0, 0)
-            ),
-            "value": lax.dynamic_update_slice(
-                cache["value"], v.astype(cache["value"].dtype), (0, 0, 0, 0)
-            ),
-        }
-        return cache, y
+        zero = jnp.int32(0)
+        return {"key": _write(cache["key"], k, zero), "value": _write(cache["value"], v, zero)}, y
 
     def extend_step(
         self,

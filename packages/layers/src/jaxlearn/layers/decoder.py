@@ -27,11 +27,12 @@ class Decoder(Module):
     class Config(Module.Config):
         vocab_size: int = REQUIRED
         dim: int = REQUIRED
-        emb: Embedding.Config = Embedding.default_config()
+        # Any config with `num_embeddings`, `dim`, `forward(ids)` and `attend(x)`.
+        emb: InstantiableConfig = Embedding.default_config()
         transformer: InstantiableConfig = ScanStack.default_config()
         output_norm: InstantiableConfig = RMSNorm.default_config()
-        # None: tie the output head to the embedding.
-        lm_head: Optional[Linear.Config] = Linear.default_config().set(
+        # Any config with `input_dim`, `output_dim`; None: tie the head to the embedding.
+        lm_head: Optional[InstantiableConfig] = Linear.default_config().set(
             weight_axes=("embed", "vocab")
         )
         # Final-logit soft cap c: logits = c * tanh(logits / c) (Gemma 2); None: off.

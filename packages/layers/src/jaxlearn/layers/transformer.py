@@ -108,18 +108,21 @@ class BaseStack(Module):
 class LoopStack(BaseStack):
     """Python loop over children layer0..layer{n-1}; params {"layer0": ..., ...}.
 
-    `layers`, when set, lists one config per layer (heterogeneous stacks); otherwise
-    `layer` is repeated `num_layers` times.
+    `layers`, when set, lists one config per layer (heterogeneous stacks; `num_layers` may
+    be left None); otherwise `layer` is repeated `num_layers` times.
     """
 
     class Config(BaseStack.Config):
+        num_layers: Optional[int] = None  # type: ignore[assignment]  # None: len(layers).
         layers: Optional[list[InstantiableConfig]] = None
 
     def __init__(self, cfg: "LoopStack.Config", *, parent: Optional[Module] = None):
         super().__init__(cfg, parent=parent)
         c = self.config
+        if c.layers is None and c.num_layers is None:
+            raise ValueError(f"{self.path()}: set num_layers (or layers)")
         cfgs = c.layers if c.layers is not None else [c.layer] * c.num_layers
-        if len(cfgs) != c.num_layers:
+        if c.num_layers is not None and len(cfgs) != c.num_layers:
             raise ValueError(f"{self.path()}: num_layers={c.num_layers} but {len(cfgs)} layers")
         self._layers = [
             self._add_child(f"layer{i}", lc.clone(input_dim=c.input_dim))
