@@ -13,7 +13,8 @@ CASES = DATA["cases"]
 
 
 def _id(case):
-    return f"{case['name']}-{case['conversation']}-{'gen' if case['add_generation_prompt'] else 'nogen'}"
+    gen = "gen" if case["add_generation_prompt"] else "nogen"
+    return f"{case['name']}-{case['conversation']}-{gen}"
 
 
 @pytest.mark.parametrize("case", CASES, ids=_id)
@@ -24,7 +25,10 @@ def test_builtin_renderer_matches_hf_jinja(case):
         eos_token=case["eos_token"],
         use_jinja=False,
     )
-    assert template.engine == f"builtin:{case['name'].replace('smollm2', 'chatml').replace('qwen2', 'chatml')}"
+    assert (
+        template.engine
+        == f"builtin:{case['name'].replace('smollm2', 'chatml').replace('qwen2', 'chatml')}"
+    )
     got = template.render(case["messages"], add_generation_prompt=case["add_generation_prompt"])
     assert got == case["expected"]
 

@@ -7,7 +7,6 @@ import shutil
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
@@ -106,7 +105,10 @@ def test_architecture_details_are_read():
     mixtral = load_hf(FIXTURES / "hf_mixtral")
     assert mixtral.architecture.num_experts == 4
     assert mixtral.params["decoder"]["transformer"]["layer"]["feed_forward"]["wi_0"].shape == (
-        2, 4, 32, 48
+        2,
+        4,
+        32,
+        48,
     )
     assert mixtral.eos_token_ids == (2,) and mixtral.bos_token_id == 1
 
@@ -114,7 +116,7 @@ def test_architecture_details_are_read():
 def test_param_dtype_and_compute_dtype_options():
     loaded = load_hf(FIXTURES / "hf_llama", param_dtype="bfloat16", dtype="bfloat16")
     leaves = jax.tree.leaves(loaded.params)
-    assert {x.dtype for x in leaves} == {np.dtype(ml_dtypes.bfloat16)}
+    assert {x.dtype for x in leaves} == {np.dtype(jnp.bfloat16)}
     ref = reference("llama")
     err = np.max(np.abs(logits(loaded, ref["input_ids"]) - ref["logits"]))
     assert err < 0.2  # bf16 weights and activations: close, not exact
@@ -144,13 +146,12 @@ def test_sharded_checkpoint_with_index(tmp_path):
 def test_bfloat16_safetensors(tmp_path):
     out = copy_fixture("llama", tmp_path)
     state = load_file(str(out / "model.safetensors"))
-    save_file({k: v.astype(ml_dtypes.bfloat16) for k, v in state.items()},
-              str(out / "model.safetensors"))
+    save_file({k: v.astype(jnp.bfloat16) for k, v in state.items()}, str(out / "model.safetensors"))
     loaded = load_hf(out)
     w = loaded.params["decoder"]["emb"]["weight"]
     assert w.dtype == np.float32
     np.testing.assert_array_equal(
-        w, state["model.embed_tokens.weight"].astype(ml_dtypes.bfloat16).astype(np.float32)
+        w, state["model.embed_tokens.weight"].astype(jnp.bfloat16).astype(np.float32)
     )
 
 
@@ -194,8 +195,11 @@ def test_unsupported_configs_are_clear_errors(tmp_path):
 def test_export_then_load_gives_identical_params(family, tmp_path):
     loaded = load_hf(FIXTURES / f"hf_{family}")
     out = export_hf(
-        tmp_path / "export", loaded.config, loaded.params,
-        bos_token_id=loaded.bos_token_id, eos_token_ids=loaded.eos_token_ids,
+        tmp_path / "export",
+        loaded.config,
+        loaded.params,
+        bos_token_id=loaded.bos_token_id,
+        eos_token_ids=loaded.eos_token_ids,
         max_position_embeddings=loaded.architecture.max_position_embeddings,
     )
     cfg = json.loads((out / "config.json").read_text())
@@ -213,15 +217,14 @@ def test_export_then_load_gives_identical_params(family, tmp_path):
 
 def test_sharded_bf16_export(tmp_path):
     loaded = load_hf(FIXTURES / "hf_llama", stack="loop")
-    out = export_hf(tmp_path / "e", loaded.config, loaded.params, dtype="bfloat16",
-                    max_shard_bytes=20_000)
+    out = export_hf(
+        tmp_path / "e", loaded.config, loaded.params, dtype="bfloat16", max_shard_bytes=20_000
+    )
     assert (out / "model.safetensors.index.json").exists()
     assert len(list(out.glob("model-*.safetensors"))) > 1
     again = load_hf(out)
     jax.tree.map(
-        lambda a, b: np.testing.assert_array_equal(
-            a, b.astype(ml_dtypes.bfloat16).astype(np.float32)
-        ),
+        lambda a, b: np.testing.assert_array_equal(a, b.astype(jnp.bfloat16).astype(np.float32)),
         again.params,
         load_hf(FIXTURES / "hf_llama").params,
     )
@@ -247,8 +250,9 @@ def test_transformers_loads_our_exports_with_same_logits():
 
 
 def test_export_rejects_what_hf_cannot_express():
-    base = llama_config(vocab_size=32, dim=16, num_layers=1, num_heads=2, num_kv_heads=2,
-                        ffn_dim=32)
+    base = llama_config(
+        vocab_size=32, dim=16, num_layers=1, num_heads=2, num_kv_heads=2, ffn_dim=32
+    )
     qk = base.clone()
     qk.decoder.transformer.layer.self_attention.qk_norm = RMSNorm.default_config()
     with pytest.raises(UnsupportedModelError, match="self_attention.qk_norm"):
@@ -258,8 +262,11 @@ def test_export_rejects_what_hf_cannot_express():
     with pytest.raises(UnsupportedModelError, match="logits_soft_cap"):
         architecture_from_config(capped)
     moe = replace_config(
-        base, FeedForward, MixtureOfExperts.default_config().set(
-            num_experts=2, num_experts_per_token=1, router_scores="sigmoid")
+        base,
+        FeedForward,
+        MixtureOfExperts.default_config().set(
+            num_experts=2, num_experts_per_token=1, router_scores="sigmoid"
+        ),
     )
     with pytest.raises(UnsupportedModelError, match="softmax"):
         architecture_from_config(moe)
@@ -272,7 +279,8 @@ def _tiny_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        vocab_size=300,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(["hello world, user assistant system"] * 20, trainer)
@@ -284,10 +292,16 @@ def test_tokenizer_and_chat_template_files(tmp_path):
     tok = _tiny_tokenizer()
     tok.save(str(out / "tokenizer.json"))
     template = json.loads((FIXTURES / "chat_templates.json").read_text())["templates"]["qwen2"]
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "chat_template": template, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-        "bos_token": None,
-    }))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "chat_template": template,
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "bos_token": None,
+            }
+        )
+    )
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
     loaded = load_pretrained(out)
     assert loaded.format == "hf" and loaded.tokenizer is not None

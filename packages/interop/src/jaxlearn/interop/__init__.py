@@ -9,6 +9,8 @@
 See packages/interop/README.md.
 """
 
+from typing import Any
+
 from jaxlearn.interop.arch import Architecture, architecture_from_config, build_config
 from jaxlearn.interop.chat import HAVE_JINJA2, ChatTemplate, detect_family
 from jaxlearn.interop.errors import (
@@ -56,7 +58,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):  # type: ignore[no-untyped-def]
+def __getattr__(name: str) -> Any:
     # gguf is imported lazily: the `gguf` package is only needed for GGUF files.
     if name == "load_gguf":
         from jaxlearn.interop.gguf import load_gguf

@@ -226,7 +226,9 @@ def architecture_from_config(cfg: Any, *, max_position_embeddings: Optional[int]
             ("rope", a.rope is not None and a.rope.rotary_fraction == 1.0),
         ):
             if not ok:
-                raise bad(f"{where}.self_attention.{field}", f"unsupported value {getattr(a, field)!r}")
+                raise bad(
+                    f"{where}.self_attention.{field}", f"unsupported value {getattr(a, field)!r}"
+                )
         head_dim = a.head_dim if a.head_dim is not None else dec.dim // a.num_heads
         if a.query_scale is not None and not math.isclose(a.query_scale, head_dim**-0.5):
             raise bad(f"{where}.self_attention.query_scale", "HF uses head_dim ** -0.5")

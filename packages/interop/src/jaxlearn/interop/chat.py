@@ -8,13 +8,16 @@ With jinja2 the template is rendered like HF `apply_chat_template` does (sandbox
 environment, `trim_blocks`, `lstrip_blocks`, `raise_exception`, `strftime_now`, `tojson`).
 Without jinja2, `family` is detected from the template's markers and rendered natively:
 
-| family   | marker                 | shape of one turn                                          |
-|----------|------------------------|------------------------------------------------------------|
-| chatml   | `<|im_start|>`         | `<|im_start|>{role}\\n{content}<|im_end|>\\n` (+ the template's default system prompt, e.g. SmolLM2, Qwen2) |
-| llama3   | `<|start_header_id|>`  | `{bos}<|start_header_id|>{role}<|end_header_id|>\\n\\n{content|trim}<|eot_id|>` |
-| zephyr   | `<|user|>`             | `<|{role}|>\\n{content}{eos}\\n`                            |
-| gemma    | `<start_of_turn>`      | `<start_of_turn>{user|model}\\n{content|trim}<end_of_turn>\\n` |
-| mistral  | `[INST]`               | `{bos}[INST] {content} [/INST]{answer}{eos}` (system joined to the first user turn) |
+- chatml (`<|im_start|>`): `<|im_start|>{role}\\n{content}<|im_end|>\\n` per message,
+  plus the template's literal default system prompt when the first message is not a
+  system message (SmolLM2, Qwen2);
+- llama3 (`<|start_header_id|>`): `{bos}` then
+  `<|start_header_id|>{role}<|end_header_id|>\\n\\n{content|trim}<|eot_id|>`;
+- gemma (`<start_of_turn>`): `{bos}` then `<start_of_turn>{user|model}\\n{content|trim}
+  <end_of_turn>\\n`;
+- zephyr (`<|user|>`): `<|{role}|>\\n{content}{eos}\\n`;
+- mistral (`[INST]`): `{bos}[INST] {content} [/INST]{answer}{eos}...` (a system message is
+  joined to the first user turn).
 
 The built-in renderer covers plain text messages (no tools, no multimodal parts); anything
 else raises ChatTemplateError asking for jinja2.
@@ -93,7 +96,7 @@ class ChatTemplate:
 
     @property
     def engine(self) -> str:
-        """"jinja2", or "builtin:<family>" (or "builtin:unknown" when nothing fits)."""
+        """ "jinja2", or "builtin:<family>" (or "builtin:unknown" when nothing fits)."""
         return "jinja2" if self.use_jinja else f"builtin:{self.family or 'unknown'}"
 
     def __repr__(self) -> str:
@@ -141,9 +144,7 @@ class ChatTemplate:
                 self._compiled = env.from_string(self.source)
             except jinja2.TemplateError as e:
                 raise ChatTemplateError(f"chat template does not compile: {e}") from e
-        context = dict(
-            bos_token=self.bos_token, eos_token=self.eos_token, **self.extra_context
-        )
+        context = dict(bos_token=self.bos_token, eos_token=self.eos_token, **self.extra_context)
         context.update(kwargs)
         try:
             return str(

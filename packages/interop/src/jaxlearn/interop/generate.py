@@ -5,6 +5,7 @@ one batch of equal-length prompts, no sampling, no paging.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Iterable, Optional
 
 import jax
@@ -38,20 +39,20 @@ def greedy_generate(
     params = jax.tree.map(jnp.asarray, params)
     eos = np.asarray(sorted(set(int(i) for i in eos_token_ids)), np.int32)
 
-    def call(method: str, *args: Any) -> Any:
-        out, _ = functional(model, None, params, args, method=method, is_training=False)
+    def call(p: Any, method: str, *args: Any) -> Any:
+        out, _ = functional(model, None, p, args, method=method, is_training=False)
         return out
 
+    # Params are arguments (not closure constants, which XLA would embed in the program).
     @jax.jit
     def prefill(p: Any, ids: jax.Array) -> tuple[Any, jax.Array]:
-        del p
-        states = call("init_states", b, max_len)
-        states, logits = call("prefill", states, ids)
+        states = call(p, "init_states", b, max_len)
+        states, logits = call(p, "prefill", states, ids)
         return states, jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
 
-    @jax.jit
-    def step(states: Any, token: jax.Array) -> tuple[Any, jax.Array]:
-        states, logits = call("extend_step", states, token[:, None])
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def step(p: Any, states: Any, token: jax.Array) -> tuple[Any, jax.Array]:
+        states, logits = call(p, "extend_step", states, token[:, None])
         return states, jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
 
     states, token = prefill(params, prompt)
@@ -61,7 +62,7 @@ def greedy_generate(
     for _ in range(max_new_tokens - 1):
         if done.all():
             break
-        states, token = step(states, token)
+        states, token = step(params, states, token)
         t = np.asarray(token)
         t = np.where(done, finished_with, t)
         newly = ~done & np.isin(t, eos)

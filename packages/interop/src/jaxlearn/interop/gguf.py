@@ -42,6 +42,7 @@ from jaxlearn.interop.errors import (
 from jaxlearn.interop.model import LoadedModel
 from jaxlearn.interop.tree import assemble_params
 
+_gguf: Any
 try:
     import gguf as _gguf
 except ImportError:  # pragma: no cover - depends on the environment
@@ -59,9 +60,7 @@ _QWEN2_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
     r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_TOKEN_NORMAL, _TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER, _TOKEN_UNUSED, _TOKEN_BYTE = range(
-    1, 7
-)
+_TOKEN_NORMAL, _TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER, _TOKEN_UNUSED, _TOKEN_BYTE = range(1, 7)
 
 
 def _require_gguf() -> Any:
@@ -272,7 +271,7 @@ def _gguf_layer(take: _Taker, arch: Architecture, i: int, permuted: bool) -> Nes
     k = take(pre + "attn_k.weight", (kv * d, e))
     if permuted:
         q, k = unpermute_qk(q, h), unpermute_qk(k, kv)
-    attn = {
+    attn: dict[str, np.ndarray] = {
         "q_proj": q.T.reshape(e, h, d),
         "k_proj": k.T.reshape(e, kv, d),
         "v_proj": take(pre + "attn_v.weight", (kv * d, e)).T.reshape(e, kv, d),
@@ -423,7 +422,7 @@ def tokenizer_from_gguf(f: GGUFFile) -> Any:
             )
         )
         prefix = bool(f.get("tokenizer.ggml.add_space_prefix", True))
-        norm = [normalizers.Replace(" ", "\u2581")]
+        norm: list[Any] = [normalizers.Replace(" ", "\u2581")]
         if prefix:
             norm.insert(0, normalizers.Prepend("\u2581"))
         tok.normalizer = normalizers.Sequence(norm)
@@ -448,7 +447,8 @@ def tokenizer_from_gguf(f: GGUFFile) -> Any:
     if add_bos and bos_id is not None:
         bos = tokens[int(bos_id)]
         template = processors.TemplateProcessing(
-            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
+            single=f"{bos}:0 $A:0",
+            pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
             special_tokens=[(bos, int(bos_id))],
         )
         tok.post_processor = (
@@ -502,9 +502,7 @@ def load_gguf(
             bos_token=text("tokenizer.ggml.bos_token_id"),
             eos_token=text("tokenizer.ggml.eos_token_id"),
         )
-    meta = {
-        k: v for k, v in f.metadata.items() if not (isinstance(v, list) and len(v) > 64)
-    }
+    meta = {k: v for k, v in f.metadata.items() if not (isinstance(v, list) and len(v) > 64)}
     meta["tensor_types"] = f.tensor_types()
     return LoadedModel(
         config=config,
@@ -519,4 +517,3 @@ def load_gguf(
         source=str(f.path),
         metadata=meta,
     )
-

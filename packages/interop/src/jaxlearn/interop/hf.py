@@ -38,7 +38,7 @@ import json
 import pathlib
 from typing import Any, Iterable, Optional
 
-import ml_dtypes  # noqa: F401  (registers bfloat16 & co. with numpy for safetensors)
+import jax.numpy as jnp  # noqa: F401  (imports ml_dtypes: numpy then reads bf16/fp8 tensors)
 import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
@@ -317,7 +317,7 @@ def _hf_layer(take: _Taker, arch: Architecture, i: int) -> Nested:
     e, h, kv, d, f = arch.dim, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.ffn_dim
     pre = f"model.layers.{i}."
     a = pre + "self_attn."
-    attn = {
+    attn: dict[str, np.ndarray] = {
         "q_proj": take(a + "q_proj.weight", (h * d, e)).T.reshape(e, h, d),
         "k_proj": take(a + "k_proj.weight", (kv * d, e)).T.reshape(e, kv, d),
         "v_proj": take(a + "v_proj.weight", (kv * d, e)).T.reshape(e, kv, d),
@@ -490,8 +490,9 @@ def load_hf_tokenizer(
     eos_ids: list[int] = []
     if (directory / "generation_config.json").exists():
         eos_ids += _ids(read_json(directory / "generation_config.json").get("eos_token_id"))
-    if tokenizer is not None and eos is not None and tokenizer.token_to_id(eos) is not None:
-        eos_ids.append(int(tokenizer.token_to_id(eos)))
+    eos_id = tokenizer.token_to_id(eos) if tokenizer is not None and eos is not None else None
+    if eos_id is not None:
+        eos_ids.append(int(eos_id))
     chat = (
         ChatTemplate(template, bos_token=bos or "", eos_token=eos or "")
         if isinstance(template, str) and template
@@ -609,9 +610,7 @@ def export_hf(
     return out
 
 
-def export_pretrained(
-    path: str | pathlib.Path, loaded: LoadedModel, **kwargs: Any
-) -> pathlib.Path:
+def export_pretrained(path: str | pathlib.Path, loaded: LoadedModel, **kwargs: Any) -> pathlib.Path:
     """`export_hf` of a `LoadedModel` (e.g. a GGUF file -> an HF directory), carrying its
     tokenizer, chat template, BOS/EOS ids and context length. kwargs: dtype,
     max_shard_bytes."""
@@ -659,4 +658,3 @@ def hf_params_to_state(config: Any, params: Nested) -> dict[str, np.ndarray]:
     arch = architecture_from_config(config)
     top, layers = split_params(config.instantiate(), params)
     return hf_state_dict(arch, top, layers)
-

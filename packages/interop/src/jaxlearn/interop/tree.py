@@ -102,7 +102,9 @@ def check_params(
 
 
 def _restrict(params: Nested, like: Nested) -> Nested:
-    return {k: _restrict(params[k], v) if isinstance(v, dict) else params[k] for k, v in like.items()}
+    return {
+        k: _restrict(params[k], v) if isinstance(v, dict) else params[k] for k, v in like.items()
+    }
 
 
 def split_params(model: Any, params: Nested) -> tuple[Nested, list[Nested]]:
