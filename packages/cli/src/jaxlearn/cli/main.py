@@ -125,7 +125,7 @@ def _supervise(args: argparse.Namespace) -> int:
         raise UsageError(f"--max_restarts must be >= 0, got {args.max_restarts}")
     if not args.restart_backoff_s >= 0:
         raise UsageError(f"--restart_backoff_s must be >= 0, got {args.restart_backoff_s}")
-    argv = child_argv(args.argv, _SUPERVISOR_FLAGS)
+    argv = ["train", *child_argv(args.argv, _SUPERVISOR_FLAGS)]
     argv += ["--elastic", "--set", "resilience.watchdog.exit_on_hang=True"]
     supervisor = Supervisor(python_module_command("jaxlearn.cli", argv),
                             output_dir=args.output_dir, max_restarts=args.max_restarts,

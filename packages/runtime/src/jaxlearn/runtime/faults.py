@@ -87,6 +87,7 @@ class FaultPlan:
         self.faults = faults
         self._dir = os.path.join(output_dir, "faults_fired") if output_dir else None
         self.fired: list[str] = []
+        self._kill_pending = False
 
     @classmethod
     def from_env(cls, output_dir: Optional[str]) -> "FaultPlan":
@@ -144,11 +145,12 @@ class FaultPlan:
 
     def enter_phase(self, phase: str, step: int) -> None:
         """Kill faults for `phase` of `step` (delayed ones on a timer thread)."""
-        if not self.faults:
+        if not self.faults or self._kill_pending:  # One kill per process.
             return
         fault = self._take("kill", step, phase)
         if fault is None:
             return
+        self._kill_pending = True
         if fault.delay_ms <= 0:
             _kill_self()
         timer = threading.Timer(fault.delay_ms / 1000.0, _kill_self)
