@@ -120,3 +120,55 @@ def test_long_prompt_prefill_interleaves_with_decode(engine):
         sched.step()
     assert tuple(short.output.tokens) == _alone(engine, 0, 4, 12, None)
     assert tuple(long.output.tokens) == _alone(engine, 1, 48, 2, None)
+
+
+@pytest.fixture(scope="module")
+def long_engine(cfg, params, tok):
+    """256-token slots: calls see 64-, 128- or 256-position windows of the cache."""
+    from jaxlearn.inference import Engine
+
+    return Engine(cfg, params, tok, max_seq_len=256, max_batch=3, prefill_chunk=32,
+                  decode_burst=4)
+
+
+LONG = prompt_pool(n=3, length=250, seed=5)
+
+
+@settings(max_examples=8)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(1, 200), st.integers(1, 40),
+                          st.integers(0, 30)), min_size=2, max_size=5))
+def test_windows_follow_live_tokens_without_changing_results(long_engine, reqs):
+    eng = long_engine
+    made = [(arrival, eng.request(LONG[w][:n], SamplingParams(max_new_tokens=m,
+                                                              ignore_eos=True)))
+            for w, n, m, arrival in reqs]
+    pending = sorted(made, key=lambda x: x[0])
+    step = 0
+    while pending or not all(r.done for _, r in made):
+        while pending and pending[0][0] <= step:
+            eng.scheduler.submit(pending.pop(0)[1])
+        eng.scheduler.step()
+        step += 1
+    for (w, n, m, _), (_, r) in zip(reqs, made):
+        alone = _alone_long(eng, w, n, m)
+        assert tuple(r.output.tokens) == alone
+
+
+@functools.lru_cache(maxsize=None)
+def _alone_long(eng, which, length, max_new):
+    return tuple(eng.generate(LONG[which][:length], max_new_tokens=max_new,
+                              ignore_eos=True).tokens)
+
+
+def test_window_sizes(long_engine):
+    r = long_engine.runner
+    assert [r.window(n) for n in (1, 64, 65, 129, 256)] == [64, 64, 128, 256, 256]
+
+
+@pytest.mark.parametrize("length,new", [(100, 40), (60, 8)])
+def test_windowed_greedy_equals_cache_free_reference(long_engine, length, new):
+    from conftest import reference_greedy
+
+    prompt = LONG[0][:length]
+    assert list(_alone_long(long_engine, 0, length, new)) == reference_greedy(
+        long_engine, prompt, new)

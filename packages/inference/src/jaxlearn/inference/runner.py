@@ -2,13 +2,12 @@
 the per-slot "seen tokens" mask, and runs three jit'ed programs through the `CausalLM`
 decode API (`init_states`, `extend_step`, `logits`), i.e. the same layer code as training:
 
-- `prefill_chunk`: tokens [1, bucket] of one slot written at cache slots [start, start +
-  bucket) by `extend_step(steps=bucket)` on that slot's row; samples the token after the
-  last valid one. `bucket` is a power of two (<= prefill_chunk), so a prompt of any
-  length compiles at most log2(prefill_chunk) + 1 programs.
-- `decode`: `steps` (1, 2, 4, ...) fused decode steps (`lax.scan` over `extend_step` +
-  sampling) for the first `rows` slots (a power of two), writing one token per active
-  row per step.
+- `prefill_chunk`: tokens [1, bucket] of one slot written at cache positions [start,
+  start + bucket) by `extend_step(steps=bucket)` on that slot's row; samples the token
+  after the last valid one. `bucket` is a power of two (<= prefill_chunk), so a prompt of
+  any length compiles at most log2(prefill_chunk) + 1 programs per window.
+- `decode`: `steps` fused decode steps (`lax.scan` over `extend_step` + sampling) for
+  the first `rows` slots (a power of two), writing one token per active row per step.
 - `logits`: a cache-free forward for `Engine.logits`.
 
 KV memory is per slot: a fixed cache [cache_batch, cache_len] per layer, allocated once,
@@ -16,10 +15,17 @@ donated to every call (updated in place with dynamic_update_slice) and never cop
 host-side. A finished request frees its slot for the next one; the memory a slot holds
 does not shrink with the request's length (no paging).
 
+Compute and memory traffic, however, follow the live tokens: every call works on a
+window [rows, time_len] of the cache (`time_len` a power of two covering the longest
+live row, >= 64), sliced out and written back inside the jit, so `extend_step`'s
+attention and its cache copies cost O(live tokens), not O(max_seq_len). Programs are
+compiled per (rows, time_len, steps, sampling mode) and per (bucket, time_len).
+
 Rows that are not decoding (free, or mid-prefill) still flow through `decode` with their
-time_step frozen: they write one garbage entry at their own next slot, which the next
+time_step frozen: they write one garbage entry at their own next position, which the next
 prefill chunk (or decode step) overwrites before anything attends to it (`extend_step`
-hides cache slots >= time_step + steps).
+hides cache positions >= time_step + steps). The window always covers those positions,
+so no write is ever clamped onto live data.
 """
 
 from __future__ import annotations
@@ -46,19 +52,26 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def _batch_axes(model: Module, params: Any) -> Any:
-    """Per cache leaf, the axis that indexes the batch (found by comparing batch 1 vs 2)."""
+def _cache_axes(model: Module, params: Any) -> Any:
+    """Per cache leaf, (batch axis, time axis or None), found by comparing the shapes of
+    `init_states` for batch 1 vs 2 and max_len 4 vs 8."""
 
-    def shapes(b: int) -> Any:
-        return jax.eval_shape(lambda p: _call(model, p, "init_states", (b, 4))["decoder"], params)
+    def shapes(b: int, t: int) -> Any:
+        return jax.eval_shape(
+            lambda p: _call(model, p, "init_states", (b, t))["decoder"], params
+        )
 
-    def axis(a: jax.ShapeDtypeStruct, c: jax.ShapeDtypeStruct) -> int:
-        diff = [i for i, (x, y) in enumerate(zip(a.shape, c.shape)) if x != y]
-        if len(diff) != 1:
-            raise ValueError(f"cannot find the batch axis of a decode-state leaf {a.shape}")
-        return diff[0]
+    def differing(a: jax.ShapeDtypeStruct, c: jax.ShapeDtypeStruct) -> list[int]:
+        return [i for i, (x, y) in enumerate(zip(a.shape, c.shape)) if x != y]
 
-    return jax.tree.map(axis, shapes(1), shapes(2))
+    def axes(a: Any, b2: Any, t8: Any) -> tuple[int, Optional[int]]:
+        batch, time = differing(a, b2), differing(a, t8)
+        if len(batch) != 1 or len(time) > 1:
+            raise ValueError(f"cannot find the batch / time axes of a decode-state leaf {a.shape}")
+        return batch[0], (time[0] if time else None)
+
+    base = shapes(1, 4)
+    return jax.tree.map(axes, base, shapes(2, 4), shapes(1, 8))
 
 
 def _call(model: Module, params: Any, method: str, inputs: Any) -> Any:
@@ -98,7 +111,8 @@ class ModelRunner:
         self.vocab_limit = vocab_limit if vocab_limit and vocab_limit < vocab_size else None
         self.mesh = mesh
         self._spec_fn = spec_fn
-        self._axes = _batch_axes(model, params)
+        self._axes = _cache_axes(model, params)
+        self.min_window = min(64, cache_len)
         if mesh is not None:
             rep = NamedSharding(mesh, PartitionSpec())
             abstract = jax.eval_shape(self._init_cache)
@@ -111,8 +125,10 @@ class ModelRunner:
             self._rep: Any = rep
         else:
             self._cache_sh = self._seen_sh = self._rep = None
-        self._jit_prefill = self._jit(self._prefill, static=(), donate=(1, 2))
-        self._jit_decode = self._jit(self._decode, static=("rows", "steps", "mode"), donate=(1, 2))
+        self._jit_prefill = self._jit(self._prefill, static=("time_len",), donate=(1, 2))
+        self._jit_decode = self._jit(
+            self._decode, static=("rows", "steps", "mode", "time_len"), donate=(1, 2)
+        )
         self._jit_logits = self._jit(self._logits, static=(), donate=())
         self.cache: Any = None
         self.seen: Any = None
@@ -151,17 +167,35 @@ class ModelRunner:
 
     # ---- row helpers (inside jit) -----------------------------------------------------------
 
-    def _rows(self, cache: Any, start: Any, size: int) -> Any:
-        return jax.tree.map(
-            lambda c, ax: lax.dynamic_slice_in_dim(c, start, size, axis=ax), cache, self._axes
-        )
+    def window(self, needed: int) -> int:
+        """Cache positions a call must see to reach position `needed - 1`: a power of two
+        (>= min_window), or the whole cache. Attention and cache traffic scale with it."""
+        return min(self.cache_len, max(self.min_window, next_pow2(needed)))
 
-    def _put_rows(self, cache: Any, rows: Any, start: Any) -> Any:
+    def _starts(self, c: Any, ax: tuple[int, Optional[int]], row: Any) -> list[Any]:
+        starts: list[Any] = [0] * c.ndim
+        starts[ax[0]] = row
+        return starts
+
+    def _slice(self, cache: Any, row: Any, rows: int, time_len: int) -> Any:
+        """The [rows, time_len] window of every cache leaf starting at slot `row`."""
+
+        def one(c: Array, ax: tuple[int, Optional[int]]) -> Array:
+            sizes = list(c.shape)
+            sizes[ax[0]] = rows
+            if ax[1] is not None:
+                sizes[ax[1]] = time_len
+            return lax.dynamic_slice(c, self._starts(c, ax, row), sizes)
+
+        return jax.tree.map(one, cache, self._axes, is_leaf=lambda x: isinstance(x, jax.Array))
+
+    def _put(self, cache: Any, window: Any, row: Any) -> Any:
         return jax.tree.map(
-            lambda c, r, ax: lax.dynamic_update_slice_in_dim(c, r, start, axis=ax),
+            lambda c, w, ax: lax.dynamic_update_slice(c, w, self._starts(c, ax, row)),
             cache,
-            rows,
+            window,
             self._axes,
+            is_leaf=lambda x: isinstance(x, jax.Array),
         )
 
     def _forward(self, params: Any, cache: Any, time_step: Array, ids: Array) -> Any:
@@ -181,12 +215,15 @@ class ModelRunner:
         start: Array,
         n_valid: Array,
         samp: dict[str, Array],
+        *,
+        time_len: int,
     ) -> tuple[Any, Array, Array]:
-        """ids [1, bucket] at [start, start + bucket) of row `slot`; returns the token
-        sampled after position start + n_valid - 1 (with generated index 0)."""
-        row = self._rows(cache, slot, 1)
+        """ids [1, bucket] at [start, start + bucket) of row `slot` (start + bucket <=
+        time_len); returns the token sampled after position start + n_valid - 1 (with
+        generated index 0)."""
+        row = self._slice(cache, slot, 1, time_len)
         row, logits = self._forward(params, row, jnp.reshape(start, (1,)), ids)
-        cache = self._put_rows(cache, row, slot)
+        cache = self._put(cache, row, slot)
         v = seen.shape[1]
         valid = jnp.arange(ids.shape[1]) < n_valid
         fresh = jnp.zeros((v,), bool).at[jnp.where(valid, ids[0], v)].set(True, mode="drop")
@@ -211,12 +248,14 @@ class ModelRunner:
         rows: int,
         steps: int,
         mode: Mode,
+        time_len: int,
     ) -> tuple[Any, Array, Array]:
-        """`steps` decode steps of slots [0, rows). ids / time_step / active [rows]: the
-        last token of each row, its cache position, whether it is decoding. Returns
-        tokens [steps, rows]."""
-        whole = rows == self.cache_batch
-        sub = cache if whole else self._rows(cache, 0, rows)
+        """`steps` decode steps of slots [0, rows), seeing cache positions [0, time_len)
+        (every row's time_step + steps <= time_len, frozen rows included). ids /
+        time_step / active [rows]: the last token of each row, its cache position,
+        whether it is decoding. Returns tokens [steps, rows]."""
+        whole = rows == self.cache_batch and time_len == self.cache_len
+        sub = cache if whole else self._slice(cache, 0, rows, time_len)
         sub_seen = seen[:rows]
         index0 = samp.pop("index")
         r = jnp.arange(rows)
@@ -240,7 +279,7 @@ class ModelRunner:
 
         init = (sub, sub_seen, ids, time_step, index0)
         (sub, sub_seen, _, _, _), toks = lax.scan(body, init, None, length=steps)
-        cache = sub if whole else self._put_rows(cache, sub, 0)
+        cache = sub if whole else self._put(cache, sub, 0)
         seen = lax.dynamic_update_slice_in_dim(seen, sub_seen, 0, axis=0)
         return cache, seen, toks
 
@@ -284,6 +323,7 @@ class ModelRunner:
         padded = np.zeros((1, bucket), np.int32)
         padded[0, :n] = ids
         samp = self._samp([temperature], [top_k], [top_p], [penalty], [seed], [0])
+        time_len = self.window(start + bucket)
         self.cache, self.seen, tok = self._traced(
             self._jit_prefill,
             self.params,
@@ -294,6 +334,7 @@ class ModelRunner:
             np.int32(start),
             np.int32(n),
             samp,
+            time_len=time_len,
         )
         return int(tok)
 
@@ -313,9 +354,11 @@ class ModelRunner:
         seeds: np.ndarray,
         index: np.ndarray,
     ) -> np.ndarray:
-        """`steps` decode steps over slots [0, rows); per-row arrays are [rows].
-        Returns tokens [steps, rows] (int32, host)."""
+        """`steps` decode steps over slots [0, rows); per-row arrays are [rows]. Every
+        row's time_step + steps must be <= cache_len. Returns tokens [steps, rows]
+        (int32, host)."""
         samp = self._samp(temperature, top_k, top_p, penalty, seeds, index)
+        time_len = self.window(int(np.max(time_step)) + steps)
         self.cache, self.seen, toks = self._traced(
             self._jit_decode,
             self.params,
@@ -328,6 +371,7 @@ class ModelRunner:
             rows=rows,
             steps=steps,
             mode=mode,
+            time_len=time_len,
         )
         return np.asarray(toks)
 

@@ -324,9 +324,8 @@ class Scheduler:
         busy = bool(self.waiting) or any(
             r is not None and r.state == "prefill" for r in self.slots
         )
-        if not busy and self.decode_burst > 1:
-            room = min(self._room(r) for r in running)
-            steps = 1 << (max(1, min(self.decode_burst, room)).bit_length() - 1)
+        if not busy and min(self._room(r) for r in running) >= self.decode_burst:
+            steps = self.decode_burst  # Only 1 or decode_burst: fewer compiled programs.
         ids = np.zeros(rows, np.int32)
         time_step = np.zeros(rows, np.int32)
         active = np.zeros(rows, bool)

@@ -245,6 +245,13 @@ class _Handler(BaseHTTPRequestHandler):
             raise _HTTPError(400, f"bad Content-Length {length!r}") from None
         if n < 0 or n > self.app.max_body_bytes:
             self.close_connection = True
+            if 0 < n <= 8 * self.app.max_body_bytes:  # Drain it, so the client reads our 413.
+                left = n
+                while left > 0:
+                    got = len(self.rfile.read(min(1 << 16, left)))
+                    if not got:
+                        break
+                    left -= got
             raise _HTTPError(413, f"body of {n} bytes; at most {self.app.max_body_bytes}")
         raw = self.rfile.read(n)
         if len(raw) != n:
