@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
-from jaxlearn.experiments import moe
-from jaxlearn.layers import llama_config
+from jaxlearn.layers import llama_config, use_moe
 from jaxlearn.mesh import (
     DEFAULT_AXIS_NAMES,
     DEFAULT_AXIS_RULES,
@@ -27,7 +26,7 @@ def _model_cfg(kind: str):
     cfg = llama_config(vocab_size=VOCAB, dim=32, num_layers=2, num_heads=4, num_kv_heads=2,
                        ffn_dim=64, rope_theta=10000.0)
     if kind == "mixtral":
-        cfg = moe(cfg, num_experts=4, top_k=2)
+        cfg = use_moe(cfg, num_experts=4, top_k=2)
     return cfg
 
 

@@ -5,7 +5,6 @@ from jaxlearn.experiments.recipes import (
     DEFAULT_EXPERIMENT,
     EXPERIMENTS,
     get_experiment,
-    moe,
 )
 
 __all__ = [
@@ -14,6 +13,5 @@ __all__ = [
     "SELECTORS",
     "get_experiment",
     "golden_texts",
-    "moe",
     "write_golden",
 ]

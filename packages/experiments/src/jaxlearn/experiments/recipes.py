@@ -9,14 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxlearn.config import replace_config
 from jaxlearn.experiments.common import (
     large_model_mesh_rules,
     small_model_mesh_rules,
     trainer_config,
 )
-from jaxlearn.layers import FeedForward, llama_config
-from jaxlearn.layers.moe import MixtureOfExperts
+from jaxlearn.layers import llama_config, use_moe
 from jaxlearn.runtime.bundled import BundledSource
 from jaxlearn.runtime.input_pipeline import Input
 from jaxlearn.runtime.tokenizers import ByteTokenizer
@@ -32,14 +30,6 @@ def _input(seq_len: int, global_batch_size: int, split: str = "train") -> Any:
         split=split,
         shuffle=split == "train",
     )
-
-
-def moe(model: Any, num_experts: int, top_k: int, **kw: Any) -> Any:
-    """Every dense FFN becomes a mixture of experts (hidden_dim, activation carried over)."""
-    experts = MixtureOfExperts.default_config().set(
-        num_experts=num_experts, num_experts_per_token=top_k, **kw
-    )
-    return replace_config(model, FeedForward, experts)
 
 
 def _tiny_model() -> Any:
@@ -66,7 +56,7 @@ def tiny_llama() -> Trainer.Config:
 def tiny_moe() -> Trainer.Config:
     """tiny-llama with every FFN replaced by 4 experts, top-2 (Mixtral-style)."""
     cfg = tiny_llama()
-    cfg.model = moe(cfg.model, num_experts=4, top_k=2, capacity_factor=2.0)
+    cfg.model = use_moe(cfg.model, num_experts=4, top_k=2, capacity_factor=2.0)
     return cfg
 
 
@@ -108,7 +98,7 @@ def mixtral_8x7b() -> Trainer.Config:
     """Mixtral 8x7B: 32 layers, d=4096, 32/8 heads, 8 experts top-2 with FFN 14336,
     vocab 32000, RoPE theta 1e6."""
     model = llama_config(32000, 4096, 32, 32, 8, 14336, rope_theta=1e6, dtype="bfloat16")
-    model = moe(model, num_experts=8, top_k=2)
+    model = use_moe(model, num_experts=8, top_k=2)
     return _large(model, seq_len=4096, global_batch=1024, max_step=500_000, lr=3e-4,
                   gpu_microbatches=2)
 
