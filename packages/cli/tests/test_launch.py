@@ -1,0 +1,520 @@
+"""`jaxlearn launch` and multi-process `jaxlearn train`, end to end.
+
+The Slurm job is the generated sbatch script, submitted to a fake `sbatch` that runs it with
+a fake `srun`, which starts the tasks on this machine with Slurm's real variables (`launch
+local --emulate slurm`). The Kubernetes job is the generated JobSet manifest, whose pods a
+fake kubelet starts with the manifest's command and env (annotations resolved as the
+downward API does, JOB_COMPLETION_INDEX as Kubernetes sets it). Both are 2 processes x 4 CPU
+devices training tiny-llama; their losses must equal one process with 8 devices, and their
+checkpoints must resume across process counts (2 -> 1 and 1 -> 2).
+"""
+
+import json
+import os
+import re
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jaxlearn.cli.launch_cmd import to_yaml, tpu_topology
+from jaxlearn.cli.main import main
+from jaxlearn.runtime.distributed import detect_cluster, free_port
+
+FAST = ["--set", "input.seq_len=32", "--set", "input.global_batch_size=8",
+        "--set", "eval_every_n_steps=0", "--set", "log_every_n_steps=1",
+        "--set", "learner.warmup_steps=0", "--mesh_selector", "cpu-8"]
+# Four steps in all (the LR schedule spans 4 even when a run stops at 2), saves at 2 and 4.
+COMMON = ["--experiment", "tiny-llama", *FAST, "--set", "learner.total_steps=4",
+          "--set", "save_every_n_steps=2"]
+ENTRYPOINT = f"{sys.executable} -m jaxlearn.cli"
+TIMEOUTS = ["--initialization_timeout", "90", "--heartbeat_timeout", "90"]
+
+
+def _losses(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    return {r["step"]: r["loss"] for r in rows if r["split"] == "train"}  # Last one wins.
+
+
+def _assert_same_losses(got, want, steps):
+    for s in steps:
+        assert got[s] == pytest.approx(want[s], rel=1e-5, abs=1e-6), (s, got, want)
+
+
+@pytest.fixture(scope="module")
+def env_for_children():
+    """Children run the same interpreter with the same import path, and no inherited fake
+    device count."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPATH", os.pathsep.join(p for p in sys.path if p))
+        mp.delenv("XLA_FLAGS", raising=False)
+        yield mp
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One process, 8 devices, 4 steps."""
+    out = str(tmp_path_factory.mktemp("ref") / "run")
+    assert main(["train", *COMMON, "--output_dir", out, "--max_step", "4"]) == 0
+    losses = _losses(out)
+    assert sorted(losses) == [1, 2, 3, 4]
+    return losses
+
+
+# ---- Slurm: generated script -> fake sbatch -> fake srun -> 2 processes ----------------------
+
+FAKE_SBATCH = """#!{python}
+# Fake sbatch: runs the script now (synchronously) the way slurmctld would start it.
+import os, re, subprocess, sys
+script = sys.argv[-1]
+text = open(script).read()
+opts = dict(re.findall(r"^#SBATCH --([\\w-]+)=(\\S+)", text, re.M))
+env = dict(os.environ, SLURM_JOB_ID="4242", SLURM_JOB_NAME=opts["job-name"],
+           SLURM_NNODES=opts["nodes"], SLURM_NTASKS_PER_NODE=opts["ntasks-per-node"],
+           SLURM_JOB_NODELIST="localhost", SLURM_PROCID="0", SLURM_LOCALID="0")
+with open(script + ".out", "w") as log:
+    rc = subprocess.call(["bash", script], env=env, stdout=log, stderr=subprocess.STDOUT)
+open(script + ".rc", "w").write(str(rc))
+print("Submitted batch job 4242")
+"""
+
+FAKE_SRUN = """#!{python}
+# Fake srun: one step of SLURM_NNODES x ntasks-per-node tasks, all on this machine, each
+# with the variables slurmstepd would give it; --kill-on-bad-exit as launch local does.
+import os, sys
+args = sys.argv[1:]
+opts = {{}}
+while args and args[0].startswith("--"):
+    key, _, value = args.pop(0)[2:].partition("=")
+    opts[key] = value
+assert opts.get("kill-on-bad-exit") == "1", opts
+n = int(os.environ["SLURM_NNODES"]) * int(opts.get("ntasks-per-node", 1))
+os.execv(sys.executable, [sys.executable, "-m", "jaxlearn.cli", "launch", "local",
+                          "--emulate", "slurm", "--num_processes", str(n), "--", *args])
+"""
+
+
+@pytest.fixture(scope="module")
+def fake_slurm(tmp_path_factory, env_for_children):
+    bin_dir = tmp_path_factory.mktemp("slurm-bin")
+    for name, text in (("sbatch", FAKE_SBATCH), ("srun", FAKE_SRUN)):
+        path = bin_dir / name
+        path.write_text(text.format(python=sys.executable))
+        path.chmod(0o755)
+    env_for_children.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    return bin_dir
+
+
+@pytest.fixture(scope="module")
+def slurm_run(tmp_path_factory, fake_slurm, reference):
+    """`jaxlearn launch slurm --nodes 2 --submit` of the first 2 of the 4 steps."""
+    work = tmp_path_factory.mktemp("slurm")
+    out, script = str(work / "run"), str(work / "job.sbatch")
+    t0 = time.monotonic()
+    rc = main(["launch", "slurm", "--nodes", "2", "--no_exclusive", "--entrypoint", ENTRYPOINT,
+               "--initialization_timeout", "90", "--heartbeat_timeout", "90",
+               "--script", script, "--submit", "--",
+               "train", *COMMON, "--output_dir", out, "--max_step", "2"])
+    seconds = time.monotonic() - t0
+    log = Path(script + ".out").read_text() if os.path.exists(script + ".out") else ""
+    assert rc == 0 and Path(script + ".rc").read_text() == "0", log[-4000:]
+    print(f"slurm job (2 processes x 4 devices, 2 steps): {seconds:.1f}s")
+    return {"out": out, "log": log, "script": Path(script).read_text()}
+
+
+def test_slurm_job_two_processes_match_one_process(slurm_run, reference):
+    log = slurm_run["log"]
+    assert "--num_cpu_devices 4" in slurm_run["script"]  # cpu-8 over 2 nodes.
+    for i in (0, 1):
+        assert f"[{i}] jaxlearn: process {i} of 2 joined (slurm, coordinator localhost:" in log
+        assert f"[{i}] jaxlearn: training tiny-llama on 8 device(s)" in log
+    assert "all 2 processes finished" in log
+    losses = _losses(slurm_run["out"])
+    assert sorted(losses) == [1, 2]
+    _assert_same_losses(losses, reference, [1, 2])
+
+
+def test_only_process_zero_writes_summaries_every_process_writes_shards(slurm_run):
+    out = Path(slurm_run["out"])
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train_steps = [r["step"] for r in rows if r["split"] == "train"]
+    assert train_steps == [1, 2]  # Not once per process.
+    assert len(list((out / "tensorboard").glob("events.out*"))) == 1
+    assert (out / "config.txt").is_file()
+    step = out / "checkpoints" / "step_00000002"
+    assert (step / "state" / "ocdbt.process_0").is_dir()
+    assert (step / "state" / "ocdbt.process_1").is_dir()
+    assert len(list((step / "data_iterator").glob("process_0000[01].*"))) == 2
+
+
+def test_two_process_checkpoint_resumes_in_one_process(slurm_run, reference, tmp_path):
+    out = str(tmp_path / "resumed")
+    shutil.copytree(slurm_run["out"], out)
+    assert main(["train", *COMMON, "--output_dir", out, "--max_step", "4"]) == 0
+    _assert_same_losses(_losses(out), reference, [3, 4])
+
+
+# ---- Kubernetes: generated JobSet -> fake kubelet -> 2 pods ---------------------------------
+
+
+def parse_yaml(text):
+    """The block-style YAML subset `to_yaml` writes (mappings, sequences, JSON-quoted or
+    plain scalars), without a YAML library."""
+    lines = [(len(raw) - len(raw.lstrip(" ")), raw.strip()) for raw in text.splitlines()
+             if raw.strip() and not raw.lstrip().startswith("#")]
+    pos = 0
+
+    def scalar(s):
+        if s.startswith('"'):
+            return json.loads(s)
+        special = {"{}": {}, "[]": [], "true": True, "false": False, "null": None}
+        if s in special:
+            return special[s]
+        for cast in (int, float):
+            try:
+                return cast(s)
+            except ValueError:
+                pass
+        return s
+
+    def split_key(s):
+        m = re.match(r'("(?:[^"\\]|\\.)*"|[^"\s][^:]*):(?: (.*))?$', s)
+        return (scalar(m.group(1)), m.group(2)) if m else None
+
+    def block(indent):
+        return seq(indent) if lines[pos][1].startswith("- ") else mapping(indent)
+
+    def mapping(indent):
+        nonlocal pos
+        out = {}
+        while pos < len(lines) and lines[pos][0] == indent and not lines[pos][1].startswith("- "):
+            key, rest = split_key(lines[pos][1])
+            pos += 1
+            out[key] = scalar(rest) if rest is not None else block(lines[pos][0])
+        return out
+
+    def seq(indent):
+        nonlocal pos
+        out = []
+        while pos < len(lines) and lines[pos][0] == indent and lines[pos][1].startswith("- "):
+            item = lines[pos][1][2:]
+            if item.startswith("- ") or split_key(item):
+                lines[pos] = (indent + 2, item)
+                out.append(block(indent + 2))
+            else:
+                out.append(scalar(item))
+                pos += 1
+        return out
+
+    return block(lines[0][0])
+
+
+def _check_yaml(text, want=None):
+    got = parse_yaml(text)
+    try:
+        import yaml  # Not a requirement; a second opinion when it is installed.
+    except ImportError:
+        pass
+    else:
+        assert yaml.safe_load(text) == got
+    if want is not None:
+        assert got == want
+    return got
+
+
+def test_yaml_round_trip():
+    tricky = {"a": "yes", "b": "2", "c": "x: y", "d": 'q"uote', "e": [], "f": {}, "g": None,
+              "h": [1, [2, "3"], {"i": "true", "j": ["-m", "a b"]}], "k.l/m": "host:1",
+              "n": "1:30", "o": 1.5, "p": False, "q": "", "r": "ends:"}
+    _check_yaml(to_yaml(tricky), tricky)
+
+
+def _pods(manifest):
+    rjob = manifest["spec"]["replicatedJobs"][0]
+    return rjob, rjob["template"]["spec"], rjob["template"]["spec"]["template"]["spec"]
+
+
+def _pod_env(manifest, index, base):
+    """What a JobSet pod's container sees: the manifest env with the downward API resolved
+    from the pod annotations JobSet sets, plus what Kubernetes adds."""
+    name = manifest["metadata"]["name"]
+    rjob, _, pod = _pods(manifest)
+    annotations = {"jobset.sigs.k8s.io/jobset-name": name,
+                   "jobset.sigs.k8s.io/replicatedjob-name": rjob["name"],
+                   "jobset.sigs.k8s.io/job-index": "0", "jobset.sigs.k8s.io/job-global-index": "0"}
+    env = dict(base)
+    for var in pod["containers"][0]["env"]:
+        if "value" in var:
+            env[var["name"]] = var["value"]
+        else:
+            path = var["valueFrom"]["fieldRef"]["fieldPath"]
+            key = re.fullmatch(r"metadata\.annotations\['(.+)'\]", path).group(1)
+            env[var["name"]] = annotations[key]
+    env.update(JOB_COMPLETION_INDEX=str(index), HOSTNAME=f"{name}-{rjob['name']}-0-{index}",
+               KUBERNETES_SERVICE_HOST="10.0.0.1")
+    return env
+
+
+def _run_pods(manifest, coordinator):
+    """Starts every pod of the (single) replicated job; fails fast like the JobSet."""
+    _, job, pod = _pods(manifest)
+    base = {k: v for k, v in os.environ.items()
+            if not re.match(r"(SLURM_|OMPI_|JOB_|JAXLEARN_|JAX_COORD)", k)}
+    procs = []
+    for i in range(job["parallelism"]):
+        env = _pod_env(manifest, i, base)
+        env["JAXLEARN_COORDINATOR_ADDRESS"] = coordinator  # The DNS name is not served here.
+        procs.append(subprocess.Popen(pod["containers"][0]["command"], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=400)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [p.returncode for p in procs], logs
+
+
+@pytest.fixture(scope="module")
+def k8s_run(tmp_path_factory, env_for_children, reference):
+    """Steps 1-2 in one process (8 devices), then `jaxlearn launch k8s` pods resume 3-4 in
+    two processes (4 devices each)."""
+    work = tmp_path_factory.mktemp("k8s")
+    out, manifest_path = str(work / "run"), str(work / "jobset.yaml")
+    assert main(["train", *COMMON, "--output_dir", out, "--max_step", "2"]) == 0
+    assert main(["launch", "k8s", "--name", "tiny", "--image", "example.com/jaxlearn:test",
+                 "--num_processes", "2", "--entrypoint", ENTRYPOINT, *TIMEOUTS,
+                 "--output", manifest_path, "--", "train", *COMMON, "--output_dir", out,
+                 "--max_step", "4"]) == 0
+    manifest = _check_yaml(Path(manifest_path).read_text())
+    t0 = time.monotonic()
+    codes, logs = _run_pods(manifest, f"127.0.0.1:{free_port()}")
+    seconds = time.monotonic() - t0
+    assert codes == [0, 0], "\n".join(log[-3000:] for log in logs)
+    print(f"k8s pods (2 processes x 4 devices, resume + 2 steps): {seconds:.1f}s")
+    return {"out": out, "manifest": manifest, "logs": logs}
+
+
+def test_k8s_pods_resume_one_process_checkpoint_in_two(k8s_run, reference):
+    env = {e["name"]: e for e in _pods(k8s_run["manifest"])[2]["containers"][0]["env"]}
+    assert env["JAXLEARN_COORDINATOR_ADDRESS"]["value"] == "tiny-workers-0-0.tiny:8476"
+    for i, log in enumerate(k8s_run["logs"]):
+        assert f"jaxlearn: process {i} of 2 joined (jobset" in log
+        assert "resumed from step 2" in log
+    _assert_same_losses(_losses(k8s_run["out"]), reference, [3, 4])
+
+
+# ---- the generated files --------------------------------------------------------------------
+
+
+def _sbatch(capsys, *launch_args, selector="gpu-h100-8x4"):
+    rc = main(["launch", "slurm", *launch_args, "--", "train", "--experiment", "tiny-llama",
+               "--mesh_selector", selector, "--output_dir", "/shared/runs/x",
+               "--set", "max_step=100"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    script = captured.out
+    options = dict(re.findall(r"^#SBATCH --([\w-]+)(?:=(\S+))?$", script, re.M))
+    srun = shlex.split(script[script.index("\nsrun "):].replace("\\\n", " "))
+    return script, options, srun
+
+
+def test_sbatch_script_for_a_gpu_cluster(capsys, tmp_path):
+    script, options, srun = _sbatch(
+        capsys, "--partition", "a3", "--time", "2:00:00", "--env", "NCCL_DEBUG=WARN",
+        "--setup", "source /opt/venv/bin/activate", "--initialization_timeout", "600")
+    assert options == {"job-name": "jaxlearn-tiny-llama", "nodes": "4", "ntasks-per-node": "1",
+                       "gpus-per-node": "8", "partition": "a3", "time": "2:00:00",
+                       "exclusive": ""}
+    assert "\nsource /opt/venv/bin/activate\n" in script
+    assert "\nexport NCCL_DEBUG=WARN\n" in script
+    assert "\nexport JAXLEARN_INITIALIZATION_TIMEOUT=600\n" in script
+    assert srun[:3] == ["srun", "--kill-on-bad-exit=1", "--ntasks-per-node=1"]
+    assert srun[3:] == ["python3", "-m", "jaxlearn.cli", "train", "--experiment", "tiny-llama",
+                        "--mesh_selector", "gpu-h100-8x4", "--output_dir", "/shared/runs/x",
+                        "--set", "max_step=100"]
+    path = tmp_path / "job.sbatch"
+    path.write_text(script)
+    assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
+    # What each task then sees (rank 13 of 4 nodes x 8 tasks, if one process per GPU).
+    _, options, srun = _sbatch(capsys, "--processes_per_node", "8")
+    assert options["ntasks-per-node"] == "8" and "--gpus-per-task=1" in srun
+    spec = detect_cluster({"SLURM_JOB_ID": "77", "SLURM_PROCID": "13", "SLURM_LOCALID": "5",
+                           "SLURM_STEP_NUM_TASKS": "32", "SLURM_STEP_NODELIST": "a3-[0012-0015]"})
+    assert (spec.coordinator_address, spec.num_processes, spec.process_id) == \
+        (f"a3-0012:{77 + 61440}", 32, 13)
+
+
+def test_sbatch_submit(capsys, tmp_path, monkeypatch):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    record = tmp_path / "argv"
+    sbatch = bin_dir / "sbatch"
+    sbatch.write_text(f"#!/bin/sh\necho \"$@\" > {record}\necho 'Submitted batch job 99'\n")
+    sbatch.chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    monkeypatch.chdir(tmp_path)
+    assert main(["launch", "slurm", "--submit", "--name", "exp1", "--", "train", "--experiment",
+                 "tiny-llama", "--mesh_selector", "gpu-h100-8x2", "--output_dir", "o"]) == 0
+    assert "Submitted batch job 99" in capsys.readouterr().out
+    assert record.read_text().strip() == "exp1.sbatch"
+    assert "#SBATCH --nodes=2" in (tmp_path / "exp1.sbatch").read_text()
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    assert main(["launch", "slurm", "--submit", "--", "train", "--experiment", "tiny-llama",
+                 "--mesh_selector", "gpu-h100-8x2", "--output_dir", "o"]) == 2
+    assert "sbatch is not on PATH" in capsys.readouterr().err
+
+
+def _manifest(capsys, *launch_args, selector):
+    rc = main(["launch", "k8s", "--name", "llama", "--image", "us-docker.pkg.dev/p/jaxlearn:1",
+               *launch_args, "--", "train", "--experiment", "tiny-llama", "--mesh_selector",
+               selector, "--output_dir", "/gcs/runs/x"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    return _check_yaml(captured.out)
+
+
+def test_jobset_manifest_for_a_tpu_slice(capsys):
+    m = _manifest(capsys, "--namespace", "ml", "--env", "LIBTPU_INIT_ARGS=--xla_tpu_foo=1",
+                  selector="tpu-v5p-64")  # 64 TensorCores = 32 chips = 8 hosts x 4 chips.
+    assert (m["apiVersion"], m["kind"]) == ("jobset.x-k8s.io/v1alpha2", "JobSet")
+    assert m["metadata"]["name"] == "llama" and m["metadata"]["namespace"] == "ml"
+    assert m["metadata"]["annotations"] == {
+        "alpha.jobset.sigs.k8s.io/exclusive-topology": "cloud.google.com/gke-nodepool"}
+    assert m["spec"]["network"] == {"enableDNSHostnames": True, "subdomain": "llama",
+                                    "publishNotReadyAddresses": True}
+    rjob, job, pod = _pods(m)
+    assert (rjob["name"], rjob["replicas"]) == ("workers", 1)
+    assert (job["parallelism"], job["completions"], job["completionMode"],
+            job["backoffLimit"]) == (8, 8, "Indexed", 0)
+    assert pod["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": "tpu-v5p-slice",
+                                   "cloud.google.com/gke-tpu-topology": "2x4x4"}
+    (c,) = pod["containers"]
+    assert c["image"] == "us-docker.pkg.dev/p/jaxlearn:1"
+    assert c["resources"] == {"limits": {"google.com/tpu": 4}}
+    assert c["command"] == ["python3", "-m", "jaxlearn.cli", "train", "--experiment",
+                            "tiny-llama", "--mesh_selector", "tpu-v5p-64", "--output_dir",
+                            "/gcs/runs/x"]
+    assert c["ports"] == [{"name": "coordinator", "containerPort": 8476}]
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in c["env"]}
+    assert env["JAXLEARN_COORDINATOR_ADDRESS"] == "llama-workers-0-0.llama:8476"
+    assert env["JAXLEARN_NUM_PROCESSES"] == "8" and env["LIBTPU_INIT_ARGS"] == "--xla_tpu_foo=1"
+    assert env["JOB_INDEX"] == {"fieldRef": {
+        "fieldPath": "metadata.annotations['jobset.sigs.k8s.io/job-index']"}}
+    # Pod 5 of that JobSet finds its place and process 0's DNS name.
+    spec = detect_cluster(_pod_env(m, 5, {}))
+    assert (spec.source, spec.coordinator_address, spec.num_processes, spec.process_id) == \
+        ("jobset", "llama-workers-0-0.llama:8476", 8, 5)
+
+
+def test_jobset_manifest_for_a_gpu_node_pool(capsys):
+    m = _manifest(capsys, "--cpu", "200", "--memory", "1800Gi", "--node_selector", "pool=a3",
+                  selector="gpu-h100-8x2")
+    _, job, pod = _pods(m)
+    assert job["parallelism"] == 2
+    assert pod["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-h100-80gb",
+                                   "pool": "a3"}
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists",
+                                   "effect": "NoSchedule"}]
+    assert pod["containers"][0]["resources"] == {
+        "limits": {"nvidia.com/gpu": 8}, "requests": {"cpu": "200", "memory": "1800Gi"}}
+    assert "annotations" not in m["metadata"]
+
+
+@pytest.mark.parametrize("kind,chips,topology", [
+    ("tpu-v5p", 4, "2x2x1"), ("tpu-v5p", 8, "2x2x2"), ("tpu-v4", 16, "2x2x4"),
+    ("tpu-v5p", 32, "2x4x4"), ("tpu-v5p", 64, "4x4x4"), ("tpu-v5p", 128, "4x4x8"),
+    ("tpu-v5e", 1, "1x1"), ("tpu-v5e", 8, "2x4"), ("tpu-v6e", 16, "4x4"),
+    ("tpu-v6e", 256, "16x16"),
+])
+def test_tpu_topology_names(kind, chips, topology):
+    assert tpu_topology(kind, chips) == topology
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["slurm", "--", "train", "--experiment", "tiny-llama", "--output_dir", "o"],
+     "needs the target's --mesh_selector"),
+    (["slurm", "--nodes", "3", "--", "train", "--experiment", "tiny-llama", "--mesh_selector",
+      "gpu-h100-8x4", "--output_dir", "o"], "is 32 GPUs, but 3 node(s) x 8 GPU(s) = 24"),
+    (["slurm", "--", "train", "--experiment", "tiny-lama", "--mesh_selector", "cpu-8",
+      "--output_dir", "o"], "did you mean: tiny-llama"),
+    (["k8s", "--image", "i", "--tpu_topology", "2x2x2", "--", "train", "--experiment",
+      "tiny-llama", "--mesh_selector", "tpu-v5p-64", "--output_dir", "o"], "is 8 chips"),
+    (["k8s", "--image", "i", "--name", "x" * 41, "--", "train", "--experiment", "tiny-llama",
+      "--mesh_selector", "cpu-8", "--output_dir", "o"], "1-40 characters"),
+    (["k8s", "--image", "i", "--", "serve"], "runs `train`"),
+    (["local", "--num_processes", "2"], "give the command after --"),
+])
+def test_launch_usage_errors_are_one_line(capsys, argv, message):
+    assert main(["launch", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("jaxlearn: error:") and message in err[0], err
+
+
+# ---- failures -------------------------------------------------------------------------------
+
+
+def test_launch_local_fails_fast_and_names_the_process(capsys, env_for_children):
+    code = ("import os, sys, time\n"
+            "i = int(os.environ['JAXLEARN_PROCESS_ID'])\n"
+            "print('hello from', i, flush=True)\n"
+            "sys.exit(5) if i == 1 else time.sleep(300)\n")
+    t0 = time.monotonic()
+    assert main(["launch", "local", "--num_processes", "2", "--", sys.executable, "-c",
+                 code]) == 5
+    elapsed = time.monotonic() - t0
+    captured = capsys.readouterr()
+    assert "[0] hello from 0" in captured.out and "[1] hello from 1" in captured.out
+    assert "process 1 failed (exit status 5, before joining)" in captured.err
+    assert "stopped: 0" in captured.err
+    assert elapsed < 30, elapsed
+
+
+def _train_alone(tmp_path, *flags):
+    out = tmp_path / "never"
+    return out, subprocess.Popen(
+        [sys.executable, "-m", "jaxlearn.cli", "train", *COMMON, "--output_dir", str(out),
+         "--initialization_timeout", "5", *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_missing_peer_is_reported_in_one_line_within_the_timeout(tmp_path, env_for_children):
+    """Process 0 of 2 without its peer, and process 1 of 2 without the coordinator: both
+    give up after the 5 s initialization timeout, naming who is missing; nothing written."""
+    with socket.socket() as s:  # A port nobody listens on, for the lonely process 1.
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    t0 = time.monotonic()
+    out0, p0 = _train_alone(tmp_path / "a", "--num_processes", "2", "--process_id", "0",
+                            "--coordinator_address", f"127.0.0.1:{free_port()}")
+    out1, p1 = _train_alone(tmp_path / "b", "--num_processes", "2", "--process_id", "1",
+                            "--coordinator_address", f"127.0.0.1:{dead}")
+    (_, err0), (_, err1) = p0.communicate(timeout=180), p1.communicate(timeout=180)
+    elapsed = time.monotonic() - t0
+    for p, err, want in (
+        (p0, err0, "process 0 of 2: distributed initialization failed: process(es) 1 of 2 "
+                   "did not join within 5s (joined: 0)"),
+        (p1, err1, "process 1 of 2: distributed initialization failed: the coordinator "
+                   f"(process 0) at 127.0.0.1:{dead} did not answer within 5s"),
+    ):
+        errors = [line for line in err.splitlines() if line.startswith("jaxlearn: error:")]
+        assert p.returncode == 3 and len(errors) == 1 and want in errors[0], err[-3000:]
+    assert not out0.exists() and not out1.exists()
+    assert elapsed < 5 + 60, elapsed  # Timeout + start-up of two interpreters under load.
+
+
+def test_half_described_cluster_is_a_usage_error(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("JOB_COMPLETION_INDEX", "1")  # An Indexed Job pod, but how many?
+    assert main(["train", *COMMON, "--output_dir", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "set JAXLEARN_NUM_PROCESSES" in err[0], err
