@@ -365,7 +365,7 @@ class PipelineStack(BaseStack):
         y = jnp.swapaxes(buf, 0, 1).reshape(x.shape)
         return with_logical_constraint(y, ("batch", "seq", "embed"))
 
-    # ---- decoding: not pipelined ---------------------------------------------------------
+    # ---- decoding: not pipelined ----------------------------------------------------------
 
     def _scan_all(self, fn: Callable[[Module, Any, Any], Any], carry: Any, xs: Any) -> tuple:
         ctx = self._context()
