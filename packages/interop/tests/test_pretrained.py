@@ -19,10 +19,11 @@ def test_hf_directory_is_loaded_with_options():
 
 
 def test_jaxlearn_checkpoint_directory_names_the_inference_loader(tmp_path):
-    (tmp_path / "100").mkdir()
-    (tmp_path / "100" / "_CHECKPOINT_METADATA").write_text("{}")
-    with pytest.raises(JaxlearnCheckpointError, match="jaxlearn.inference"):
-        load_pretrained(tmp_path)
+    (tmp_path / "step_00000100").mkdir()
+    (tmp_path / "step_00000100" / "manifest.json").write_text("{}")
+    for path in (tmp_path, tmp_path / "step_00000100"):
+        with pytest.raises(JaxlearnCheckpointError, match="jaxlearn.inference"):
+            load_pretrained(path)
 
 
 def test_other_paths_are_clear_errors(tmp_path):

@@ -22,7 +22,8 @@ class JaxlearnCheckpointError(InteropError):
 
 def _looks_like_jaxlearn_checkpoint(directory: pathlib.Path) -> bool:
     names = {p.name for p in directory.iterdir()}
-    markers = ("_CHECKPOINT_METADATA", "checkpoint_metadata.json", "commit_success.txt")
+    # jaxlearn.checkpoint layout: <root>/step_00000100/manifest.json (+ orbax files).
+    markers = ("manifest.json", "_CHECKPOINT_METADATA")
     return any(m in names for m in markers) or any(
         p.is_dir() and (p.name.isdigit() or p.name.startswith("step_")) for p in directory.iterdir()
     )
