@@ -26,6 +26,13 @@ from jaxlearn.cli.launch_cmd import to_yaml, tpu_topology
 from jaxlearn.cli.main import main
 from jaxlearn.runtime.distributed import detect_cluster, free_port
 
+
+def _detect(env):
+    """detect_cluster, asserting that it found a cluster."""
+    spec = detect_cluster(env)
+    assert spec is not None
+    return spec
+
 FAST = ["--set", "input.seq_len=32", "--set", "input.global_batch_size=8",
         "--set", "eval_every_n_steps=0", "--set", "log_every_n_steps=1",
         "--set", "learner.warmup_steps=0", "--mesh_selector", "cpu-8"]
@@ -229,7 +236,7 @@ def _check_yaml(text, want=None):
 
 
 def test_yaml_round_trip():
-    tricky = {"a": "yes", "b": "2", "c": "x: y", "d": 'q"uote', "e": [], "f": {}, "g": None,
+    tricky: dict = {"a": "yes", "b": "2", "c": "x: y", "d": 'q"uote', "e": [], "f": {}, "g": None,
               "h": [1, [2, "3"], {"i": "true", "j": ["-m", "a b"]}], "k.l/m": "host:1",
               "n": "1:30", "o": 1.5, "p": False, "q": "", "r": "ends:"}
     _check_yaml(to_yaml(tricky), tricky)
@@ -254,8 +261,9 @@ def _pod_env(manifest, index, base):
             env[var["name"]] = var["value"]
         else:
             path = var["valueFrom"]["fieldRef"]["fieldPath"]
-            key = re.fullmatch(r"metadata\.annotations\['(.+)'\]", path).group(1)
-            env[var["name"]] = annotations[key]
+            m = re.fullmatch(r"metadata\.annotations\['(.+)'\]", path)
+            assert m, path
+            env[var["name"]] = annotations[m.group(1)]
     env.update(JOB_COMPLETION_INDEX=str(index), HOSTNAME=f"{name}-{rjob['name']}-0-{index}",
                KUBERNETES_SERVICE_HOST="10.0.0.1")
     return env
@@ -349,7 +357,7 @@ def test_sbatch_script_for_a_gpu_cluster(capsys, tmp_path):
     # What each task then sees (rank 13 of 4 nodes x 8 tasks, if one process per GPU).
     _, options, srun = _sbatch(capsys, "--processes_per_node", "8")
     assert options["ntasks-per-node"] == "8" and "--gpus-per-task=1" in srun
-    spec = detect_cluster({"SLURM_JOB_ID": "77", "SLURM_PROCID": "13", "SLURM_LOCALID": "5",
+    spec = _detect({"SLURM_JOB_ID": "77", "SLURM_PROCID": "13", "SLURM_LOCALID": "5",
                            "SLURM_STEP_NUM_TASKS": "32", "SLURM_STEP_NODELIST": "a3-[0012-0015]"})
     assert (spec.coordinator_address, spec.num_processes, spec.process_id) == \
         (f"a3-0012:{77 + 61440}", 32, 13)
@@ -412,7 +420,7 @@ def test_jobset_manifest_for_a_tpu_slice(capsys):
     assert env["JOB_INDEX"] == {"fieldRef": {
         "fieldPath": "metadata.annotations['jobset.sigs.k8s.io/job-index']"}}
     # Pod 5 of that JobSet finds its place and process 0's DNS name.
-    spec = detect_cluster(_pod_env(m, 5, {}))
+    spec = _detect(_pod_env(m, 5, {}))
     assert (spec.source, spec.coordinator_address, spec.num_processes, spec.process_id) == \
         ("jobset", "llama-workers-0-0.llama:8476", 8, 5)
 

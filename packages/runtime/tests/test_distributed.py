@@ -27,6 +27,13 @@ from jaxlearn.runtime.distributed import (
     roll_call,
 )
 
+
+def _detect(env):
+    """detect_cluster, asserting that it found a cluster."""
+    spec = detect_cluster(env)
+    assert spec is not None
+    return spec
+
 # ---- hostlists ------------------------------------------------------------------------------
 
 
@@ -64,7 +71,7 @@ def _slurm(**extra):
 
 
 def test_detect_slurm():
-    spec = detect_cluster(_slurm())
+    spec = _detect(_slurm())
     # Port: JAX's rule, job id mod 4096 in the top 4096 ports.
     assert spec == ClusterSpec("slurm", f"gpu007:{123456 % 4096 + 61440}", 8, 5,
                                local_process_id=1)
@@ -73,23 +80,23 @@ def test_detect_slurm():
 def test_detect_slurm_step_smaller_than_job_and_port_override():
     env = _slurm(SLURM_NTASKS="16", SLURM_STEP_NUM_TASKS="8", SLURM_STEP_NODELIST="gpu[009-010]",
                  JAXLEARN_COORDINATOR_PORT="7777")
-    spec = detect_cluster(env)
+    spec = _detect(env)
     assert (spec.num_processes, spec.coordinator_address) == (8, "gpu009:7777")
 
 
 def test_detect_slurm_job_nodelist_fallback_and_explicit_address():
     env = _slurm()
     del env["SLURM_STEP_NODELIST"], env["SLURM_STEP_NUM_TASKS"]
-    assert detect_cluster(env).coordinator_address.startswith("gpu007:")
+    assert _detect(env).coordinator_address.startswith("gpu007:")
     env["JAXLEARN_COORDINATOR_ADDRESS"] = "10.1.2.3:9999"
-    assert detect_cluster(env).coordinator_address == "10.1.2.3:9999"
+    assert _detect(env).coordinator_address == "10.1.2.3:9999"
     del env["SLURM_JOB_NODELIST"], env["JAXLEARN_COORDINATOR_ADDRESS"]
     with pytest.raises(ClusterConfigError, match="SLURM_STEP_NODELIST"):
-        detect_cluster(env)
+        _detect(env)
 
 
 def test_detect_slurm_single_task_needs_no_coordinator():
-    spec = detect_cluster({"SLURM_JOB_ID": "1", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"})
+    spec = _detect({"SLURM_JOB_ID": "1", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"})
     assert (spec.num_processes, spec.is_multi_process) == (1, False)
 
 
@@ -97,16 +104,16 @@ def test_detect_ompi():
     env = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4",
            "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
            "OMPI_MCA_orte_hnp_uri": "1531576320.0;tcp://10.96.0.1,10.148.0.1:34911"}
-    spec = detect_cluster(env)
+    spec = _detect(env)
     port = (1531576320 // 4096) % 4096 + 61440
     assert spec == ClusterSpec("ompi", f"10.96.0.1:{port}", 4, 3, local_process_id=1)
     env["OMPI_MCA_orte_hnp_uri"] = "1314521088.0;tcp6://[fe80::b9b:ac5d,2620:10d::2]:43370"
-    assert detect_cluster(env).coordinator_address.startswith("[fe80::b9b:ac5d]:")
+    assert _detect(env).coordinator_address.startswith("[fe80::b9b:ac5d]:")
     del env["OMPI_MCA_orte_hnp_uri"]  # Open MPI 5 (PRRTE): no launcher URI to parse.
     with pytest.raises(ClusterConfigError, match="JAXLEARN_COORDINATOR_ADDRESS"):
-        detect_cluster(env)
+        _detect(env)
     env["JAXLEARN_COORDINATOR_ADDRESS"] = "head:8476"
-    assert detect_cluster(env).coordinator_address == "head:8476"
+    assert _detect(env).coordinator_address == "head:8476"
 
 
 def _jobset_pod(**extra):
@@ -122,9 +129,9 @@ def _jobset_pod(**extra):
 
 
 def test_detect_jobset_dns_coordinator():
-    spec = detect_cluster(_jobset_pod())
+    spec = _detect(_jobset_pod())
     assert spec == ClusterSpec("jobset", "train-workers-0-0.train:8476", 8, 6)
-    spec = detect_cluster(_jobset_pod(JAXLEARN_K8S_SUBDOMAIN="svc",
+    spec = _detect(_jobset_pod(JAXLEARN_K8S_SUBDOMAIN="svc",
                                       JAXLEARN_COORDINATOR_PORT="1234"))
     assert spec.coordinator_address == "train-workers-0-0.svc:1234"
 
@@ -132,30 +139,30 @@ def test_detect_jobset_dns_coordinator():
 def test_detect_plain_indexed_job_and_errors():
     env = {"JOB_COMPLETION_INDEX": "1", "JAXLEARN_NUM_PROCESSES": "2",
            "JAXLEARN_COORDINATOR_ADDRESS": "job-0.svc:8476"}
-    assert detect_cluster(env) == ClusterSpec("kubernetes", "job-0.svc:8476", 2, 1)
+    assert _detect(env) == ClusterSpec("kubernetes", "job-0.svc:8476", 2, 1)
     with pytest.raises(ClusterConfigError, match="JAXLEARN_NUM_PROCESSES"):
-        detect_cluster({"JOB_COMPLETION_INDEX": "1"})
+        _detect({"JOB_COMPLETION_INDEX": "1"})
     with pytest.raises(ClusterConfigError, match="coordinator"):
-        detect_cluster({"JOB_COMPLETION_INDEX": "1", "JAXLEARN_NUM_PROCESSES": "2"})
+        _detect({"JOB_COMPLETION_INDEX": "1", "JAXLEARN_NUM_PROCESSES": "2"})
     with pytest.raises(ClusterConfigError, match=r"process id 9 is not in \[0, 8\)"):
-        detect_cluster(_jobset_pod(JOB_COMPLETION_INDEX="5", JOB_GLOBAL_INDEX="1"))
+        _detect(_jobset_pod(JOB_COMPLETION_INDEX="5", JOB_GLOBAL_INDEX="1"))
 
 
 def test_detect_explicit_and_precedence():
     explicit = {"JAXLEARN_COORDINATOR_ADDRESS": "127.0.0.1:5000", "JAXLEARN_NUM_PROCESSES": "2",
                 "JAXLEARN_PROCESS_ID": "1"}
-    assert detect_cluster(explicit) == ClusterSpec("jaxlearn", "127.0.0.1:5000", 2, 1)
-    assert detect_cluster({**explicit, "JAXLEARN_LAUNCHER": "local"}).source == "local"
+    assert _detect(explicit) == ClusterSpec("jaxlearn", "127.0.0.1:5000", 2, 1)
+    assert _detect({**explicit, "JAXLEARN_LAUNCHER": "local"}).source == "local"
     # `launch local` inside an allocation: the explicit variables win.
-    assert detect_cluster({**_slurm(), **explicit}).source == "jaxlearn"
+    assert _detect({**_slurm(), **explicit}).source == "jaxlearn"
     # mpirun inside an allocation: every rank sees the batch step's SLURM_PROCID=0.
     ompi = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
             "JAXLEARN_COORDINATOR_ADDRESS": "h:1"}
-    assert detect_cluster({**_slurm(SLURM_PROCID="0"), **ompi}).process_id == 1
+    assert _detect({**_slurm(SLURM_PROCID="0"), **ompi}).process_id == 1
     assert detect_cluster({"PATH": "/bin", "HOSTNAME": "laptop"}) is None
     with pytest.raises(ClusterConfigError, match="not an integer"):
-        detect_cluster(_slurm(SLURM_PROCID="x"))
-    assert detect_cluster({**explicit, "JAXLEARN_LOCAL_DEVICE_IDS": "0,1"}).local_device_ids \
+        _detect(_slurm(SLURM_PROCID="x"))
+    assert _detect({**explicit, "JAXLEARN_LOCAL_DEVICE_IDS": "0,1"}).local_device_ids \
         == (0, 1)
 
 
@@ -177,7 +184,7 @@ def test_local_process_env_uses_real_names_and_scrubs_inherited():
     for style, source in (("jaxlearn", "local"), ("slurm", "slurm"), ("k8s", "jobset"),
                           ("ompi", "ompi")):
         env = local_process_env(1, 2, 5555, devices_per_process=4, style=style, base=base)
-        spec = detect_cluster(env)
+        spec = _detect(env)
         assert (spec.source, spec.process_id, spec.num_processes) == (source, 1, 2), style
         assert spec.coordinator_address.endswith(":5555")
         assert env["JAX_NUM_CPU_DEVICES"] == "4" and env["PATH"] == "/bin"
