@@ -1,0 +1,95 @@
+"""Shared by every bench script, on both sides (stdlib only: the torch venv imports it too).
+
+The model configs, the FLOP formula, timers that also report CPU utilisation, and the
+one-JSON-line output of a measurement process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+# The ~60M Llama of issue 11 (and shared/notes/jax-cpu-perf.md "SMALL"): 58.07M params.
+LLAMA: dict[str, Any] = dict(
+    vocab=32000, dim=512, layers=8, heads=8, kv_heads=8, ffn=1376, seq=256, batch=4,
+    rope_theta=10000.0, norm_eps=1e-5,
+)
+# Mixtral-style: the same with every FFN an 8-expert top-2 mixture (dropless).
+MIXTRAL: dict[str, Any] = dict(LLAMA, experts=8, top_k=2, rope_theta=1e6)
+MODELS = {"llama": LLAMA, "mixtral": MIXTRAL}
+
+
+def model_cfg(name: str, **overrides: Any) -> dict[str, Any]:
+    cfg = dict(MODELS[name])
+    cfg.update({k: v for k, v in overrides.items() if v is not None})
+    return cfg
+
+
+def matmul_params_per_token(c: dict[str, Any]) -> float:
+    """Parameters each token multiplies (MoE: the top-k experts and the router)."""
+    d, f, layers = c["dim"], c["ffn"], c["layers"]
+    hd = d // c["heads"]
+    attn = d * hd * (2 * c["heads"] + 2 * c["kv_heads"])
+    if "experts" in c:
+        ffn = c["top_k"] * 3 * d * f + d * c["experts"]
+    else:
+        ffn = 3 * d * f
+    return layers * (attn + ffn) + d * c["vocab"]  # + lm_head
+
+
+def train_flops_per_token(c: dict[str, Any]) -> float:
+    """Model FLOPs of fwd + bwd per token: 6 * matmul params + 12 * layers * dim * seq
+    (attention scores and values, no causal halving; the PaLM / peer formula)."""
+    return 6.0 * matmul_params_per_token(c) + 12.0 * c["layers"] * c["dim"] * c["seq"]
+
+
+def emit(**fields: Any) -> None:
+    """The measurement's result: one JSON line on stdout (the driver reads the last one)."""
+    fields.setdefault("pid", os.getpid())
+    fields.setdefault("max_rss_mb", round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1))
+    print("BENCH_RESULT " + json.dumps(fields, sort_keys=True), flush=True)
+
+
+def log(*a: Any) -> None:
+    print(*a, file=sys.stderr, flush=True)
+
+
+class Timer:
+    """Wall and process-CPU time of a block; `cpu_util` = CPU s / (wall s * cores)."""
+
+    def __enter__(self) -> "Timer":
+        self.t0, self.c0 = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.wall = time.perf_counter() - self.t0
+        self.cpu = time.process_time() - self.c0
+
+    def util(self) -> float:
+        return self.cpu / max(self.wall * (os.cpu_count() or 1), 1e-9)
+
+
+def time_calls(fn: Callable[[], Any], repeats: int) -> tuple[list[float], float]:
+    """`repeats` wall times of fn() (which must block until its result is ready) and the
+    CPU utilisation over all of them."""
+    times = []
+    c0, w0 = time.process_time(), time.perf_counter()
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    util = (time.process_time() - c0) / max((time.perf_counter() - w0) * (os.cpu_count() or 1), 1e-9)
+    return times, util
+
+
+def med(xs: list[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def rnd(x: float, n: int = 4) -> float:
+    return float(f"{x:.{n}g}")

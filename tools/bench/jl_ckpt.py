@@ -1,0 +1,136 @@
+"""Checkpoint costs on the real 60M Llama training state (params + AdamW state, f32).
+
+1. In a training loop through the real Trainer step: the time `Checkpointer.save` blocks
+   the loop (device->host copies; the write and commit run in a background thread), the
+   slowdown of the steps that overlap the background write, and the time to commit.
+2. Restore time of that state (verification on).
+3. The raw disk write bandwidth (numpy + fsync) in the same process, and the reused
+   packages/checkpoint/bench/bench_checkpoint.py on a state of the same size.
+
+    python jl_ckpt.py [--dir /tmp/x] [--steps 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import emit, log, med, model_cfg, rnd
+
+ROOT = Path(__file__).resolve().parents[2]
+CKPT_BENCH = ROOT / "packages" / "checkpoint" / "bench" / "bench_checkpoint.py"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--dir", default=None)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--dtype", default="f32", choices=["f32", "bf16"])
+    p.add_argument("--skip-reuse", action="store_true")
+    args = p.parse_args()
+    import jax
+
+    from jaxlearn.checkpoint import Checkpointer
+    from jl_train import build_trainer, random_batch
+
+    root = Path(args.dir or tempfile.mkdtemp(prefix="bench_ckpt60m_"))
+    c = model_cfg("llama")
+    trainer = build_trainer(c, dtype=args.dtype, stack="loop", remat=None, nonfinite="skip",
+                            moe_method="ragged_dot")
+    batch = trainer.global_batch(random_batch(c))
+    abstract_batch = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), batch)
+    step_fn = trainer.compile_train_step(abstract_batch)
+    state = trainer.init_state()
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
+
+    def run_steps(n: int) -> list[float]:
+        nonlocal state
+        out = []
+        with jax.set_mesh(trainer.mesh):
+            for _ in range(n):
+                t0 = time.perf_counter()
+                state, summ = step_fn(state, batch)
+                float(summ["loss"])
+                out.append(time.perf_counter() - t0)
+        return out
+
+    run_steps(2)
+    ckpt = Checkpointer.default_config().set(directory=str(root / "ckpt"),
+                                             keep_last_n=1).instantiate()
+    base, blocking, overlapped, commit = [], [], [], []
+    for r in range(args.repeats):
+        base += run_steps(args.steps)
+        t0 = time.perf_counter()
+        ckpt.save(r + 1, state, metrics={"loss": 0.0})
+        t1 = time.perf_counter()
+        overlapped += run_steps(args.steps)  # The write runs in the background meanwhile.
+        ckpt.wait_until_finished()
+        t2 = time.perf_counter()
+        blocking.append(t1 - t0)
+        commit.append(t2 - t0)
+        log(f"save {r}: blocking {t1 - t0:.3f}s, committed after {t2 - t0:.2f}s")
+    step_s = med(base)
+    on_disk = sum(f.stat().st_size for f in (root / "ckpt").rglob("*") if f.is_file())
+
+    restores = []
+    target = trainer.abstract_state()
+    for _ in range(2):
+        reader = Checkpointer.default_config().set(directory=str(root / "ckpt")).instantiate()
+        t0 = time.perf_counter()
+        out = reader.restore(args.repeats, target)
+        jax.block_until_ready(out)
+        restores.append(time.perf_counter() - t0)
+        del out
+        reader.close()
+    ckpt.close()
+
+    spec = importlib.util.spec_from_file_location("bench_checkpoint", CKPT_BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(mod)
+    raw = [mod.raw_write_bandwidth(root, nbytes) for _ in range(2)]
+    raw_gbs = max(raw)
+    shutil.rmtree(root / "ckpt", ignore_errors=True)
+
+    reuse = None
+    if not args.skip_reuse:
+        env = dict(os.environ)
+        cmd = [sys.executable, str(CKPT_BENCH), "--size-gb", f"{nbytes / 2**30:.3f}",
+               "--repeats", "2", "--dir", str(root / "reuse")]
+        res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1500)
+        for line in res.stdout.splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if rec.get("event") == "summary":
+                reuse = rec
+        if reuse is None:
+            log(res.stderr[-2000:])
+    if args.dir is None:
+        shutil.rmtree(root, ignore_errors=True)
+
+    write_gbs = nbytes / med(commit) / 1e9
+    emit(bench="ckpt", framework="jaxlearn", version=jax.__version__, dtype=args.dtype,
+         state_bytes=nbytes, on_disk_bytes=on_disk, step_s=rnd(step_s),
+         step_s_during_write=rnd(med(overlapped)), save_blocking_s=rnd(med(blocking)),
+         save_blocking_all=[rnd(x) for x in blocking],
+         blocking_frac_of_step=rnd(med(blocking) / step_s, 3),
+         overlap_slowdown_s=rnd(sum(overlapped) / args.repeats - sum(base) / args.repeats),
+         commit_s=rnd(med(commit)), write_gbs=rnd(write_gbs), raw_disk_gbs=rnd(raw_gbs),
+         write_vs_raw=rnd(write_gbs / raw_gbs, 3), restore_s=rnd(med(restores)),
+         restore_gbs=rnd(nbytes / med(restores) / 1e9), reuse_bench=reuse)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""jaxlearn decode through the inference `Engine` (continuous-batching scheduler, slot KV
+cache, fused decode bursts) on the ~60M Llama, greedy.
+
+    python jl_decode.py --case latency --dtype f32      # prefill, per-token at B 1/4/16
+    python jl_decode.py --case continuous --dtype bf16  # mixed prompt/output lengths
+
+Per-token latency is differential, like the peer's: (time to generate 1 + N tokens - time
+to generate 1 token) / N, with B identical-length prompts submitted together. bf16 means
+bf16 weights and compute (the peer: `model.to(torch.bfloat16)`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any, Sequence
+
+from common import emit, log, med, model_cfg, rnd
+from decode_common import continuous_workload
+
+
+class IdTokenizer:
+    """Token ids in, token ids out: the model's whole vocabulary, no BOS/EOS."""
+
+    def __init__(self, vocab: int):
+        self._vocab = vocab
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab
+
+    @property
+    def bos_id(self) -> None:
+        return None
+
+    @property
+    def eos_id(self) -> None:
+        return None
+
+    def encode(self, text: str) -> list[int]:
+        return [int(t) for t in text.split()]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return ""
+
+
+def build_engine(c: dict[str, Any], dtype: str, *, max_batch: int, max_seq_len: int,
+                 decode_burst: int) -> Any:
+    import jax
+    import jax.numpy as jnp
+
+    from jaxlearn.inference import Engine
+    from jaxlearn.layers import llama_config
+
+    cfg = llama_config(c["vocab"], c["dim"], c["layers"], c["heads"], c["kv_heads"], c["ffn"],
+                       rope_theta=c["rope_theta"], norm_eps=c["norm_eps"], stack="loop",
+                       dtype="bfloat16" if dtype == "bf16" else None)
+    params = cfg.clone(name="model").instantiate().initialize_parameters_recursively(
+        jax.random.PRNGKey(0))
+    if dtype == "bf16":
+        params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    return Engine(cfg, params, IdTokenizer(c["vocab"]), max_seq_len=max_seq_len,
+                  max_batch=max_batch, prefill_chunk=256, decode_burst=decode_burst,
+                  max_queue=4096)
+
+
+def generate(engine: Any, prompts: list[list[int]], new_tokens: Sequence[int]) -> float:
+    """Wall seconds to finish all prompts (submitted together) with these output lengths."""
+    from jaxlearn.inference import SamplingParams
+
+    sched = engine.scheduler
+    reqs = [sched.make_request(p, SamplingParams(max_new_tokens=int(n), ignore_eos=True))
+            for p, n in zip(prompts, new_tokens)]
+    t0 = time.perf_counter()
+    for r in reqs:
+        sched.submit(r)
+    while not all(r.done for r in reqs):
+        sched.step()
+    dt = time.perf_counter() - t0
+    got = [r.num_generated for r in reqs]
+    assert got == [int(n) for n in new_tokens], (got, new_tokens)
+    return dt
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--case", default="latency", choices=["latency", "continuous"])
+    p.add_argument("--dtype", default="f32", choices=["f32", "bf16"])
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--new", type=int, default=64)
+    p.add_argument("--batches", default="1,4,16")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--decode-burst", type=int, default=8)
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args()
+    import jax
+    import numpy as np
+
+    c = model_cfg("llama")
+    rng = np.random.default_rng(0)
+    base = dict(bench="decode", framework="jaxlearn", version=jax.__version__, case=args.case,
+                dtype=args.dtype, decode_burst=args.decode_burst)
+    if args.quick:
+        args.repeats, args.new = 2, 32
+    if args.case == "latency":
+        batches = [int(b) for b in args.batches.split(",")]
+        eng = build_engine(c, args.dtype, max_batch=max(batches),
+                           max_seq_len=args.prompt + args.new + 1,
+                           decode_burst=args.decode_burst)
+        rows = []
+        for b in batches:
+            prompts = [rng.integers(0, c["vocab"], args.prompt).tolist() for _ in range(b)]
+            t0 = time.perf_counter()
+            generate(eng, prompts, [1] * b)  # Compiles prefill (and a decode program).
+            generate(eng, prompts, [1 + args.new] * b)
+            first = time.perf_counter() - t0
+            t1 = [generate(eng, prompts, [1] * b) for _ in range(args.repeats)]
+            tn = [generate(eng, prompts, [1 + args.new] * b) for _ in range(args.repeats)]
+            per_tok = (med(tn) - med(t1)) / args.new
+            row = dict(batch=b, prompt=args.prompt, new_tokens=args.new,
+                       prefill_ms=rnd(1e3 * med(t1)), ms_per_token=rnd(1e3 * per_tok),
+                       tokens_per_s=rnd(b / per_tok), e2e_s=rnd(med(tn)),
+                       e2e_new_tokens_per_s=rnd(b * (1 + args.new) / med(tn)),
+                       first_call_s=rnd(first))
+            log(f"jaxlearn decode {args.dtype} B{b}: {row}")
+            rows.append(row)
+        cache_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize
+                          for x in jax.tree.leaves(eng.runner.cache))
+        emit(**base, rows=rows, cache_bytes=cache_bytes, cache_len=eng.runner.cache_len,
+             min_window=getattr(eng.runner, "min_window", None))
+    else:
+        prompts, outs, slots = continuous_workload(c["vocab"], quick=args.quick)
+        eng = build_engine(c, args.dtype, max_batch=slots,
+                           max_seq_len=max(map(len, prompts)) + max(outs) + 1,
+                           decode_burst=args.decode_burst)
+        t0 = time.perf_counter()
+        generate(eng, prompts, outs)  # Warm-up: compiles every program the workload needs.
+        warm = time.perf_counter() - t0
+        times = [generate(eng, prompts, outs) for _ in range(max(1, args.repeats - 1))]
+        dt = med(times)
+        emit(**base, requests=len(prompts), slots=slots, prompt_tokens=sum(map(len, prompts)),
+             generated_tokens=int(sum(outs)), wall_s=rnd(dt),
+             generated_tokens_per_s=rnd(sum(outs) / dt), first_pass_s=rnd(warm),
+             times=[rnd(t) for t in times])
+
+
+if __name__ == "__main__":
+    main()
