@@ -90,6 +90,27 @@ def test_pipeline_equals_scan(kind, schedule, stages, micro, policy):
                  grads, ref_grads)
 
 
+def test_packed_sequences_and_stack_outputs():
+    """positions / segment_ids follow each microbatch through the stages (stack level)."""
+    layer = tiny().decoder.transformer.layer
+    scan_cfg = ScanStack.default_config().set(name="stack", input_dim=DIM, num_layers=LAYERS,
+                                              layer=layer)
+    scan = scan_cfg.instantiate()
+    pipe = use_pipeline(tiny(), 2, 4, schedule="circular").decoder.transformer.set(
+        name="stack", input_dim=DIM).instantiate()
+    params = scan.initialize_parameters_recursively(jax.random.key(0))
+    pparams = pipe.initialize_parameters_recursively(jax.random.key(0))
+    x = jax.random.normal(jax.random.key(2), (8, SEQ, DIM))
+    seg = jnp.repeat(jnp.array([[1] * 5 + [2] * 3]), 8, axis=0).at[::3].set(1)
+    pos = jnp.where(seg == 1, jnp.arange(SEQ), jnp.arange(SEQ) - 5)
+
+    def run(model, p):
+        return functional(model, None, p, (x, pos, seg), is_training=False)[0]
+
+    np.testing.assert_allclose(jax.jit(run, static_argnums=0)(pipe, pparams),
+                               jax.jit(run, static_argnums=0)(scan, params), rtol=1e-5, atol=1e-6)
+
+
 def test_layout_specs_and_init():
     lo = StageLayout(num_stages=2, num_repeats=2, layers_per_repeat=2)
     flat = jnp.arange(lo.num_layers * 3).reshape(lo.num_layers, 3)
@@ -135,7 +156,7 @@ def test_decode_delegates_to_a_scan_over_the_same_params():
 def test_module_outputs_are_means_over_microbatches():
     """The MoE load-balance loss is not a token mean: the pipeline reports the mean of the
     per-microbatch values (microbatch m = rows m, m + M, ...), like gradient accumulation."""
-    kw = dict(num_experts=4, rope_theta=100.0, load_balance_loss_weight=0.01)
+    kw: dict = dict(num_experts=4, rope_theta=100.0, load_balance_loss_weight=0.01)
     scan = mixtral_config(VOCAB, DIM, LAYERS, 4, 2, 24, **kw).instantiate()
     params = scan.initialize_parameters_recursively(jax.random.key(0))
     pipe = use_pipeline(mixtral_config(VOCAB, DIM, LAYERS, 4, 2, 24, **kw), 2, 2).instantiate()

@@ -13,6 +13,7 @@ from jaxlearn.layers.dense import DotGeneral, Linear, dense, einsum, matmul
 from jaxlearn.layers.embedding import Embedding
 from jaxlearn.layers.ffn import ACTIVATIONS, FeedForward, get_activation
 from jaxlearn.layers.norm import LayerNorm, RMSNorm
+from jaxlearn.layers.pipeline import PipelineStack, pipeline_config, use_pipeline
 from jaxlearn.layers.recipes import llama_config, mixtral_config
 from jaxlearn.layers.rope import (
     FrequencyScaling,
@@ -28,6 +29,9 @@ __all__ = [
     "use_dot",
     "use_gqa",
     "use_moe",
+    "use_pipeline",
+    "pipeline_config",
+    "PipelineStack",
     "ACTIVATIONS",
     "Attention",
     "BaseStack",
