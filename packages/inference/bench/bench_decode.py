@@ -7,8 +7,8 @@ Cases (a random Llama-style model; numbers are wall time on whatever this host i
 - prefill: latency of one prompt's prefill (+ first token) at several lengths;
 - decode: per-token latency and tokens/s with 1, 4, 16 concurrent greedy requests, with
   the fused decode loop (`decode_burst`) and with one step per call;
-- continuous: throughput of 48 requests with mixed prompt (8..384) and output (16..96)
-  lengths arriving over time, and their mean / p90 time to first token.
+- continuous: throughput of 32 requests with mixed prompt (8..max_seq_len - 64) and
+  output (8..64) lengths arriving over 100 steps, and their mean / p90 time to first token.
 Compilation happens in a warm-up pass and is reported separately.
 """
 
@@ -103,8 +103,8 @@ def bench_decode(args, rng):
 def bench_continuous(args, rng):
     eng = build(args, max_batch=args.cb_slots, decode_burst=args.decode_burst)
     n = args.cb_requests
-    lens = rng.integers(8, 385, size=n)
-    outs = rng.integers(16, 97, size=n)
+    lens = rng.integers(8, args.max_seq_len - 64, size=n)
+    outs = rng.integers(8, 65, size=n)
     arrivals = np.sort(rng.integers(0, args.cb_arrival_steps, size=n))
 
     def once():
@@ -146,17 +146,17 @@ def main():
     p.add_argument("--ffn", type=int, default=704)
     p.add_argument("--stack", default="scan", choices=["scan", "loop"])
     p.add_argument("--dtype", default=None)
-    p.add_argument("--max_seq_len", type=int, default=512)
-    p.add_argument("--prefill_chunk", type=int, default=256)
+    p.add_argument("--max_seq_len", type=int, default=256)
+    p.add_argument("--prefill_chunk", type=int, default=128)
     p.add_argument("--decode_burst", type=int, default=8)
-    p.add_argument("--prefill_lengths", type=int, nargs="+", default=[32, 128, 384])
+    p.add_argument("--prefill_lengths", type=int, nargs="+", default=[32, 200])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--prompt_len", type=int, default=32)
-    p.add_argument("--new_tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--cb_requests", type=int, default=48)
+    p.add_argument("--new_tokens", type=int, default=48)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--cb_requests", type=int, default=32)
     p.add_argument("--cb_slots", type=int, default=8)
-    p.add_argument("--cb_arrival_steps", type=int, default=200)
+    p.add_argument("--cb_arrival_steps", type=int, default=100)
     p.add_argument("--cases", nargs="+", default=["prefill", "decode", "continuous"])
     args = p.parse_args()
     emit(case="setup", backend=jax.default_backend(), devices=jax.device_count(),

@@ -168,3 +168,15 @@ def test_from_checkpoint_restores_params_also_onto_a_mesh(tmp_path, cfg, params,
     np.testing.assert_allclose(sharded.logits(ids), want, atol=1e-5)
     res = sharded.generate(POOL[0][:16], max_new_tokens=6, ignore_eos=True)
     assert res.tokens == reference_greedy(engine, POOL[0][:16], 6)
+
+
+def test_bf16_engine(tok):
+    from conftest import tiny_config, tiny_params
+
+    cfg16 = tiny_config(dtype="bfloat16")
+    eng = Engine(cfg16, tiny_params(cfg16), tok, max_seq_len=64, max_batch=1,
+                 prefill_chunk=16, decode_burst=1)
+    assert str(eng.runner.compute_dtype) == "bfloat16"
+    a = eng.generate(POOL[0][:9], max_new_tokens=6, ignore_eos=True)
+    b = eng.generate(POOL[0][:9], max_new_tokens=6, ignore_eos=True)
+    assert a.tokens == b.tokens and len(a.tokens) == 6

@@ -153,14 +153,11 @@ class Engine:
         )
         self.vocab_size = vocab
         tok_vocab = int(getattr(self.tokenizer, "vocab_size", vocab) or vocab)
-        dtype = jax.eval_shape(
-            lambda p: _init_states(self.model, p, 1, 1), params
-        )
-        low = any(np.dtype(x.dtype).itemsize < 4 for x in jax.tree.leaves(dtype))
+        # (A one-row bf16 decode needs no padding here: `layers.dense` pads m=1 GEMVs.)
         self.runner = ModelRunner(
             self.model,
             params,
-            cache_batch=max(max_batch, 2) if low else max_batch,
+            cache_batch=max_batch,
             cache_len=cache_len,
             vocab_size=vocab,
             vocab_limit=min(tok_vocab, vocab),
@@ -450,12 +447,3 @@ class _SpecFn:
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _SpecFn) and (other.rules, other.mesh) == (self.rules, self.mesh)
-
-
-def _init_states(model: Module, params: Any, batch: int, max_len: int) -> Any:
-    from jaxlearn.module import functional
-
-    out, _ = functional(
-        model, None, params, (batch, max_len), method="init_states", is_training=False
-    )
-    return out

@@ -123,9 +123,6 @@ class Scheduler:
         self.decode_burst = max(1, decode_burst)
         self.max_queue = max_queue
         self.min_prefill_bucket = min(min_prefill_bucket, prefill_chunk)
-        low_precision = np.dtype(runner.compute_dtype).itemsize < 4
-        # bf16 m=1 GEMVs are upcast by XLA:CPU; decode at least 2 rows (jax-cpu-perf §5.4).
-        self.min_rows = min(2, runner.cache_batch) if low_precision else 1
         self.metrics = metrics or Metrics()
         self.slots: list[Optional[Request]] = [None] * max_batch
         self.waiting: collections.deque[Request] = collections.deque()
@@ -319,7 +316,7 @@ class Scheduler:
         if not running:
             return False
         top = max(r.slot for r in running if r.slot is not None) + 1
-        rows = min(self.runner.cache_batch, max(self.min_rows, next_pow2(top)))
+        rows = min(self.runner.cache_batch, next_pow2(top))
         steps = 1
         busy = bool(self.waiting) or any(
             r is not None and r.state == "prefill" for r in self.slots
