@@ -180,3 +180,25 @@ def test_bf16_engine(tok):
     a = eng.generate(POOL[0][:9], max_new_tokens=6, ignore_eos=True)
     b = eng.generate(POOL[0][:9], max_new_tokens=6, ignore_eos=True)
     assert a.tokens == b.tokens and len(a.tokens) == 6
+
+
+def test_hf_tokenizers_object_and_loaded_bundle(cfg, params, engine):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from jaxlearn.inference import HFTokenizer, as_tokenizer
+
+    vocab = {"[UNK]": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 64)}}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    assert isinstance(as_tokenizer(raw), HFTokenizer)
+    bundle = type("Loaded", (), {"tokenizer": raw, "eos_token_ids": (2,), "bos_token_id": 1,
+                                 "chat_template": None, "encode_chat": None})()
+    eng = Engine(cfg, params, bundle, max_seq_len=64, max_batch=1, prefill_chunk=16,
+                 decode_burst=4)
+    tok = eng.tokenizer
+    assert tok.encode("w5 w6 w7") == [5, 6, 7] and tok.eos_token_ids == (2,) and not eng.add_bos
+    res = eng.generate("w5 w6 w7", max_new_tokens=6, ignore_eos=True)
+    assert res.prompt_ids == [5, 6, 7]
+    assert res.tokens == engine.generate([5, 6, 7], max_new_tokens=6, ignore_eos=True).tokens
+    # Decoded in context: the separator after the prompt belongs to the continuation.
+    assert res.text == " " + raw.decode(res.tokens, skip_special_tokens=True)

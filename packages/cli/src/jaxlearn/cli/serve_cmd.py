@@ -58,39 +58,6 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
-class InteropTokenizer:
-    """The engine's tokenizer protocol over a `jaxlearn.interop.LoadedModel`."""
-
-    add_bos = False  # The tokenizer's post-processor adds BOS where the model wants it.
-
-    def __init__(self, loaded: Any):
-        self.loaded = loaded
-        self.eos_token_ids = tuple(int(t) for t in loaded.eos_token_ids)
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.loaded.tokenizer.get_vocab_size())
-
-    @property
-    def bos_id(self) -> Optional[int]:
-        return self.loaded.bos_token_id
-
-    @property
-    def eos_id(self) -> Optional[int]:
-        return self.eos_token_ids[0] if self.eos_token_ids else None
-
-    def encode(self, text: str) -> list[int]:
-        return [int(t) for t in self.loaded.encode(text)]
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return str(self.loaded.decode(list(ids)))
-
-    def apply_chat_template(self, messages: Sequence[dict]) -> Optional[list[int]]:
-        if self.loaded.chat_template is None:
-            return None
-        return [int(t) for t in self.loaded.encode_chat(messages)]
-
-
 def _checkpoint_root(path: Path) -> Optional[Path]:
     for root in (path, path / "checkpoints"):
         if root.is_dir() and any(p.is_dir() for p in root.glob("step_*")):
@@ -156,7 +123,8 @@ def load_model(path: str, *, experiment: Optional[str] = None, overrides: Sequen
     if loaded.tokenizer is None:
         raise UsageError(f"--model {path}: the checkpoint has no tokenizer")
     engine_kwargs.setdefault("model_name", p.stem if p.is_file() else p.name)
-    return Engine(loaded.config, loaded.params, InteropTokenizer(loaded), **engine_kwargs)
+    # The LoadedModel is its own tokenizer bundle (tokenizer, EOS ids, chat template).
+    return Engine(loaded.config, loaded.params, loaded, **engine_kwargs)
 
 
 def _engine(args: argparse.Namespace, **extra: Any) -> Any:

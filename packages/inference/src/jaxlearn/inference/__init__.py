@@ -16,7 +16,13 @@ from jaxlearn.inference.metrics import Metrics
 from jaxlearn.inference.runner import ModelRunner
 from jaxlearn.inference.sampling import SamplingParams, sample_tokens
 from jaxlearn.inference.scheduler import Request, Scheduler
-from jaxlearn.inference.tokenizer import ByteTokenizer, Tokenizer, chat_prompt
+from jaxlearn.inference.tokenizer import (
+    ByteTokenizer,
+    HFTokenizer,
+    Tokenizer,
+    as_tokenizer,
+    chat_prompt,
+)
 
 __all__ = [
     "INFERENCE_AXIS_RULES",
@@ -24,6 +30,7 @@ __all__ = [
     "Delta",
     "Engine",
     "GenerationResult",
+    "HFTokenizer",
     "InferenceError",
     "Metrics",
     "MissingDependencyError",
@@ -35,6 +42,7 @@ __all__ = [
     "SamplingParams",
     "Scheduler",
     "Tokenizer",
+    "as_tokenizer",
     "chat_prompt",
     "sample_tokens",
 ]

@@ -9,7 +9,9 @@
 
 `model_cfg` is a `CausalLM` config (e.g. `jaxlearn.layers.llama_config(...)`), `params`
 its parameter tree (as `initialize_parameters_recursively` returns it, or restored by
-`Engine.from_checkpoint`, or converted by `jaxlearn.interop`). Everything runs through the
+`Engine.from_checkpoint`, or converted by `jaxlearn.interop`); `tokenizer` any object of
+the `Tokenizer` protocol, a `tokenizers.Tokenizer`, or interop's `LoadedModel` itself
+(see `as_tokenizer`). Everything runs through the
 continuous-batching `Scheduler`; `generate` with a list of prompts batches them.
 
 While `start()`ed (the server does this), one background thread steps the scheduler and
@@ -37,7 +39,7 @@ from jaxlearn.inference.metrics import Metrics
 from jaxlearn.inference.runner import ModelRunner, next_pow2
 from jaxlearn.inference.sampling import SamplingParams
 from jaxlearn.inference.scheduler import Request, Scheduler
-from jaxlearn.inference.tokenizer import ByteTokenizer
+from jaxlearn.inference.tokenizer import ByteTokenizer, as_tokenizer
 from jaxlearn.mesh import DEFAULT_AXIS_RULES, logical_to_partition_spec, merge_axis_rules
 from jaxlearn.module import Module, is_spec
 
@@ -132,7 +134,7 @@ class Engine:
             model_cfg = model_cfg.clone(name="model")
         self.model_cfg = model_cfg
         self.model: Module = model_cfg.instantiate()
-        self.tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
+        self.tokenizer = as_tokenizer(tokenizer) if tokenizer is not None else ByteTokenizer()
         self.model_name = model_name
         self.max_seq_len = max_seq_len
         self.max_batch = max_batch

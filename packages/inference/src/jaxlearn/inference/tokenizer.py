@@ -6,7 +6,7 @@ built by `jaxlearn.interop`, ...): the engine never imports `jaxlearn.runtime`.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
 
 @runtime_checkable
@@ -64,6 +64,69 @@ class ByteTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         data = bytes(int(i) - self.OFFSET for i in ids if self.OFFSET <= int(i) < self.vocab_size)
         return data.decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """The engine's protocol over a HuggingFace `tokenizers.Tokenizer` (anything with
+    `encode(text).ids`, `decode(ids, skip_special_tokens=...)`, `get_vocab_size()`).
+
+    Its post-processor adds BOS where the model wants it, so `add_bos` is False.
+    chat_template: optional `messages -> text or ids` (e.g. interop's `encode_chat`).
+    """
+
+    add_bos = False
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        bos_id: Optional[int] = None,
+        eos_token_ids: Sequence[int] = (),
+        chat_template: Optional[Callable[[Sequence[Mapping[str, str]]], Any]] = None,
+    ):
+        self.tokenizer = tokenizer
+        self._bos = bos_id
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        self._chat = chat_template
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.tokenizer.get_vocab_size())
+
+    @property
+    def bos_id(self) -> Optional[int]:
+        return self._bos
+
+    @property
+    def eos_id(self) -> Optional[int]:
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    def encode(self, text: str) -> list[int]:
+        return [int(t) for t in self.tokenizer.encode(text).ids]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True))
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> Any:
+        return None if self._chat is None else self._chat(list(messages))
+
+
+def as_tokenizer(obj: Any) -> Any:
+    """`obj` as an engine tokenizer: protocol objects as they are; a `tokenizers.Tokenizer`
+    or a loaded checkpoint bundle (attributes `tokenizer`, `eos_token_ids`,
+    `bos_token_id`, optional `chat_template` + `encode_chat`, as `jaxlearn.interop`'s
+    `LoadedModel`) wrapped in `HFTokenizer`."""
+    if isinstance(obj, Tokenizer) and not hasattr(obj, "get_vocab_size"):
+        return obj
+    if hasattr(obj, "eos_token_ids") and hasattr(obj, "tokenizer"):
+        chat = obj.encode_chat if getattr(obj, "chat_template", None) is not None else None
+        return HFTokenizer(obj.tokenizer, bos_id=getattr(obj, "bos_token_id", None),
+                           eos_token_ids=obj.eos_token_ids, chat_template=chat)
+    if hasattr(obj, "get_vocab_size"):
+        return HFTokenizer(obj)
+    raise TypeError(
+        f"{type(obj).__name__} is not a tokenizer: need encode/decode/vocab_size/bos_id/eos_id"
+    )
 
 
 def chat_prompt(tokenizer: Any, messages: Sequence[Mapping[str, str]]) -> str | list[int]:
