@@ -87,7 +87,10 @@ def _experiment_config(root: Path, experiment: Optional[str], overrides: Sequenc
                          f"--experiment NAME")
     want = _model_lines(saved)
     for name in sorted(EXPERIMENTS):
-        cfg = final_config(name, None, overrides)
+        try:
+            cfg = final_config(name, None, overrides)
+        except UsageError:  # E.g. an override that only some experiments have.
+            continue
         if _model_lines(to_flat_text(cfg)) == want:
             return cfg
     raise UsageError(f"--model {root}: no experiment has the checkpoint's model config; pass "
