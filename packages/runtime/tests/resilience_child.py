@@ -68,6 +68,7 @@ def main(argv: Sequence[str]) -> int:
     from jaxlearn.checkpoint import CheckpointStructureError
     from jaxlearn.runtime.elastic import adapt_to_devices
     from jaxlearn.runtime.failures import EXIT_USAGE, ResilienceError
+    from jaxlearn.runtime.resilience import CheckpointSaveFailed
 
     cfg = child_config(args.output_dir, args.overrides)
     decision = adapt_to_devices(cfg) if args.elastic else None
@@ -85,6 +86,9 @@ def main(argv: Sequence[str]) -> int:
     except CheckpointStructureError as e:
         print(f"child: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except CheckpointSaveFailed as e:
+        print(f"child: error: {e}", file=sys.stderr)
+        return 1
     state = trainer.final_state
     np.savez(os.path.join(args.output_dir, "final_params.npz"),
              **flat_params({"params": state["params"], "opt_state": state["opt_state"]}))

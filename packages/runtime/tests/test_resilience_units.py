@@ -209,7 +209,7 @@ def test_flip_bit_rejects_bad_targets():
         sdc.flip_bit(a, 0, flat_index=10_000)
 
 
-# ---- health -----------------------------------------------------------------------------------------
+# ---- health ---------------------------------------------------------------------------------
 
 
 def test_health_checks_pass_and_name_failures(tmp_path, monkeypatch):
@@ -234,7 +234,7 @@ def test_health_checks_pass_and_name_failures(tmp_path, monkeypatch):
         check.instantiate().check_devices(jax.devices())
 
 
-# ---- elastic, faults, goodput -----------------------------------------------------------------------
+# ---- elastic, faults, goodput ---------------------------------------------------------------
 
 
 def test_fit_microbatches():
@@ -260,6 +260,10 @@ def test_fault_spec_parsing(tmp_path):
         once.before_step(2, {})
     again = faults.FaultPlan(faults.parse("crash@2"), str(tmp_path))
     assert again.before_step(2, {"x": 1}) == {"x": 1}  # Fired once per output dir.
+    for _ in range(2):  # A bad batch is bad on every replay of its step.
+        plan = faults.FaultPlan(faults.parse("nan@2"), str(tmp_path))
+        batch = plan.before_step(2, {"target_weights": np.ones((2, 3), np.float32)})
+        assert np.isnan(batch["target_weights"][0, 0]) and batch["target_weights"][0, 1] == 1
 
 
 def test_goodput_summary_combines_attempts_and_supervisor(tmp_path, monkeypatch):

@@ -2,9 +2,10 @@
 
     JAXLEARN_FAULTS="kill@7:save+30,hang@5,nan@3,flip@6:2,sdcstep@4:1"
 
-Each comma-separated fault fires at most once per output directory (a marker file under
-`<output_dir>/faults_fired/` is written, durably, just before it fires), so a run
-restarted by a supervisor does not hit the same fault again:
+Transient faults (all but nan/inf) fire at most once per output directory (a marker file
+under `<output_dir>/faults_fired/` is written, durably, just before one fires), so a run
+restarted by a supervisor does not hit the same fault again. A bad batch (nan/inf) is bad
+each time its step runs, as real bad data would be on a replay:
 
     kill@N:PHASE[+MS]  SIGKILL this process MS milliseconds (default 0) after entering
                        PHASE of step N: `step` (the step is dispatched, computing), `save`
@@ -17,20 +18,24 @@ restarted by a supervisor does not hit the same fault again:
                        first parameter) in the shard on device DEV (an SDC on one replica)
     sdcstep@N:DEV      in the recompute SDC check of step N, flip a bit of the first
                        result on device DEV (a device that computes wrongly)
+    enospc@N           the checkpoint save of step N finds the disk full (its durable
+                       writes raise OSError(ENOSPC))
 
 Unset, the plan is empty and every hook is a dictionary lookup. Not for production use.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import logging
 import os
 import re
 import signal
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 
@@ -39,8 +44,9 @@ log = logging.getLogger("jaxlearn.faults")
 ENV = "JAXLEARN_FAULTS"
 _SPEC = re.compile(r"^(?P<kind>[a-z]+)@(?P<step>\d+)(?::(?P<arg>[^+:]+))?(?::(?P<path>[^+]+))?"
                    r"(?:\+(?P<ms>\d+(?:\.\d*)?))?$")
-KINDS = {"kill", "hang", "crash", "nan", "inf", "flip", "sdcstep"}
+KINDS = {"kill", "hang", "crash", "nan", "inf", "flip", "sdcstep", "enospc"}
 PHASES = {"step", "save", "eval"}
+PERSISTENT = {"nan", "inf"}  # Bad data: bad again when the step is replayed.
 
 
 class FaultSpecError(ValueError):
@@ -99,6 +105,11 @@ class FaultPlan:
     def _take(self, kind: str, step: int, arg: Optional[str] = None) -> Optional[Fault]:
         for f in self.faults:
             if f.kind == kind and f.step == step and (arg is None or f.arg == arg):
+                if f.kind in PERSISTENT:
+                    log.warning("fault injection: %s (fires on every run of step %d)",
+                                f.token, step)
+                    self.fired.append(f.token)
+                    return f
                 if self._dir is not None and os.path.exists(os.path.join(self._dir, f.marker_name)):
                     continue
                 self._mark(f)
@@ -163,13 +174,35 @@ class FaultPlan:
         fault = self._take("flip", step)
         if fault is None:
             return state
-        from jaxlearn.runtime.sdc import flip_bit_in_tree
         from jaxlearn.runtime.nonfinite import leaf_paths
+        from jaxlearn.runtime.sdc import flip_bit_in_tree
 
         path = fault.path or "params/" + leaf_paths(state["params"])[0]
         log.warning("fault injection: flipping a bit of %s on device %s after step %d",
                     path, fault.arg, step)
         return flip_bit_in_tree(state, path, int(fault.arg or 0), bit=_HIGH_BIT)
+
+    @contextlib.contextmanager
+    def disk_full(self, step: int) -> Iterator[None]:
+        """Inside: durable checkpoint writes fail with ENOSPC (for an `enospc@step`)."""
+        if not self.faults or self._take("enospc", step) is None:
+            yield
+            return
+        from jaxlearn.checkpoint import layout
+
+        real = layout.write_durable
+        name = layout.step_name(step)  # Only this step's files: earlier commits finish.
+
+        def full(path: Any, data: bytes) -> None:
+            if name not in str(path):
+                return real(path, data)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+        layout.write_durable = full
+        try:
+            yield
+        finally:
+            layout.write_durable = real
 
     def corrupt_recompute(self, step: int) -> Optional[Any]:
         """A function corrupting the first result of step `step`'s recompute check."""
@@ -178,8 +211,8 @@ class FaultPlan:
         fault = self._take("sdcstep", step)
         if fault is None:
             return None
-        from jaxlearn.runtime.sdc import flip_bit_in_tree
         from jaxlearn.runtime.nonfinite import leaf_paths
+        from jaxlearn.runtime.sdc import flip_bit_in_tree
 
         device = int(fault.arg or 0)
 

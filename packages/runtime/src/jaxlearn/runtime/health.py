@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
 import logging
 import os
 import shutil
 import threading
 import time
-from typing import Any, Callable, Optional, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 import jax
 import numpy as np
@@ -132,7 +133,8 @@ class HealthCheck(Configurable):
         shards = _with_timeout(lambda: probe_devices(local), self.config.device_timeout_s,
                                f"starting a computation on {len(local)} device(s)")
         for shard in shards:
-            value = _with_timeout(lambda s=shard: fetch_shard(s), self.config.device_timeout_s,
+            value = _with_timeout(functools.partial(fetch_shard, shard),
+                                  self.config.device_timeout_s,
                                   f"device {shard.device} (a tiny computation)")
             if not np.array_equal(value, _PROBE_ANSWER):
                 raise HealthCheckError(f"health check: device {shard.device} computed "
@@ -181,4 +183,5 @@ class HealthCheck(Configurable):
         return free
 
 
-__all__ = ["HealthCheck", "HealthReport", "describe_free_space", "free_bytes", "fetch_shard", "probe_devices"]
+__all__ = ["HealthCheck", "HealthReport", "describe_free_space", "fetch_shard", "free_bytes",
+           "probe_devices"]

@@ -70,6 +70,7 @@ class Resilience(Configurable):
                                        flush_every_s=cfg.goodput_flush_every_s)
         self.faults = FaultPlan.from_env(output_dir)
         self._checked_at: Optional[int] = None
+        self._dropped: Optional[int] = None  # A step whose update SDC `skip` dropped.
         self._copy: Optional[Callable[[Any], Any]] = None
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -118,6 +119,8 @@ class Resilience(Configurable):
             with self.goodput.span("sdc"):
                 out = self.sdc.recompute(step_fn, self._copy_fn(), state, batch, step,
                                          corrupt=self.faults.corrupt_recompute(step))
+            if not self.sdc.reports[-1].ok and self.sdc.config.on_mismatch == "skip":
+                self._dropped = step
         else:
             out = step_fn(state, batch)
         self.faults.enter_phase("step", step)
@@ -126,7 +129,7 @@ class Resilience(Configurable):
     def after_step(self, step: int, state: Any, summaries: dict[str, Any]) -> tuple[Any, Any]:
         before = len(self.nonfinite.skipped_steps)
         summaries = self.nonfinite.observe(step, summaries)
-        self.goodput.step_done(step)
+        self.goodput.step_done(step, skipped=self._dropped == step)
         for s in self.nonfinite.skipped_steps[before:]:
             self.goodput.mark_skipped(s)
         state = self.faults.flip_after_step(step, state)
@@ -162,7 +165,8 @@ class Resilience(Configurable):
             self._checked_at = step
         with self.span("checkpoint", wait_for=state):
             try:
-                checkpointer.save(step, state, **kwargs)
+                with self.faults.disk_full(step):
+                    checkpointer.save(step, state, **kwargs)
             except Exception as e:
                 raise self._save_failure(checkpointer, step, e) from e
         self.faults.enter_phase("save", step)

@@ -87,6 +87,7 @@ class Supervisor:
         self.log_path = log_path
         self._sleep = sleep
         self.attempts: list[AttemptRecord] = []
+        self._prior: list[dict[str, Any]] = []  # Earlier supervisors' attempts on this dir.
         self._child: Optional[subprocess.Popen] = None
         self._stopping = False
 
@@ -108,30 +109,33 @@ class Supervisor:
             self._write_summary()
 
     def _run(self) -> int:
+        self._prior = self._load_prior()
+        first = len(self._prior)  # A relaunched supervisor continues the numbering.
         attempt = 0
         while True:
-            record = self._attempt(attempt)
+            record = self._attempt(first + attempt)
             self.attempts.append(record)
             self._write_records()
             if record.returncode == EXIT_OK:
-                log.info("supervisor: attempt %d finished the run (%d restart(s))", attempt,
-                         attempt)
+                log.info("supervisor: attempt %d finished the run (%d restart(s))",
+                         record.attempt, attempt)
                 return EXIT_OK
             if self._stopping:
                 log.warning("supervisor: stopped by a signal; not restarting")
                 return record.returncode
             if record.returncode in NOT_RETRYABLE:
-                log.error("supervisor: attempt %d: %s; not restarting", attempt, record.cause)
+                log.error("supervisor: attempt %d: %s; not restarting", record.attempt,
+                          record.cause)
                 return record.returncode
             if attempt >= self.max_restarts:
                 log.error("supervisor: attempt %d: %s; restart budget (%d) spent, giving up",
-                          attempt, record.cause, self.max_restarts)
+                          record.attempt, record.cause, self.max_restarts)
                 return record.returncode
             delay = min(self.backoff_s * self.backoff_factor ** attempt, self.max_backoff_s)
             record.backoff_s = delay
             self._write_records()
             log.warning("supervisor: attempt %d ended after %.1fs: %s; restart %d/%d in %.1fs "
-                        "from the newest good checkpoint", attempt,
+                        "from the newest good checkpoint", record.attempt,
                         record.end_time - record.spawn_time, record.cause, attempt + 1,
                         self.max_restarts, delay)
             self._sleep(delay)
@@ -185,11 +189,19 @@ class Supervisor:
         """No attempt got past argument checking: nothing to record."""
         return all(a.returncode in NOT_RETRYABLE for a in self.attempts)
 
+    def _load_prior(self) -> list[dict[str, Any]]:
+        path = os.path.join(self.output_dir, goodput_lib.SUPERVISOR_FILE)
+        try:
+            with open(path) as f:
+                return list(json.load(f).get("attempts", []))
+        except (OSError, ValueError):
+            return []
+
     def _write_records(self) -> None:
         if not os.path.isdir(self.output_dir) or self._nothing_ran():
             return
         data = {"max_restarts": self.max_restarts,
-                "attempts": [dataclasses.asdict(a) for a in self.attempts]}
+                "attempts": self._prior + [dataclasses.asdict(a) for a in self.attempts]}
         path = os.path.join(self.output_dir, goodput_lib.SUPERVISOR_FILE)
         tmp = path + ".tmp"
         with open(tmp, "w") as f:
