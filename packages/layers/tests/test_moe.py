@@ -409,3 +409,65 @@ def test_config_errors_name_the_field() -> None:
         _cfg(capacity_factor=0.0).instantiate()
     with pytest.raises(MoEConfigError, match=r"moe\.activation"):
         _cfg(activation=("nope", "linear")).instantiate()
+
+
+# ---- CPU grouped matmul (row blocks instead of ragged_dot's dense lowering) -------------
+
+
+def _ragged_dot_forced(moe: Any) -> Any:
+    """The module with the ragged_dot lowering forced (what non-CPU backends run)."""
+    forced = moe.config.clone(name="forced").instantiate()
+    forced._dropless_ragged = forced._dropless_ragged_dot  # type: ignore[method-assign]
+    return forced
+
+
+@pytest.mark.parametrize("tokens,experts,k", [(64, 4, 2), (40, 8, 2), (9, 3, 1)])
+def test_cpu_blocks_equal_ragged_dot_values_and_grads(tokens: int, experts: int, k: int) -> None:
+    cfg = _cfg(input_dim=8, hidden_dim=12, num_experts=experts, num_experts_per_token=k)
+    moe, p = _init(cfg)
+    ref = _ragged_dot_forced(moe)
+    x = _x((2, tokens // 2 or 1, 8))
+
+    def loss(m: Any) -> Any:
+        def f(p: Any, x: Any) -> jax.Array:
+            y, oc = functional(m, None, p, (x,))
+            return jnp.sum(y**2) + oc.module_outputs["aux_loss"]
+
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1)))
+
+    (l1, g1), (l2, g2) = loss(moe)(p, x), loss(ref)(p, x)
+    np.testing.assert_allclose(l1, l2, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_cpu_dropless_work_is_blocked_and_bf16() -> None:
+    """On CPU the dropless train step does the expert work on T*k rows plus block padding
+    (XLA's ragged_dot lowering does it on E*T*k rows), and its expert dots stay bf16."""
+    import re
+
+    cfg = _cfg(input_dim=64, hidden_dim=96, num_experts=8, num_experts_per_token=2,
+               dtype="bfloat16")
+    moe, p = _init(cfg)
+    x = _x((2, 128, 64)).astype(jnp.bfloat16)
+
+    def compiled(m: Any) -> Any:
+        def f(p: Any, x: Any) -> jax.Array:
+            y, _ = functional(m, None, p, (x,))
+            return jnp.sum(y.astype(jnp.float32) ** 2)
+
+        return jax.jit(jax.grad(f, argnums=(0, 1))).lower(p, x).compile()
+
+    def flops(c: Any) -> float:
+        cost = c.cost_analysis()
+        return float((cost[0] if isinstance(cost, list) else cost)["flops"])
+
+    blocked = compiled(moe)
+    assert flops(blocked) < 0.5 * flops(compiled(_ragged_dot_forced(moe)))
+    text = blocked.as_text()
+    types = dict(re.findall(r"%([\w.\-]+) = (\w+)\[", text))
+    expert = [(m.group(1), types.get(m.group(2)), types.get(m.group(3))) for m in re.finditer(
+        r"= \w+\[([\d,]+)\]\S* dot\(%([\w.\-]+), %([\w.\-]+)\)", text)
+        if "96" in m.group(1).split(",")]
+    assert len(expert) >= 6, expert  # 3 forward, 3 dx (+ 3 dW: [blocks, 64|96, 96|64]).
+    assert all((lhs, rhs) == ("bf16", "bf16") for _, lhs, rhs in expert), expert

@@ -76,8 +76,12 @@ def _einsum_bwd(spec: str, out_dtype: Any, res: Any, g: jax.Array) -> tuple[jax.
     a, b = res
     sa, sb, so = _einsum_parts(spec)
     g = g.astype(a.dtype)
-    da = jnp.einsum(f"{so},{sb}->{sa}", g, b, preferred_element_type=_F32)
-    db = jnp.einsum(f"{sa},{so}->{sb}", a, g, preferred_element_type=_F32)
+    # Both operands get a leading size-1 contracted axis `z`: XLA's DotDecomposer then
+    # canonicalises the dot, so a dW-style gradient (e.g. "eni,eno->eio" of an expert
+    # matmul, which contracts the lhs's middle dim) stays bf16 instead of being upcast.
+    z = next(ch for ch in "zyxwvutsrqponmlkjihgfedcba" if ch not in spec)
+    da = jnp.einsum(f"{z}{so},{z}{sb}->{sa}", g[None], b[None], preferred_element_type=_F32)
+    db = jnp.einsum(f"{z}{sa},{z}{so}->{sb}", a[None], g[None], preferred_element_type=_F32)
     return da.astype(a.dtype), db.astype(b.dtype)
 
 

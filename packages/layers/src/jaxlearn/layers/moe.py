@@ -225,6 +225,59 @@ class MixtureOfExperts(Module):
     def _dropless_ragged(
         self, tokens: jax.Array, top_w: jax.Array, top_idx: jax.Array
     ) -> jax.Array:
+        # XLA:CPU has no grouped matmul: `ragged_dot` lowers there to one dense dot per
+        # expert over *all* rows (E times the work, and a very slow compile). On CPU the
+        # same grouped matmul runs as fixed-size row blocks instead (`_dropless_blocked`).
+        return jax.lax.platform_dependent(
+            tokens, top_w, top_idx, cpu=self._dropless_blocked, default=self._dropless_ragged_dot
+        )
+
+    def _dropless_blocked(
+        self, tokens: jax.Array, top_w: jax.Array, top_idx: jax.Array
+    ) -> jax.Array:
+        """Grouped matmul as blocks: the assignments sorted by expert, each expert's rows
+        padded to a multiple of `bm`, so that every block of `bm` rows belongs to one
+        expert; blocks run as one batched dot against their experts' (gathered) weights.
+        At most `T*k + E*(bm-1)` rows are computed (vs `E*T*k` for ragged_dot on CPU)."""
+        c = self.config
+        e, k = c.num_experts, c.num_experts_per_token
+        p = self.parameters
+        t, d = tokens.shape
+        a = t * k
+        bm = min(128, max(8, 1 << max(0, -(-a // e) - 1).bit_length()))
+        nb = -(-(a + e * (bm - 1)) // bm)  # Static bound on sum_e ceil(size_e / bm).
+        flat_expert = top_idx.reshape(-1)  # [A], assignment a = t*k + j
+        order = jnp.argsort(flat_expert, stable=True)  # Sorted position -> assignment.
+        sizes = jnp.bincount(flat_expert, length=e).astype(jnp.int32)
+        padded = (sizes + bm - 1) // bm * bm
+        start = jnp.cumsum(sizes) - sizes
+        pstart = jnp.cumsum(padded) - padded
+        sorted_expert = flat_expert[order]
+        dest = pstart[sorted_expert] + jnp.arange(a, dtype=jnp.int32) - start[sorted_expert]
+        src = jnp.full((nb * bm,), a, jnp.int32).at[dest].set(order.astype(jnp.int32))
+        rows = jnp.where(src < a, src // k, t)  # Padding rows read a zero row.
+        padded_tokens = jnp.concatenate([tokens, jnp.zeros((1, d), tokens.dtype)], axis=0)
+        xb = jnp.take(padded_tokens, rows, axis=0).reshape(nb, bm, d)
+        block_start = jnp.arange(nb, dtype=jnp.int32) * bm
+        block_expert = jnp.minimum(
+            jnp.searchsorted(jnp.cumsum(padded), block_start, side="right"), e - 1
+        )
+
+        def w(name: str) -> jax.Array:  # [nb, in, out]: each block's expert weight.
+            return jnp.take(p[name].astype(self.dtype), block_expert, axis=0)
+
+        if len(c.activation) == 2:
+            h = self._hidden(self._matmul(xb, w("wi_0")), self._matmul(xb, w("wi_1")))
+        else:
+            h = self._hidden(self._matmul(xb, w("wi")), None)
+        out_blocks = self._matmul(h, w("wo")).reshape(nb * bm, d)
+        where = jnp.zeros((a,), jnp.int32).at[order].set(dest)  # Assignment -> padded row.
+        out = jnp.take(out_blocks, where, axis=0).reshape(t, k, d)
+        return jnp.einsum("tkd,tk->td", out.astype(jnp.float32), top_w)
+
+    def _dropless_ragged_dot(
+        self, tokens: jax.Array, top_w: jax.Array, top_idx: jax.Array
+    ) -> jax.Array:
         c = self.config
         e, k = c.num_experts, c.num_experts_per_token
         p = self.parameters
