@@ -159,7 +159,7 @@ def test_gpu_chain_applied_in_order_and_recorded():
     text = to_flat_text(out)
     assert "mesh_rule: 'gpu-h100-.*'\n" in text
     assert "mesh_selector: 'gpu-h100-8x4'\n" in text
-    assert "mesh_shape.ici_mesh_shape[2]: 8\n" in text
+    assert "mesh_shape.ici_mesh_shape: (1, 1, 8, 1, 1, 1)\n" in text
     assert "learner.num_microbatches: 4\n" in text
     assert "model.layers[1].remat_policy: 'dots'\n" in text
     assert "mesh_rules[2][0]: 'gpu-h100-.*'\n" in text
