@@ -35,8 +35,8 @@ def compile_inference_steps(
     Defaults: the training batch and sequence length; a cache of twice the prompt length.
     """
     inputs = trainer.config.input
-    b: int = int(batch_size or getattr(inputs, "global_batch_size", 1))
-    s: int = int(prompt_len or getattr(inputs, "seq_len", 128))
+    b: int = batch_size if batch_size is not None else int(getattr(inputs, "global_batch_size", 1))
+    s: int = prompt_len if prompt_len is not None else int(getattr(inputs, "seq_len", 128))
     cache_len = max_len or 2 * s
     model = trainer.model
     params = trainer.abstract_state()["params"]
