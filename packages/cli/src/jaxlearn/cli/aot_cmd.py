@@ -132,14 +132,11 @@ def _target(args: argparse.Namespace) -> Any:
 
 
 def _inference_hook() -> Any:
-    """`jaxlearn.inference.aot.compile_inference_steps(trainer) -> {name: compiled}` once
-    the inference package provides it; None until then."""
-    try:
-        from importlib import import_module
+    """`fn(trainer) -> {name: compiled}` for the inference prefill and decode steps (the
+    runtime's AOT report cannot import the inference package; the CLI links them)."""
+    from jaxlearn.inference.aot import compile_inference_steps
 
-        return getattr(import_module("jaxlearn.inference.aot"), "compile_inference_steps")
-    except (ImportError, AttributeError):
-        return None
+    return compile_inference_steps
 
 
 def cmd_aot(args: argparse.Namespace) -> int:
