@@ -23,6 +23,18 @@ def _call(model: Any, method: str) -> Any:
     return fn
 
 
+def _replicas(trainer: Any) -> int:
+    """How many devices hold the same batch shard (mesh axes the batch is not split on)."""
+    spec = trainer._sharding(("batch",)).spec
+    used = spec[0] if spec and spec[0] is not None else ()
+    used = (used,) if isinstance(used, str) else tuple(used)
+    total = 1
+    for name, size in trainer.mesh.shape.items():
+        if name not in used:
+            total *= size
+    return total
+
+
 def compile_inference_steps(
     trainer: Any,
     *,
@@ -32,12 +44,16 @@ def compile_inference_steps(
 ) -> dict[str, Any]:
     """{"prefill": compiled, "decode_step": compiled} for `trainer.model` on its mesh.
 
-    Defaults: the training batch and sequence length; a cache of twice the prompt length.
+    Defaults, a serving shape rather than the training batch: one sequence per batch shard
+    (the devices the `batch` axis spans), prompts of half the training sequence length, and
+    a KV cache of the full training sequence length.
     """
     inputs = trainer.config.input
-    b: int = batch_size if batch_size is not None else int(getattr(inputs, "global_batch_size", 1))
-    s: int = prompt_len if prompt_len is not None else int(getattr(inputs, "seq_len", 128))
-    cache_len = max_len or 2 * s
+    seq = int(getattr(inputs, "seq_len", 128))
+    shards = trainer._sharding(("batch",)).num_devices // _replicas(trainer)
+    b: int = batch_size if batch_size is not None else max(shards, 1)
+    s: int = prompt_len if prompt_len is not None else max(seq // 2, 1)
+    cache_len = max_len or seq
     model = trainer.model
     params = trainer.abstract_state()["params"]
 
