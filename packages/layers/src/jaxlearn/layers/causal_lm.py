@@ -25,7 +25,9 @@ def cross_entropy(logits: Array, labels: Array, weights: Array) -> tuple[Array, 
     lse = jax.nn.logsumexp(logits, axis=-1)
     safe = jnp.where(labels >= 0, labels, 0)
     label_logit = jnp.take_along_axis(logits, safe[..., None], axis=-1)[..., 0]
-    correct = (jnp.argmax(logits, axis=-1) == safe).astype(jnp.float32)
+    # "The label has the largest logit", without argmax: XLA:CPU runs argmax's
+    # (value, index) variadic reduce unvectorised, ~10% of a 60M-Llama train step.
+    correct = (label_logit >= jnp.max(logits, axis=-1)).astype(jnp.float32)
     return (lse - label_logit) * weights, lse, correct
 
 

@@ -34,21 +34,27 @@ _F32 = jnp.float32
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def matmul(x: jax.Array, w: jax.Array, out_dtype: Any = None) -> jax.Array:
     """x [tokens, in] @ w [in, out] -> [tokens, out] in `out_dtype` (default x.dtype),
-    accumulated in f32, with a backward whose dots stay in the operands' dtype."""
-    return jnp.dot(x, w, preferred_element_type=_F32).astype(out_dtype or x.dtype)
+    accumulated in f32, with a backward whose dots stay in the operands' dtype.
+
+    `w` may be wider than x (f32 master weights with bf16 compute): it is cast to x.dtype
+    for the dot, and its gradient is returned in w's dtype straight from the f32
+    accumulator (no bf16 rounding and no bf16 -> f32 convert pass per weight)."""
+    return jnp.dot(x, w.astype(x.dtype), preferred_element_type=_F32).astype(out_dtype or x.dtype)
 
 
 def _matmul_fwd(x: jax.Array, w: jax.Array, out_dtype: Any) -> tuple[jax.Array, Any]:
-    return matmul(x, w, out_dtype), (x, w)
+    wc = w.astype(x.dtype)
+    y = jnp.dot(x, wc, preferred_element_type=_F32).astype(out_dtype or x.dtype)
+    return y, (x, wc, jnp.zeros((0,), w.dtype))  # The last: w's dtype, for the gradient.
 
 
 def _matmul_bwd(out_dtype: Any, res: Any, g: jax.Array) -> tuple[jax.Array, jax.Array]:
-    x, w = res
+    x, w, w_dtype = res
     g = g.astype(x.dtype)
     # dx = g @ w.T as the "NT" dot_general form; dW = x.T @ g as a 3-D einsum.
     dx = lax.dot_general(g, w, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
     dw = jnp.einsum("bnk,bnm->km", x[None], g[None], preferred_element_type=_F32)
-    return dx.astype(x.dtype), dw.astype(w.dtype)
+    return dx.astype(x.dtype), dw.astype(w_dtype.dtype)
 
 
 matmul.defvjp(_matmul_fwd, _matmul_bwd)
@@ -132,12 +138,11 @@ def dense(
     lead = x.shape[: x.ndim - in_dims]
     k, n = math.prod(in_shape), math.prod(out_shape)
     x2d = x.reshape(-1, k)
-    w2d = w.reshape(k, n).astype(x.dtype)
     x2d, padded = _pad_one_row(x2d)
-    if dot is None:
-        y = matmul(x2d, w2d, out_dtype)
+    if dot is None:  # matmul casts w itself (and returns its gradient in w's dtype).
+        y = matmul(x2d, w.reshape(k, n), out_dtype)
     else:
-        y = dot(x2d, w2d).astype(out_dtype or x.dtype)
+        y = dot(x2d, w.reshape(k, n).astype(x.dtype)).astype(out_dtype or x.dtype)
     if padded:
         y = y[:1]
     return y.reshape(*lead, *out_shape)

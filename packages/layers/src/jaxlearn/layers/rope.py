@@ -83,8 +83,10 @@ class RotaryEmbedding(Configurable):
         if r == 0:
             return x
         angles = positions.astype(jnp.float32)[..., None] * self.inv_freq(head_dim)  # [b, s, r/2]
-        cos = jnp.cos(angles)[:, :, None, :]  # [b, s, 1, r/2]
-        sin = jnp.sin(angles)[:, :, None, :]
+        # Materialised once: fused into its consumers, cos/sin would be recomputed for
+        # every head (and again in the backward pass).
+        cos, sin = jax.lax.optimization_barrier((jnp.cos(angles), jnp.sin(angles)))
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # [b, s, 1, r/2]
         xr = x[..., :r].astype(jnp.float32)
         x1, x2 = xr[..., : r // 2], xr[..., r // 2 :]
         rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
