@@ -180,3 +180,30 @@ def test_masked_positions_never_leak(layout):
     changed = np.abs(np.asarray(y1 - y2)).max(axis=(0, 2)) > 0
     assert not changed[~visible].any(), (seg[0], j, changed)
     assert changed[j]
+
+
+def test_per_row_cache_writes_equal_the_scatter_and_stay_bf16():
+    """`_write` with per-row time steps: one row is a dynamic_update_slice; one bf16 token
+    per row is a select (XLA:CPU would run the scatter through an f32 copy of the cache);
+    both write what the vmapped dynamic_update_slice writes (out-of-range steps clamped)."""
+    import re
+
+    from jax import lax
+
+    from jaxlearn.layers.attention import _write
+
+    def ref(buf, new, t):
+        return jax.vmap(lambda b, n, s: lax.dynamic_update_slice(b, n, (s, 0, 0)))(buf, new, t)
+
+    keys = jax.random.split(jax.random.key(0), 4)
+    for dtype in (jnp.bfloat16, jnp.float32):
+        buf = jax.random.normal(keys[0], (4, 16, 2, 8)).astype(dtype)
+        new = jax.random.normal(keys[1], (4, 1, 2, 8)).astype(dtype)
+        t = jnp.array([0, 5, 15, 20], jnp.int32)
+        np.testing.assert_array_equal(_write(buf, new, t), ref(buf, new, t))
+        one, chunk = buf[:1], jax.random.normal(keys[2], (1, 3, 2, 8)).astype(dtype)
+        np.testing.assert_array_equal(_write(one, chunk, t[1:2]), ref(one, chunk, t[1:2]))
+    buf = jnp.zeros((4, 16, 2, 8), jnp.bfloat16)
+    text = jax.jit(_write).lower(buf, new.astype(jnp.bfloat16), t).compile().as_text()
+    entry = text[text.index("ENTRY"):]  # What is materialised (fusion bodies aside).
+    assert " scatter(" not in text and not re.search(r"f32\[4,16,2,8\]", entry)
