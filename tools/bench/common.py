@@ -51,7 +51,8 @@ def train_flops_per_token(c: dict[str, Any]) -> float:
 def emit(**fields: Any) -> None:
     """The measurement's result: one JSON line on stdout (the driver reads the last one)."""
     fields.setdefault("pid", os.getpid())
-    fields.setdefault("max_rss_mb", round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    fields.setdefault("max_rss_mb", round(rss, 1))
     print("BENCH_RESULT " + json.dumps(fields, sort_keys=True), flush=True)
 
 
@@ -83,7 +84,8 @@ def time_calls(fn: Callable[[], Any], repeats: int) -> tuple[list[float], float]
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    util = (time.process_time() - c0) / max((time.perf_counter() - w0) * (os.cpu_count() or 1), 1e-9)
+    wall = (time.perf_counter() - w0) * (os.cpu_count() or 1)
+    util = (time.process_time() - c0) / max(wall, 1e-9)
     return times, util
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 
-def continuous_workload(vocab: int, *, quick: bool = False) -> tuple[list[list[int]], list[int], int]:
+def continuous_workload(
+    vocab: int, *, quick: bool = False
+) -> tuple[list[list[int]], list[int], int]:
     """(prompts, output lengths, slots): 32 requests (16 quick) with prompt lengths 16..256
     and output lengths 16..128, all arriving at once, served with 8 concurrent slots."""
     import numpy as np

@@ -27,7 +27,6 @@ H200_BF16 = 989e12
 def run_jax(args: argparse.Namespace, c: dict) -> None:
     import jax
     import jax.numpy as jnp
-
     from jl_train import build_trainer, random_batch
 
     n = 8192
@@ -64,7 +63,6 @@ def run_jax(args: argparse.Namespace, c: dict) -> None:
 
 def run_torch(args: argparse.Namespace, c: dict) -> None:
     import torch
-
     from pt_train import build
 
     dev = torch.device("cuda")

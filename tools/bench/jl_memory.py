@@ -28,9 +28,10 @@ def llama_fsdp(n: int, dtype: str) -> dict:
     import jax
 
     jax.config.update("jax_num_cpu_devices", n)
+    from jl_train import build_trainer, random_batch
+
     from jaxlearn.mesh import mesh_shape_from_axes
     from jaxlearn.runtime.aot import _memory, state_breakdown, state_bytes_per_device
-    from jl_train import build_trainer, random_batch
 
     c = model_cfg("llama")
     c["batch"] = max(c["batch"], n)  # The batch must split over the fsdp axis.
@@ -60,7 +61,6 @@ def main() -> None:
         return
     if args.part == "remat":
         import jax
-
         from jl_train import build_trainer, random_batch
 
         c = model_cfg("llama")

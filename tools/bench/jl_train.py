@@ -137,6 +137,7 @@ def main() -> None:
         nonfinite=args.nonfinite, params=nparams, batch=c["batch"], seq=c["seq"],
         lower_s=rnd(t_lower.wall), compile_s=rnd(t_comp.wall),
         compiled_flops=float(cost.get("flops", 0.0)) if cost else None,
+        compiled_bytes_accessed=float(cost.get("bytes accessed", 0.0)) if cost else None,
         temp_bytes=int(getattr(mem, "temp_size_in_bytes", 0) or 0),
         hlo=stats, tag=args.tag,
     )
@@ -152,13 +153,14 @@ def main() -> None:
         for _ in range(args.warmup):
             state, summ = step_fn(state, batch)
             losses.append(float(summ["loss"]))
-        times, cpus = [], []
+        times, cpus, cpu_s = [], [], []
         for _ in range(args.steps):
             with Timer() as t:
                 state, summ = step_fn(state, batch)
                 loss = float(summ["loss"])  # Blocks on the step.
             times.append(t.wall)
             cpus.append(t.util())
+            cpu_s.append(t.cpu)
             losses.append(loss)
     dt = med(times)
     tokens = c["batch"] * c["seq"]
@@ -168,6 +170,7 @@ def main() -> None:
     emit(**common, step_s=rnd(dt), step_times=[rnd(x) for x in times],
          tokens_per_s=rnd(tokens / dt), model_flops_per_step=flops,
          model_gflops=rnd(flops / dt / 1e9), cpu_util=rnd(med(cpus), 3),
+         step_cpu_s=rnd(med(cpu_s)),
          loss_first=rnd(losses[0]), loss_last=rnd(losses[-1]), wall_time=time.time())
 
 

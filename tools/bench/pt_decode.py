@@ -31,7 +31,6 @@ def main() -> None:
     args = p.parse_args()
     import torch
     import transformers as tf
-
     from pt_train import build
 
     torch.manual_seed(0)

@@ -82,12 +82,13 @@ def main() -> None:
     with Timer() as t_warm:
         for _ in range(args.warmup):
             losses.append(step())
-    times, cpus = [], []
+    times, cpus, cpu_s = [], [], []
     for _ in range(args.steps):
         with Timer() as t:
             losses.append(step())
         times.append(t.wall)
         cpus.append(t.util())
+        cpu_s.append(t.cpu)
     dt = med(times)
     tokens = c["batch"] * c["seq"]
     flops = train_flops_per_token(c) * tokens
@@ -99,7 +100,8 @@ def main() -> None:
          batch=c["batch"], seq=c["seq"], warmup_s=rnd(t_warm.wall), step_s=rnd(dt),
          step_times=[rnd(x) for x in times], tokens_per_s=rnd(tokens / dt),
          model_flops_per_step=flops, model_gflops=rnd(flops / dt / 1e9),
-         cpu_util=rnd(med(cpus), 3), loss_first=rnd(losses[0]), loss_last=rnd(losses[-1]),
+         cpu_util=rnd(med(cpus), 3), step_cpu_s=rnd(med(cpu_s)),
+         loss_first=rnd(losses[0]), loss_last=rnd(losses[-1]),
          attn_implementation=getattr(model.config, "_attn_implementation", None),
          wall_time=time.time(), tag=args.tag)
 

@@ -7,7 +7,7 @@ were, so contended runs can be told apart. Results are appended to
 tools/bench/results/<group>.jsonl with a `run_id`; `report.py` summarises the newest run of
 each group into results/summary.md and the plots.
 
-    run.sh [--only peak,train,mixtral,compile,decode,ckpt,memory] [--repeats 3] [--quick]
+    run.sh [--only peak,train,mixtral,compile,decode,ckpt,memory,profile] [--repeats 3] [--quick]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any, Optional
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 RESULTS = HERE / "results"
-GROUPS = ("peak", "train", "mixtral", "compile", "decode", "ckpt", "memory")
+GROUPS = ("peak", "train", "mixtral", "compile", "decode", "ckpt", "memory", "profile")
 
 
 def cpu_times() -> tuple[int, int]:
@@ -178,6 +178,11 @@ def plan_memory(rn: Runner, reps: int) -> None:
         rn.run("memory", "jax", "jl_memory.py", "--part", "remat", "--remat", remat)
 
 
+def plan_profile(rn: Runner, reps: int) -> None:
+    for dtype in ("bf16", "f32"):
+        rn.run("profile", "jax", "jl_profile.py", "--dtype", dtype)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--only", default=",".join(GROUPS))
@@ -212,6 +217,8 @@ def main() -> None:
             plan_ckpt(rn, args.repeats)
         if "memory" in only:
             plan_memory(rn, args.repeats)
+        if "profile" in only:
+            plan_profile(rn, args.repeats)
     import report
 
     report.main([])

@@ -1,0 +1,105 @@
+"""Where the time of a jaxlearn train step goes: a JAX profiler (Perfetto) trace of a few
+steps, aggregated per XLA op and per category (YNNPACK dot fusions, other fusions,
+copies, scatters, ...), joined with the compiled HLO for each op's output shape.
+
+    python jl_profile.py --model llama --dtype bf16 [--steps 2] [--top 30]
+
+Prints a table and emits one BENCH_RESULT line with the per-category milliseconds per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import json
+import os
+import re
+import tempfile
+from collections import defaultdict
+
+from common import emit, model_cfg, rnd
+
+
+def category(name: str, hlo_line: str) -> str:
+    if "ynn_fusion" in name or "__ynn" in hlo_line:
+        return "dot (ynn)"
+    if " dot(" in hlo_line or "dot" in name:
+        return "dot (other)"
+    for key in ("scatter", "copy", "transpose", "gather", "reduce", "convert", "select",
+                "concatenate", "dynamic"):
+        if key in name:
+            return key
+    return "other fusion"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="llama", choices=["llama", "mixtral"])
+    p.add_argument("--dtype", default="bf16", choices=["f32", "bf16"])
+    p.add_argument("--stack", default="loop")
+    p.add_argument("--nonfinite", default="skip")
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--top", type=int, default=30)
+    args = p.parse_args()
+    import jax
+    from jl_train import build_trainer, random_batch
+
+    c = model_cfg(args.model)
+    trainer = build_trainer(c, dtype=args.dtype, stack=args.stack, remat=None,
+                            nonfinite=args.nonfinite, moe_method="ragged_dot")
+    batch = trainer.global_batch(random_batch(c))
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), batch)
+    step = trainer.compile_train_step(abstract)
+    hlo = step.as_text()
+    shapes = {m.group(1): m.group(2) for m in re.finditer(r"%([\w.\-]+) = (\S+) ", hlo)}
+    lines = {m.group(1): m.group(0) for m in re.finditer(r"%([\w.\-]+) = [^\n]*", hlo)}
+    state = trainer.init_state()
+    with jax.set_mesh(trainer.mesh):
+        for _ in range(2):
+            state, s = step(state, batch)
+            float(s["loss"])
+        d = tempfile.mkdtemp(prefix="jlprof_")
+        jax.profiler.start_trace(d, create_perfetto_trace=True)
+        for _ in range(args.steps):
+            state, s = step(state, batch)
+            float(s["loss"])
+        jax.profiler.stop_trace()
+    files = glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True)
+    with gzip.open(files[0]) as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    per_op: dict[str, float] = defaultdict(float)
+    count: dict[str, int] = defaultdict(int)
+    step_us = 0.0
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        name, dur = e.get("name", ""), float(e.get("dur", 0.0))
+        if name in lines:
+            per_op[name] += dur
+            count[name] += 1
+        elif re.match(r"jit_?_step|.*train_step", name):
+            step_us = max(step_us, dur)
+    total = sum(per_op.values()) / args.steps / 1e3
+    cats: dict[str, float] = defaultdict(float)
+    for name, us in per_op.items():
+        cats[category(name, lines.get(name, ""))] += us / args.steps / 1e3
+    print(f"ops traced: {len(per_op)}, op time per step {total:.1f} ms "
+          f"(thread-summed; 2 threads run ops concurrently)")
+    for k, v in sorted(cats.items(), key=lambda kv: -kv[1]):
+        print(f"  {k:14s} {v:8.1f} ms  {v / max(total, 1e-9):5.1%}")
+    print(f"top {args.top} ops (ms per step, output shape):")
+    for name, us in sorted(per_op.items(), key=lambda kv: -kv[1])[: args.top]:
+        meta = re.search(r'op_name="([^"]*)"', lines.get(name, ""))
+        print(f"  {us / args.steps / 1e3:8.2f}  {name:34s} {shapes.get(name, '')[:40]:40s} "
+              f"{(meta.group(1) if meta else '')[-60:]}")
+    emit(bench="profile", framework="jaxlearn", model=args.model, dtype=args.dtype,
+         op_ms_per_step=rnd(total), categories={k: rnd(v) for k, v in cats.items()},
+         top=[[n, rnd(us / args.steps / 1e3)] for n, us in
+              sorted(per_op.items(), key=lambda kv: -kv[1])[: args.top]])
+
+
+if __name__ == "__main__":
+    main()
