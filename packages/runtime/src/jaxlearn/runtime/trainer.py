@@ -222,7 +222,7 @@ class Trainer(Configurable):
         key, step_key = jax.random.split(state["prng_key"])
         params = state["params"]
         loss, metrics, state_updates, grads = self._grads(params, batch, step_key)
-        kept = [k for k in ("params", "opt_state", "ema") if k in state]
+        kept: list[str] = [k for k in ("params", "opt_state", "ema") if k in state]
 
         def update(old: dict[str, Any]) -> dict[str, Any]:
             updates, opt_state = self.tx.update(grads, old["opt_state"], old["params"])
