@@ -53,6 +53,7 @@ def main() -> None:
     p.add_argument("--part", default="fsdp", choices=["fsdp", "remat"])
     p.add_argument("--sizes", default="1,2,4,8")
     p.add_argument("--remat", default="none")
+    p.add_argument("--stack", default="loop", choices=["loop", "scan"])
     p.add_argument("--dtype", default="bf16", choices=["f32", "bf16"])
     p.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -64,7 +65,7 @@ def main() -> None:
         from jl_train import build_trainer, random_batch
 
         c = model_cfg("llama")
-        trainer = build_trainer(c, dtype=args.dtype, stack="loop",
+        trainer = build_trainer(c, dtype=args.dtype, stack=args.stack,
                                 remat=None if args.remat == "none" else args.remat,
                                 nonfinite="skip", moe_method="ragged_dot")
         batch = trainer.global_batch(random_batch(c))
@@ -74,7 +75,8 @@ def main() -> None:
 
         mem = _memory(trainer.compile_train_step(abstract))
         emit(bench="memory", part="remat", framework="jaxlearn", dtype=args.dtype,
-             remat=args.remat, temp_bytes=mem["temp"], argument_bytes=mem["argument"],
+             remat=args.remat, stack=args.stack, temp_bytes=mem["temp"],
+             argument_bytes=mem["argument"],
              output_bytes=mem["output"], batch=c["batch"], seq=c["seq"])
         return
 

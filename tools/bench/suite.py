@@ -174,8 +174,10 @@ def plan_ckpt(rn: Runner, reps: int) -> None:
 
 def plan_memory(rn: Runner, reps: int) -> None:
     rn.run("memory", "jax", "jl_memory.py", "--part", "fsdp", timeout=2400)
-    for remat in ("none", "dots_with_no_batch_dims_saveable", "nothing_saveable"):
-        rn.run("memory", "jax", "jl_memory.py", "--part", "remat", "--remat", remat)
+    for stack in ("loop", "scan"):
+        for remat in ("none", "dots_with_no_batch_dims_saveable", "nothing_saveable"):
+            rn.run("memory", "jax", "jl_memory.py", "--part", "remat", "--remat", remat,
+                   "--stack", stack)
 
 
 def plan_profile(rn: Runner, reps: int) -> None:
