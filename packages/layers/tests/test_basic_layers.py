@@ -76,3 +76,26 @@ def test_feed_forward_rejects_bad_activation():
         FeedForward.default_config().set(
             name="f", input_dim=2, hidden_dim=2, activation=("nope",)
         ).instantiate()
+
+
+def test_bf16_embedding_lookup_is_a_uint16_gather_with_the_same_values_and_grads():
+    """A bf16 table is gathered as uint16 (XLA:CPU would convert the whole table to f32
+    for a bf16 gather); values and gradients equal jnp.take's."""
+    import re
+
+    from jaxlearn.layers.embedding import _take_rows
+
+    w = jax.random.normal(jax.random.key(0), (50, 8)).astype(jnp.bfloat16)
+    ids = jnp.array([[1, 4, 4], [49, 0, 2]])
+    g = jax.random.normal(jax.random.key(1), (2, 3, 8))
+    np.testing.assert_array_equal(_take_rows(w, ids), jnp.take(w, ids, axis=0))
+
+    def loss(take):
+        return lambda w: jnp.sum(take(w).astype(jnp.float32) * g)
+
+    ours = jax.grad(loss(lambda w: _take_rows(w, ids)))(w)
+    ref = jax.grad(loss(lambda w: jnp.take(w, ids, axis=0)))(w)
+    assert ours.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(ours.astype(jnp.float32), ref.astype(jnp.float32))
+    text = jax.jit(_take_rows).lower(w, ids).compile().as_text()
+    assert not re.search(r"f32\[50,8\]", text)

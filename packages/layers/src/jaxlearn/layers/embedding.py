@@ -48,7 +48,7 @@ class Embedding(Module):
 
     def forward(self, ids: jax.Array) -> jax.Array:
         w = self.parameters["weight"]
-        x = jnp.take(w, ids, axis=0).astype(self.dtype)
+        x = _take_rows(w, ids).astype(self.dtype)
         if self.config.scale_by_sqrt_dim:
             x = x * jnp.asarray(math.sqrt(self.config.dim), x.dtype)
         return with_logical_constraint(x, ("batch", "seq", "embed"))
@@ -57,3 +57,31 @@ class Embedding(Module):
         """x [batch, seq, embed] -> logits [batch, seq, vocab] (f32 by default)."""
         w = self.parameters["weight"]
         return dense(x.astype(self.dtype), w.T, dot=self._dot, out_dtype=out_dtype)
+
+
+def _take_rows(w: jax.Array, ids: jax.Array) -> jax.Array:
+    """w[ids] (rows). A 16-bit float table is gathered as uint16: XLA:CPU runs a bf16
+    gather through an f32 copy of the whole table (every decode call, with bf16 weights)."""
+    if jnp.dtype(w.dtype).itemsize == 2 and jnp.issubdtype(w.dtype, jnp.floating):
+        return _take_rows_16(w, ids)
+    return jnp.take(w, ids, axis=0)
+
+
+@jax.custom_vjp
+def _take_rows_16(w: jax.Array, ids: jax.Array) -> jax.Array:
+    bits = jnp.take(jax.lax.bitcast_convert_type(w, jnp.uint16), ids, axis=0)
+    return jax.lax.bitcast_convert_type(bits, w.dtype)
+
+
+def _take_rows_16_fwd(w: jax.Array, ids: jax.Array) -> tuple[jax.Array, Any]:
+    return _take_rows_16(w, ids), (ids, jnp.zeros((w.shape[0], 0), w.dtype))
+
+
+def _take_rows_16_bwd(res: Any, g: jax.Array) -> tuple[jax.Array, None]:
+    ids, table = res  # table: [rows, 0], for the gradient's row count and dtype.
+    flat = g.reshape(-1, g.shape[-1])
+    dw = jnp.zeros((table.shape[0], g.shape[-1]), table.dtype).at[ids.reshape(-1)].add(flat)
+    return dw, None
+
+
+_take_rows_16.defvjp(_take_rows_16_fwd, _take_rows_16_bwd)
