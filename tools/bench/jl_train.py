@@ -106,6 +106,8 @@ def main() -> None:
     import jax
     import numpy as np
 
+    # Compile times must be real compiles: never served from a persistent cache.
+    jax.config.update("jax_enable_compilation_cache", False)
     c = model_cfg(args.model, layers=args.layers)
     trainer = build_trainer(c, dtype=args.dtype, stack=args.stack, remat=args.remat,
                             nonfinite=args.nonfinite, moe_method=args.moe_method)

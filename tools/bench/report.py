@@ -103,6 +103,20 @@ def main(argv: Optional[list[str]] = None) -> None:
              "bf16": pk["torch"].get("matmul_bf16_gflops")}
     # The decode limit: the best read bandwidth either framework reached in this run.
     bw = max((r.get("read_bw_best_gbs") or r.get("read_bw_gbs") or 0.0) for r in peak) or None
+    all_peaks = load("peak", True)
+
+    def peaks_for(recs: list[dict]) -> tuple[dict, dict, Optional[float]]:
+        """The peaks measured in the same suite run as `recs` (else the newest run's)."""
+        run = recs[0]["run_id"] if recs else None
+        same = [r for r in all_peaks if r["run_id"] == run] or peak
+        j = [r for r in same if r["framework"] == "jaxlearn"]
+        t = [r for r in same if r["framework"] == "torch"]
+        return ({"f32": med(r.get("matmul_f32_gflops") for r in j),
+                 "bf16": med(r.get("matmul_bf16_f32acc_gflops") for r in j)},
+                {"f32": med(r.get("matmul_f32_gflops") for r in t),
+                 "bf16": med(r.get("matmul_bf16_gflops") for r in t)},
+                max((r.get("read_bw_best_gbs") or r.get("read_bw_gbs") or 0.0)
+                    for r in same) or None)
     cpu = peak[0]["cpu"] if peak else "?"
     md.append("## Performance (CPU, measured by `tools/bench/run.sh`)\n")
     md.append(f"Machine: {cpu}, {peak[0]['cores'] if peak else '?'} cores. Every figure is the "
@@ -129,6 +143,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         if not recs:
             continue
         model = "llama" if group == "train" else "mixtral"
+        jpeak, tpeak, _ = peaks_for(recs)
         for dtype in ("f32", "bf16"):
             j_all = [r for r in recs if r["framework"] == "jaxlearn" and r["dtype"] == dtype]
             t_all = [r for r in recs if r["framework"] == "torch" and r["dtype"] == dtype]
@@ -168,7 +183,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                   "`LlamaForCausalLM`/`MixtralForCausalLM` + AdamW + grad clipping; bf16 = "
                   "`torch.autocast('cpu', bfloat16)`. Model FLOPs = 6·(matmul params per "
                   "token) + 12·layers·hidden·seq per token. MFU columns: achieved model FLOP/s "
-                  "over JAX's measured matmul peak for the dtype (f32; bf16×bf16→f32), the "
+                  "over JAX's matmul peak for the dtype measured in the same suite run (f32; "
+                  "bf16×bf16→f32), the "
                   "jaxlearn hardware catalogue's nominal CPU figure (1e11, not a measurement), "
                   "torch over its own peak, and jaxlearn over torch's peak.\n")
         md.append(table(["model", "dtype", "jaxlearn s/step", "jaxlearn tok/s", "torch s/step",
@@ -200,6 +216,7 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     # ---- decode -------------------------------------------------------------------------
     dec = [r for r in load("decode", A) if r.get("bench") == "decode"]
+    bw = peaks_for(dec)[2] if dec else bw
     plot_dec: dict[str, list[tuple[int, float, float]]] = defaultdict(list)
     if dec:
         rows = []
