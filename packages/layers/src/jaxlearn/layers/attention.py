@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxlearn.config import REQUIRED, InstantiableConfig
+from jaxlearn.layers import paged
 from jaxlearn.layers.dense import DotGeneral, dense, einsum, maybe_dot
 from jaxlearn.layers.rope import RotaryEmbedding
 from jaxlearn.module import FanAxes, Module, ParameterSpec, with_logical_constraint, zeros
@@ -152,6 +153,12 @@ class Attention(Module):
         shape = (batch_size, max_len, self.num_kv_heads, self.head_dim)
         return {"key": jnp.zeros(shape, self.dtype), "value": jnp.zeros(shape, self.dtype)}
 
+    def init_paged_states(self, num_pages: int, page_size: int) -> KVCache:
+        """An empty page pool: key/value [num_pages, page_size, kv_heads, head_dim] (see
+        `jaxlearn.layers.paged`)."""
+        args = (num_pages, page_size, self.num_kv_heads, self.head_dim, self.dtype)
+        return {"key": paged.init_pool(*args), "value": paged.init_pool(*args)}
+
     def prefill(
         self,
         cache: KVCache,
@@ -171,9 +178,22 @@ class Attention(Module):
         x: jax.Array,
         time_step: jax.Array,
         positions: Optional[jax.Array] = None,
+        page_table: Optional[jax.Array] = None,
     ) -> tuple[KVCache, jax.Array]:
         """Appends x [batch, steps, embed] at cache slot `time_step` ([batch] or scalar int)
-        and attends over the cache. Returns (cache, y [batch, steps, embed])."""
+        and attends over the cache. Returns (cache, y [batch, steps, embed]).
+
+        With `page_table` [batch, pages], `cache` is a page pool (`init_paged_states`),
+        read-only here: the call attends over the rows' pages (positions
+        [0, pages * page_size)) and returns this call's entries {"key", "value":
+        [batch, steps, kv_heads, head_dim]} in place of the cache, for the owner of the
+        pool to write with `paged.write_pages` (one scatter for every layer)."""
+        if page_table is not None:
+            window = {k: paged.gather_pages(v, page_table) for k, v in cache.items()}
+            y, (k, v) = self._attention(
+                x, positions=positions, cache=window, time_step=time_step, return_new=True
+            )
+            return {"key": k, "value": v}, y
         y, kv_cache = self._attention(x, positions=positions, cache=cache, time_step=time_step)
         return kv_cache, y
 
@@ -209,10 +229,12 @@ class Attention(Module):
         segment_ids: Optional[jax.Array] = None,
         cache: Optional[KVCache] = None,
         time_step: Optional[jax.Array] = None,
+        return_new: bool = False,
     ) -> tuple[jax.Array, Any]:
         """The one code path of forward / prefill (cache=None) and extend_step (cache set).
 
-        Returns (y [batch, seq, embed], (k, v) of this call, or the updated cache)."""
+        Returns (y [batch, seq, embed], (k, v) of this call, or the updated cache unless
+        `return_new`)."""
         c = self.config
         x = x.astype(self.dtype)
         b, s, _ = x.shape
@@ -239,7 +261,7 @@ class Attention(Module):
         else:
             k_all = _write(cache["key"], k, time_step)
             v_all = _write(cache["value"], v, time_step)
-            extra = {"key": k_all, "value": v_all}
+            extra = (k, v) if return_new else {"key": k_all, "value": v_all}
             mask = make_mask(
                 q_index,
                 jnp.arange(k_all.shape[1], dtype=jnp.int32),

@@ -99,8 +99,25 @@ class CausalLM(Module):
         t = jnp.full((b,), s, jnp.int32) if lengths is None else lengths.astype(jnp.int32)
         return {"time_step": t, "decoder": cache}, logits
 
-    def extend_step(self, states: dict[str, Any], input_ids: Array) -> tuple[dict[str, Any], Array]:
-        """input_ids [batch, steps] (usually steps=1) -> (states, logits [b, steps, vocab])."""
+    def init_paged_states(self, num_pages: int, page_size: int) -> dict[str, Any]:
+        """{"decoder": per-layer page pools} (`jaxlearn.layers.paged`); a call adds its rows'
+        "time_step" [batch] and "page_table" [batch, pages]."""
+        return {"decoder": self.decoder.init_paged_states(num_pages, page_size)}
+
+    def extend_step(
+        self, states: dict[str, Any], input_ids: Array, logits_index: Optional[Array] = None
+    ) -> tuple[dict[str, Any], Array]:
+        """input_ids [batch, steps] (usually steps=1) -> (states, logits [b, steps, vocab]).
+
+        states: {"time_step" [batch], "decoder"} (+ "page_table" [batch, pages] for a paged
+        cache; it is passed through). logits_index [batch, k]: logits of those steps only
+        ([b, k, vocab])."""
         t = states["time_step"]
-        cache, logits = self.decoder.extend_step(states["decoder"], input_ids, t)
-        return {"time_step": t + input_ids.shape[1], "decoder": cache}, logits
+        table = states.get("page_table")
+        cache, logits = self.decoder.extend_step(
+            states["decoder"], input_ids, t, page_table=table, logits_index=logits_index
+        )
+        out = {"time_step": t + input_ids.shape[1], "decoder": cache}
+        if table is not None:
+            out["page_table"] = table
+        return out, logits

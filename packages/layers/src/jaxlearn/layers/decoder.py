@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxlearn.config import REQUIRED, InstantiableConfig
+from jaxlearn.layers import paged
 from jaxlearn.layers.dense import Linear
 from jaxlearn.layers.embedding import Embedding
 from jaxlearn.layers.norm import RMSNorm
@@ -71,6 +72,10 @@ class Decoder(Module):
         """Empty per-layer KV caches for `batch_size` sequences of up to `max_len` tokens."""
         return self.transformer.init_states(batch_size, max_len)
 
+    def init_paged_states(self, num_pages: int, page_size: int) -> Any:
+        """Empty per-layer page pools (see `jaxlearn.layers.paged`)."""
+        return self.transformer.init_paged_states(num_pages, page_size)
+
     def prefill(
         self,
         cache: Any,
@@ -89,9 +94,20 @@ class Decoder(Module):
         input_ids: Array,
         time_step: Array,
         positions: Optional[Array] = None,
+        page_table: Optional[Array] = None,
+        logits_index: Optional[Array] = None,
     ) -> tuple[Any, Array]:
         """input_ids [batch, steps] written at slot `time_step` [batch] ->
-        (cache, logits [batch, steps, vocab])."""
+        (cache, logits [batch, steps, vocab]).
+
+        page_table [batch, pages]: `cache` is a paged pool (`init_paged_states`); the layers
+        read it and this method writes every layer's new entries with one scatter.
+        logits_index [batch, k]: only the logits of those steps, [batch, k, vocab] (e.g. the
+        last prompt token of a prefill chunk: the LM head is a large share of a chunk)."""
         x = self.emb(input_ids)
-        cache, x = self.transformer.extend_step(cache, x, time_step, positions)
-        return cache, self._logits(x)
+        out, x = self.transformer.extend_step(cache, x, time_step, positions, page_table)
+        if page_table is not None:
+            out = paged.write_tree(cache, out, time_step, page_table)
+        if logits_index is not None:
+            x = jnp.take_along_axis(x, logits_index[..., None].astype(jnp.int32), axis=1)
+        return out, self._logits(x)

@@ -50,7 +50,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxlearn.config import REQUIRED, ConfigBase, replace_config
-from jaxlearn.layers.transformer import BaseStack, ScanStack
+from jaxlearn.layers.transformer import BaseStack, ScanStack, stacked
 from jaxlearn.module import (
     Module,
     ModuleError,
@@ -192,9 +192,7 @@ class PipelineStack(BaseStack):
                     f"{where}: the circular schedule needs num_microbatches >= num_stages "
                     f"(got {self.num_microbatches} < {c.num_stages})"
                 )
-        self._layout = StageLayout(
-            c.num_stages, repeats, c.num_layers // (c.num_stages * repeats)
-        )
+        self._layout = StageLayout(c.num_stages, repeats, c.num_layers // (c.num_stages * repeats))
         self._add_child("layer", c.layer.clone(input_dim=c.input_dim))
 
     @property
@@ -358,9 +356,7 @@ class PipelineStack(BaseStack):
             jnp.zeros((s_count, mb, *x.shape[1:]), x.dtype), _STAGE_AXES
         )
         num_iterations = units + s_count - 1
-        (_, buf), (oc, valid, rep) = lax.scan(
-            iteration, (state0, buf), jnp.arange(num_iterations)
-        )
+        (_, buf), (oc, valid, rep) = lax.scan(iteration, (state0, buf), jnp.arange(num_iterations))
         self._record(ctx, _per_layer_means(oc, valid, rep, lo, m_count))
         y = jnp.swapaxes(buf, 0, 1).reshape(x.shape)
         return with_logical_constraint(y, ("batch", "seq", "embed"))
@@ -370,9 +366,7 @@ class PipelineStack(BaseStack):
     def _scan_all(self, fn: Callable[[Module, Any, Any], Any], carry: Any, xs: Any) -> tuple:
         ctx = self._context()
         lo = self._layout
-        states = from_stage_layout(
-            self.parameters.get("layer", {}), lo.num_stages, lo.num_repeats
-        )
+        states = from_stage_layout(self.parameters.get("layer", {}), lo.num_stages, lo.num_repeats)
         carry, ys, oc = self._scan(
             self._step(ctx, fn), states, self._layer_keys(ctx), carry, xs, lo.num_layers
         )
@@ -381,9 +375,10 @@ class PipelineStack(BaseStack):
 
     def init_states(self, batch_size: int, max_len: int) -> Any:
         """Per-layer caches stacked `[num_layers, ...]` (as ScanStack; global layer order)."""
-        one = self.layer.init_states(batch_size, max_len)
-        n = self.config.num_layers
-        return jax.tree.map(lambda a: jnp.broadcast_to(a, (n, *a.shape)), one)
+        return stacked(self.layer.init_states(batch_size, max_len), self.config.num_layers)
+
+    def init_paged_states(self, num_pages: int, page_size: int) -> Any:
+        return stacked(self.layer.init_paged_states(num_pages, page_size), self.config.num_layers)
 
     def prefill(
         self,
@@ -402,12 +397,17 @@ class PipelineStack(BaseStack):
         return cache, x
 
     def extend_step(
-        self, cache: Any, x: Array, time_step: Array, positions: Optional[Array] = None
+        self,
+        cache: Any,
+        x: Array,
+        time_step: Array,
+        positions: Optional[Array] = None,
+        page_table: Optional[Array] = None,
     ) -> tuple[Any, Array]:
         """Not pipelined: every layer in order over the whole batch (module docstring)."""
 
         def step(layer: Module, h: Array, layer_cache: Any) -> tuple[Array, Any]:
-            new_cache, h = layer.extend_step(layer_cache, h, time_step, positions)
+            new_cache, h = layer.extend_step(layer_cache, h, time_step, positions, page_table)
             return h, new_cache
 
         x, cache = self._scan_all(step, x, cache)

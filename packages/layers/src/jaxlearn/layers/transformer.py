@@ -73,6 +73,9 @@ class TransformerLayer(Module):
     def init_states(self, batch_size: int, max_len: int) -> Any:
         return {"self_attention": self.self_attention.init_states(batch_size, max_len)}
 
+    def init_paged_states(self, num_pages: int, page_size: int) -> Any:
+        return {"self_attention": self.self_attention.init_paged_states(num_pages, page_size)}
+
     def prefill(
         self,
         cache: Any,
@@ -87,13 +90,27 @@ class TransformerLayer(Module):
         return {"self_attention": kv}, x
 
     def extend_step(
-        self, cache: Any, x: Array, time_step: Array, positions: Optional[Array] = None
+        self,
+        cache: Any,
+        x: Array,
+        time_step: Array,
+        positions: Optional[Array] = None,
+        page_table: Optional[Array] = None,
     ) -> tuple[Any, Array]:
+        """(cache, or with `page_table` this call's KV entries (see `paged`), x)."""
         attn = self.self_attention
         kv, x = self._block(
-            x, lambda h: attn.extend_step(cache["self_attention"], h, time_step, positions)
+            x,
+            lambda h: attn.extend_step(
+                cache["self_attention"], h, time_step, positions, page_table
+            ),
         )
         return {"self_attention": kv}, x
+
+
+def stacked(tree: Any, num_layers: int) -> Any:
+    """Every leaf of one layer's decode state broadcast to [num_layers, ...]."""
+    return jax.tree.map(lambda a: jnp.broadcast_to(a, (num_layers, *a.shape)), tree)
 
 
 class BaseStack(Module):
@@ -139,6 +156,9 @@ class LoopStack(BaseStack):
     def init_states(self, batch_size: int, max_len: int) -> Any:
         return {layer.name: layer.init_states(batch_size, max_len) for layer in self._layers}
 
+    def init_paged_states(self, num_pages: int, page_size: int) -> Any:
+        return {layer.name: layer.init_paged_states(num_pages, page_size) for layer in self._layers}
+
     def prefill(
         self,
         cache: Any,
@@ -152,11 +172,18 @@ class LoopStack(BaseStack):
         return out, x
 
     def extend_step(
-        self, cache: Any, x: Array, time_step: Array, positions: Optional[Array] = None
+        self,
+        cache: Any,
+        x: Array,
+        time_step: Array,
+        positions: Optional[Array] = None,
+        page_table: Optional[Array] = None,
     ) -> tuple[Any, Array]:
         out = {}
         for layer in self._layers:
-            out[layer.name], x = layer.extend_step(cache[layer.name], x, time_step, positions)
+            out[layer.name], x = layer.extend_step(
+                cache[layer.name], x, time_step, positions, page_table
+            )
         return out, x
 
 
@@ -201,9 +228,10 @@ class ScanStack(BaseStack):
         return x
 
     def init_states(self, batch_size: int, max_len: int) -> Any:
-        one = self.layer.init_states(batch_size, max_len)
-        n = self.config.num_layers
-        return jax.tree.map(lambda a: jnp.broadcast_to(a, (n, *a.shape)), one)
+        return stacked(self.layer.init_states(batch_size, max_len), self.config.num_layers)
+
+    def init_paged_states(self, num_pages: int, page_size: int) -> Any:
+        return stacked(self.layer.init_paged_states(num_pages, page_size), self.config.num_layers)
 
     def prefill(
         self,
@@ -220,10 +248,17 @@ class ScanStack(BaseStack):
         return cache, x
 
     def extend_step(
-        self, cache: Any, x: Array, time_step: Array, positions: Optional[Array] = None
+        self,
+        cache: Any,
+        x: Array,
+        time_step: Array,
+        positions: Optional[Array] = None,
+        page_table: Optional[Array] = None,
     ) -> tuple[Any, Array]:
+        """(cache, or with `page_table` the layers' KV entries stacked [layers, ...], x)."""
+
         def step(layer: Module, h: Array, layer_cache: Any) -> tuple[Array, Any]:
-            new_cache, h = layer.extend_step(layer_cache, h, time_step, positions)
+            new_cache, h = layer.extend_step(layer_cache, h, time_step, positions, page_table)
             return h, new_cache
 
         x, cache = self._scan(step, x, cache)

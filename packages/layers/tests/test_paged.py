@@ -1,0 +1,124 @@
+"""Paged KV cache: page gather/scatter vs a numpy reference (hypothesis, bf16 bit-exact),
+out-of-table positions land on page 0 only, and paged decoding through CausalLM gives the
+logits of the contiguous cache (scan / loop / MoE stacks, scattered pages, ragged rows),
+plus `logits_index`."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from jaxlearn.layers import llama_config, mixtral_config, paged
+from jaxlearn.module import functional
+
+VOCAB, DIM, PS = 32, 16, 4
+
+
+def run(model, params, *args, method):
+    return functional(model, None, params, args, method=method, is_training=False)[0]
+
+
+@given(
+    seed=st.integers(0, 2**16),
+    steps=st.integers(1, 5),
+    dtype=st.sampled_from(["float32", "bfloat16"]),
+)
+def test_write_then_gather_matches_numpy(seed, steps, dtype):
+    rng = np.random.default_rng(seed)
+    b, pages, num_pages = 3, 4, 16
+    # Distinct pages per row (page 0 reserved), as an allocator hands them out.
+    table = rng.permutation(np.arange(1, num_pages))[: b * pages].reshape(b, pages)
+    pool = rng.normal(size=(2, num_pages, PS, 2, 3)).astype(np.float32)  # [layers, ...]
+    pool = np.asarray(jnp.asarray(pool, dtype))
+    t = rng.integers(0, pages * PS - steps + 1, size=b)
+    new = np.asarray(jnp.asarray(rng.normal(size=(2, b, steps, 2, 3)), dtype))
+    got = paged.write_pages(jnp.asarray(pool), jnp.asarray(new), jnp.asarray(t), table)
+    want = pool.copy()
+    for r in range(b):
+        for s in range(steps):
+            pos = t[r] + s
+            want[:, table[r, pos // PS], pos % PS] = new[:, r, s]
+    np.testing.assert_array_equal(np.asarray(got), want)  # Bit-exact, bf16 included.
+    window = paged.gather_pages(got[1], jnp.asarray(table))  # [b, pages * PS, 2, 3]
+    for r in range(b):
+        np.testing.assert_array_equal(
+            np.asarray(window[r]), want[1, table[r]].reshape(pages * PS, 2, 3)
+        )
+
+
+def test_positions_past_the_table_write_page_zero_only():
+    pool = jnp.zeros((5, PS, 1, 1))
+    table = jnp.asarray([[3, 4], [1, 2]])
+    new = jnp.ones((2, 2, 1, 1))
+    out = np.asarray(paged.write_pages(pool, new, jnp.asarray([7, 8]), table))
+    assert out[4, 3].sum() == 1  # Row 0 position 7 -> page 4 slot 3; position 8 -> page 0.
+    assert out[0].sum() >= 1 and out[[1, 2, 3]].sum() == 0  # Row 1: both past the end.
+
+
+def tiny(stack, moe=False, sliding_window=None):
+    if moe:
+        return mixtral_config(VOCAB, DIM, 2, 4, 2, 24, 4, 2, stack=stack, rope_theta=100.0)
+    cfg = llama_config(VOCAB, DIM, 2, 4, 2, 24, stack=stack, rope_theta=100.0)
+    if sliding_window is not None:
+        cfg.decoder.transformer.layer.self_attention.sliding_window = sliding_window
+    return cfg
+
+
+def _contiguous(model, params, chunks, lengths):
+    states = run(model, params, len(lengths), 16, method="init_states")
+    logits = []
+    for ids in chunks:
+        states, lg = run(model, params, states, ids, method="extend_step")
+        logits.append(lg)
+    return logits, states
+
+
+@pytest.mark.parametrize(
+    "stack,kw",
+    [("scan", {}), ("loop", {}), ("scan", {"moe": True}), ("scan", {"sliding_window": 3})],
+)
+def test_paged_decode_equals_contiguous_cache(stack, kw):
+    model = tiny(stack, **kw).instantiate()
+    params = model.initialize_parameters_recursively(jax.random.key(1))
+    ids = jax.random.randint(jax.random.key(2), (3, 12), 0, VOCAB)
+    # A 5-token prompt chunk, then single-token steps; rows start at different offsets so
+    # their writes cross page boundaries at different steps.
+    chunks = [ids[:, :5]] + [ids[:, k : k + 1] for k in range(5, 12)]
+    want, cstates = _contiguous(model, params, chunks, [0, 0, 0])
+    table = jnp.asarray([[7, 2, 9, 5], [1, 8, 3, 0], [4, 6, 10, 11]])  # Scattered pages.
+    pools = run(model, params, 12, PS, method="init_paged_states")
+    step = jax.jit(lambda p, s, x: run(model, p, s, x, method="extend_step"))
+    states = {**pools, "time_step": jnp.zeros(3, jnp.int32), "page_table": table}
+    for chunk, lg_want in zip(chunks, want):
+        states, lg = step(params, states, chunk)
+        np.testing.assert_allclose(lg, lg_want, rtol=2e-5, atol=2e-5)
+    np.testing.assert_array_equal(states["time_step"], [12, 12, 12])
+    # The pool holds exactly what the contiguous cache holds, page by page.
+    kc = cstates["decoder"]
+    leaf = (
+        (lambda t: t["self_attention"]["key"])
+        if stack != "loop"
+        else (lambda t: t["layer1"]["self_attention"]["key"])
+    )
+    got = (
+        jax.vmap(paged.gather_pages, in_axes=(0, None))(leaf(states["decoder"]), table)
+        if stack != "loop"
+        else paged.gather_pages(leaf(states["decoder"]), table)
+    )
+    np.testing.assert_allclose(
+        np.asarray(got)[..., :12, :, :], np.asarray(leaf(kc))[..., :12, :, :], atol=1e-5
+    )
+
+
+def test_logits_index_selects_steps():
+    model = tiny("scan").instantiate()
+    params = model.initialize_parameters_recursively(jax.random.key(1))
+    ids = jax.random.randint(jax.random.key(3), (2, 6), 0, VOCAB)
+    states = run(model, params, 2, 8, method="init_states")
+    _, full = run(model, params, states, ids, method="extend_step")
+    idx = jnp.asarray([[5], [2]])
+    _, some = run(model, params, states, ids, idx, method="extend_step")
+    assert some.shape == (2, 1, VOCAB)
+    np.testing.assert_allclose(some[:, 0], full[jnp.arange(2), idx[:, 0]], rtol=1e-6, atol=1e-6)
