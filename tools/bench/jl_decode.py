@@ -1,5 +1,5 @@
-"""jaxlearn decode through the inference `Engine` (continuous-batching scheduler, slot KV
-cache, fused decode bursts) on the ~60M Llama, greedy.
+"""jaxlearn decode through the inference `Engine` (continuous-batching scheduler, paged KV
+cache, batched prefill, fused decode bursts) on the ~60M Llama, greedy.
 
     python jl_decode.py --case latency --dtype f32      # prefill, per-token at B 1/4/16
     python jl_decode.py --case continuous --dtype bf16  # mixed prompt/output lengths
@@ -124,10 +124,10 @@ def main() -> None:
                        first_call_s=rnd(first))
             log(f"jaxlearn decode {args.dtype} B{b}: {row}")
             rows.append(row)
-        cache_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize
-                          for x in jax.tree.leaves(eng.runner.cache))
-        emit(**base, rows=rows, cache_bytes=cache_bytes, cache_len=eng.runner.cache_len,
-             min_window=getattr(eng.runner, "min_window", None))
+        r = eng.runner
+        emit(**base, rows=rows, cache_bytes=r.cache_bytes(), cache_len=r.max_len,
+             kv_pool_tokens=(r.num_pages - 1) * r.page_size, page_size=r.page_size,
+             min_window=r.min_window)
     else:
         prompts, outs, slots = continuous_workload(c["vocab"], quick=args.quick)
         eng = build_engine(c, args.dtype, max_batch=slots,

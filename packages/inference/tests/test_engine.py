@@ -20,30 +20,96 @@ def test_greedy_equals_cache_free_argmax(engine, length):
     assert res.finish_reason == "length" and res.prompt_ids == prompt
 
 
-def test_chunked_prefill_equals_full_prefill(engine, cfg, params):
-    prompt = POOL[1][:40]  # 16 + 16 + 8 (bucket 16)
+def test_chunked_batched_prefill_into_pages_equals_full_prefill(engine, cfg, params):
+    """Two prompts prefilled together in 16-token chunks into scattered pages: the pool
+    holds the keys/values of a one-shot contiguous prefill, and the sampled tokens are the
+    argmax of its last logits."""
+    from jaxlearn.layers import paged
+
     runner = engine.runner
-    slot, start, tok = 2, 0, None
-    while start < len(prompt):
-        chunk = np.asarray(prompt[start : start + 16], np.int32)
-        tok = runner.prefill_chunk(slot, chunk, start, 16, temperature=0.0, top_k=0,
-                                   top_p=1.0, penalty=1.0, seed=0)
-        start += len(chunk)
+    prompts = [POOL[1][:40], POOL[2][:23]]  # 16 + 16 + 8 and 16 + 7 tokens.
+    tables = np.zeros((2, runner.max_len // runner.page_size), np.int32)
+    tables[0, :3] = [9, 3, 14]
+    tables[1, :2] = [5, 11]
+    starts, toks = [0, 0], [None, None]
+    greedy = dict(temperature=[0.0], top_k=[0], top_p=[1.0], penalty=[1.0], seeds=[0], index=[0])
+    while any(s < len(p) for s, p in zip(starts, prompts)):
+        rows = [i for i in range(2) if starts[i] < len(prompts[i])]
+        chunks = [np.asarray(prompts[i][starts[i] : starts[i] + 16], np.int32) for i in rows]
+        out = runner.prefill(
+            slots=[2 + i for i in rows],
+            chunks=chunks,
+            starts=[starts[i] for i in rows],
+            tables=tables[rows],
+            bucket=16,
+            **{k: v * len(rows) for k, v in greedy.items()},
+        )
+        for i, c, t in zip(rows, chunks, out):
+            starts[i] += len(c)
+            toks[i] = int(t)
     model = engine.model
-    states, _ = functional(model, None, params, (1, 64), method="init_states",
-                           is_training=False)
-    (full, logits), _ = functional(model, None, params, (states, np.asarray([prompt])),
-                                   method="prefill", is_training=False)
-    assert tok == int(np.argmax(logits[0, -1]))
-    for name in ("key", "value"):
-        got = np.asarray(runner.cache["self_attention"][name])[:, slot, :40]
-        want = np.asarray(full["decoder"]["self_attention"][name])[:, 0, :40]
-        np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+    for i, prompt in enumerate(prompts):
+        states, _ = functional(
+            model, None, params, (1, 64), method="init_states", is_training=False
+        )
+        (full, logits), _ = functional(
+            model, None, params, (states, np.asarray([prompt])), method="prefill", is_training=False
+        )
+        assert toks[i] == int(np.argmax(logits[0, -1]))
+        for name in ("key", "value"):
+            pool = runner.pool["self_attention"][name]  # [layers, pages, page_size, ...]
+            got = jax.vmap(paged.gather_pages, in_axes=(0, None))(pool, tables[i : i + 1])
+            want = np.asarray(full["decoder"]["self_attention"][name])[:, 0, : len(prompt)]
+            np.testing.assert_allclose(
+                np.asarray(got)[:, 0, : len(prompt)], want, atol=2e-5, rtol=1e-5
+            )
+
+
+def test_small_pool_preempts_and_recomputes_with_identical_tokens(cfg, params, tok, engine):
+    """A pool of 80 tokens (5 pages of 16) for 4 slots of up to 64 tokens: requests hold
+    pages by their live length, the youngest is preempted when the pool runs out, and
+    every request still gets exactly the tokens it gets alone (greedy and seeded)."""
+    small = Engine(
+        cfg,
+        params,
+        tok,
+        max_seq_len=64,
+        max_batch=4,
+        prefill_chunk=16,
+        decode_burst=4,
+        page_size=16,
+        kv_cache_tokens=80,
+    )
+    # Pools of 5 + 1 and 16 + 1 pages (page 0 is scratch): memory follows the budget.
+    assert (small.runner.num_pages, engine.runner.num_pages) == (6, 17)
+    assert small.runner.cache_bytes() * 17 == engine.runner.cache_bytes() * 6
+    jobs = [
+        (POOL[0][:20], dict(max_new_tokens=30, ignore_eos=True)),
+        (POOL[1][:10], dict(max_new_tokens=25, temperature=0.9, seed=7, ignore_eos=True)),
+        (POOL[2][:30], dict(max_new_tokens=20, ignore_eos=True)),
+        (POOL[3][:5], dict(max_new_tokens=12, top_k=5, temperature=1.0, seed=3, ignore_eos=True)),
+    ]
+    alone = [engine.generate(p, **kw).tokens for p, kw in jobs]
+    reqs = [small.request(p, small.sampling_params(**kw)) for p, kw in jobs]
+    peak = 0
+    for r in reqs:
+        small.scheduler.submit(r)
+    while not all(r.done for r in reqs):
+        small.scheduler.step()
+        peak = max(peak, small.scheduler.pages.num_used)
+    assert [r.output.tokens for r in reqs] == alone
+    assert sum(r.preemptions for r in reqs) > 0 and peak <= 5
+    assert small.scheduler.pages.num_used == 0 and small.scheduler.pages.num_free == 5
+    assert small.metrics.counter_value("preemptions_total") == sum(r.preemptions for r in reqs)
+
+
+def test_pool_must_hold_one_full_request(cfg, params, tok):
+    with pytest.raises(ValueError, match="kv_cache_tokens"):
+        Engine(cfg, params, tok, max_seq_len=64, max_batch=2, kv_cache_tokens=48)
 
 
 def test_prefill_chunk_size_does_not_change_greedy(cfg, params, tok, engine):
-    other = Engine(cfg, params, tok, max_seq_len=64, max_batch=1, prefill_chunk=64,
-                   decode_burst=1)
+    other = Engine(cfg, params, tok, max_seq_len=64, max_batch=1, prefill_chunk=64, decode_burst=1)
     prompt = POOL[2][:37]
     a = other.generate(prompt, max_new_tokens=8, ignore_eos=True).tokens
     assert a == engine.generate(prompt, max_new_tokens=8, ignore_eos=True).tokens
@@ -75,9 +141,17 @@ def test_eos_stops_unless_ignored(engine):
     res = engine.generate(prompt, max_new_tokens=12, stop=cont[2], ignore_eos=True)
     assert res.tokens[-1] == cont[2]
     # Make the engine's EOS id the third greedy token: generation ends there.
-    eos = type("T", (), {"vocab_size": 64, "bos_id": 1, "eos_id": cont[2],
-                         "encode": engine.tokenizer.encode,
-                         "decode": engine.tokenizer.decode})()
+    eos = type(
+        "T",
+        (),
+        {
+            "vocab_size": 64,
+            "bos_id": 1,
+            "eos_id": cont[2],
+            "encode": engine.tokenizer.encode,
+            "decode": engine.tokenizer.decode,
+        },
+    )()
     old = engine.scheduler.tokenizer
     engine.scheduler.tokenizer = eos
     try:
@@ -103,11 +177,14 @@ def test_seeded_sampling_is_deterministic_and_batch_independent(engine):
     # Same request in a batch with other (greedy, top-k) requests: the same tokens.
     batch = engine.generate([p, POOL[6][:30], POOL[7][:3]], **kw)  # seeds 123, 124, 125
     assert batch[0].tokens == alone
-    reqs = [engine.request(q, engine.sampling_params(**k)) for q, k in [
-        (POOL[6][:30], dict(max_new_tokens=10, temperature=1.0, top_k=5, seed=1)),
-        (p, kw),
-        (POOL[7][:3], dict(max_new_tokens=4)),
-    ]]
+    reqs = [
+        engine.request(q, engine.sampling_params(**k))
+        for q, k in [
+            (POOL[6][:30], dict(max_new_tokens=10, temperature=1.0, top_k=5, seed=1)),
+            (p, kw),
+            (POOL[7][:3], dict(max_new_tokens=4)),
+        ]
+    ]
     for r in reqs:
         engine.scheduler.submit(r)
     while not all(r.done for r in reqs):
@@ -174,8 +251,15 @@ def test_bf16_engine(tok):
     from conftest import tiny_config, tiny_params
 
     cfg16 = tiny_config(dtype="bfloat16")
-    eng = Engine(cfg16, tiny_params(cfg16), tok, max_seq_len=64, max_batch=1,
-                 prefill_chunk=16, decode_burst=1)
+    eng = Engine(
+        cfg16,
+        tiny_params(cfg16),
+        tok,
+        max_seq_len=64,
+        max_batch=1,
+        prefill_chunk=16,
+        decode_burst=1,
+    )
     assert str(eng.runner.compute_dtype) == "bfloat16"
     a = eng.generate(POOL[0][:9], max_new_tokens=6, ignore_eos=True)
     b = eng.generate(POOL[0][:9], max_new_tokens=6, ignore_eos=True)
@@ -191,10 +275,18 @@ def test_hf_tokenizers_object_and_loaded_bundle(cfg, params, engine):
     raw = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     raw.pre_tokenizer = pre_tokenizers.Whitespace()
     assert isinstance(as_tokenizer(raw), HFTokenizer)
-    bundle = type("Loaded", (), {"tokenizer": raw, "eos_token_ids": (2,), "bos_token_id": 1,
-                                 "chat_template": None, "encode_chat": None})()
-    eng = Engine(cfg, params, bundle, max_seq_len=64, max_batch=1, prefill_chunk=16,
-                 decode_burst=4)
+    bundle = type(
+        "Loaded",
+        (),
+        {
+            "tokenizer": raw,
+            "eos_token_ids": (2,),
+            "bos_token_id": 1,
+            "chat_template": None,
+            "encode_chat": None,
+        },
+    )()
+    eng = Engine(cfg, params, bundle, max_seq_len=64, max_batch=1, prefill_chunk=16, decode_burst=4)
     tok = eng.tokenizer
     assert tok.encode("w5 w6 w7") == [5, 6, 7] and tok.eos_token_ids == (2,) and not eng.add_bos
     res = eng.generate("w5 w6 w7", max_new_tokens=6, ignore_eos=True)

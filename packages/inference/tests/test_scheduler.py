@@ -54,10 +54,54 @@ def test_continuous_batching_equals_alone(engine, reqs):
     assert sched.num_running == 0 and sched.num_waiting == 0
 
 
+@pytest.fixture(scope="module")
+def small_pool_engine(cfg, params, tok):
+    """4 slots of up to 64 tokens over a pool of 96 tokens (6 pages of 16)."""
+    from jaxlearn.inference import Engine
+
+    return Engine(
+        cfg,
+        params,
+        tok,
+        max_seq_len=64,
+        max_batch=4,
+        prefill_chunk=16,
+        decode_burst=4,
+        kv_cache_tokens=96,
+    )
+
+
+@settings(max_examples=12)
+@given(st.lists(request_st, min_size=2, max_size=7))
+def test_small_pool_with_preemption_equals_alone(engine, small_pool_engine, reqs):
+    """With a pool too small for the batch, requests are preempted and recomputed; each
+    still gets the tokens it gets alone on the big-pool engine, and no page leaks."""
+    sched = small_pool_engine.scheduler
+    made = []
+    for which, length, max_new, arrival, seed in reqs:
+        kw = dict(max_new_tokens=max_new + 20, ignore_eos=True)
+        if seed is not None:
+            kw.update(temperature=0.9, top_k=8, seed=seed)
+        made.append(
+            (arrival, small_pool_engine.request(POOL[which][:length], SamplingParams(**kw)))
+        )
+    pending = sorted(made, key=lambda x: x[0])
+    step = 0
+    while pending or not all(r.done for _, r in made):
+        while pending and pending[0][0] <= step:
+            sched.submit(pending.pop(0)[1])
+        sched.step()
+        step += 1
+        assert sched.pages.num_used <= 6
+    for (which, length, max_new, _, seed), (_, r) in zip(reqs, made):
+        assert tuple(r.output.tokens) == _alone(engine, which, length, max_new + 20, seed)
+    assert sched.pages.num_used == 0 and sched.num_running == 0
+
+
 def test_cancel_frees_slot_and_others_continue(engine):
     sched = engine.scheduler
     a = engine.request(POOL[0][:20], SamplingParams(max_new_tokens=10, ignore_eos=True))
-    b = engine.request(POOL[1][:5], SamplingParams(max_new_tokens=10, ignore_eos=True))
+    b = engine.request(POOL[1][:5], SamplingParams(max_new_tokens=30, ignore_eos=True))
     sched.submit(a)
     sched.submit(b)
     sched.step()
@@ -69,7 +113,7 @@ def test_cancel_frees_slot_and_others_continue(engine):
     assert sched.num_running == 1
     while not b.done:
         sched.step()
-    assert tuple(b.output.tokens) == _alone(engine, 1, 5, 10, None)
+    assert tuple(b.output.tokens) == _alone(engine, 1, 5, 30, None)
     # Cancelling a request still in the queue removes it.
     c = engine.request(POOL[2][:5], SamplingParams(max_new_tokens=3))
     sched.submit(c)
@@ -79,12 +123,21 @@ def test_cancel_frees_slot_and_others_continue(engine):
 
 
 def test_bounded_queue_and_slot_reuse(engine):
-    sched = Scheduler(engine.runner, engine.tokenizer, max_batch=2, max_seq_len=64,
-                      prefill_chunk=16, decode_burst=2, max_queue=2)
+    sched = Scheduler(
+        engine.runner,
+        engine.tokenizer,
+        max_batch=2,
+        max_seq_len=64,
+        prefill_chunk=16,
+        decode_burst=2,
+        max_queue=2,
+    )
     seen_slots = set()
     params = SamplingParams(max_new_tokens=3, ignore_eos=True)
-    reqs = [sched.make_request(POOL[i][:8], params, sink=lambda r, d: seen_slots.add(r.slot))
-            for i in range(5)]
+    reqs = [
+        sched.make_request(POOL[i][:8], params, sink=lambda r, d: seen_slots.add(r.slot))
+        for i in range(5)
+    ]
     sched.submit(reqs[0])
     sched.submit(reqs[1])
     with pytest.raises(QueueFullError):
@@ -127,21 +180,26 @@ def long_engine(cfg, params, tok):
     """256-token slots: calls see 64-, 128- or 256-position windows of the cache."""
     from jaxlearn.inference import Engine
 
-    return Engine(cfg, params, tok, max_seq_len=256, max_batch=3, prefill_chunk=32,
-                  decode_burst=4)
+    return Engine(cfg, params, tok, max_seq_len=256, max_batch=3, prefill_chunk=32, decode_burst=4)
 
 
 LONG = prompt_pool(n=3, length=250, seed=5)
 
 
 @settings(max_examples=8)
-@given(st.lists(st.tuples(st.integers(0, 2), st.integers(1, 200), st.integers(1, 40),
-                          st.integers(0, 30)), min_size=2, max_size=5))
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 2), st.integers(1, 200), st.integers(1, 40), st.integers(0, 30)),
+        min_size=2,
+        max_size=5,
+    )
+)
 def test_windows_follow_live_tokens_without_changing_results(long_engine, reqs):
     eng = long_engine
-    made = [(arrival, eng.request(LONG[w][:n], SamplingParams(max_new_tokens=m,
-                                                              ignore_eos=True)))
-            for w, n, m, arrival in reqs]
+    made = [
+        (arrival, eng.request(LONG[w][:n], SamplingParams(max_new_tokens=m, ignore_eos=True)))
+        for w, n, m, arrival in reqs
+    ]
     pending = sorted(made, key=lambda x: x[0])
     step = 0
     while pending or not all(r.done for _, r in made):
@@ -156,8 +214,7 @@ def test_windows_follow_live_tokens_without_changing_results(long_engine, reqs):
 
 @functools.lru_cache(maxsize=None)
 def _alone_long(eng, which, length, max_new):
-    return tuple(eng.generate(LONG[which][:length], max_new_tokens=max_new,
-                              ignore_eos=True).tokens)
+    return tuple(eng.generate(LONG[which][:length], max_new_tokens=max_new, ignore_eos=True).tokens)
 
 
 def test_window_sizes(long_engine):
@@ -171,4 +228,5 @@ def test_windowed_greedy_equals_cache_free_reference(long_engine, length, new):
 
     prompt = LONG[0][:length]
     assert list(_alone_long(long_engine, 0, length, new)) == reference_greedy(
-        long_engine, prompt, new)
+        long_engine, prompt, new
+    )

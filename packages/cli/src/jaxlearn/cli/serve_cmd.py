@@ -32,8 +32,13 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="override a field of the experiment config (jaxlearn checkpoints)")
     p.add_argument("--dtype", default=None, help="compute dtype, e.g. bfloat16 (HF / GGUF)")
     p.add_argument("--max_seq_len", type=int, default=2048, help="prompt + generated tokens")
-    p.add_argument("--max_batch", type=int, default=8, help="concurrent requests (slots)")
+    p.add_argument("--max_batch", type=int, default=8, help="most requests running at once")
     p.add_argument("--prefill_chunk", type=int, default=256, help="prompt tokens per chunk")
+    p.add_argument("--kv_cache_tokens", type=int, default=None,
+                   help="tokens the paged KV pool holds, all requests together (default "
+                        "max_batch x max_seq_len; smaller pools preempt the youngest request "
+                        "when live tokens exceed them)")
+    p.add_argument("--page_size", type=int, default=16, help="tokens per KV page")
 
 
 def add_parsers(sub: Any) -> None:
@@ -138,12 +143,16 @@ def _engine(args: argparse.Namespace, **extra: Any) -> Any:
     try:
         engine = load_model(args.model, experiment=args.experiment, overrides=args.overrides,
                             dtype=args.dtype, max_seq_len=args.max_seq_len,
-                            max_batch=args.max_batch, prefill_chunk=args.prefill_chunk, **extra)
+                            max_batch=args.max_batch, prefill_chunk=args.prefill_chunk,
+                            kv_cache_tokens=args.kv_cache_tokens, page_size=args.page_size,
+                            **extra)
     except (ValueError, RequestError, OSError) as e:
         raise UsageError(f"--model {args.model}: {e}") from None
+    r = engine.runner
     print(f"jaxlearn: loaded {args.model} in {time.monotonic() - t0:.1f}s (vocab "
-          f"{engine.vocab_size}, {engine.max_batch} slots x {engine.max_seq_len} tokens)",
-          file=sys.stderr)
+          f"{engine.vocab_size}, up to {engine.max_batch} requests x {engine.max_seq_len} "
+          f"tokens; KV pool {(r.num_pages - 1) * r.page_size} tokens = "
+          f"{r.cache_bytes() / 2**20:.0f} MiB)", file=sys.stderr)
     return engine
 
 

@@ -1,7 +1,9 @@
 """AOT compilation of the inference steps (prefill and one decode step) for `jaxlearn aot`.
 
-The same `CausalLM.prefill` / `extend_step` code the engine runs, lowered for the trainer's
-mesh with abstract (sharded) parameters, so the AOT report covers serving memory too.
+The same `CausalLM.prefill` / `extend_step` layer code the engine runs (here with a
+contiguous batch-sharded cache rather than the engine's replicated page pool), lowered
+for the trainer's mesh with abstract (sharded) parameters, so the AOT report covers
+serving memory too.
 The KV cache is sharded over the batch axes (whichever of its dims is the batch).
 """
 

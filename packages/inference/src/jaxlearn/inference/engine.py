@@ -94,14 +94,19 @@ def _is_prompt_list(prompt: Any) -> bool:
 
 
 class Engine:
-    """A model, its params, a tokenizer, a slot KV cache and a continuous-batching
+    """A model, its params, a tokenizer, a paged KV cache and a continuous-batching
     scheduler.
 
     mesh: optional `jax.sharding.Mesh`; params are placed per their logical axes and
         `axis_rules` (default INFERENCE_AXIS_RULES: the training rules with the batch
         replicated); the KV cache is replicated.
     max_seq_len: prompt + generated tokens per request.
-    max_batch: concurrent requests (KV-cache slots).
+    max_batch: most requests running at once.
+    page_size: tokens per KV page (power of two <= 64).
+    kv_cache_tokens: tokens the KV pool holds, all requests together (default max_batch x
+        max_seq_len: nobody is ever preempted). Smaller pools serve the same max_batch as
+        long as the live tokens fit, and preempt (recompute) the youngest request when
+        they do not; it must hold at least one max_seq_len request.
     prefill_chunk: prompt tokens per prefill chunk (power of two; clipped to max_seq_len).
     decode_burst: most decode steps fused into one jit call when nobody waits.
     max_queue: most requests waiting for a slot (beyond it: QueueFullError / HTTP 429).
@@ -124,6 +129,8 @@ class Engine:
         max_queue: int = 64,
         add_bos: Optional[bool] = None,
         model_name: str = "jaxlearn",
+        page_size: int = 16,
+        kv_cache_tokens: Optional[int] = None,
     ):
         if max_seq_len < 2 or max_batch < 1 or prefill_chunk < 1:
             raise ValueError(
@@ -147,7 +154,15 @@ class Engine:
         else:  # Host (numpy) params would be copied to the device on every call.
             params = jax.device_put(params)
         chunk = min(next_pow2(prefill_chunk), next_pow2(max_seq_len))
-        cache_len = -(-max_seq_len // chunk) * chunk
+        if page_size < 1 or page_size & (page_size - 1) or page_size > 64:
+            raise ValueError(f"Engine: page_size={page_size} must be a power of two <= 64")
+        max_len = -(-max_seq_len // page_size) * page_size
+        tokens = max_batch * max_len if kv_cache_tokens is None else int(kv_cache_tokens)
+        if tokens < max_len:
+            raise ValueError(
+                f"Engine: kv_cache_tokens={tokens} cannot hold one request of "
+                f"max_seq_len={max_seq_len} tokens"
+            )
         vocab = int(
             jax.eval_shape(
                 lambda p: self.model_logits_fn(p, np.zeros((1, 1), np.int32)), params
@@ -159,8 +174,10 @@ class Engine:
         self.runner = ModelRunner(
             self.model,
             params,
-            cache_batch=max_batch,
-            cache_len=cache_len,
+            num_slots=max_batch,
+            num_pages=-(-tokens // page_size) + 1,  # + page 0, which nobody owns.
+            page_size=page_size,
+            max_len=max_len,
             vocab_size=vocab,
             vocab_limit=min(tok_vocab, vocab),
             mesh=mesh,

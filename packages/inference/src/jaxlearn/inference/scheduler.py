@@ -1,26 +1,31 @@
-"""Continuous batching over a fixed set of KV-cache slots, with chunked prefill.
+"""Continuous batching over a paged KV cache, with chunked, batched prefill.
 
 Each `step()`:
   1. drops cancelled requests (a waiting one leaves the queue; a running one frees its
-     slot at once);
-  2. admits waiting requests (FIFO) into free slots, lowest slot first;
-  3. prefills: prompt chunks of at most `prefill_chunk` tokens, oldest request first,
-     about `prefill_chunk` tokens per step in all. A chunk covers cache positions
-     [k * prefill_chunk, ...), padded to a power-of-two bucket. The chunk that ends a
-     prompt also samples the request's first token;
-  4. decodes one token for every decoding slot, or, when nobody is waiting or
+     slot and pages at once);
+  2. admits waiting requests (FIFO) while a slot is free and the pool has pages for the
+     request's whole prompt (head-of-line: a request that does not fit blocks those
+     behind it, so none starves);
+  3. prefills: the next chunk (at most `prefill_chunk` tokens) of the oldest admitted
+     prompts, several requests in one call, padded to [rows, bucket] (powers of two)
+     with rows x bucket <= the step's prefill budget (`prefill_chunk` tokens while others
+     decode, `4 x prefill_chunk` when nobody does). The chunk that ends a prompt also
+     samples the request's first token;
+  4. decodes one token for every decoding request, or, when nobody is waiting or
      prefilling, a fused burst of up to `decode_burst` tokens (never more than any
-     running request still may produce, so no row overruns its limits);
+     running request still may produce). Before the call every row gets the pages its
+     new positions need; when the pool is short, the youngest running request is
+     *preempted*: its pages are freed and it goes back to the front of the queue, to be
+     prefilled again later from its prompt + the tokens it already produced
+     (recomputation, as vLLM does), continuing with the same sampling keys;
   5. turns new tokens into text deltas (`OutputState`) and hands them to each request's
-     sink; finished requests free their slot.
+     sink; finished requests free their slot and pages.
 
 So a long prompt is prefilled chunk by chunk between decode steps of the running
-requests instead of stalling them, and requests join and leave between steps.
-
-Memory is per slot: `max_batch` slots of `cache_len` positions each are allocated up
-front; a request holds one slot from admission to its end, whatever its length (no
-paging). Greedy outputs do not depend on the batch: every row is computed independently,
-and sampling keys depend only on (request seed, token index).
+requests instead of stalling them, requests join and leave between steps, and KV memory
+is held in pages by live tokens (`PageTable`). Greedy outputs do not depend on the
+batch: every row is computed independently, and sampling keys depend only on (request
+seed, token index).
 
 Thread model: `submit` and `cancel` may be called from any thread; `step` from one thread
 at a time (it takes `step_lock`).
@@ -40,11 +45,18 @@ import numpy as np
 from jaxlearn.inference.detokenize import Delta, OutputState
 from jaxlearn.inference.errors import QueueFullError, RequestError
 from jaxlearn.inference.metrics import Metrics
+from jaxlearn.inference.pages import PageTable
 from jaxlearn.inference.runner import ModelRunner, next_pow2
 from jaxlearn.inference.sampling import SamplingParams, batch_mode
 
 Sink = Callable[["Request", Delta], None]
 _ids = itertools.count()
+
+
+def _slot(req: "Request") -> int:
+    """The slot of a running request."""
+    assert req.slot is not None, req.request_id
+    return req.slot
 
 
 def eos_ids(tokenizer: Any) -> set[int]:
@@ -66,9 +78,12 @@ class Request:
     seed: int
     sink: Optional[Sink] = None
     request_id: str = dataclasses.field(default_factory=lambda: f"req-{next(_ids)}")
-    state: str = "waiting"  # waiting -> prefill -> decode -> done
+    state: str = "waiting"  # waiting -> prefill -> decode -> done (preempted: -> waiting)
     slot: Optional[int] = None
-    prefilled: int = 0
+    prefilled: int = 0  # Tokens of `context` in the cache.
+    context: list[int] = dataclasses.field(default_factory=list)  # Ids to prefill.
+    admitted: int = 0  # Admission order (the youngest is preempted first).
+    preemptions: int = 0
     cancelled: bool = False
     arrival: float = dataclasses.field(default_factory=time.monotonic)
     first_token_at: Optional[float] = None
@@ -84,12 +99,11 @@ class Request:
 
 
 class Scheduler:
-    """Slots, queue and the step loop (see module docstring).
+    """Slots, pages, queue and the step loop (see module docstring).
 
-    runner: the `ModelRunner` (its cache has >= max_batch slots of cache_len positions).
-    max_seq_len: prompt + generated tokens per request (<= runner.cache_len).
-    prefill_chunk: tokens per prefill chunk, a power of two; runner.cache_len must be a
-        multiple of it.
+    runner: the `ModelRunner` (its seen-mask has >= max_batch slots; its pool the pages).
+    max_seq_len: prompt + generated tokens per request (<= runner.max_len).
+    prefill_chunk: most tokens of one prompt per prefill call, a power of two.
     decode_burst: most fused decode steps per step() (1 disables fusing).
     max_queue: most waiting (not yet admitted) requests; beyond it `submit` raises
         QueueFullError.
@@ -108,13 +122,10 @@ class Scheduler:
         min_prefill_bucket: int = 16,
         metrics: Optional[Metrics] = None,
     ):
-        if prefill_chunk & (prefill_chunk - 1) or runner.cache_len % prefill_chunk:
-            raise ValueError(
-                f"prefill_chunk={prefill_chunk} must be a power of two dividing the cache "
-                f"length {runner.cache_len}"
-            )
-        if max_seq_len > runner.cache_len or max_batch > runner.cache_batch:
-            raise ValueError("Scheduler: max_seq_len / max_batch exceed the runner's cache")
+        if prefill_chunk < 1 or prefill_chunk & (prefill_chunk - 1):
+            raise ValueError(f"prefill_chunk={prefill_chunk} must be a power of two")
+        if max_seq_len > runner.max_len or max_batch > runner.num_slots:
+            raise ValueError("Scheduler: max_seq_len / max_batch exceed the runner's")
         self.runner = runner
         self.tokenizer = tokenizer
         self.max_batch = max_batch
@@ -124,16 +135,26 @@ class Scheduler:
         self.max_queue = max_queue
         self.min_prefill_bucket = min(min_prefill_bucket, prefill_chunk)
         self.metrics = metrics or Metrics()
+        self.pages = PageTable(
+            runner.num_pages, runner.page_size, max_batch, runner.max_len // runner.page_size
+        )
+        if self.pages.pages_for(max_seq_len) > runner.num_pages - 1:
+            raise ValueError(
+                f"the KV pool ({runner.num_pages - 1} pages of {runner.page_size} tokens) "
+                f"cannot hold one request of max_seq_len={max_seq_len} tokens"
+            )
         self.slots: list[Optional[Request]] = [None] * max_batch
         self.waiting: collections.deque[Request] = collections.deque()
         self.step_lock = threading.RLock()
         self._lock = threading.Lock()
         self._cancels: list[Request] = []
         self._wakeup = threading.Condition(self._lock)
+        self._admissions = itertools.count()
         m = self.metrics
         m.describe("requests_total", "Requests finished, by finish reason.")
-        m.describe("prompt_tokens_total", "Prompt tokens prefilled.")
+        m.describe("prompt_tokens_total", "Prompt tokens prefilled (recomputation included).")
         m.describe("generation_tokens_total", "Tokens generated.")
+        m.describe("preemptions_total", "Running requests sent back to the queue (pool full).")
         m.describe("time_to_first_token_seconds", "Arrival to first token.")
         m.describe("request_latency_seconds", "Arrival to last token.")
         m.describe("step_seconds", "Duration of one scheduler step.")
@@ -141,6 +162,8 @@ class Scheduler:
         m.gauge("requests_waiting", lambda: float(self.num_waiting))
         m.gauge("slots_total", lambda: float(self.max_batch))
         m.gauge("kv_cache_bytes", lambda: float(self.runner.cache_bytes()))
+        m.gauge("kv_pages_total", lambda: float(self.pages.num_pages - 1))
+        m.gauge("kv_pages_used", lambda: float(self.pages.num_used))
 
     # ---- queue side (any thread) ------------------------------------------------------
 
@@ -188,7 +211,7 @@ class Scheduler:
             stop=params.stop,
             stop_token_ids=sorted(stops),
         )
-        req = Request(ids, params, output, params.resolved_seed(), sink)
+        req = Request(ids, params, output, params.resolved_seed(), sink, context=list(ids))
         if request_id is not None:
             req.request_id = request_id
         return req
@@ -262,109 +285,141 @@ class Scheduler:
             for slot in range(self.max_batch):
                 if not self.waiting:
                     break
-                if self.slots[slot] is None:
-                    req = self.waiting.popleft()
-                    req.slot, req.state = slot, "prefill"
-                    self.slots[slot] = req
+                if self.slots[slot] is not None:
+                    continue
+                req = self.waiting[0]
+                if not self.pages.ensure(slot, len(req.context)):
+                    break  # Head of line waits for pages; nobody overtakes it.
+                self.waiting.popleft()
+                req.slot, req.state, req.prefilled = slot, "prefill", 0
+                req.admitted = next(self._admissions)
+                self.slots[slot] = req
+
+    def _bucket(self, n: int) -> int:
+        return min(self.prefill_chunk, max(self.min_prefill_bucket, next_pow2(n)))
 
     def _prefill(self) -> bool:
-        budget = self.prefill_chunk
-        used = 0
         pending = sorted(
             (r for r in self.slots if r is not None and r.state == "prefill"),
-            key=lambda r: r.arrival,
+            key=lambda r: r.admitted,
         )
+        if not pending:
+            return False
+        decoding = any(r is not None and r.state == "decode" for r in self.slots)
+        budget = self.prefill_chunk * (1 if decoding else 4)
+        batch: list[tuple[Request, list[int]]] = []
+        longest = 0
         for req in pending:
-            while req.state == "prefill":
-                chunk = req.prompt_ids[req.prefilled : req.prefilled + self.prefill_chunk]
-                if used and used + len(chunk) > budget:
-                    return True
-                self._prefill_chunk(req, chunk)
-                used += len(chunk)
-        return used > 0
-
-    def _prefill_chunk(self, req: Request, chunk: list[int]) -> None:
-        p = req.params
-        bucket = min(self.prefill_chunk, max(self.min_prefill_bucket, next_pow2(len(chunk))))
-        assert req.slot is not None
-        tok = self.runner.prefill_chunk(
-            req.slot,
-            np.asarray(chunk, np.int32),
-            req.prefilled,
-            bucket,
-            temperature=p.temperature,
-            top_k=p.top_k,
-            top_p=p.top_p,
-            penalty=p.repetition_penalty,
-            seed=req.seed,
+            chunk = req.context[req.prefilled : req.prefilled + self.prefill_chunk]
+            cost = next_pow2(len(batch) + 1) * self._bucket(max(longest, len(chunk)))
+            if batch and cost > budget:
+                break
+            batch.append((req, chunk))
+            longest = max(longest, len(chunk))
+        reqs = [r for r, _ in batch]
+        ps = [r.params for r in reqs]
+        slots = [_slot(r) for r in reqs]
+        toks = self.runner.prefill(
+            slots=slots,
+            chunks=[np.asarray(c, np.int32) for _, c in batch],
+            starts=[r.prefilled for r in reqs],
+            tables=self.pages.rows(slots),
+            bucket=self._bucket(longest),
+            temperature=[p.temperature for p in ps],
+            top_k=[p.top_k for p in ps],
+            top_p=[p.top_p for p in ps],
+            penalty=[p.repetition_penalty for p in ps],
+            seeds=[r.seed for r in reqs],
+            index=[r.num_generated for r in reqs],
         )
-        req.prefilled += len(chunk)
-        self.metrics.inc("prompt_tokens_total", len(chunk))
-        if req.prefilled == len(req.prompt_ids):
-            req.state = "decode"
-            req.first_token_at = time.monotonic()
-            self.metrics.observe("time_to_first_token_seconds", req.first_token_at - req.arrival)
-            self._emit(req, tok)
+        for (req, chunk), tok in zip(batch, toks):
+            req.prefilled += len(chunk)
+            self.metrics.inc("prompt_tokens_total", len(chunk))
+            if req.prefilled == len(req.context):
+                req.state = "decode"
+                if req.first_token_at is None:
+                    req.first_token_at = time.monotonic()
+                    self.metrics.observe(
+                        "time_to_first_token_seconds", req.first_token_at - req.arrival
+                    )
+                self._emit(req, int(tok))
+        return True
 
     def _room(self, req: Request) -> int:
         """Tokens `req` may still generate (its own limit and the sequence limit)."""
         total = len(req.prompt_ids) + req.num_generated
         return min(req.params.max_new_tokens - req.num_generated, self.max_seq_len - total)
 
+    @staticmethod
+    def _position(req: Request) -> int:
+        """Cache position of a decoding request's last token (written by the next step)."""
+        return len(req.prompt_ids) + req.num_generated - 1
+
+    def _preempt(self, req: Request) -> None:
+        """Frees `req`'s slot and pages and requeues it first, to be recomputed."""
+        assert req.slot is not None
+        self.pages.release(req.slot)
+        self.slots[req.slot] = None
+        req.slot, req.state, req.prefilled = None, "waiting", 0
+        req.context = req.prompt_ids + req.output.tokens
+        req.preemptions += 1
+        self.metrics.inc("preemptions_total")
+        with self._lock:
+            self.waiting.appendleft(req)
+
+    def _reserve(self, steps: int) -> list[Request]:
+        """Pages for `steps` more positions of every decoding request, oldest first,
+        preempting the youngest running requests while the pool is short. Returns the
+        decoding requests that hold their pages."""
+        while True:
+            running = sorted((r for r in self.slots if r is not None), key=lambda r: r.admitted)
+            decoding = [r for r in running if r.state == "decode"]
+            short = next(
+                (r for r in decoding if not self.pages.ensure(_slot(r), self._position(r) + steps)),
+                None,
+            )
+            if short is None:
+                return decoding
+            self._preempt(running[-1])
+
     def _decode(self) -> bool:
-        running = [r for r in self.slots if r is not None and r.state == "decode"]
-        if not running:
+        if not any(r is not None and r.state == "decode" for r in self.slots):
             return False
-        top = max(r.slot for r in running if r.slot is not None) + 1
-        rows = min(self.runner.cache_batch, next_pow2(top))
+        busy = bool(self.waiting) or any(r is not None and r.state == "prefill" for r in self.slots)
+        running = [r for r in self.slots if r is not None and r.state == "decode"]
         steps = 1
-        busy = bool(self.waiting) or any(
-            r is not None and r.state == "prefill" for r in self.slots
-        )
         if not busy and min(self._room(r) for r in running) >= self.decode_burst:
-            steps = self.decode_burst  # Only 1 or decode_burst: fewer compiled programs.
-        ids = np.zeros(rows, np.int32)
-        time_step = np.zeros(rows, np.int32)
-        active = np.zeros(rows, bool)
-        temperature = np.zeros(rows, np.float32)
-        top_k = np.zeros(rows, np.int32)
-        top_p = np.ones(rows, np.float32)
-        penalty = np.ones(rows, np.float32)
-        seeds = np.zeros(rows, np.uint32)
-        index = np.zeros(rows, np.int32)
-        for slot in range(rows):
-            r = self.slots[slot] if slot < self.max_batch else None
-            if r is None:
-                continue
-            if r.state == "prefill":  # Frozen at its next prefill position.
-                time_step[slot] = r.prefilled
-                continue
-            p = r.params
-            ids[slot] = r.output.tokens[-1]
-            time_step[slot] = len(r.prompt_ids) + r.num_generated - 1
-            active[slot] = True
-            temperature[slot], top_k[slot], top_p[slot] = p.temperature, p.top_k, p.top_p
-            penalty[slot], seeds[slot], index[slot] = p.repetition_penalty, r.seed, r.num_generated
+            burst = self.decode_burst
+            need = sum(
+                max(0, self.pages.pages_for(self._position(r) + burst) - self.pages.owned(_slot(r)))
+                for r in running
+            )
+            if need <= self.pages.num_free:  # A burst never preempts anybody.
+                steps = self.decode_burst  # Only 1 or decode_burst: fewer compiled programs.
+        rows = sorted(self._reserve(steps), key=lambda r: r.slot or 0)
+        if not rows:
+            return True
+        ps = [r.params for r in rows]
+        slots = [_slot(r) for r in rows]
         toks = self.runner.decode(
-            rows=rows,
             steps=steps,
-            mode=batch_mode([r.params for r in running]),
-            ids=ids,
-            time_step=time_step,
-            active=active,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            penalty=penalty,
-            seeds=seeds,
-            index=index,
+            mode=batch_mode(ps),
+            slots=slots,
+            tables=self.pages.rows(slots),
+            ids=[r.output.tokens[-1] for r in rows],
+            time_step=[self._position(r) for r in rows],
+            temperature=[p.temperature for p in ps],
+            top_k=[p.top_k for p in ps],
+            top_p=[p.top_p for p in ps],
+            penalty=[p.repetition_penalty for p in ps],
+            seeds=[r.seed for r in rows],
+            index=[r.num_generated for r in rows],
         )
-        for r in running:
+        for i, r in enumerate(rows):
             for k in range(steps):
                 if r.done:
                     break
-                assert r.slot is not None
-                self._emit(r, int(toks[k, r.slot]))
+                self._emit(r, int(toks[k, i]))
         return True
 
     def _emit(self, req: Request, token: int) -> None:
@@ -379,6 +434,7 @@ class Scheduler:
     def _finish(self, req: Request, delta: Delta) -> None:
         if req.slot is not None and self.slots[req.slot] is req:
             self.slots[req.slot] = None
+            self.pages.release(req.slot)
         req.slot, req.state = None, "done"
         self.metrics.inc("requests_total", reason=delta.finish_reason or "unknown")
         self.metrics.observe("request_latency_seconds", time.monotonic() - req.arrival)
