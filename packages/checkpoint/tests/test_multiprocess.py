@@ -1,5 +1,6 @@
 """Two processes x 4 CPU devices (jax.distributed on localhost): each writes its own
-shards and its own data-iterator state, commit waits for both, restore reshards across
+shards and its own data-iterator state (copied to host before save() returns, or on the
+commit thread with snapshot=False), commit waits for both, restore reshards across
 processes, damage is agreed on by both, and one process alone restores it all."""
 
 import os
@@ -36,8 +37,9 @@ WORKER = textwrap.dedent(
     ckpt = Checkpointer.default_config().set(directory=directory).instantiate()
     for step in (1, 2):
         state = {"w": put(W * step, P("data", "model")), "b": put(np.full(8, step, np.int32), P())}
+        # Step 2 copies to host on the commit thread (orbax's barriers: key-value ones).
         ckpt.save(step, state, data_iterator_state=f"proc{pid}-step{step}".encode(),
-                  config_text="model.dim: 32\\n", extra={"step": step})
+                  config_text="model.dim: 32\\n", extra={"step": step}, snapshot=step == 1)
     ckpt.wait_until_finished()
     assert ckpt.steps() == [1, 2], ckpt.steps()
     assert ckpt.read_metadata(2).data_iterator_state == f"proc{pid}-step2".encode()

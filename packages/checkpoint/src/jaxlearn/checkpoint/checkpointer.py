@@ -18,7 +18,7 @@ import dataclasses
 import json
 import logging
 import os
-import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
@@ -97,7 +97,11 @@ class Checkpointer(Configurable):
             restore_concurrent_gb=cfg.restore_concurrent_gb,
             use_compression=cfg.use_compression,
         )
-        self._thread: threading.Thread | None = None
+        # One long-lived commit thread: starting a thread per save waits for the OS to
+        # schedule it, which takes 0.1-0.2 s while the cores are busy training.
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-commit")
+        self._worker.submit(lambda: None).result()
+        self._thread: Future[None] | None = None
         self._error: BaseException | None = None
         self._deleter = garbage.Deleter()
         self._metrics_cache: dict[int, dict[str, float]] = {}
@@ -118,8 +122,18 @@ class Checkpointer(Configurable):
         data_iterator_state: Optional[DataIteratorState] = None,
         config_text: Optional[str] = None,
         metrics: Optional[dict[str, Any]] = None,
+        snapshot: bool = True,
     ) -> None:
-        """Starts saving `state` as `step`; returns once device->host copies are done.
+        """Starts saving `state` as `step`.
+
+        `snapshot=True`: returns once this process's shards are copied to host memory,
+        so the caller may donate or delete the arrays right after.
+        `snapshot=False`: the caller promises not to donate or delete the state's arrays
+        (e.g. the next train step is a non-donating variant); save() then only dispatches
+        the digests and returns: the device->host copy, the writes and the commit all run
+        on the background thread, which drops its references to the arrays once they
+        are on host. Breaking the promise fails the save (an error on the next save or
+        wait), never silently: the digests are dispatched before anything can donate.
 
         Waits first for the previous save (at most one in flight, so host memory holds at
         most one copy of this process's shards). Raises CheckpointSaveError if the
@@ -136,12 +150,14 @@ class Checkpointer(Configurable):
         if not named:
             raise ValueError(f"checkpoint step {step}: the state has no array leaves")
         specs = {p: leaf_spec(p, leaf) for p, leaf in named}
-        if data_iterator_state is not None and type(data_iterator_state) not in _ITER_SUFFIX:
-            raise TypeError("data_iterator_state must be bytes, str or a JSON dict")
+        sidecars = self._encode_sidecars(data_iterator_state, config_text)
         if multihost.process_index() == 0:
             self._root.mkdir(parents=True, exist_ok=True)
         prefix = multihost.unique_name(f"step{step}")
-        tmp = commit.prepare_tmp_dir(self._root, step, f"{prefix}_mkdir")
+        if snapshot:
+            commit.prepare_tmp_dir(self._root, step, f"{prefix}_mkdir")
+        else:
+            commit.check_new_step(self._root, step)
 
         device = [(p, leaf) for p, leaf in named if specs[p].kind == "jax"]
         pending_digests = digest.start_digests([leaf for _, leaf in device])
@@ -150,8 +166,6 @@ class Checkpointer(Configurable):
             for p, leaf in named
             if specs[p].kind != "jax"
         }
-        self._write_sidecars(tmp, data_iterator_state, config_text)
-        self._checkpointer().save(tmp / layout.STATE_DIR, args=ocp.args.PyTreeSave(state))
         pending = commit.PendingCommit(
             step=step,
             root=self._root,
@@ -163,17 +177,28 @@ class Checkpointer(Configurable):
             metrics=metric_values,
             barrier_prefix=prefix,
         )
-        self._thread = threading.Thread(
-            target=self._commit, args=(pending,), name=f"ckpt-commit-{step}"
-        )
-        self._thread.start()
+        unsaved: list[Any] = []
+        if snapshot:
+            # orbax returns once the device->host copies are done.
+            self._checkpointer().save(
+                pending.tmp_path / layout.STATE_DIR, args=ocp.args.PyTreeSave(state)
+            )
+        else:
+            unsaved.append(state)  # The commit thread takes it (and drops it) from here.
+        del state, named, device
+        self._thread = self._worker.submit(self._commit, pending, sidecars, unsaved)
         if not self.config.async_save:
             self._wait_commit()
 
-    def _write_sidecars(
-        self, tmp: Path, iter_state: Optional[DataIteratorState], config_text: Optional[str]
-    ) -> None:
+    @staticmethod
+    def _encode_sidecars(
+        iter_state: Optional[DataIteratorState], config_text: Optional[str]
+    ) -> dict[str, bytes]:
+        """{path relative to the step dir: bytes} of this process's sidecar files."""
+        out: dict[str, bytes] = {}
         if iter_state is not None:
+            if type(iter_state) not in _ITER_SUFFIX:
+                raise TypeError("data_iterator_state must be bytes, str or a JSON dict")
             if isinstance(iter_state, dict):
                 data = json.dumps(iter_state, sort_keys=True).encode()
             elif isinstance(iter_state, str):
@@ -181,23 +206,51 @@ class Checkpointer(Configurable):
             else:
                 data = bytes(iter_state)
             suffix = _ITER_SUFFIX[type(iter_state)]
-            path = layout.data_iter_file(tmp, multihost.process_index(), suffix)
-            layout.write_durable(path, data)
+            rel = layout.data_iter_file(Path(), multihost.process_index(), suffix)
+            out[rel.as_posix()] = data
         if config_text is not None and multihost.process_index() == 0:
-            layout.write_durable(tmp / layout.CONFIG_FILE, config_text.encode())
+            out[layout.CONFIG_FILE] = config_text.encode()
+        return out
 
     def _checkpointer(self) -> ocp.AsyncCheckpointer:
         if self._orbax is None:
+            # Key-value barriers (not device collectives) for orbax's own barriers too:
+            # with `snapshot=False` its save runs on the commit thread, next to training.
+            mp = ocp.options.MultiprocessingOptions(
+                active_processes=(
+                    set(range(multihost.process_count())) if multihost.process_count() > 1 else None
+                )
+            )
             handler = ocp.PyTreeCheckpointHandler(
                 save_concurrent_gb=self.config.save_concurrent_gb,
                 use_compression=self.config.use_compression,
+                multiprocessing_options=mp,
             )
-            self._orbax = ocp.AsyncCheckpointer(handler, timeout_secs=self.config.timeout_s)
+            self._orbax = ocp.AsyncCheckpointer(
+                handler, timeout_secs=self.config.timeout_s, multiprocessing_options=mp
+            )
         return self._orbax
 
-    def _commit(self, pending: commit.PendingCommit) -> None:
+    def _commit(
+        self, pending: commit.PendingCommit, sidecars: dict[str, bytes], unsaved: list[Any]
+    ) -> None:
+        """The background thread: (with `snapshot=False` first the tmp dir and the orbax
+        save, whose device->host copies run here), the sidecars, then the commit."""
         try:
-            self._checkpointer().wait_until_finished()
+            orbax = self._checkpointer()
+            if unsaved:
+                commit.prepare_tmp_dir(
+                    self._root,
+                    pending.step,
+                    f"{pending.barrier_prefix}_mkdir",
+                    background_timeout_s=self.config.timeout_s,
+                )
+                state = unsaved.pop()
+                orbax.save(pending.tmp_path / layout.STATE_DIR, args=ocp.args.PyTreeSave(state))
+                del state  # On host now: the device arrays may be freed.
+            for rel, data in sidecars.items():
+                layout.write_durable(pending.tmp_path / rel, data)
+            orbax.wait_until_finished()
             manifest = commit.finish(
                 pending,
                 hash_up_to_bytes=self.config.hash_files_up_to_bytes,
@@ -210,10 +263,12 @@ class Checkpointer(Configurable):
         except BaseException as e:  # Surfaced by the next save()/wait_until_finished().
             log.error("checkpoint step %d failed: %s", pending.step, e)
             self._error = e
+        finally:
+            unsaved.clear()
 
     def _wait_commit(self) -> None:
         if self._thread is not None:
-            self._thread.join()
+            self._thread.result()  # _commit never raises: it stores its error.
             self._thread = None
         if self._error is not None:
             error, self._error = self._error, None
@@ -231,6 +286,7 @@ class Checkpointer(Configurable):
             self._wait_commit()
         finally:
             self._closed = True
+            self._worker.shutdown(wait=True)
             self._deleter.close()
             if self._orbax is not None:
                 self._orbax.close()

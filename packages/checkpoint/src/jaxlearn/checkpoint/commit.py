@@ -59,18 +59,31 @@ class PendingCommit:
         return layout.step_dir(self.root, self.step)
 
 
-def prepare_tmp_dir(root: Path, step: int, barrier_name: str) -> Path:
-    """Step 1: P0 (re)creates `step_n.tmp/`; every process checks for a collision first."""
+def check_new_step(root: Path, step: int) -> None:
+    """Raises FileExistsError if `step` is already committed (or a step dir exists)."""
     final = layout.step_dir(root, step)
     if final.exists():
         raise FileExistsError(f"checkpoint step {step} already exists at {final}")
+
+
+def prepare_tmp_dir(
+    root: Path, step: int, barrier_name: str, *, background_timeout_s: float | None = None
+) -> Path:
+    """Step 1: P0 (re)creates `step_n.tmp/`; every process checks for a collision first.
+
+    On the training thread the barrier is a device collective; with
+    `background_timeout_s` (on the commit thread) it is the key-value barrier."""
+    check_new_step(root, step)
     tmp = layout.tmp_dir(root, step)
     if multihost.process_index() == 0:
         if tmp.exists():
             shutil.rmtree(tmp)
         (tmp / layout.DATA_ITER_DIR).mkdir(parents=True)
         layout.fsync_dir(root)
-    multihost.foreground_barrier(barrier_name)
+    if background_timeout_s is None:
+        multihost.foreground_barrier(barrier_name)
+    else:
+        multihost.background_barrier(barrier_name, background_timeout_s)
     return tmp
 
 
