@@ -1,5 +1,5 @@
 """jaxlearn.inference: inference on the training layers: engine (prefill / extend_step
-with a slot KV cache), sampling, continuous-batching scheduler, OpenAI-compatible server.
+with a paged KV cache), sampling, continuous-batching scheduler, OpenAI-compatible server.
 
 See packages/inference/README.md.
 """
@@ -13,6 +13,7 @@ from jaxlearn.inference.errors import (
     RequestError,
 )
 from jaxlearn.inference.metrics import Metrics
+from jaxlearn.inference.pages import PageTable
 from jaxlearn.inference.runner import ModelRunner
 from jaxlearn.inference.sampling import SamplingParams, sample_tokens
 from jaxlearn.inference.scheduler import Request, Scheduler
@@ -36,6 +37,7 @@ __all__ = [
     "MissingDependencyError",
     "ModelRunner",
     "OutputState",
+    "PageTable",
     "QueueFullError",
     "Request",
     "RequestError",
