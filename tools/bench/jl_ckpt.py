@@ -1,9 +1,12 @@
 """Checkpoint costs on the real 60M Llama training state (params + AdamW state, f32).
 
-1. In a training loop through the real Trainer step: the time `Checkpointer.save` blocks
-   the loop (device->host copies; the write and commit run in a background thread) and
-   the steps that overlap the background write; separately, save + commit with nothing
-   else running (the write throughput). The first (set-up) save is reported on its own.
+1. In a training loop through the real Trainer step, as `Trainer.run` does it: the time
+   `Checkpointer.save(..., snapshot=False)` blocks the loop (the step after a save is the
+   non-donating variant, so the device->host copy, the write and the commit all run on
+   the checkpointer's background thread) and the steps that overlap the background
+   write; separately, save + commit with nothing else running (the write throughput,
+   digests included). The first (set-up) save is reported on its own, and one save with
+   `snapshot=True` (copy to host before returning) for reference.
 2. Restore time of that state (verification on).
 3. The raw disk write bandwidth (numpy + fsync) in the same process, and the reused
    packages/checkpoint/bench/bench_checkpoint.py on a state of the same size.
@@ -51,16 +54,19 @@ def main() -> None:
     abstract_batch = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), batch)
     step_fn = trainer.compile_train_step(abstract_batch)
+    keep_fn = trainer.compile_train_step(abstract_batch, donate=False)
     state = trainer.init_state()
     nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
 
-    def run_steps(n: int) -> list[float]:
+    def run_steps(n: int, after_save: bool = False) -> list[float]:
         nonlocal state
         out = []
         with jax.set_mesh(trainer.mesh):
-            for _ in range(n):
+            for i in range(n):
                 t0 = time.perf_counter()
-                state, summ = step_fn(state, batch)
+                # Like Trainer.run: the step after a save does not donate the saved state.
+                fn = keep_fn if after_save and i == 0 else step_fn
+                state, summ = fn(state, batch)
                 float(summ["loss"])
                 out.append(time.perf_counter() - t0)
         return out
@@ -70,25 +76,42 @@ def main() -> None:
                                              keep_last_n=1).instantiate()
     # The first save sets orbax up (thread pools, directories): reported on its own.
     t0 = time.perf_counter()
-    ckpt.save(0, state)
+    ckpt.save(0, state, snapshot=False)
     first_blocking = time.perf_counter() - t0
+    run_steps(1, after_save=True)
     ckpt.wait_until_finished()
+    first_commit = time.perf_counter() - t0
     base, blocking, overlapped, commit = [], [], [], []
     for r in range(args.repeats):
         # (a) In the loop: how long save() blocks, and the steps run during the write.
         base += run_steps(args.steps)
         t0 = time.perf_counter()
-        ckpt.save(2 * r + 1, state, metrics={"loss": 0.0})
+        ckpt.save(2 * r + 1, state, metrics={"loss": 0.0}, snapshot=False)
         blocking.append(time.perf_counter() - t0)
-        overlapped += run_steps(args.steps)
+        overlapped += run_steps(args.steps, after_save=True)
         ckpt.wait_until_finished()
         # (b) Write throughput: save and wait for the commit, nothing else running.
         t0 = time.perf_counter()
-        ckpt.save(2 * r + 2, state, metrics={"loss": 0.0})
+        ckpt.save(2 * r + 2, state, metrics={"loss": 0.0}, snapshot=False)
         ckpt.wait_until_finished()
         commit.append(time.perf_counter() - t0)
         log(f"save {r}: blocking {blocking[-1]:.3f}s, committed in {commit[-1]:.2f}s")
-    last_step = 2 * args.repeats
+    # For reference: the copy-before-return path (any caller that donates afterwards).
+    run_steps(1)
+    t0 = time.perf_counter()
+    ckpt.save(2 * args.repeats + 1, state, metrics={"loss": 0.0})
+    snapshot_blocking = time.perf_counter() - t0
+    ckpt.wait_until_finished()
+    last_step = 2 * args.repeats + 1
+    # The digest pass alone (part of every commit; on this CPU a big part).
+    from jaxlearn.checkpoint import digest as digest_lib
+
+    leaves = [x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)]
+    digest_s = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        digest_lib.fetch_digests(digest_lib.start_digests(leaves))
+        digest_s.append(time.perf_counter() - t0)
     step_s = med(base)
     on_disk = sum(f.stat().st_size for f in (root / "ckpt").rglob("*") if f.is_file())
 
@@ -134,7 +157,8 @@ def main() -> None:
     emit(bench="ckpt", framework="jaxlearn", version=jax.__version__, dtype=args.dtype,
          state_bytes=nbytes, on_disk_bytes=on_disk, step_s=rnd(step_s),
          step_s_during_write=rnd(med(overlapped)), save_blocking_s=rnd(med(blocking)),
-         first_save_blocking_s=rnd(first_blocking),
+         first_save_blocking_s=rnd(first_blocking), first_save_commit_s=rnd(first_commit),
+         save_blocking_snapshot_s=rnd(snapshot_blocking), digest_s=rnd(min(digest_s)),
          save_blocking_all=[rnd(x) for x in blocking],
          blocking_frac_of_step=rnd(med(blocking) / step_s, 3),
          overlap_slowdown_s=rnd(sum(overlapped) / args.repeats - sum(base) / args.repeats),

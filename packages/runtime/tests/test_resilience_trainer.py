@@ -160,7 +160,9 @@ def test_disk_full_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     assert int(trainer.final_state["step"]) == 12
 
 
-def test_disk_full_in_foreground_write(tmp_path, monkeypatch):
+def test_disk_full_writing_iterator_state(tmp_path, monkeypatch):
+    # The Trainer saves with snapshot=False: the data-iterator file is written on the
+    # commit thread, so the failure surfaces at the next save, naming the failed step.
     real = ckpt_layout.write_durable
 
     def full_disk(path, data):
@@ -169,8 +171,11 @@ def test_disk_full_in_foreground_write(tmp_path, monkeypatch):
         return real(path, data)
 
     monkeypatch.setattr(ckpt_layout, "write_durable", full_disk)
-    with pytest.raises(CheckpointSaveFailed, match="step 3 .*the disk is full.*no earlier"):
+    match = r"background save .*the disk is full .*step_00000003\.tmp.*no earlier"
+    with pytest.raises(CheckpointSaveFailed, match=match):
         _run(tmp_path / "fg", "", monkeypatch, eval_every_n_steps=0)
+    assert Checkpointer.default_config().set(
+        directory=str(tmp_path / "fg" / "checkpoints")).instantiate().steps() == []
 
 
 def test_checkpoint_of_another_model_is_refused_and_nothing_written(tmp_path, monkeypatch):

@@ -3,12 +3,15 @@
 For step n, on every process (P0 = process 0):
   foreground (inside `Checkpointer.save`, on the training thread)
     1. every process checks that `step_n` does not exist yet;
-       P0 removes a stale `step_n.tmp/` and creates it; barrier.
+       [snapshot=True only:] P0 removes a stale `step_n.tmp/` and creates it; barrier.
     2. device digests are dispatched (not awaited); host leaves are digested.
-    3. each process writes its own data-iterator state file; P0 writes config.txt.
-    4. orbax `AsyncCheckpointer.save(step_n.tmp/state)`: returns when device->host
-       copies are done; each process then writes only its own shards in the background.
-  background (the commit thread, at most one in flight)
+    3. [snapshot=True only:] orbax `AsyncCheckpointer.save(step_n.tmp/state)`: returns
+       when device->host copies are done; each process then writes only its own shards
+       in the background.
+  background (the commit thread, at most one save in flight)
+    3'. [snapshot=False only:] the tmp dir of 1 (key-value barrier), then the orbax save
+       of 3, whose device->host copies run here (the caller does not donate the arrays).
+    4. each process writes its own data-iterator state file; P0 writes config.txt.
     5. wait for orbax: all processes' shards written, orbax's own barriers passed.
     6. fetch the digests; barrier "written".
     7. P0: fsync, inventory every file (sizes, sha256 of small files), write

@@ -1,5 +1,10 @@
 """The SPMD trainer: one jitted, sharded, donated train step in a loop.
 
+Checkpoints cost the loop almost nothing: the step right after a save runs a non-donating
+variant of the same step, so the saved state's device buffers stay valid and the
+checkpointer can copy them to host on its background thread (`save(..., snapshot=False)`)
+instead of blocking the loop for the copy.
+
 State = {"params", "opt_state", "prng_key", "step"} (+ "ema"), sharded per the mesh and
 the logical axis rules. The model is any `jaxlearn.module.Module` whose `forward(batch)`
 returns `(loss, metrics)`; auxiliary losses (MoE) are the model's to add. The trainer does
@@ -10,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from typing import Any, Optional, Sequence
 
@@ -89,6 +95,10 @@ class Trainer(Configurable):
         self._check_batch_size()
         self.state_shardings = self._state_shardings()
         self._train_step: Any = None
+        # The non-donating variant (the step after a save) and the thread compiling it.
+        self._keep_step: Any = None
+        self._keep_compile: Optional[threading.Thread] = None
+        self._keep_compile_error: Optional[BaseException] = None
         self._eval_step: Any = None
         self.compiled_flops: Optional[float] = None
 
@@ -253,13 +263,15 @@ class Trainer(Configurable):
         new_state = dict(state, **new, prng_key=key, step=state["step"] + 1)
         return new_state, summaries
 
-    def compile_train_step(self, batch_abstract: Any) -> Any:
-        """AOT-compiles the train step for the abstract state and batch."""
+    def compile_train_step(self, batch_abstract: Any, *, donate: bool = True) -> Any:
+        """AOT-compiles the train step for the abstract state and batch. `donate=False`:
+        the same computation without donating the input state (its buffers stay valid,
+        e.g. while a checkpoint of it is still being copied to host)."""
         fn = jax.jit(
             self._step,
             in_shardings=(self.state_shardings, self.batch_sharding),
             out_shardings=(self.state_shardings, self._replicated),
-            donate_argnums=(0,),
+            donate_argnums=(0,) if donate else (),
         )
         state = self.abstract_state()  # Outside the mesh: it may have no local devices.
         with jax.set_mesh(self.mesh), self._logical():
@@ -314,6 +326,7 @@ class Trainer(Configurable):
                 with open(os.path.join(cfg.output_dir, "config.txt"), "w") as f:
                     f.write(to_flat_text(cfg))
             step = start
+            keep_input = False  # The previous step's state is being saved: do not donate it.
             tokens_per_step = None
             t_last, steps_since = time.monotonic(), 0
             guard.loop_started(start)
@@ -328,10 +341,17 @@ class Trainer(Configurable):
                 if self._train_step is None:
                     with guard.span("compile"):
                         self._train_step = self._compile(batch)
+                        if checkpointer is not None:
+                            self._start_keep_compile(batch)
                     t_last = time.monotonic()
                 tokens_per_step = int(np.prod(batch["input_ids"].shape))
+                step_fn = self._train_step
+                if keep_input:
+                    with guard.span("compile"):
+                        step_fn = self._keep_step_fn(batch)
+                    keep_input = False
                 with jax.set_mesh(self.mesh):
-                    state, summaries = guard.train_step(self._train_step, state, batch, step + 1)
+                    state, summaries = guard.train_step(step_fn, state, batch, step + 1)
                 step += 1
                 steps_since += 1
                 state, summaries = guard.after_step(step, state, summaries)
@@ -361,9 +381,13 @@ class Trainer(Configurable):
                 if checkpointer is not None and (
                     step % cfg.save_every_n_steps == 0 or step == cfg.max_step
                 ):
+                    # snapshot=False: the next step does not donate `state`, so the
+                    # checkpointer copies it to host in the background.
                     state = guard.save(checkpointer, step, state,
                                        data_iterator_state=data.get_state(),
-                                       config_text=to_flat_text(cfg), metrics=last)
+                                       config_text=to_flat_text(cfg), metrics=last,
+                                       snapshot=False)
+                    keep_input = True
             guard.finish()
             if checkpointer is not None:
                 checkpointer, pending = None, checkpointer
@@ -396,6 +420,36 @@ class Trainer(Configurable):
             cost = cost[0] if cost else {}
         self.compiled_flops = float(cost.get("flops", 0.0)) if cost else None
         return compiled
+
+    def _start_keep_compile(self, batch: Any) -> None:
+        """Compiles the non-donating step on a thread, while the first steps run (it is
+        first needed after the first save)."""
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), batch
+        )
+
+        def work() -> None:
+            try:
+                self._keep_step = self.compile_train_step(abstract, donate=False)
+            except BaseException as e:  # Raised on the training thread when needed.
+                self._keep_compile_error = e
+
+        self._keep_compile = threading.Thread(target=work, name="compile-keep-step",
+                                              daemon=True)
+        self._keep_compile.start()
+
+    def _keep_step_fn(self, batch: Any) -> Any:
+        """The non-donating step (waits for its compilation if still running)."""
+        if self._keep_step is None and self._keep_compile is None:
+            self._start_keep_compile(batch)
+        if self._keep_compile is not None:
+            self._keep_compile.join()
+            self._keep_compile = None
+        if self._keep_compile_error is not None:
+            error, self._keep_compile_error = self._keep_compile_error, None
+            raise TrainerError(f"compiling the non-donating train step failed: {error}") \
+                from error
+        return self._keep_step
 
     def _mfu(self, step_time: float) -> Optional[float]:
         peak = self.config.peak_flops_per_device
