@@ -58,7 +58,8 @@ def test_chunked_batched_prefill_into_pages_equals_full_prefill(engine, cfg, par
         assert toks[i] == int(np.argmax(logits[0, -1]))
         for name in ("key", "value"):
             pool = runner.pool["self_attention"][name]  # [layers, pages, page_size, ...]
-            got = jax.vmap(paged.gather_pages, in_axes=(0, None))(pool, tables[i : i + 1])
+            gather = jax.vmap(paged.gather_pages, in_axes=(0, None, None))
+            got = gather(pool, tables[i : i + 1], np.float32)
             want = np.asarray(full["decoder"]["self_attention"][name])[:, 0, : len(prompt)]
             np.testing.assert_allclose(
                 np.asarray(got)[:, 0, : len(prompt)], want, atol=2e-5, rtol=1e-5

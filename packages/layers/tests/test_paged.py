@@ -30,18 +30,25 @@ def test_write_then_gather_matches_numpy(seed, steps, dtype):
     b, pages, num_pages = 3, 4, 16
     # Distinct pages per row (page 0 reserved), as an allocator hands them out.
     table = rng.permutation(np.arange(1, num_pages))[: b * pages].reshape(b, pages)
-    pool = rng.normal(size=(2, num_pages, PS, 2, 3)).astype(np.float32)  # [layers, ...]
-    pool = np.asarray(jnp.asarray(pool, dtype))
+    values = jnp.asarray(rng.normal(size=(2, num_pages, PS, 2, 3)), dtype)  # [layers, ...]
+    store = paged.storage_dtype(dtype)
+    assert store == (jnp.uint16 if dtype == "bfloat16" else jnp.float32)
+    pool = jax.lax.bitcast_convert_type(values, store) if store == jnp.uint16 else values
     t = rng.integers(0, pages * PS - steps + 1, size=b)
-    new = np.asarray(jnp.asarray(rng.normal(size=(2, b, steps, 2, 3)), dtype))
-    got = paged.write_pages(jnp.asarray(pool), jnp.asarray(new), jnp.asarray(t), table)
-    want = pool.copy()
+    new = jnp.asarray(rng.normal(size=(2, b, steps, 2, 3)), dtype)
+    got = pool
+    for layer in range(2):  # Stacked pools, written one layer at a time (as a scan does).
+        got = paged.write_pages(got, new[layer], jnp.asarray(t), table, jnp.int32(layer))
+    assert got.dtype == store
+    got_values = jax.lax.bitcast_convert_type(got, dtype) if store == jnp.uint16 else got
+    want = np.asarray(values).copy()
     for r in range(b):
         for s in range(steps):
             pos = t[r] + s
-            want[:, table[r, pos // PS], pos % PS] = new[:, r, s]
-    np.testing.assert_array_equal(np.asarray(got), want)  # Bit-exact, bf16 included.
-    window = paged.gather_pages(got[1], jnp.asarray(table))  # [b, pages * PS, 2, 3]
+            want[:, table[r, pos // PS], pos % PS] = np.asarray(new)[:, r, s]
+    np.testing.assert_array_equal(np.asarray(got_values), want)  # Bit-exact, bf16 included.
+    window = paged.gather_pages(got, jnp.asarray(table), dtype, jnp.int32(1))  # [b, pages*PS, ..]
+    assert window.dtype == jnp.dtype(dtype)
     for r in range(b):
         np.testing.assert_array_equal(
             np.asarray(window[r]), want[1, table[r]].reshape(pages * PS, 2, 3)
@@ -103,9 +110,11 @@ def test_paged_decode_equals_contiguous_cache(stack, kw):
         else (lambda t: t["layer1"]["self_attention"]["key"])
     )
     got = (
-        jax.vmap(paged.gather_pages, in_axes=(0, None))(leaf(states["decoder"]), table)
+        jax.vmap(paged.gather_pages, in_axes=(0, None, None))(
+            leaf(states["decoder"]), table, jnp.float32
+        )
         if stack != "loop"
-        else paged.gather_pages(leaf(states["decoder"]), table)
+        else paged.gather_pages(leaf(states["decoder"]), table, jnp.float32)
     )
     np.testing.assert_allclose(
         np.asarray(got)[..., :12, :, :], np.asarray(leaf(kc))[..., :12, :, :], atol=1e-5

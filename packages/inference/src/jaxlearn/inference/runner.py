@@ -373,4 +373,9 @@ class ModelRunner:
 
     @functools.cached_property
     def compute_dtype(self) -> Any:
-        return jax.tree.leaves(self.pool)[0].dtype
+        """The dtype of the KV entries (the model's compute dtype; a 16-bit pool stores
+        their bits as uint16)."""
+        shapes = jax.eval_shape(
+            lambda p: _call(self.model, p, "init_states", (1, self.page_size)), self.params
+        )
+        return jax.tree.leaves(shapes["decoder"])[0].dtype

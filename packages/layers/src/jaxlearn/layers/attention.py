@@ -155,7 +155,7 @@ class Attention(Module):
 
     def init_paged_states(self, num_pages: int, page_size: int) -> KVCache:
         """An empty page pool: key/value [num_pages, page_size, kv_heads, head_dim] (see
-        `jaxlearn.layers.paged`)."""
+        `jaxlearn.layers.paged`; 16-bit compute dtypes are stored as uint16 bits)."""
         args = (num_pages, page_size, self.num_kv_heads, self.head_dim, self.dtype)
         return {"key": paged.init_pool(*args), "value": paged.init_pool(*args)}
 
@@ -179,22 +179,23 @@ class Attention(Module):
         time_step: jax.Array,
         positions: Optional[jax.Array] = None,
         page_table: Optional[jax.Array] = None,
+        layer_index: Optional[jax.Array] = None,
     ) -> tuple[KVCache, jax.Array]:
         """Appends x [batch, steps, embed] at cache slot `time_step` ([batch] or scalar int)
         and attends over the cache. Returns (cache, y [batch, steps, embed]).
 
-        With `page_table` [batch, pages], `cache` is a page pool (`init_paged_states`),
-        read-only here: the call attends over the rows' pages (positions
-        [0, pages * page_size)) and returns this call's entries {"key", "value":
-        [batch, steps, kv_heads, head_dim]} in place of the cache, for the owner of the
-        pool to write with `paged.write_pages` (one scatter for every layer)."""
-        if page_table is not None:
-            window = {k: paged.gather_pages(v, page_table) for k, v in cache.items()}
-            y, (k, v) = self._attention(
-                x, positions=positions, cache=window, time_step=time_step, return_new=True
-            )
-            return {"key": k, "value": v}, y
-        y, kv_cache = self._attention(x, positions=positions, cache=cache, time_step=time_step)
+        With `page_table` [batch, pages], `cache` is a page pool (`init_paged_states`; with
+        `layer_index`, pools stacked [layers, ...] of which this layer uses one): this
+        call's keys/values are written into the rows' pages first, then the rows' windows
+        (positions [0, pages * page_size)) are gathered and attended over."""
+        y, kv_cache = self._attention(
+            x,
+            positions=positions,
+            cache=cache,
+            time_step=time_step,
+            page_table=page_table,
+            layer_index=layer_index,
+        )
         return kv_cache, y
 
     # ---- shared implementation ------------------------------------------------------------
@@ -229,12 +230,13 @@ class Attention(Module):
         segment_ids: Optional[jax.Array] = None,
         cache: Optional[KVCache] = None,
         time_step: Optional[jax.Array] = None,
-        return_new: bool = False,
+        page_table: Optional[jax.Array] = None,
+        layer_index: Optional[jax.Array] = None,
     ) -> tuple[jax.Array, Any]:
-        """The one code path of forward / prefill (cache=None) and extend_step (cache set).
+        """The one code path of forward / prefill (cache=None) and extend_step (cache set,
+        contiguous or paged).
 
-        Returns (y [batch, seq, embed], (k, v) of this call, or the updated cache unless
-        `return_new`)."""
+        Returns (y [batch, seq, embed], (k, v) of this call, or the updated cache)."""
         c = self.config
         x = x.astype(self.dtype)
         b, s, _ = x.shape
@@ -259,9 +261,19 @@ class Attention(Module):
                 kv_segment_ids=segment_ids,
             )
         else:
-            k_all = _write(cache["key"], k, time_step)
-            v_all = _write(cache["value"], v, time_step)
-            extra = (k, v) if return_new else {"key": k_all, "value": v_all}
+            if page_table is None:
+                k_all = _write(cache["key"], k, time_step)
+                v_all = _write(cache["value"], v, time_step)
+                extra = {"key": k_all, "value": v_all}
+            else:  # Write first: the gather then depends on the write (no pool copy).
+                extra = {
+                    name: paged.write_pages(cache[name], new, t, page_table, layer_index)
+                    for name, new in (("key", k), ("value", v))
+                }
+                k_all, v_all = (
+                    paged.gather_pages(extra[name], page_table, self.dtype, layer_index)
+                    for name in ("key", "value")
+                )
             mask = make_mask(
                 q_index,
                 jnp.arange(k_all.shape[1], dtype=jnp.int32),

@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 
 from jaxlearn.config import REQUIRED, InstantiableConfig
-from jaxlearn.layers import paged
 from jaxlearn.layers.dense import Linear
 from jaxlearn.layers.embedding import Embedding
 from jaxlearn.layers.norm import RMSNorm
@@ -100,14 +99,12 @@ class Decoder(Module):
         """input_ids [batch, steps] written at slot `time_step` [batch] ->
         (cache, logits [batch, steps, vocab]).
 
-        page_table [batch, pages]: `cache` is a paged pool (`init_paged_states`); the layers
-        read it and this method writes every layer's new entries with one scatter.
+        page_table [batch, pages]: `cache` is a paged pool (`init_paged_states`; see
+        `jaxlearn.layers.paged`).
         logits_index [batch, k]: only the logits of those steps, [batch, k, vocab] (e.g. the
         last prompt token of a prefill chunk: the LM head is a large share of a chunk)."""
         x = self.emb(input_ids)
-        out, x = self.transformer.extend_step(cache, x, time_step, positions, page_table)
-        if page_table is not None:
-            out = paged.write_tree(cache, out, time_step, page_table)
+        cache, x = self.transformer.extend_step(cache, x, time_step, positions, page_table)
         if logits_index is not None:
             x = jnp.take_along_axis(x, logits_index[..., None].astype(jnp.int32), axis=1)
-        return out, self._logits(x)
+        return cache, self._logits(x)

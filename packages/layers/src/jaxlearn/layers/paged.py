@@ -17,13 +17,15 @@ layers' entries with one `write_pages` after the stack has run. (Passing the poo
 a scanned stack and back would copy the whole pool on every call; a read-only pool and
 one scatter at the end cost O(window + new tokens).)
 
-16-bit pools are gathered and scattered as uint16: XLA:CPU otherwise runs bf16
-gathers/scatters through an f32 copy of the operand.
+A 16-bit float pool is stored as its raw bits (uint16; `init_pool`), and only the
+gathered windows and the new entries are bitcast: XLA:CPU runs bf16 gathers/scatters
+through an f32 copy of the operand, and a bitcast of the whole pool before a scatter is
+materialised (a full copy of every layer's pool per decode step).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -31,25 +33,42 @@ import jax.numpy as jnp
 Array = jax.Array
 
 
-def _bits(x: Array) -> Array:
-    return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype.itemsize == 2 else x
+def storage_dtype(dtype: Any) -> Any:
+    """The pool dtype for entries of `dtype`: uint16 for 16-bit floats, else dtype."""
+    dtype = jnp.dtype(dtype)
+    return (
+        jnp.dtype(jnp.uint16)
+        if dtype.itemsize == 2 and jnp.issubdtype(dtype, jnp.floating)
+        else dtype
+    )
 
 
-def _unbits(x: Array, dtype: Any) -> Array:
-    return jax.lax.bitcast_convert_type(x, dtype) if jnp.dtype(dtype).itemsize == 2 else x
+def _to_storage(x: Array, pool_dtype: Any) -> Array:
+    if jnp.dtype(pool_dtype) == jnp.uint16 and x.dtype != jnp.uint16:
+        return jax.lax.bitcast_convert_type(x, jnp.uint16)
+    return x.astype(pool_dtype)
 
 
 def init_pool(num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype: Any) -> Array:
-    """An empty pool [num_pages, page_size, kv_heads, head_dim]."""
-    return jnp.zeros((num_pages, page_size, kv_heads, head_dim), dtype)
+    """An empty pool [num_pages, page_size, kv_heads, head_dim] for entries of `dtype`
+    (stored as `storage_dtype(dtype)`)."""
+    return jnp.zeros((num_pages, page_size, kv_heads, head_dim), storage_dtype(dtype))
 
 
-def gather_pages(pool: Array, page_table: Array) -> Array:
-    """pool [num_pages, page_size, ...], page_table [batch, pages] ->
-    the rows' windows [batch, pages * page_size, ...] in position order."""
+def gather_pages(
+    pool: Array, page_table: Array, dtype: Any, layer: Optional[Array] = None
+) -> Array:
+    """pool [num_pages, page_size, ...] (or [layers, num_pages, ...] with `layer`, a
+    scalar index), page_table [batch, pages] -> the rows' windows
+    [batch, pages * page_size, ...] in position order, as `dtype`."""
     b, n = page_table.shape
-    pages = jnp.take(_bits(pool), page_table, axis=0, mode="clip")  # [b, n, ps, ...]
-    return _unbits(pages.reshape(b, n * pool.shape[1], *pool.shape[2:]), pool.dtype)
+    if layer is not None:
+        pool = pool[layer]
+    pages = jnp.take(pool, page_table, axis=0, mode="clip")  # [b, n, ps, ...]
+    window = pages.reshape(b, n * pool.shape[1], *pool.shape[2:])
+    if pool.dtype == jnp.uint16 and jnp.dtype(dtype) != jnp.uint16:
+        return jax.lax.bitcast_convert_type(window, dtype)
+    return window.astype(dtype)
 
 
 def page_slots(
@@ -63,22 +82,19 @@ def page_slots(
     return page, pos % page_size
 
 
-def write_pages(pool: Array, new: Array, time_step: Array, page_table: Array) -> Array:
-    """Writes new [..., batch, steps, ...] at positions time_step [batch] + [0, steps) of
-    each row into pool [..., num_pages, page_size, ...] (the same leading axes, e.g.
-    [layers]). Rows whose positions share a page slot (only ever page 0) write in an
-    unspecified order."""
-    lead = pool.ndim - 4
-    b, s = new.shape[lead], new.shape[lead + 1]
+def write_pages(
+    pool: Array, new: Array, time_step: Array, page_table: Array, layer: Optional[Array] = None
+) -> Array:
+    """Writes new [batch, steps, ...] (the entries' dtype; stored as the pool's) at
+    positions time_step [batch] + [0, steps) of each row into pool [num_pages,
+    page_size, ...] (or into layer `layer` of pools stacked [layers, num_pages, ...]).
+    Rows whose positions share a page slot (only ever page 0) write in an unspecified
+    order."""
+    b, s = new.shape[:2]
     if page_table.shape[0] != b:
         raise ValueError(f"write_pages: {b} rows of entries but a page table of {page_table.shape}")
-    page, offset = page_slots(page_table, time_step, s, pool.shape[lead + 1])
-    flat = _bits(pool).reshape(-1, *pool.shape[lead:])  # [L, num_pages, page_size, ...]
-    vals = _bits(new.astype(pool.dtype)).reshape(-1, b, s, *new.shape[lead + 2 :])
-    out = flat.at[:, page, offset].set(vals, mode="promise_in_bounds")
-    return _unbits(out.reshape(pool.shape), pool.dtype)
-
-
-def write_tree(cache: Any, entries: Any, time_step: Array, page_table: Array) -> Any:
-    """`write_pages` over matching trees of pools and entries."""
-    return jax.tree.map(lambda p, e: write_pages(p, e, time_step, page_table), cache, entries)
+    ps = pool.shape[1] if layer is None else pool.shape[2]
+    page, offset = page_slots(page_table, time_step, s, ps)
+    vals = _to_storage(new, pool.dtype)
+    index = (page, offset) if layer is None else (layer, page, offset)
+    return pool.at[index].set(vals, mode="promise_in_bounds")

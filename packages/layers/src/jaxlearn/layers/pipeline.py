@@ -50,7 +50,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxlearn.config import REQUIRED, ConfigBase, replace_config
-from jaxlearn.layers.transformer import BaseStack, ScanStack, stacked
+from jaxlearn.layers.transformer import BaseStack, ScanStack, paged_scan, stacked
 from jaxlearn.module import (
     Module,
     ModuleError,
@@ -405,9 +405,11 @@ class PipelineStack(BaseStack):
         page_table: Optional[Array] = None,
     ) -> tuple[Any, Array]:
         """Not pipelined: every layer in order over the whole batch (module docstring)."""
+        if page_table is not None:
+            return paged_scan(self._scan_all, cache, x, time_step, positions, page_table)
 
         def step(layer: Module, h: Array, layer_cache: Any) -> tuple[Array, Any]:
-            new_cache, h = layer.extend_step(layer_cache, h, time_step, positions, page_table)
+            new_cache, h = layer.extend_step(layer_cache, h, time_step, positions)
             return h, new_cache
 
         x, cache = self._scan_all(step, x, cache)

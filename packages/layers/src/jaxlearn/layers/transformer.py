@@ -96,16 +96,33 @@ class TransformerLayer(Module):
         time_step: Array,
         positions: Optional[Array] = None,
         page_table: Optional[Array] = None,
+        layer_index: Optional[Array] = None,
     ) -> tuple[Any, Array]:
-        """(cache, or with `page_table` this call's KV entries (see `paged`), x)."""
+        """(cache, x); `page_table` / `layer_index`: a paged cache (see `paged`)."""
         attn = self.self_attention
         kv, x = self._block(
             x,
             lambda h: attn.extend_step(
-                cache["self_attention"], h, time_step, positions, page_table
+                cache["self_attention"], h, time_step, positions, page_table, layer_index
             ),
         )
         return {"self_attention": kv}, x
+
+
+def paged_scan(
+    scan: Any, pools: Any, x: Array, time_step: Array, positions: Any, page_table: Array
+) -> tuple[Any, Array]:
+    """A scanned stack's paged extend_step: `scan(fn, carry, xs)` over the layers with the
+    stacked pools in the carry and the layer index as xs."""
+    num_layers = jax.tree.leaves(pools)[0].shape[0]
+
+    def step(layer: Module, carry: Any, index: Array) -> tuple[Any, None]:
+        h, pools = carry
+        pools, h = layer.extend_step(pools, h, time_step, positions, page_table, index)
+        return (h, pools), None
+
+    (x, pools), _ = scan(step, (x, pools), jnp.arange(num_layers))
+    return pools, x
 
 
 def stacked(tree: Any, num_layers: int) -> Any:
@@ -255,10 +272,13 @@ class ScanStack(BaseStack):
         positions: Optional[Array] = None,
         page_table: Optional[Array] = None,
     ) -> tuple[Any, Array]:
-        """(cache, or with `page_table` the layers' KV entries stacked [layers, ...], x)."""
+        """(cache, x). With `page_table` the stacked pools ride in the scan carry and each
+        layer writes / reads its own `layer_index` (see `jaxlearn.layers.paged`)."""
+        if page_table is not None:
+            return paged_scan(self._scan, cache, x, time_step, positions, page_table)
 
         def step(layer: Module, h: Array, layer_cache: Any) -> tuple[Array, Any]:
-            new_cache, h = layer.extend_step(layer_cache, h, time_step, positions, page_table)
+            new_cache, h = layer.extend_step(layer_cache, h, time_step, positions)
             return h, new_cache
 
         x, cache = self._scan(step, x, cache)
