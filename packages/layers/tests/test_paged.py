@@ -131,3 +131,35 @@ def test_logits_index_selects_steps():
     _, some = run(model, params, states, ids, idx, method="extend_step")
     assert some.shape == (2, 1, VOCAB)
     np.testing.assert_allclose(some[:, 0], full[jnp.arange(2), idx[:, 0]], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("stack", ["loop", "scan"])
+def test_decode_loop_updates_the_pool_in_place(stack):
+    """A donated pool through a scanned multi-step decode (what the engine compiles) is
+    never copied: no copy of a pool-shaped buffer in the compiled HLO (XLA did copy every
+    layer's pool per step when the read and the write did not depend on each other)."""
+    import re
+
+    from jax import lax
+
+    cfg = llama_config(VOCAB, DIM, 2, 4, 2, 24, stack=stack, rope_theta=100.0, dtype="bfloat16")
+    model = cfg.instantiate()
+    params = model.initialize_parameters_recursively(jax.random.key(0))
+    pools = run(model, params, 40, PS, method="init_paged_states")["decoder"]
+    table = jnp.asarray(np.arange(1, 17).reshape(4, 4), jnp.int32)
+
+    def decode(params, pools, ids, t):
+        def body(carry, _):
+            pools, ids, t = carry
+            states = {"decoder": pools, "time_step": t, "page_table": table}
+            states, lg = run(model, params, states, ids[:, None], method="extend_step")
+            return (states["decoder"], jnp.argmax(lg[:, 0], -1).astype(jnp.int32), t + 1), None
+
+        return lax.scan(body, (pools, ids, t), None, length=4)[0][0]
+
+    args = (params, pools, jnp.zeros(4, jnp.int32), jnp.full(4, 10, jnp.int32))
+    text = jax.jit(decode, donate_argnums=1).lower(*args).compile().as_text()
+    leaf = jax.tree.leaves(pools)[0]
+    assert leaf.dtype == jnp.uint16  # bf16 entries stored as bits.
+    shape = ",".join(map(str, leaf.shape))
+    assert not re.search(rf"= u16\[{shape}\]\{{[^}}]*\}} copy\(", text)
