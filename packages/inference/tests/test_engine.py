@@ -57,9 +57,10 @@ def test_chunked_batched_prefill_into_pages_equals_full_prefill(engine, cfg, par
         )
         assert toks[i] == int(np.argmax(logits[0, -1]))
         for name in ("key", "value"):
-            pool = runner.pool["self_attention"][name]  # [layers, pages, page_size, ...]
-            gather = jax.vmap(paged.gather_pages, in_axes=(0, None, None))
-            got = gather(pool, tables[i : i + 1], np.float32)
+            pool = runner.pool["self_attention"][name]  # [layers, pages, *page]
+            layout = {"key": "kdt", "value": "ktd"}[name]
+            gather = jax.vmap(paged.gather_pages, in_axes=(0, None, None, None, None))
+            got = gather(pool, tables[i : i + 1], np.float32, None, layout)
             want = np.asarray(full["decoder"]["self_attention"][name])[:, 0, : len(prompt)]
             np.testing.assert_allclose(
                 np.asarray(got)[:, 0, : len(prompt)], want, atol=2e-5, rtol=1e-5

@@ -24,42 +24,46 @@ def run(model, params, *args, method):
     seed=st.integers(0, 2**16),
     steps=st.integers(1, 5),
     dtype=st.sampled_from(["float32", "bfloat16"]),
+    layout=st.sampled_from(paged.LAYOUTS),
 )
-def test_write_then_gather_matches_numpy(seed, steps, dtype):
+def test_write_then_gather_matches_numpy(seed, steps, dtype, layout):
     rng = np.random.default_rng(seed)
     b, pages, num_pages = 3, 4, 16
     # Distinct pages per row (page 0 reserved), as an allocator hands them out.
     table = rng.permutation(np.arange(1, num_pages))[: b * pages].reshape(b, pages)
-    values = jnp.asarray(rng.normal(size=(2, num_pages, PS, 2, 3)), dtype)  # [layers, ...]
+    # Logical pools [layers, pages, t, k, d], stored in `layout` order.
+    values = jnp.asarray(rng.normal(size=(2, num_pages, PS, 2, 3)), dtype)
+    order = (0, 1, *(2 + "tkd".index(c) for c in layout))
+    stored = jnp.transpose(values, order)
     store = paged.storage_dtype(dtype)
     assert store == (jnp.uint16 if dtype == "bfloat16" else jnp.float32)
-    pool = jax.lax.bitcast_convert_type(values, store) if store == jnp.uint16 else values
+    pool = jax.lax.bitcast_convert_type(stored, store) if store == jnp.uint16 else stored
+    assert pool.shape[2:] == paged.init_pool(1, PS, 2, 3, dtype, layout).shape[1:]
     t = rng.integers(0, pages * PS - steps + 1, size=b)
     new = jnp.asarray(rng.normal(size=(2, b, steps, 2, 3)), dtype)
     got = pool
     for layer in range(2):  # Stacked pools, written one layer at a time (as a scan does).
-        got = paged.write_pages(got, new[layer], jnp.asarray(t), table, jnp.int32(layer))
-    assert got.dtype == store
-    got_values = jax.lax.bitcast_convert_type(got, dtype) if store == jnp.uint16 else got
+        got = paged.write_pages(got, new[layer], jnp.asarray(t), table, jnp.int32(layer), layout)
+    assert got.dtype == store and got.shape == pool.shape
     want = np.asarray(values).copy()
     for r in range(b):
         for s in range(steps):
             pos = t[r] + s
             want[:, table[r, pos // PS], pos % PS] = np.asarray(new)[:, r, s]
-    np.testing.assert_array_equal(np.asarray(got_values), want)  # Bit-exact, bf16 included.
-    window = paged.gather_pages(got, jnp.asarray(table), dtype, jnp.int32(1))  # [b, pages*PS, ..]
-    assert window.dtype == jnp.dtype(dtype)
-    for r in range(b):
-        np.testing.assert_array_equal(
-            np.asarray(window[r]), want[1, table[r]].reshape(pages * PS, 2, 3)
-        )
+    for layer in range(2):  # Bit-exact, bf16 included.
+        window = paged.gather_pages(got, jnp.asarray(table), dtype, jnp.int32(layer), layout)
+        assert window.dtype == jnp.dtype(dtype)
+        for r in range(b):
+            np.testing.assert_array_equal(
+                np.asarray(window[r]), want[layer, table[r]].reshape(pages * PS, 2, 3)
+            )
 
 
 def test_positions_past_the_table_write_page_zero_only():
     pool = jnp.zeros((5, PS, 1, 1))
     table = jnp.asarray([[3, 4], [1, 2]])
     new = jnp.ones((2, 2, 1, 1))
-    out = np.asarray(paged.write_pages(pool, new, jnp.asarray([7, 8]), table))
+    out = np.asarray(paged.write_pages(pool, new, jnp.asarray([7, 8]), table))  # "tkd"
     assert out[4, 3].sum() == 1  # Row 0 position 7 -> page 4 slot 3; position 8 -> page 0.
     assert out[0].sum() >= 1 and out[[1, 2, 3]].sum() == 0  # Row 1: both past the end.
 
@@ -109,12 +113,14 @@ def test_paged_decode_equals_contiguous_cache(stack, kw):
         if stack != "loop"
         else (lambda t: t["layer1"]["self_attention"]["key"])
     )
+
+    def gather(pool):  # Keys are stored in "kdt" pages.
+        return paged.gather_pages(pool, table, jnp.float32, layout="kdt")
+
     got = (
-        jax.vmap(paged.gather_pages, in_axes=(0, None, None))(
-            leaf(states["decoder"]), table, jnp.float32
-        )
+        jax.vmap(gather)(leaf(states["decoder"]))
         if stack != "loop"
-        else paged.gather_pages(leaf(states["decoder"]), table, jnp.float32)
+        else gather(leaf(states["decoder"]))
     )
     np.testing.assert_allclose(
         np.asarray(got)[..., :12, :, :], np.asarray(leaf(kc))[..., :12, :, :], atol=1e-5

@@ -23,6 +23,9 @@ from jaxlearn.module import FanAxes, Module, ParameterSpec, with_logical_constra
 
 IMPLEMENTATIONS = ("einsum", "dot_product_attention")
 _NEG = float(jnp.finfo(jnp.float32).min)
+# Pages of keys [kv_heads, head_dim, page_size], of values [kv_heads, page_size, head_dim]:
+# the layouts `_core`'s two einsums read them in (see `jaxlearn.layers.paged`).
+_PAGE_LAYOUT = {"key": "kdt", "value": "ktd"}
 KVCache = dict[str, jax.Array]  # {"key", "value": [batch, max_len, kv_heads, head_dim]}
 
 
@@ -154,10 +157,11 @@ class Attention(Module):
         return {"key": jnp.zeros(shape, self.dtype), "value": jnp.zeros(shape, self.dtype)}
 
     def init_paged_states(self, num_pages: int, page_size: int) -> KVCache:
-        """An empty page pool: key/value [num_pages, page_size, kv_heads, head_dim] (see
-        `jaxlearn.layers.paged`; 16-bit compute dtypes are stored as uint16 bits)."""
+        """An empty page pool: key [num_pages, kv_heads, head_dim, page_size], value
+        [num_pages, kv_heads, page_size, head_dim] (see `jaxlearn.layers.paged`; 16-bit
+        compute dtypes are stored as uint16 bits)."""
         args = (num_pages, page_size, self.num_kv_heads, self.head_dim, self.dtype)
-        return {"key": paged.init_pool(*args), "value": paged.init_pool(*args)}
+        return {name: paged.init_pool(*args, layout=_PAGE_LAYOUT[name]) for name in _PAGE_LAYOUT}
 
     def prefill(
         self,
@@ -267,11 +271,15 @@ class Attention(Module):
                 extra = {"key": k_all, "value": v_all}
             else:  # Write first: the gather then depends on the write (no pool copy).
                 extra = {
-                    name: paged.write_pages(cache[name], new, t, page_table, layer_index)
+                    name: paged.write_pages(
+                        cache[name], new, t, page_table, layer_index, _PAGE_LAYOUT[name]
+                    )
                     for name, new in (("key", k), ("value", v))
                 }
                 k_all, v_all = (
-                    paged.gather_pages(extra[name], page_table, self.dtype, layer_index)
+                    paged.gather_pages(
+                        extra[name], page_table, self.dtype, layer_index, _PAGE_LAYOUT[name]
+                    )
                     for name in ("key", "value")
                 )
             mask = make_mask(

@@ -49,23 +49,46 @@ def _to_storage(x: Array, pool_dtype: Any) -> Array:
     return x.astype(pool_dtype)
 
 
-def init_pool(num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype: Any) -> Array:
-    """An empty pool [num_pages, page_size, kv_heads, head_dim] for entries of `dtype`
-    (stored as `storage_dtype(dtype)`)."""
-    return jnp.zeros((num_pages, page_size, kv_heads, head_dim), storage_dtype(dtype))
+# Page layouts: the order of (t = position in the page, k = kv head, d = head dim) inside
+# a page. The attention's QK^T wants keys as [.., k, d, t] and its PV values as
+# [.., k, t, d]; pages stored that way make the window's transpose a copy of contiguous
+# runs (16-64 elements) instead of an element-wise transpose of the last two dims.
+LAYOUTS = ("tkd", "kdt", "ktd")
+_TO_LOGICAL = {"tkd": (0, 1, 2, 3, 4), "kdt": (0, 1, 4, 2, 3), "ktd": (0, 1, 3, 2, 4)}
+
+
+def _page_shape(page_size: int, kv_heads: int, head_dim: int, layout: str) -> tuple[int, ...]:
+    dims = {"t": page_size, "k": kv_heads, "d": head_dim}
+    if layout not in LAYOUTS:
+        raise ValueError(f"page layout {layout!r} is not one of {LAYOUTS}")
+    return tuple(dims[c] for c in layout)
+
+
+def init_pool(
+    num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype: Any, layout: str = "tkd"
+) -> Array:
+    """An empty pool [num_pages, *page] (page: `layout` order of page_size, kv_heads,
+    head_dim) for entries of `dtype` (stored as `storage_dtype(dtype)`)."""
+    shape = (num_pages, *_page_shape(page_size, kv_heads, head_dim, layout))
+    return jnp.zeros(shape, storage_dtype(dtype))
 
 
 def gather_pages(
-    pool: Array, page_table: Array, dtype: Any, layer: Optional[Array] = None
+    pool: Array,
+    page_table: Array,
+    dtype: Any,
+    layer: Optional[Array] = None,
+    layout: str = "tkd",
 ) -> Array:
-    """pool [num_pages, page_size, ...] (or [layers, num_pages, ...] with `layer`, a
-    scalar index), page_table [batch, pages] -> the rows' windows
-    [batch, pages * page_size, ...] in position order, as `dtype`."""
+    """pool [num_pages, *page] (or [layers, num_pages, *page] with `layer`, a scalar
+    index), page_table [batch, pages] -> the rows' windows [batch, pages * page_size,
+    kv_heads, head_dim] in position order, as `dtype`."""
     b, n = page_table.shape
     if layer is not None:
         pool = pool[layer]
-    pages = jnp.take(pool, page_table, axis=0, mode="clip")  # [b, n, ps, ...]
-    window = pages.reshape(b, n * pool.shape[1], *pool.shape[2:])
+    pages = jnp.take(pool, page_table, axis=0, mode="clip")  # [b, n, *page]
+    pages = jnp.transpose(pages, _TO_LOGICAL[layout])  # [b, n, t, k, d]
+    window = pages.reshape(b, n * pages.shape[2], *pages.shape[3:])
     if pool.dtype == jnp.uint16 and jnp.dtype(dtype) != jnp.uint16:
         return jax.lax.bitcast_convert_type(window, dtype)
     return window.astype(dtype)
@@ -83,18 +106,28 @@ def page_slots(
 
 
 def write_pages(
-    pool: Array, new: Array, time_step: Array, page_table: Array, layer: Optional[Array] = None
+    pool: Array,
+    new: Array,
+    time_step: Array,
+    page_table: Array,
+    layer: Optional[Array] = None,
+    layout: str = "tkd",
 ) -> Array:
-    """Writes new [batch, steps, ...] (the entries' dtype; stored as the pool's) at
-    positions time_step [batch] + [0, steps) of each row into pool [num_pages,
-    page_size, ...] (or into layer `layer` of pools stacked [layers, num_pages, ...]).
+    """Writes new [batch, steps, kv_heads, head_dim] (the entries' dtype; stored as the
+    pool's) at positions time_step [batch] + [0, steps) of each row into pool
+    [num_pages, *page] (or into layer `layer` of pools stacked [layers, num_pages, *page]).
     Rows whose positions share a page slot (only ever page 0) write in an unspecified
     order."""
     b, s = new.shape[:2]
     if page_table.shape[0] != b:
         raise ValueError(f"write_pages: {b} rows of entries but a page table of {page_table.shape}")
-    ps = pool.shape[1] if layer is None else pool.shape[2]
+    page_dims = pool.shape[-3:]
+    ps = page_dims[layout.index("t")]
     page, offset = page_slots(page_table, time_step, s, ps)
+    # Index (page, t) in the page's layout; the other two page dims are sliced. Numpy
+    # rules put the [batch, steps] index dims first, so the target is [b, s, k, d].
+    index: list[Any] = [page] + [offset if c == "t" else slice(None) for c in layout]
+    if layer is not None:
+        index = [layer] + index
     vals = _to_storage(new, pool.dtype)
-    index = (page, offset) if layer is None else (layer, page, offset)
-    return pool.at[index].set(vals, mode="promise_in_bounds")
+    return pool.at[tuple(index)].set(vals, mode="promise_in_bounds")
