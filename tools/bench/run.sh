@@ -62,5 +62,8 @@ make_venv "$TVENV" "$TORCH_REQS"
 PYTHONPATH="$(printf '%s:' "$ROOT"/packages/*/src)$HERE:${PYTHONPATH:-}"
 export PYTHONPATH
 export BENCH_JAX_PYTHON="$JVENV/bin/python" BENCH_TORCH_PYTHON="$TVENV/bin/python"
+# The same glibc malloc settings as tools/jaxlearn, for both sides (tools/malloc_env.sh).
+# shellcheck source=tools/malloc_env.sh
+. "$ROOT/tools/malloc_env.sh"
 cd "$ROOT"
 exec "$JVENV/bin/python" "$HERE/suite.py" "$@"

@@ -106,7 +106,9 @@ class Runner:
         rec.update(self.meta, group=group, side=side, script=script, argv=[str(x) for x in argv],
                    idle_before=round(idle, 3), waited_s=round(waited, 1),
                    load_before=round(load0, 2), proc_wall_s=round(time.time() - t0, 1),
-                   returncode=rc, ok=rc == 0 and "bench" in rec)
+                   returncode=rc, ok=rc == 0 and "bench" in rec,
+                   malloc_env={k: v for k, v in penv.items()
+                               if k.startswith("MALLOC_") or k == "GLIBC_TUNABLES"})
         if not rec["ok"]:
             rec["stderr_tail"] = err[-2000:]
         with open(RESULTS / f"{group}.jsonl", "a") as f:
