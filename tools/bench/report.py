@@ -254,8 +254,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                     plot_dec[dtype].append((b, jm, tm))
         md.append("### Decode (greedy, prompt 128, 64 new tokens; per token = "
                   "(t(1+64) − t(1)) / 64)\n")
-        md.append("jaxlearn: the inference `Engine` (continuous-batching scheduler, slot KV "
-                  "cache, fused 8-step decode bursts). torch: HF `generate` (dynamic KV "
+        md.append("jaxlearn: the inference `Engine` (continuous-batching scheduler, paged KV "
+                  "cache, batched prefill, fused 8-step decode bursts). torch: HF `generate` (dynamic KV "
                   "cache). bf16 = bf16 weights and compute on both sides. The bandwidth "
                   "share is (matmul weight bytes + KV window bytes) / measured read "
                   "bandwidth / step time.\n")
