@@ -183,3 +183,19 @@ def test_batch_mode():
     assert batch_mode([g, s]) == "sample"
     assert batch_mode([g, s, f]) == "filter"
     assert batch_mode([SamplingParams(top_k=3)]) == "greedy"
+
+
+@given(st.integers(0, 2**16), st.integers(1, 5))
+def test_argmax_and_draws_equal_jax_reference(seed, levels):
+    """`argmax` is jnp.argmax (first index on ties; few distinct levels force ties), and
+    the sampler's Gumbel-max draw is jax.random.categorical's, key for key."""
+    from jaxlearn.inference.sampling import argmax
+
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.integers(0, levels, size=(8, 50)).astype(np.float32))
+    np.testing.assert_array_equal(argmax(x), jnp.argmax(x, axis=-1))
+    keys = jax.random.split(jax.random.key(seed), 8)
+    logits = jnp.asarray(rng.normal(size=(8, 50)).astype(np.float32))
+    noise = jax.vmap(lambda k: jax.random.gumbel(k, (50,), jnp.float32))(keys)
+    want = jax.vmap(jax.random.categorical)(keys, logits)
+    np.testing.assert_array_equal(argmax(logits + noise), want)

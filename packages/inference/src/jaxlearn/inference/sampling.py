@@ -158,6 +158,17 @@ def request_keys(seeds: Array, index: Array) -> Array:
     return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(seeds, index)
 
 
+def argmax(x: Array) -> Array:
+    """jnp.argmax(x, -1) (the first index of the row maximum) for x [b, v], as int32,
+    through two plain reductions: XLA:CPU runs argmax's variadic (value, index) reduce
+    unvectorised (1.2 ms of a 21 ms B16 decode step over a 32000-word vocabulary). A row
+    without a maximum (NaN) gives v - 1."""
+    v = x.shape[-1]
+    top = jnp.max(x, axis=-1, keepdims=True)
+    first = jnp.min(jnp.where(x == top, jnp.arange(v, dtype=jnp.int32), v), axis=-1)
+    return jnp.minimum(first, v - 1).astype(jnp.int32)
+
+
 def sample_tokens(
     logits: Array,
     seen: Array,
@@ -177,7 +188,7 @@ def sample_tokens(
     "greedy" (all rows greedy), "sample" (no top-k/top-p anywhere), "filter".
     Returns [b] int32."""
     logits = penalize(logits.astype(jnp.float32), seen, penalty, vocab_limit)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = argmax(logits)
     if mode == "greedy":
         return greedy
     keys = request_keys(seeds, index)
@@ -186,5 +197,7 @@ def sample_tokens(
         scaled = logits / t
     else:
         scaled = filtered_logits(logits, temperature, top_k, top_p)
-    drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+    # jax.random.categorical's own draw (Gumbel-max with the same noise), on `argmax`.
+    noise = jax.vmap(lambda k: jax.random.gumbel(k, scaled.shape[-1:], scaled.dtype))(keys)
+    drawn = argmax(scaled + noise)
     return jnp.where(temperature > 0, drawn, greedy)
