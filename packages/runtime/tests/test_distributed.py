@@ -20,12 +20,10 @@ from jaxlearn.runtime.distributed import (
     DistributedInitError,
     detect_cluster,
     expand_hostlist,
-    free_port,
-    launch_local,
-    local_process_env,
     resolve_cluster,
     roll_call,
 )
+from jaxlearn.runtime.local_launch import free_port, launch_local, local_process_env
 
 
 def _detect(env):

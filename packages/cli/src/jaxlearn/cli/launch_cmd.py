@@ -200,7 +200,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def _local(args: argparse.Namespace) -> int:
-    from jaxlearn.runtime import distributed
+    from jaxlearn.runtime import local_launch
 
     cmd = _command(args)
     if _is_jaxlearn_command(cmd[0]):
@@ -214,7 +214,7 @@ def _local(args: argparse.Namespace) -> int:
           + (f" x {args.devices_per_process} CPU device(s)" if args.devices_per_process else "")
           + f" on this machine ({args.emulate} variables): {shlex.join(cmd)}",
           file=sys.stderr, flush=True)
-    result = distributed.launch_local(
+    result = local_launch.launch_local(
         cmd, args.num_processes, devices_per_process=args.devices_per_process,
         style=args.emulate, port=args.port, kill_grace=args.kill_grace)
     return result.returncode
