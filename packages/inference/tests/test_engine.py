@@ -47,7 +47,7 @@ def test_chunked_batched_prefill_into_pages_equals_full_prefill(engine, cfg, par
         for i, c, t in zip(rows, chunks, out):
             starts[i] += len(c)
             toks[i] = int(t)
-    model = engine.model
+    model, params = engine.model, engine.runner.params
     for i, prompt in enumerate(prompts):
         states, _ = functional(
             model, None, params, (1, 64), method="init_states", is_training=False
@@ -296,3 +296,13 @@ def test_hf_tokenizers_object_and_loaded_bundle(cfg, params, engine):
     assert res.tokens == engine.generate([5, 6, 7], max_new_tokens=6, ignore_eos=True).tokens
     # Decoded in context: the separator after the prompt belongs to the continuation.
     assert res.text == " " + raw.decode(res.tokens, skip_special_tokens=True)
+
+
+def test_fused_projections_engine_generates_the_same_tokens(cfg, params, tok, engine):
+    fused = Engine(cfg, params, tok, max_seq_len=64, max_batch=2, prefill_chunk=16,
+                   decode_burst=4, fuse_projections=True)
+    p = fused.runner.params["decoder"]["transformer"]["layer"]
+    assert "qkv_proj" in p["self_attention"] and "wi_fused" in p["feed_forward"]
+    for prompt in (POOL[0][:9], POOL[1][:30]):
+        want = engine.generate(prompt, max_new_tokens=8, ignore_eos=True).tokens
+        assert fused.generate(prompt, max_new_tokens=8, ignore_eos=True).tokens == want

@@ -92,3 +92,55 @@ def test_gqa_and_rope_and_norm_change_what_they_should():
     # MHA expressed as GQA with kv_heads == heads is the same model.
     c, _ = _run(use_gqa(base, 4))
     np.testing.assert_array_equal(a, c)
+
+
+@pytest.mark.parametrize(
+    "stack,kw",
+    [("scan", {}), ("loop", {"qkv_bias": True}), ("scan", {"moe": True}), ("loop", {"gqa": True})],
+)
+def test_fused_projections_give_the_same_logits(stack, kw):
+    """fuse_projections: one qkv_proj and one wi_fused matmul per layer (MoE experts left
+    alone), the same logits as the unfused model in a forward pass and in paged decoding."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxlearn.layers import fuse_projections, llama_config, mixtral_config
+    from jaxlearn.module import functional
+
+    if kw.get("moe"):
+        cfg = mixtral_config(32, 16, 2, 4, 2, 24, 4, 2, stack=stack, rope_theta=100.0)
+    else:
+        cfg = llama_config(32, 16, 2, 4, 1 if kw.get("gqa") else 4, 24, stack=stack,
+                           rope_theta=100.0)
+        if kw.get("qkv_bias"):
+            cfg.decoder.transformer.layer.self_attention.qkv_bias = True
+    model = cfg.instantiate()
+    params = model.initialize_parameters_recursively(jax.random.key(0))
+    if kw.get("qkv_bias"):  # Non-zero biases, so their order is checked too.
+        params = jax.tree_util.tree_map_with_path(
+            lambda p, x: x + 0.1 * jax.random.normal(jax.random.key(len(str(p))), x.shape)
+            if "bias" in str(p) else x, params)
+    fcfg, fparams = fuse_projections(cfg, params)
+    fmodel = fcfg.instantiate()
+    names = {str(k[-1].key) for k, _ in jax.tree_util.tree_flatten_with_path(fparams)[0]}
+    assert "qkv_proj" in names and "q_proj" not in names
+    assert ("wi_fused" in names) != bool(kw.get("moe"))
+    shapes = jax.tree.map(lambda s: s.shape, fmodel.create_parameter_specs_recursively(),
+                          is_leaf=lambda x: hasattr(x, "mesh_axes"))
+    assert jax.tree.map(lambda x: x.shape, fparams) == shapes
+    ids = jax.random.randint(jax.random.key(1), (2, 7), 0, 32)
+
+    def logits(m, p):
+        return functional(m, None, p, ({"input_ids": ids},), method="logits",
+                          is_training=False)[0]
+
+    np.testing.assert_allclose(logits(fmodel, fparams), logits(model, params), atol=2e-5,
+                               rtol=2e-5)
+    pools = functional(fmodel, None, fparams, (8, 4), method="init_paged_states",
+                       is_training=False)[0]
+    states = {**pools, "time_step": jnp.zeros(2, jnp.int32),
+              "page_table": jnp.asarray([[1, 2], [3, 4]])}
+    (_, step), _ = functional(fmodel, None, fparams, (states, ids), method="extend_step",
+                             is_training=False)
+    np.testing.assert_allclose(step, logits(model, params), atol=2e-5, rtol=2e-5)

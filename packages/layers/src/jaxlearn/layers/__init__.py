@@ -7,7 +7,15 @@ between files.
 
 from jaxlearn.layers.attention import Attention, make_mask
 from jaxlearn.layers.causal_lm import CausalLM, cross_entropy
-from jaxlearn.layers.composition import set_norm, set_rope, use_dot, use_gqa, use_moe
+from jaxlearn.layers.composition import (
+    fuse_projection_params,
+    fuse_projections,
+    set_norm,
+    set_rope,
+    use_dot,
+    use_gqa,
+    use_moe,
+)
 from jaxlearn.layers.decoder import Decoder
 from jaxlearn.layers.dense import DotGeneral, Linear, dense, einsum, matmul
 from jaxlearn.layers.embedding import Embedding
@@ -24,6 +32,8 @@ from jaxlearn.layers.rope import (
 from jaxlearn.layers.transformer import BaseStack, LoopStack, ScanStack, TransformerLayer
 
 __all__ = [
+    "fuse_projection_params",
+    "fuse_projections",
     "set_norm",
     "set_rope",
     "use_dot",

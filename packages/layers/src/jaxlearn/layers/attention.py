@@ -81,6 +81,11 @@ class Attention(Module):
         query_scale: Optional[float] = None  # None: head_dim ** -0.5.
         implementation: str = "einsum"  # "einsum" | "dot_product_attention"
         dot: Optional[DotGeneral.Config] = None
+        # One `qkv_proj` [embed, heads + 2 kv_heads, head_dim] (and `qkv_bias`) in place of
+        # q/k/v_proj: one matmul instead of three (decode on CPU: a GEMV each has a fixed
+        # cost). Single-device serving only (`fuse_projections`); the heads axis is not
+        # sharded. Params convert with `composition.fuse_projection_params`.
+        fused_qkv: bool = False
 
     def __init__(self, cfg: "Attention.Config", *, parent: Optional[Module] = None):
         super().__init__(cfg, parent=parent)
@@ -130,7 +135,17 @@ class Attention(Module):
                 (h, d, e), ("heads", "head_dim", "embed"), fan_axes=FanAxes((0, 1), (2,))
             ),
         }
-        if c.qkv_bias:
+        if c.fused_qkv:
+            for name in ("q", "k", "v"):
+                specs.pop(f"{name}_proj")
+            specs["qkv_proj"] = ParameterSpec(
+                (e, h + 2 * kv, d), ("embed", None, "head_dim"), fan_axes=fan_in
+            )
+            if c.qkv_bias:
+                specs["qkv_bias"] = ParameterSpec(
+                    (h + 2 * kv, d), (None, "head_dim"), initializer=zeros()
+                )
+        elif c.qkv_bias:
             for name, n, axis in (("q", h, "heads"), ("k", kv, "kv_heads"), ("v", kv, "kv_heads")):
                 specs[f"{name}_bias"] = ParameterSpec(
                     (n, d), (axis, "head_dim"), initializer=zeros()
@@ -210,12 +225,16 @@ class Attention(Module):
         """x [batch, seq, embed] -> q [b, s, heads, d], k, v [b, s, kv_heads, d] (RoPE'd)."""
         p = self.parameters
         x2d = x.reshape(-1, x.shape[-1])  # [tokens, embed]
+        names = ("qkv",) if self.config.fused_qkv else ("q", "k", "v")
         out = []
-        for name in ("q", "k", "v"):
+        for name in names:
             y = dense(x2d, p[f"{name}_proj"], dot=self._dot)
             if f"{name}_bias" in p:
                 y = y + p[f"{name}_bias"].astype(y.dtype)
             out.append(y.reshape(*x.shape[:2], *y.shape[1:]))
+        if self.config.fused_qkv:  # [b, s, heads + 2 kv_heads, d] -> q, k, v
+            h, kv = self.config.num_heads, self.num_kv_heads
+            out = [out[0][:, :, :h], out[0][:, :, h : h + kv], out[0][:, :, h + kv :]]
         q, k, v = out
         if self.config.qk_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)

@@ -9,11 +9,14 @@ visit) and returns a new config; the input is not modified.
     cfg = set_rope(cfg, RotaryEmbedding.default_config().set(theta=1e6))
     cfg = set_norm(cfg, LayerNorm.default_config())           # every norm
     cfg = use_dot(cfg, Int8Dot.default_config())              # int8 dots everywhere
+    cfg, params = fuse_projections(cfg, params)              # serving: fused QKV / gate
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
+
+import jax.numpy as jnp
 
 from jaxlearn.config import ConfigBase, replace_config, visit
 from jaxlearn.layers.attention import Attention
@@ -36,8 +39,9 @@ def use_moe(cfg: Any, *, num_experts: int, top_k: int = 2, every: int = 1, **moe
         layers = [stack.layer.clone() for _ in range(stack.num_layers)]
         for i in range(every - 1, len(layers), every):
             layers[i] = replace_config(layers[i], FeedForward, experts)
-        return LoopStack.default_config().set(num_layers=len(layers), layer=stack.layer,
-                                              layers=layers, remat_spec=stack.remat_spec)
+        return LoopStack.default_config().set(
+            num_layers=len(layers), layer=stack.layer, layers=layers, remat_spec=stack.remat_spec
+        )
 
     return replace_config(cfg, BaseStack, interleave, carry_over=False)
 
@@ -70,3 +74,45 @@ def use_dot(cfg: Any, dot: Optional[ConfigBase]) -> Any:
 
     visit(new, enter)
     return new
+
+
+def fuse_projections(cfg: Any, params: Any) -> tuple[Any, Any]:
+    """(config, params) with every attention's q/k/v projections fused into `qkv_proj` and
+    every gated FFN's two input projections into `wi_fused` (same function, fewer and
+    larger matmuls: on CPU a decode GEMV has a fixed cost). For single-device serving: the
+    fused axes carry no sharding. Params may be stacked ([layers, ...] under ScanStack)."""
+
+    def fuse_cfg(old: Any, path: str) -> Any:
+        if old.klass is Attention or issubclass(old.klass, Attention):
+            return old.clone(fused_qkv=True)
+        if len(old.activation) == 2:
+            return old.clone(fused_gate=True)
+        return old
+
+    new_cfg = replace_config(
+        cfg,
+        lambda path, c: "klass" in c and issubclass(c.klass, (Attention, FeedForward)),
+        fuse_cfg,
+    )
+    return new_cfg, fuse_projection_params(params)
+
+
+def fuse_projection_params(params: Any) -> Any:
+    """The params of `fuse_projections`: q/k/v_proj (+ biases) concatenated on the heads
+    axis into qkv_proj (qkv_bias); gated FFN wi_0/wi_1 (+ biases) on the mlp axis into
+    wi_fused (wi_fused_bias); mixture-of-experts weights (a dict with a `router`) are left
+    alone, like the MoE configs. Other leaves are returned as they are."""
+    if not isinstance(params, dict):
+        return params
+    out = {k: fuse_projection_params(v) for k, v in params.items()}
+    if {"q_proj", "k_proj", "v_proj"} <= out.keys():
+        out["qkv_proj"] = jnp.concatenate([out.pop(f"{n}_proj") for n in "qkv"], axis=-2)
+        if "q_bias" in out:
+            out["qkv_bias"] = jnp.concatenate([out.pop(f"{n}_bias") for n in "qkv"], axis=-2)
+    if {"wi_0", "wi_1", "wo"} <= out.keys() and "router" not in out:  # Not MoE experts.
+        out["wi_fused"] = jnp.concatenate([out.pop("wi_0"), out.pop("wi_1")], axis=-1)
+        if "wi_0_bias" in out:
+            out["wi_fused_bias"] = jnp.concatenate(
+                [out.pop("wi_0_bias"), out.pop("wi_1_bias")], axis=-1
+            )
+    return out

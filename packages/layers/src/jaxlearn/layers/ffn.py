@@ -44,6 +44,9 @@ class FeedForward(Module):
         activation: tuple[str, ...] = ("silu", "linear")
         use_bias: bool = False
         dot: Optional[DotGeneral.Config] = None
+        # Gated only: one `wi_fused` [embed, 2 * mlp] (= [wi_0 | wi_1]) instead of two
+        # matmuls. Single-device serving only (`composition.fuse_projections`).
+        fused_gate: bool = False
 
     def __init__(self, cfg: "FeedForward.Config", *, parent: Optional[Module] = None):
         super().__init__(cfg, parent=parent)
@@ -61,7 +64,17 @@ class FeedForward(Module):
         c = self.config
         fan = FanAxes((0,), (1,))
         specs = {}
-        for name in self._in_names():
+        if c.fused_gate:
+            if len(c.activation) != 2:
+                raise ValueError(f"{self.path()}.fused_gate needs a gated FFN (two activations)")
+            specs["wi_fused"] = ParameterSpec(
+                (c.input_dim, 2 * c.hidden_dim), ("embed", None), fan_axes=fan
+            )
+            if c.use_bias:
+                specs["wi_fused_bias"] = ParameterSpec(
+                    (2 * c.hidden_dim,), (None,), initializer=zeros()
+                )
+        for name in [] if c.fused_gate else self._in_names():
             specs[name] = ParameterSpec((c.input_dim, c.hidden_dim), ("embed", "mlp"), fan_axes=fan)
             if c.use_bias:
                 specs[f"{name}_bias"] = ParameterSpec(
@@ -83,7 +96,12 @@ class FeedForward(Module):
         c = self.config
         shape = x.shape
         x = x.astype(self.dtype).reshape(-1, shape[-1])  # [tokens, embed]
-        hs = [get_activation(a)(self._proj(x, n)) for a, n in zip(c.activation, self._in_names())]
+        if c.fused_gate:
+            both = self._proj(x, "wi_fused")  # [tokens, 2 * mlp]
+            pre = [both[:, : c.hidden_dim], both[:, c.hidden_dim :]]
+        else:
+            pre = [self._proj(x, n) for n in self._in_names()]
+        hs = [get_activation(a)(h) for a, h in zip(c.activation, pre)]
         h = hs[0] * hs[1] if len(hs) == 2 else hs[0]  # [tokens, mlp]
         y = self._proj(h, "wo").reshape(shape)
         return with_logical_constraint(y, ("batch", "seq", "embed")) if y.ndim == 3 else y
