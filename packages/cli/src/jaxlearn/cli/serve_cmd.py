@@ -74,6 +74,17 @@ def _model_lines(flat_text: str) -> list[str]:
     return [line for line in flat_text.splitlines() if line.startswith("model.")]
 
 
+def same_model(saved_text: str, flat_text: str) -> bool:
+    """Whether a checkpoint's saved config text and an experiment's flat text describe the
+    same model: every saved `model.` line is in the experiment's, and the experiment's other
+    lines are fields the saved text does not have at all (fields added to the layers since
+    the checkpoint was written, e.g. `fused_qkv`, which keep their defaults)."""
+    saved, have = set(_model_lines(saved_text)), set(_model_lines(flat_text))
+    saved_keys = {line.split(": ", 1)[0] for line in saved}
+    extra = have - saved
+    return saved <= have and not any(line.split(": ", 1)[0] in saved_keys for line in extra)
+
+
 def _experiment_config(root: Path, experiment: Optional[str], overrides: Sequence[str]) -> Any:
     """The trainer config of a checkpoint: --experiment, or the experiment whose model
     config equals the one saved with the newest step."""
@@ -90,13 +101,12 @@ def _experiment_config(root: Path, experiment: Optional[str], overrides: Sequenc
     if not saved:
         raise UsageError(f"--model {root}: no config saved with the checkpoint; pass "
                          f"--experiment NAME")
-    want = _model_lines(saved)
     for name in sorted(EXPERIMENTS):
         try:
             cfg = final_config(name, None, overrides)
         except UsageError:  # E.g. an override that only some experiments have.
             continue
-        if _model_lines(to_flat_text(cfg)) == want:
+        if same_model(saved, to_flat_text(cfg)):
             return cfg
     raise UsageError(f"--model {root}: no experiment has the checkpoint's model config; pass "
                      f"--experiment NAME (and --set overrides)")
