@@ -42,7 +42,7 @@ def test_chunked_batched_prefill_into_pages_equals_full_prefill(engine, cfg, par
             starts=[starts[i] for i in rows],
             tables=tables[rows],
             bucket=16,
-            **{k: v * len(rows) for k, v in greedy.items()},
+            sampling={k: v * len(rows) for k, v in greedy.items()},
         )
         for i, c, t in zip(rows, chunks, out):
             starts[i] += len(c)

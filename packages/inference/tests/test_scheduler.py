@@ -31,13 +31,14 @@ request_st = st.tuples(
 )
 
 
-@settings(max_examples=25)
-@given(st.lists(request_st, min_size=1, max_size=7))
-def test_continuous_batching_equals_alone(engine, reqs):
+def _run_arrivals(engine, reqs, extra_new, check):
+    """Submits each (prompt, length, max_new, arrival step, seed) request at its arrival
+    step (max_new + extra_new tokens; seed None = greedy) and steps the scheduler until
+    all are done, calling `check()` after every step. Returns the requests in order."""
     sched = engine.scheduler
     made = []
     for which, length, max_new, arrival, seed in reqs:
-        kw = dict(max_new_tokens=max_new, ignore_eos=True)
+        kw = dict(max_new_tokens=max_new + extra_new, ignore_eos=True)
         if seed is not None:
             kw.update(temperature=0.9, top_k=8, seed=seed)
         made.append((arrival, engine.request(POOL[which][:length], SamplingParams(**kw))))
@@ -48,8 +49,20 @@ def test_continuous_batching_equals_alone(engine, reqs):
             sched.submit(pending.pop(0)[1])
         sched.step()
         step += 1
+        check()
+    return [r for _, r in made]
+
+
+@settings(max_examples=25)
+@given(st.lists(request_st, min_size=1, max_size=7))
+def test_continuous_batching_equals_alone(engine, reqs):
+    sched = engine.scheduler
+
+    def check():
         assert sched.num_running <= engine.max_batch
-    for (which, length, max_new, _, seed), (_, r) in zip(reqs, made):
+
+    made = _run_arrivals(engine, reqs, 0, check)
+    for (which, length, max_new, _, seed), r in zip(reqs, made):
         assert tuple(r.output.tokens) == _alone(engine, which, length, max_new, seed)
     assert sched.num_running == 0 and sched.num_waiting == 0
 
@@ -77,23 +90,12 @@ def test_small_pool_with_preemption_equals_alone(engine, small_pool_engine, reqs
     """With a pool too small for the batch, requests are preempted and recomputed; each
     still gets the tokens it gets alone on the big-pool engine, and no page leaks."""
     sched = small_pool_engine.scheduler
-    made = []
-    for which, length, max_new, arrival, seed in reqs:
-        kw = dict(max_new_tokens=max_new + 20, ignore_eos=True)
-        if seed is not None:
-            kw.update(temperature=0.9, top_k=8, seed=seed)
-        made.append(
-            (arrival, small_pool_engine.request(POOL[which][:length], SamplingParams(**kw)))
-        )
-    pending = sorted(made, key=lambda x: x[0])
-    step = 0
-    while pending or not all(r.done for _, r in made):
-        while pending and pending[0][0] <= step:
-            sched.submit(pending.pop(0)[1])
-        sched.step()
-        step += 1
+
+    def check():
         assert sched.pages.num_used <= 6
-    for (which, length, max_new, _, seed), (_, r) in zip(reqs, made):
+
+    made = _run_arrivals(small_pool_engine, reqs, 20, check)
+    for (which, length, max_new, _, seed), r in zip(reqs, made):
         assert tuple(r.output.tokens) == _alone(engine, which, length, max_new + 20, seed)
     assert sched.pages.num_used == 0 and sched.num_running == 0
 

@@ -242,17 +242,21 @@ class ModelRunner:
 
     # ---- host API -------------------------------------------------------------------------
 
-    @staticmethod
-    def _samp(
-        temperature: Any, top_k: Any, top_p: Any, penalty: Any, seeds: Any, index: Any
-    ) -> dict[str, np.ndarray]:
+    # Per-row sampling settings: (dtype, value of a padding row).
+    SAMPLING = {
+        "temperature": (np.float32, 0),
+        "top_k": (np.int32, 0),
+        "top_p": (np.float32, 1),
+        "penalty": (np.float32, 1),
+        "seeds": (np.uint32, 0),
+        "index": (np.int32, 0),
+    }
+
+    def _row_sampling(self, sampling: dict[str, list[Any]], rows: int) -> dict[str, np.ndarray]:
+        """`sampling` (one list per key of SAMPLING: temperature, top_k, top_p, penalty,
+        seeds, index = the token's generated index) as arrays padded to `rows`."""
         return {
-            "temperature": np.asarray(temperature, np.float32),
-            "top_k": np.asarray(top_k, np.int32),
-            "top_p": np.asarray(top_p, np.float32),
-            "penalty": np.asarray(penalty, np.float32),
-            "seeds": np.asarray(seeds, np.uint32),
-            "index": np.asarray(index, np.int32),
+            k: self._pad(sampling[k], rows, fill, dt) for k, (dt, fill) in self.SAMPLING.items()
         }
 
     def _pad(self, a: Any, rows: int, fill: Any, dtype: Any) -> np.ndarray:
@@ -269,16 +273,11 @@ class ModelRunner:
         starts: list[int],
         tables: np.ndarray,
         bucket: int,
-        temperature: list[float],
-        top_k: list[int],
-        top_p: list[float],
-        penalty: list[float],
-        seeds: list[int],
-        index: list[int],
+        sampling: dict[str, list[Any]],
     ) -> np.ndarray:
         """Writes chunk i (len <= bucket) at positions [starts[i], starts[i] + len) of
         the pages in tables[i] (start 0 resets slot i's seen-mask) and returns the sampled
-        next tokens [n] (token index `index[i]` of each request)."""
+        next tokens [n] (token index `sampling["index"][i]` of each request)."""
         n = len(slots)
         rows = next_pow2(n)
         time_len = self.window(max(s + bucket for s in starts))
@@ -289,19 +288,7 @@ class ModelRunner:
                 raise ValueError(f"prefill: a chunk of {len(c)} ids in bucket {bucket}")
             ids[i, : len(c)] = c
             n_valid[i] = len(c)
-        samp = self._samp(
-            *(
-                self._pad(a, rows, f, d)
-                for a, f, d in (
-                    (temperature, 0, np.float32),
-                    (top_k, 0, np.int32),
-                    (top_p, 1, np.float32),
-                    (penalty, 1, np.float32),
-                    (seeds, 0, np.uint32),
-                    (index, 0, np.int32),
-                )
-            )
-        )
+        samp = self._row_sampling(sampling, rows)
         self.pool, self.seen, tok = self._traced(
             self._jit_prefill,
             self.params,
@@ -325,32 +312,16 @@ class ModelRunner:
         tables: np.ndarray,
         ids: list[int],
         time_step: list[int],
-        temperature: list[float],
-        top_k: list[int],
-        top_p: list[float],
-        penalty: list[float],
-        seeds: list[int],
-        index: list[int],
+        sampling: dict[str, list[Any]],
     ) -> np.ndarray:
-        """`steps` decode steps for the given rows (per-row lists; tables [n, pages]).
+        """`steps` decode steps for the given rows (per-row lists and `sampling` lists;
+        tables [n, pages]).
         Every row's time_step + steps must be <= max_len and covered by its pages.
         Returns tokens [steps, n] (int32, host)."""
         n = len(slots)
         rows = next_pow2(n)
         time_len = self.window(max(time_step) + steps)
-        samp = self._samp(
-            *(
-                self._pad(a, rows, f, d)
-                for a, f, d in (
-                    (temperature, 0, np.float32),
-                    (top_k, 0, np.int32),
-                    (top_p, 1, np.float32),
-                    (penalty, 1, np.float32),
-                    (seeds, 0, np.uint32),
-                    (index, 0, np.int32),
-                )
-            )
-        )
+        samp = self._row_sampling(sampling, rows)
         self.pool, self.seen, toks = self._traced(
             self._jit_decode,
             self.params,

@@ -59,6 +59,20 @@ def _slot(req: "Request") -> int:
     return req.slot
 
 
+def _sampling(reqs: Sequence["Request"]) -> dict[str, list[Any]]:
+    """The runner's per-row sampling lists (`ModelRunner.SAMPLING`) of `reqs`; `index` is
+    the generated index of each request's next token (its sampling key)."""
+    ps = [r.params for r in reqs]
+    return {
+        "temperature": [p.temperature for p in ps],
+        "top_k": [p.top_k for p in ps],
+        "top_p": [p.top_p for p in ps],
+        "penalty": [p.repetition_penalty for p in ps],
+        "seeds": [r.seed for r in reqs],
+        "index": [r.num_generated for r in reqs],
+    }
+
+
 def eos_ids(tokenizer: Any) -> set[int]:
     """Ids that end a generation: the tokenizer's `eos_token_ids` (optional) and `eos_id`."""
     out = {int(t) for t in getattr(tokenizer, "eos_token_ids", None) or ()}
@@ -317,7 +331,6 @@ class Scheduler:
             batch.append((req, chunk))
             longest = max(longest, len(chunk))
         reqs = [r for r, _ in batch]
-        ps = [r.params for r in reqs]
         slots = [_slot(r) for r in reqs]
         toks = self.runner.prefill(
             slots=slots,
@@ -325,12 +338,7 @@ class Scheduler:
             starts=[r.prefilled for r in reqs],
             tables=self.pages.rows(slots),
             bucket=self._bucket(longest),
-            temperature=[p.temperature for p in ps],
-            top_k=[p.top_k for p in ps],
-            top_p=[p.top_p for p in ps],
-            penalty=[p.repetition_penalty for p in ps],
-            seeds=[r.seed for r in reqs],
-            index=[r.num_generated for r in reqs],
+            sampling=_sampling(reqs),
         )
         for (req, chunk), tok in zip(batch, toks):
             req.prefilled += len(chunk)
@@ -399,21 +407,15 @@ class Scheduler:
         rows = sorted(self._reserve(steps), key=lambda r: r.slot or 0)
         if not rows:
             return True
-        ps = [r.params for r in rows]
         slots = [_slot(r) for r in rows]
         toks = self.runner.decode(
             steps=steps,
-            mode=batch_mode(ps),
+            mode=batch_mode([r.params for r in rows]),
             slots=slots,
             tables=self.pages.rows(slots),
             ids=[r.output.tokens[-1] for r in rows],
             time_step=[self._position(r) for r in rows],
-            temperature=[p.temperature for p in ps],
-            top_k=[p.top_k for p in ps],
-            top_p=[p.top_p for p in ps],
-            penalty=[p.repetition_penalty for p in ps],
-            seeds=[r.seed for r in rows],
-            index=[r.num_generated for r in rows],
+            sampling=_sampling(rows),
         )
         for i, r in enumerate(rows):
             for k in range(steps):
