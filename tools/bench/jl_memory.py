@@ -30,8 +30,8 @@ def llama_fsdp(n: int, dtype: str) -> dict:
     jax.config.update("jax_num_cpu_devices", n)
     from jl_train import build_trainer, random_batch
 
+    from jaxlearn.aot.compile import _memory, state_breakdown, state_bytes_per_device
     from jaxlearn.mesh import mesh_shape_from_axes
-    from jaxlearn.runtime.aot import _memory, state_breakdown, state_bytes_per_device
 
     c = model_cfg("llama")
     c["batch"] = max(c["batch"], n)  # The batch must split over the fsdp axis.
@@ -71,7 +71,7 @@ def main() -> None:
         batch = trainer.global_batch(random_batch(c))
         abstract = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), batch)
-        from jaxlearn.runtime.aot import _memory
+        from jaxlearn.aot.compile import _memory
 
         mem = _memory(trainer.compile_train_step(abstract))
         emit(bench="memory", part="remat", framework="jaxlearn", dtype=args.dtype,

@@ -24,8 +24,8 @@ import pytest
 
 from jaxlearn.cli.launch_cmd import to_yaml, tpu_topology
 from jaxlearn.cli.main import main
-from jaxlearn.runtime.distributed import detect_cluster
-from jaxlearn.runtime.local_launch import free_port
+from jaxlearn.launch.distributed import detect_cluster
+from jaxlearn.launch.local import free_port
 
 
 def _detect(env):

@@ -9,14 +9,18 @@ ROOT = next(p for p in [pathlib.Path.cwd(), *pathlib.Path(__file__).resolve().pa
             if (p / "packages" / "config" / "BUILD").exists())
 ALLOWED = {
     "config": set(), "module": {"config"}, "layers": {"module", "config"}, "mesh": {"config"},
-    "checkpoint": {"config", "mesh"}, "runtime": {"config", "module", "mesh", "checkpoint"},
-    "inference": {"config", "module", "layers", "mesh", "checkpoint"},
+    "checkpoint": {"config", "mesh"}, "text": {"config"},
+    "resilience": {"config", "mesh", "checkpoint"}, "launch": {"config"},
+    "runtime": {"config", "module", "mesh", "checkpoint", "resilience", "text"},
+    "aot": {"config", "module", "mesh", "checkpoint", "runtime"},
+    "inference": {"config", "module", "layers", "mesh", "checkpoint", "text"},
 }
 
 
 def test_versions_match_and_layering_rules_are_declared():
     packages = sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "BUILD").exists())
-    assert {"config", "module", "layers", "mesh", "checkpoint", "runtime", "inference"} <= set(
+    assert {"config", "module", "layers", "mesh", "checkpoint", "text", "resilience", "runtime",
+            "aot", "launch", "inference"} <= set(
         packages)
     for name in packages:
         build = (ROOT / "packages" / name / "BUILD").read_text()

@@ -8,10 +8,10 @@ import jax
 import numpy as np
 import pytest
 
+from jaxlearn.aot.compile import aot_compile, resolve_target
 from jaxlearn.experiments import EXPERIMENTS
 from jaxlearn.mesh import apply_mesh_rules
 from jaxlearn.module import is_spec
-from jaxlearn.runtime.aot import aot_compile, resolve_target
 
 # Real model sizes; a short sequence and a batch of 8 keep the CPU compile quick.
 SMALL_BATCH = ["input.seq_len=64", "input.global_batch_size=8"]

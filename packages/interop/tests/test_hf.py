@@ -29,6 +29,8 @@ from jaxlearn.layers.moe import MixtureOfExperts
 from jaxlearn.module import functional
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
+# Chat templates of real model families, shared with jaxlearn.text's tests.
+TEXT_FIXTURES = pathlib.Path(__file__).parents[2] / "text" / "tests" / "fixtures"
 FAMILIES = ["llama", "mistral", "qwen2", "mixtral"]
 HF_CLASS = {
     "llama": "LlamaForCausalLM",
@@ -291,7 +293,7 @@ def test_tokenizer_and_chat_template_files(tmp_path):
     out = copy_fixture("qwen2", tmp_path)
     tok = _tiny_tokenizer()
     tok.save(str(out / "tokenizer.json"))
-    template = json.loads((FIXTURES / "chat_templates.json").read_text())["templates"]["qwen2"]
+    template = json.loads((TEXT_FIXTURES / "chat_templates.json").read_text())["templates"]["qwen2"]
     (out / "tokenizer_config.json").write_text(
         json.dumps(
             {

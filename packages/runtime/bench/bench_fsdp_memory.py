@@ -24,7 +24,7 @@ def measure(n: int, batch: int) -> dict:
     jax.config.update("jax_num_cpu_devices", n)
     from aot_toys import mlp_trainer_config  # type: ignore[import-not-found]
 
-    from jaxlearn.runtime.aot import aot_compile, resolve_target
+    from jaxlearn.aot.compile import aot_compile, resolve_target
 
     cfg = mlp_trainer_config(fsdp=n)
     cfg.input.global_batch_size = batch

@@ -66,9 +66,9 @@ def main(argv: Sequence[str]) -> int:
     import numpy as np
 
     from jaxlearn.checkpoint import CheckpointStructureError
-    from jaxlearn.runtime.elastic import adapt_to_devices
-    from jaxlearn.runtime.failures import EXIT_USAGE, ResilienceError
-    from jaxlearn.runtime.resilience import CheckpointSaveFailed
+    from jaxlearn.resilience.elastic import adapt_to_devices
+    from jaxlearn.resilience.failures import EXIT_USAGE, ResilienceError
+    from jaxlearn.resilience.manager import CheckpointSaveFailed
 
     cfg = child_config(args.output_dir, args.overrides)
     decision = adapt_to_devices(cfg) if args.elastic else None

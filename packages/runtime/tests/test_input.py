@@ -17,7 +17,7 @@ from jaxlearn.config import ConfigError
 from jaxlearn.runtime.bundled import STDLIB_FILES, STDLIB_SHA256, BundledSource, stdlib_sha256
 from jaxlearn.runtime.data import DataError, InlineSource, TextFilesSource
 from jaxlearn.runtime.input_pipeline import FEATURES, Input, merge_states
-from jaxlearn.runtime.tokenizers import ByteTokenizer
+from jaxlearn.text.tokenizers import ByteTokenizer
 
 BOS, EOS, PAD = 1, 2, 0
 TOK = ByteTokenizer.default_config().instantiate()

@@ -14,8 +14,8 @@ import pytest
 from resilience_child import HERE, child_config, flat_params
 
 from jaxlearn.checkpoint import Checkpointer
-from jaxlearn.runtime.failures import EXIT_HANG
-from jaxlearn.runtime.supervisor import Supervisor
+from jaxlearn.resilience.failures import EXIT_HANG
+from jaxlearn.resilience.supervisor import Supervisor
 
 CHILD = [sys.executable, os.path.join(HERE, "resilience_child.py")]
 MAX_STEP, SAVES, EVALS = 12, (3, 6, 9, 12), (4, 8, 12)

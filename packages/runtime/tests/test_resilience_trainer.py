@@ -13,8 +13,8 @@ from resilience_child import child_config, flat_params
 
 from jaxlearn.checkpoint import Checkpointer, CheckpointStructureError
 from jaxlearn.checkpoint import layout as ckpt_layout
-from jaxlearn.runtime.failures import HealthCheckError, NonFiniteError, SdcError
-from jaxlearn.runtime.resilience import CheckpointSaveFailed
+from jaxlearn.resilience.failures import HealthCheckError, NonFiniteError, SdcError
+from jaxlearn.resilience.manager import CheckpointSaveFailed
 
 
 def _run(out, faults="", monkeypatch=None, **overrides):

@@ -11,10 +11,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from jaxlearn.config import RequiredFieldError
-from jaxlearn.runtime import tokenizers as tokenizers_module
 from jaxlearn.runtime.data import DataError, InlineSource
 from jaxlearn.runtime.input_pipeline import Input
-from jaxlearn.runtime.tokenizers import (
+from jaxlearn.text import tokenizers as tokenizers_module
+from jaxlearn.text.tokenizers import (
     ByteTokenizer,
     HFTokenizer,
     SentencePieceTokenizer,

@@ -6,7 +6,7 @@
 `aot` compiles the experiment's train step for the target and prints per-device memory vs
 HBM, FLOPs, predicted step time and collectives; it exits 1 if the step does not fit.
 `plan` compiles candidate layouts and prints the fastest that fits as a mesh rule; it exits
-1 if none fits. Both exit 2 on usage errors. See jaxlearn.runtime.aot / .plan.
+1 if none fits. Both exit 2 on usage errors. See jaxlearn.aot.compile / .plan.
 
 Fake CPU devices must be requested before JAX initialises: the commands do that first
 thing; if JAX is already up with too few CPU devices (e.g. `main()` called from a process
@@ -97,9 +97,9 @@ def _argv(args: argparse.Namespace) -> list[str]:
 def _devices_ready(args: argparse.Namespace) -> Optional[int]:
     """Requests the target's device count as fake CPU devices; if JAX is already up with
     too few, re-runs the command in a subprocess and returns its exit status."""
+    from jaxlearn.aot.compile import ensure_cpu_devices
     from jaxlearn.cli.main import UsageError
     from jaxlearn.mesh import UnknownHardwareError, selector_num_devices
-    from jaxlearn.runtime.aot import ensure_cpu_devices
 
     if not args.mesh_selector:
         raise UsageError(f"{args.command} needs --mesh_selector (e.g. tpu-v5p-256, "
@@ -121,8 +121,8 @@ def _devices_ready(args: argparse.Namespace) -> Optional[int]:
 
 
 def _target(args: argparse.Namespace) -> Any:
+    from jaxlearn.aot.compile import AOTError, resolve_target
     from jaxlearn.cli.main import UsageError
-    from jaxlearn.runtime.aot import AOTError, resolve_target
 
     try:
         return resolve_target(args.mesh_selector, hbm_bytes=args.hbm_bytes,
@@ -143,8 +143,8 @@ def cmd_aot(args: argparse.Namespace) -> int:
     rc = _devices_ready(args)
     if rc is not None:
         return rc
+    from jaxlearn.aot.compile import AOTError, aot_compile, format_report
     from jaxlearn.cli.main import UsageError, final_config
-    from jaxlearn.runtime.aot import AOTError, aot_compile, format_report
 
     target = _target(args)
     cfg = final_config(args.experiment, args.mesh_selector, args.overrides)
@@ -164,9 +164,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     rc = _devices_ready(args)
     if rc is not None:
         return rc
+    from jaxlearn.aot.compile import AOTError
+    from jaxlearn.aot.plan import format_plan, plan
     from jaxlearn.cli.main import UsageError, final_config
-    from jaxlearn.runtime.aot import AOTError
-    from jaxlearn.runtime.plan import format_plan, plan
 
     target = _target(args)
     cfg = final_config(args.experiment, args.mesh_selector, args.overrides)

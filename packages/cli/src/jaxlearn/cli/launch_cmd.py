@@ -16,7 +16,7 @@ the train command's `--mesh_selector` (e.g. `gpu-h100-8x4`: 4 nodes x 8 GPUs, on
 node; `tpu-v5p-64`: 8 TPU VMs x 4 chips). Both validate the train command (experiment, mesh
 rules, --set) first. On Slurm `srun --kill-on-bad-exit=1` and on Kubernetes the JobSet's
 failure policy stop the other processes when one fails; `jaxlearn train` in each process
-finds its place from the scheduler's variables (jaxlearn.runtime.distributed).
+finds its place from the scheduler's variables (jaxlearn.launch.distributed).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def add_distributed_args(p: argparse.ArgumentParser) -> None:
 
 def start_distributed(args: argparse.Namespace) -> Any:
     """Joins the process group `args` and the environment describe (before any JAX use)."""
-    from jaxlearn.runtime import distributed
+    from jaxlearn.launch import distributed
 
     ids = None
     if args.local_device_ids:
@@ -200,7 +200,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def _local(args: argparse.Namespace) -> int:
-    from jaxlearn.runtime import local_launch
+    from jaxlearn.launch import local as local_launch
 
     cmd = _command(args)
     if _is_jaxlearn_command(cmd[0]):

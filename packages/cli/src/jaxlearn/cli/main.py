@@ -11,7 +11,7 @@ Errors in what the user gave (unknown experiment, bad --set, bad data, unwritabl
 dir, a checkpoint in --output_dir from another model) print one line `jaxlearn: error: ...`
 and exit with status 2; nothing is written. Detected faults exit with their own status
 (42 hang, 43 silent data corruption, 44 non-finite values, 45 health check; see
-jaxlearn.runtime.failures), which `--supervise` uses to restart the run.
+jaxlearn.resilience.failures), which `--supervise` uses to restart the run.
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ _SUPERVISOR_FLAGS = {"--supervise": False, "--max_restarts": True, "--restart_ba
 
 def _supervise(args: argparse.Namespace) -> int:
     """The parent of `train --supervise`: never touches the accelerators itself."""
-    from jaxlearn.runtime.supervisor import Supervisor, child_argv, python_module_command
+    from jaxlearn.resilience.supervisor import Supervisor, child_argv, python_module_command
 
     if args.max_restarts < 0:
         raise UsageError(f"--max_restarts must be >= 0, got {args.max_restarts}")
@@ -159,15 +159,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError, OSError) as e:
         raise UsageError(str(e)) from None
     from jaxlearn.checkpoint import CheckpointStructureError, NoGoodCheckpointError
+    from jaxlearn.resilience.failures import ResilienceError
+    from jaxlearn.resilience.manager import CheckpointSaveFailed
     from jaxlearn.runtime.data import DataError
-    from jaxlearn.runtime.failures import ResilienceError
-    from jaxlearn.runtime.resilience import CheckpointSaveFailed
     from jaxlearn.runtime.trainer import TrainerError
 
     try:
         elastic = None
         if args.elastic:
-            from jaxlearn.runtime.elastic import adapt_to_devices
+            from jaxlearn.resilience.elastic import adapt_to_devices
 
             elastic = adapt_to_devices(cfg)
         trainer = cfg.instantiate()

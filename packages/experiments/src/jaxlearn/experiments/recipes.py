@@ -17,8 +17,8 @@ from jaxlearn.experiments.common import (
 from jaxlearn.layers import llama_config, use_moe
 from jaxlearn.runtime.bundled import BundledSource
 from jaxlearn.runtime.input_pipeline import Input
-from jaxlearn.runtime.tokenizers import ByteTokenizer
 from jaxlearn.runtime.trainer import Trainer
+from jaxlearn.text.tokenizers import ByteTokenizer
 
 
 def _input(seq_len: int, global_batch_size: int, split: str = "train") -> Any:

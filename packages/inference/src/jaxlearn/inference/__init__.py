@@ -4,7 +4,6 @@ with a paged KV cache), sampling, continuous-batching scheduler, OpenAI-compatib
 See packages/inference/README.md.
 """
 
-from jaxlearn.inference.detokenize import Delta, OutputState
 from jaxlearn.inference.engine import INFERENCE_AXIS_RULES, Engine, GenerationResult
 from jaxlearn.inference.errors import (
     InferenceError,
@@ -17,7 +16,8 @@ from jaxlearn.inference.pages import PageTable
 from jaxlearn.inference.runner import ModelRunner
 from jaxlearn.inference.sampling import SamplingParams, sample_tokens
 from jaxlearn.inference.scheduler import Request, Scheduler
-from jaxlearn.inference.tokenizer import (
+from jaxlearn.text.detokenize import Delta, OutputState
+from jaxlearn.text.protocol import (
     ByteTokenizer,
     HFTokenizer,
     Tokenizer,

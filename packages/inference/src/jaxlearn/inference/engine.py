@@ -34,15 +34,15 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxlearn import layers
 from jaxlearn.config import REQUIRED
-from jaxlearn.inference.detokenize import Delta
 from jaxlearn.inference.errors import InferenceError, QueueFullError, RequestError
 from jaxlearn.inference.metrics import Metrics
 from jaxlearn.inference.runner import ModelRunner, next_pow2
 from jaxlearn.inference.sampling import SamplingParams
 from jaxlearn.inference.scheduler import Request, Scheduler
-from jaxlearn.inference.tokenizer import ByteTokenizer, as_tokenizer
 from jaxlearn.mesh import DEFAULT_AXIS_RULES, logical_to_partition_spec, merge_axis_rules
 from jaxlearn.module import Module, is_spec
+from jaxlearn.text.detokenize import Delta
+from jaxlearn.text.protocol import ByteTokenizer, as_tokenizer
 
 log = logging.getLogger(__name__)
 

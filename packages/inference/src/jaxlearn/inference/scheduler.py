@@ -42,12 +42,12 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from jaxlearn.inference.detokenize import Delta, OutputState
 from jaxlearn.inference.errors import QueueFullError, RequestError
 from jaxlearn.inference.metrics import Metrics
 from jaxlearn.inference.pages import PageTable
 from jaxlearn.inference.runner import ModelRunner, next_pow2
 from jaxlearn.inference.sampling import SamplingParams, batch_mode
+from jaxlearn.text.detokenize import Delta, OutputState
 
 Sink = Callable[["Request", Delta], None]
 _ids = itertools.count()

@@ -31,7 +31,6 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Optional
 
-from jaxlearn.inference.detokenize import Delta
 from jaxlearn.inference.engine import Engine
 from jaxlearn.inference.errors import QueueFullError, RequestError
 from jaxlearn.inference.protocol import (
@@ -45,7 +44,8 @@ from jaxlearn.inference.protocol import (
     usage,
 )
 from jaxlearn.inference.sampling import SamplingParams
-from jaxlearn.inference.tokenizer import chat_prompt
+from jaxlearn.text.detokenize import Delta
+from jaxlearn.text.protocol import chat_prompt
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,6 @@ See packages/interop/README.md.
 from typing import Any
 
 from jaxlearn.interop.arch import Architecture, architecture_from_config, build_config
-from jaxlearn.interop.chat import HAVE_JINJA2, ChatTemplate, detect_family
 from jaxlearn.interop.errors import (
     ChatTemplateError,
     InteropError,
@@ -31,6 +30,7 @@ from jaxlearn.interop.hf import (
 )
 from jaxlearn.interop.model import LoadedModel
 from jaxlearn.interop.pretrained import JaxlearnCheckpointError, load_pretrained
+from jaxlearn.text.chat import HAVE_JINJA2, ChatTemplate, detect_family
 
 __all__ = [
     "HAVE_JINJA2",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from jaxlearn.text import errors as text_errors
+
 
 class InteropError(Exception):
     """Base class of every error raised by jaxlearn.interop."""
@@ -47,10 +49,9 @@ class ParameterMismatchError(InteropError):
         super().__init__("\n".join(parts))
 
 
-class TokenizerError(InteropError):
+class TokenizerError(InteropError, text_errors.TokenizerError):
     """A tokenizer could not be built from the checkpoint's tokenizer files / metadata."""
 
 
-class ChatTemplateError(InteropError):
-    """A chat template could not be rendered (no jinja2 and no built-in fallback fits, or
-    the template raised)."""
+# Chat templates are rendered by jaxlearn.text; its error type is re-exported here.
+ChatTemplateError = text_errors.ChatTemplateError

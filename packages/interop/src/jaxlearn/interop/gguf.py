@@ -32,7 +32,6 @@ from typing import Any, Optional
 import numpy as np
 
 from jaxlearn.interop.arch import Architecture, build_config
-from jaxlearn.interop.chat import ChatTemplate
 from jaxlearn.interop.errors import (
     InteropError,
     ParameterMismatchError,
@@ -41,6 +40,7 @@ from jaxlearn.interop.errors import (
 )
 from jaxlearn.interop.model import LoadedModel
 from jaxlearn.interop.tree import assemble_params
+from jaxlearn.text.chat import ChatTemplate
 
 _gguf: Any
 try:

@@ -44,7 +44,6 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jaxlearn.interop.arch import Architecture, architecture_from_config, build_config
-from jaxlearn.interop.chat import ChatTemplate
 from jaxlearn.interop.errors import (
     InteropError,
     ParameterMismatchError,
@@ -53,6 +52,7 @@ from jaxlearn.interop.errors import (
 )
 from jaxlearn.interop.model import LoadedModel
 from jaxlearn.interop.tree import assemble_params, split_params
+from jaxlearn.text.chat import ChatTemplate
 
 Nested = dict[str, Any]
 INDEX_FILE = "model.safetensors.index.json"

@@ -6,8 +6,8 @@ import dataclasses
 from typing import Any, Optional, Sequence
 
 from jaxlearn.interop.arch import Architecture
-from jaxlearn.interop.chat import ChatTemplate, Message
 from jaxlearn.interop.errors import TokenizerError
+from jaxlearn.text.chat import ChatTemplate, Message
 
 
 @dataclasses.dataclass

@@ -47,7 +47,7 @@ from grain.experimental import ConcatThenSplitIterDataset
 from jaxlearn.config import REQUIRED, ConfigError, Configurable, InstantiableConfig
 from jaxlearn.runtime.bundled import BundledSource
 from jaxlearn.runtime.data import DataError, Document, Source, split_documents
-from jaxlearn.runtime.tokenizers import ByteTokenizer, Tokenizer
+from jaxlearn.text.tokenizers import ByteTokenizer, Tokenizer
 
 STATE_FORMAT = "jaxlearn.input/1"
 FEATURES: dict[str, Any] = {

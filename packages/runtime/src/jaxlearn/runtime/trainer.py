@@ -33,9 +33,9 @@ from jaxlearn.mesh import (
     mesh_shape_from_axes,
 )
 from jaxlearn.module import Module, functional, is_spec, logical_sharding
-from jaxlearn.runtime import nonfinite
+from jaxlearn.resilience import nonfinite
+from jaxlearn.resilience.manager import Resilience
 from jaxlearn.runtime.learner import Learner, ema_update
-from jaxlearn.runtime.resilience import Resilience
 from jaxlearn.runtime.summary import SummaryWriter
 
 log = logging.getLogger("jaxlearn.trainer")

@@ -1,0 +1,3 @@
+"""jaxlearn.aot: compile a training (or serving) step for a target without its hardware,
+report memory, FLOPs and collectives, and plan layouts. Import submodules directly, e.g.
+`from jaxlearn.aot.compile import aot_compile`; see packages/aot/README.md."""

@@ -1,0 +1,519 @@
+"""Automatic parallelism planning: compile candidate layouts for a target, keep what fits,
+rank by predicted step time, print the winner as a mesh rule.
+
+    target = resolve_target("gpu-h100-8x4")
+    result = plan(trainer_cfg, target, max_candidates=24)
+    print(format_plan(result))        # table + the winning rule, ready to paste
+
+A layout is a mesh shape over `data`, `fsdp`, `model`, `expert` (product = the device count;
+the trainer has no pipeline parallelism yet), a remat policy for the repeated layer (when
+the model has one: `model.decoder.transformer.layer` by default, else the module configs
+whose `remat_spec` the recipe set; "none" turns remat off) and a number of gradient
+accumulation microbatches (`learner.num_microbatches`). Each candidate is the experiment's
+config (mesh rule and overrides applied) with the layout's modifiers applied on top, compiled
+by `jaxlearn.aot.compile.aot_compile`; see there for the memory check and the time model
+(predicted step time = max(compute at the stated MFU, collective bytes / link bandwidth),
+ranked by that, then by the no-overlap sum, then by memory).
+
+Candidates are pruned before compiling when they cannot help: the global batch (per
+microbatch) must split evenly over the batch axes; a `model`/`expert`/`fsdp` axis must
+shard at least one parameter (else it only replicates work); `model` stays within one host
+or slice (the fast link) and at most `max_model_parallel`.
+
+Search, within `max_candidates` compilations (the baseline, i.e. the config as given,
+first):
+1. per (model, expert) group, the most-sharded layout (all remaining devices on `fsdp`);
+2. in groups where it fits, the least-sharded layout that still fits (pure data parallel,
+   then bisection over `fsdp`), and on multi-host targets `fsdp` = one host, `data` across
+   hosts;
+3. in groups where it does not fit, memory savers on it: stronger remat policies, then
+   gradient accumulation (with the strongest remat);
+4. with budget left, remat turned off on the best fitting layouts that use it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+
+from jaxlearn.aot.compile import (
+    DEFAULT_HBM_UTILIZATION,
+    DEFAULT_MFU,
+    AOTError,
+    AOTReport,
+    Target,
+    aot_compile,
+    batch_shapes,
+    format_table,
+    human_bytes,
+    human_seconds,
+    remat_settings,
+)
+from jaxlearn.config import ConfigBase, visit
+from jaxlearn.mesh import (
+    GradAccumulationModifier,
+    MeshShapeModifier,
+    RematPolicyModifier,
+    logical_to_partition_spec,
+    mesh_shape_from_axes,
+)
+
+PLAN_AXES = ("data", "fsdp", "model", "expert")
+DEFAULT_LAYER_PATH = r"model\.decoder\.transformer\.layer"
+DEFAULT_REMAT_POLICIES = ("dots_saveable", "nothing_saveable")
+DEFAULT_MICROBATCHES = (1, 2, 4, 8)
+KEEP = "keep"  # Remat as the config has it.
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One candidate: mesh axis sizes, remat policy, gradient accumulation.
+
+    `remat` is "keep" (as configured), "none" (off) or a policy name; `baseline` marks the
+    config exactly as given (its own mesh shape, remat and microbatches).
+    """
+
+    sizes: tuple[tuple[str, int], ...]
+    remat: str = KEEP
+    num_microbatches: int = 1
+    baseline: bool = False
+
+    @property
+    def mesh(self) -> dict[str, int]:
+        return dict(self.sizes)
+
+    def describe(self) -> str:
+        if self.baseline:
+            return "baseline (config as given)"
+        mesh = " ".join(f"{k}={v}" for k, v in self.sizes if v > 1) or "1 device"
+        return f"{mesh}; remat {self.remat}; microbatches {self.num_microbatches}"
+
+
+@dataclasses.dataclass
+class Candidate:
+    """A layout and what compiling it gave (a report, or why it could not compile)."""
+
+    layout: Layout
+    report: Optional[AOTReport] = None
+    error: Optional[str] = None
+
+    @property
+    def fits(self) -> bool:
+        return self.report is not None and self.report.fits
+
+    def sort_key(self) -> tuple[float, float, float]:
+        assert self.report is not None
+        t = self.report.train
+        return (t.step_seconds, t.step_seconds_no_overlap, float(t.required_bytes))
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "layout": self.layout.describe(),
+            "mesh": self.layout.mesh,
+            "remat": self.layout.remat,
+            "num_microbatches": self.layout.num_microbatches,
+            "baseline": self.layout.baseline,
+            "fits": self.fits,
+            "error": self.error,
+        }
+        if self.report is not None:
+            t = self.report.train
+            out.update(required_bytes=t.required_bytes, usable_hbm_bytes=t.usable_hbm_bytes,
+                       flops=t.flops, compute_seconds=t.compute_seconds,
+                       comm_seconds=t.comm_seconds, step_seconds=t.step_seconds,
+                       step_seconds_no_overlap=t.step_seconds_no_overlap,
+                       collective_bytes_fast_link=t.collective_bytes_fast_link,
+                       collective_bytes_dcn=t.collective_bytes_dcn,
+                       remat_settings=self.report.remat,
+                       mesh_compiled=self.report.mesh)
+        return out
+
+
+@dataclasses.dataclass
+class PlanResult:
+    """Every compiled candidate (in compile order), the winner and its mesh rule."""
+
+    selector: str
+    num_devices: int
+    candidates: list[Candidate]
+    winner: Optional[Candidate]
+    rule: Optional[str]
+    remat_target: Optional[str]
+    max_candidates: int
+    pruned: dict[str, int]
+    notes: list[str]
+
+    def ranked(self) -> list[Candidate]:
+        fitting = sorted((c for c in self.candidates if c.fits), key=Candidate.sort_key)
+        rest = [c for c in self.candidates if not c.fits]
+        return fitting + rest
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "selector": self.selector,
+            "num_devices": self.num_devices,
+            "max_candidates": self.max_candidates,
+            "compiled": len(self.candidates),
+            "remat_target": self.remat_target,
+            "pruned": self.pruned,
+            "candidates": [c.to_dict() for c in self.ranked()],
+            "winner": None if self.winner is None else self.winner.to_dict(),
+            "mesh_rule": self.rule,
+            "notes": self.notes,
+        }
+
+
+# ---- layouts ------------------------------------------------------------------------------
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def find_remat_target(cfg: ConfigBase) -> Optional[str]:
+    """The regex of the module configs the planner sets remat on: the transformer layer
+    when there is one, else the configs whose `remat_spec` is set; None if neither."""
+    paths: list[str] = []
+    set_paths: list[str] = []
+
+    def enter(path: str, value: Any) -> bool:
+        if isinstance(value, ConfigBase) and "remat_spec" in value:
+            paths.append(path)
+            if value.remat_spec is not None:
+                set_paths.append(path)
+        return False
+
+    visit(cfg, enter)
+    if any(re.fullmatch(DEFAULT_LAYER_PATH, p) for p in paths):
+        return DEFAULT_LAYER_PATH
+    if set_paths:
+        return "|".join(re.escape(p) for p in set_paths)
+    return None
+
+
+def layout_modifiers(layout: Layout, cfg: ConfigBase, remat_target: Optional[str]
+                     ) -> list[Any]:
+    """The modifier configs that turn the base config into this layout."""
+    mods: list[Any] = [MeshShapeModifier.default_config().set(
+        mesh_shape=mesh_shape_from_axes(tuple(cfg.mesh_axis_names), **layout.mesh))]
+    if remat_target is not None and layout.remat != KEEP:
+        from jaxlearn.module import RematSpec
+
+        policy = None if layout.remat == "none" else RematSpec(policy=layout.remat)
+        mods.append(RematPolicyModifier.default_config().set(
+            target=remat_target, field="remat_spec", remat_policy=policy))
+    mods.append(GradAccumulationModifier.default_config().set(
+        num_microbatches=layout.num_microbatches))
+    return mods
+
+
+def apply_layout(cfg: ConfigBase, layout: Layout, remat_target: Optional[str]) -> ConfigBase:
+    """A clone of `cfg` with the layout's modifiers applied."""
+    if layout.baseline:
+        return cfg.clone()
+    out = cfg.clone()
+    for mod in layout_modifiers(layout, out, remat_target):
+        out = mod.instantiate()(out)
+    return out
+
+
+def _policy_of(cfg: ConfigBase, remat_target: Optional[str]) -> str:
+    if remat_target is None:
+        return "none"
+    pattern = re.compile(remat_target)
+    policies = {v for k, v in remat_settings(cfg).items() if pattern.fullmatch(k)}
+    return policies.pop() if len(policies) == 1 else ("none" if not policies else "mixed")
+
+
+def mesh_rule_literal(selector: str, layout: Layout, cfg: ConfigBase,
+                      remat_target: Optional[str]) -> str:
+    """The layout as a mesh rule `(regex, [modifiers])`, a Python literal to paste into an
+    experiment's `mesh_rules` (names from `jaxlearn.mesh` and `jaxlearn.module`)."""
+    sizes = ", ".join(f"{k}={v}" for k, v in layout.sizes if v > 1) or "data=1"
+    lines = [f"(\"{selector}\", [", f"    mesh_shape_from_axes({sizes}),"]
+    if remat_target is not None:
+        policy = _policy_of(cfg, remat_target) if layout.remat == KEEP else layout.remat
+        if policy != "mixed":
+            value = "None" if policy == "none" else f"RematSpec(policy={policy!r})"
+            lines += [
+                "    RematPolicyModifier.default_config().set(",
+                f"        target=r\"{remat_target}\", field=\"remat_spec\",",
+                f"        remat_policy={value}),",
+            ]
+    lines.append(f"    GradAccumulationModifier.default_config().set("
+                 f"num_microbatches={layout.num_microbatches}),")
+    lines.append("]),")
+    return "\n".join(lines)
+
+
+class _Space:
+    """Which layouts are worth compiling for this model, batch and target."""
+
+    def __init__(self, cfg: ConfigBase, target: Target, global_batch: int,
+                 max_model_parallel: int):
+        self.cfg = cfg
+        self.n = target.num_devices
+        self.per_granule = target.num_devices // target.num_granules
+        self.global_batch = global_batch
+        self.max_model = max_model_parallel
+        self.rules = cfg.mesh_axis_rules
+        from jaxlearn.module import flatten_specs
+
+        model = cfg.model.clone(name="model").instantiate()
+        self.param_specs = [s for _, s in flatten_specs(
+            model.create_parameter_specs_recursively())]
+        self.pruned: dict[str, int] = {}
+
+    def _prune(self, why: str) -> bool:
+        self.pruned[why] = self.pruned.get(why, 0) + 1
+        return False
+
+    def sharded_axes(self, sizes: dict[str, int]) -> set[str]:
+        used: set[str] = set()
+        for spec in self.param_specs:
+            ps = logical_to_partition_spec(spec.mesh_axes, self.rules, sizes, shape=spec.shape)
+            for entry in ps:
+                if entry is None:
+                    continue
+                used.update((entry,) if isinstance(entry, str) else entry)
+        return used
+
+    def batch_shards(self, sizes: dict[str, int]) -> int:
+        ps = logical_to_partition_spec(("batch", None), self.rules, sizes)
+        entry = ps[0] if len(ps) else None
+        if entry is None:
+            return 1
+        axes = (entry,) if isinstance(entry, str) else entry
+        return math.prod(sizes.get(a, 1) for a in axes)
+
+    def batch_ok(self, sizes: dict[str, int], microbatches: int) -> bool:
+        if self.global_batch % microbatches:
+            return False
+        return (self.global_batch // microbatches) % self.batch_shards(sizes) == 0
+
+    def valid(self, sizes: dict[str, int]) -> bool:
+        m = sizes["model"]
+        if m > 1 and (m > self.max_model or self.per_granule % m):
+            return self._prune("model axis beyond the fast link or max_model_parallel")
+        used = self.sharded_axes(sizes)
+        for axis in ("model", "expert", "fsdp"):
+            if sizes[axis] > 1 and axis not in used:
+                return self._prune(f"{axis} axis shards no parameter")
+        if not self.batch_ok(sizes, 1):
+            return self._prune("batch does not split over the batch axes")
+        return True
+
+    def groups(self) -> dict[tuple[int, int], list[dict[str, int]]]:
+        """(model, expert) -> valid sizes, most `fsdp` first."""
+        out: dict[tuple[int, int], list[dict[str, int]]] = {}
+        for m in _divisors(self.n):
+            for e in _divisors(self.n // m):
+                rest = self.n // (m * e)
+                options = []
+                for f in sorted(_divisors(rest), reverse=True):
+                    sizes = {"data": rest // f, "fsdp": f, "model": m, "expert": e}
+                    if self.valid(sizes):
+                        options.append(sizes)
+                if options:
+                    out[(m, e)] = options
+        return dict(sorted(out.items()))
+
+
+def _as_layout(sizes: dict[str, int], remat: str = KEEP, microbatches: int = 1) -> Layout:
+    return Layout(tuple((a, sizes[a]) for a in PLAN_AXES), remat, microbatches)
+
+
+# ---- search -------------------------------------------------------------------------------
+
+
+def plan(
+    cfg: ConfigBase,
+    target: Target,
+    *,
+    max_candidates: int = 24,
+    mfu: float = DEFAULT_MFU,
+    hbm_utilization: float = DEFAULT_HBM_UTILIZATION,
+    remat_target: Optional[str] = "auto",
+    remat_policies: Sequence[str] = DEFAULT_REMAT_POLICIES,
+    microbatches: Sequence[int] = DEFAULT_MICROBATCHES,
+    max_model_parallel: int = 16,
+    include_baseline: bool = True,
+    progress: Optional[Callable[[Candidate], None]] = None,
+) -> PlanResult:
+    """Searches layouts for `target` (see the module doc); at most `max_candidates`
+    compilations.
+
+    Args:
+        cfg: the trainer config (experiment + mesh rule + overrides).
+        target: from `resolve_target` (its `hbm_bytes` is what must fit).
+        remat_target: regex of the module configs to set `remat_spec` on; "auto":
+            `find_remat_target`; None: do not vary remat.
+        remat_policies: policies to try when memory is short, weakest first.
+        microbatches: gradient accumulation counts to try when memory is short.
+        progress: called with each candidate once compiled.
+    """
+    if max_candidates < 1:
+        raise AOTError(f"max_candidates must be >= 1, got {max_candidates}")
+    if remat_target == "auto":
+        remat_target = find_remat_target(cfg)
+    batch = {k: jax.ShapeDtypeStruct(shape, dtype)
+             for k, (shape, dtype) in batch_shapes(cfg).items()}
+    global_batch = int(next(iter(batch.values())).shape[0])
+    space = _Space(cfg, target, global_batch, max_model_parallel)
+    groups = space.groups()
+    notes: list[str] = []
+    candidates: list[Candidate] = []
+    seen: set[Layout] = set()
+
+    def run(layout: Layout) -> Optional[Candidate]:
+        if layout in seen or len(candidates) >= max_candidates:
+            return None
+        seen.add(layout)
+        cand = Candidate(layout)
+        try:
+            cand.report = aot_compile(apply_layout(cfg, layout, remat_target), target,
+                                      mfu=mfu, hbm_utilization=hbm_utilization, batch=batch)
+        except (AOTError, ValueError) as e:
+            cand.error = str(e).splitlines()[0][:300]
+        candidates.append(cand)
+        if progress is not None:
+            progress(cand)
+        return cand
+
+    def fits(layout: Layout) -> bool:
+        c = run(layout)
+        if c is None:  # Already compiled, or out of budget.
+            prior = next((x for x in candidates if x.layout == layout), None)
+            return prior is not None and prior.fits
+        return c.fits
+
+    if include_baseline:
+        base = run(Layout((), baseline=True))
+        if base is not None and base.report is not None:
+            seen.add(_baseline_layout(cfg, base))
+    # 1. The most sharded layout of each (model, expert) group.
+    top = {g: _as_layout(opts[0]) for g, opts in groups.items()}
+    for layout in top.values():
+        run(layout)
+    # 2. Where it fits: the least-sharded layout that still fits.
+    for g, opts in groups.items():
+        if not fits(top[g]) or len(opts) < 2:
+            continue
+        lo, hi = 0, len(opts) - 1  # opts[lo] fits (most fsdp); find the largest index that fits.
+        if fits(_as_layout(opts[hi])):
+            lo = hi
+        else:
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if fits(_as_layout(opts[mid])):
+                    lo = mid
+                else:
+                    hi = mid
+        if target.num_granules > 1:
+            host = next((o for o in opts if o["fsdp"] * g[0] * g[1] == space.per_granule), None)
+            if host is not None:
+                run(_as_layout(host))
+    # 3. Where even that does not fit: remat, then gradient accumulation.
+    policies = list(remat_policies) if remat_target is not None else []
+    for g, opts in groups.items():
+        if fits(top[g]):
+            continue
+        sizes = opts[0]
+        done = False
+        for policy in policies:
+            if fits(_as_layout(sizes, policy)):
+                done = True
+                break
+        strongest = policies[-1] if policies else KEEP
+        for mb in microbatches:
+            if done or mb == 1 or not space.batch_ok(sizes, mb):
+                continue
+            done = fits(_as_layout(sizes, strongest, mb))
+    # 4. Remat off where a fitting layout rematerialises.
+    if remat_target is not None:
+        for cand in sorted((c for c in candidates if c.fits and not c.layout.baseline),
+                           key=Candidate.sort_key)[:3]:
+            layout = cand.layout
+            current = _policy_of(apply_layout(cfg, layout, remat_target), remat_target)
+            if current != "none":
+                run(Layout(layout.sizes, "none", layout.num_microbatches))
+    if len(candidates) >= max_candidates:
+        notes.append(f"stopped at max_candidates={max_candidates}; raise it to search more")
+    fitting = sorted((c for c in candidates if c.fits), key=Candidate.sort_key)
+    winner = fitting[0] if fitting else None
+    rule = None
+    if winner is not None:
+        if winner.layout.baseline:
+            notes.append("the config as given is the best layout found")
+            as_layout = _baseline_layout(cfg, winner)
+            if not as_layout.baseline:
+                rule = mesh_rule_literal(target.selector, as_layout, cfg, remat_target)
+        else:
+            rule = mesh_rule_literal(target.selector, winner.layout, cfg, remat_target)
+    return PlanResult(target.selector, target.num_devices, candidates, winner, rule,
+                      remat_target, max_candidates, space.pruned, notes)
+
+
+def _baseline_layout(cfg: ConfigBase, cand: Candidate) -> Layout:
+    """The layout the baseline is (the planner never varies its other mesh axes)."""
+    assert cand.report is not None
+    mesh = cand.report.mesh
+    if any(v > 1 for k, v in mesh.items() if k not in PLAN_AXES):
+        return Layout((), baseline=True)
+    sizes = tuple((a, int(mesh.get(a, 1))) for a in PLAN_AXES)
+    return Layout(sizes, KEEP, int(cfg.learner.num_microbatches))
+
+
+# ---- printing -----------------------------------------------------------------------------
+
+
+def format_plan(result: PlanResult) -> str:
+    """The ranked table and the winning mesh rule."""
+    rows = [["#", "layout", "fits", "required", "usable HBM", "t_compute", "t_comm", "t_step"]]
+    for i, c in enumerate(result.ranked(), 1):
+        if c.report is None:
+            rows.append([str(i), c.layout.describe(), "error", "-", "-", "-", "-",
+                         (c.error or "")[:60]])
+            continue
+        t = c.report.train
+        rows.append([str(i), c.layout.describe(), "yes" if c.fits else "NO",
+                     human_bytes(t.required_bytes), human_bytes(t.usable_hbm_bytes),
+                     human_seconds(t.compute_seconds), human_seconds(t.comm_seconds),
+                     human_seconds(t.step_seconds)])
+    lines = [f"plan for {result.selector} ({result.num_devices} devices): "
+             f"{len(result.candidates)} candidate(s) compiled (max {result.max_candidates})",
+             "", format_table(rows), ""]
+    if result.pruned:
+        lines.append("pruned before compiling: " + "; ".join(
+            f"{v} x {k}" for k, v in sorted(result.pruned.items())))
+    lines.append(f"remat target: {result.remat_target or '(none: remat not varied)'}")
+    for note in result.notes:
+        lines.append(f"note: {note}")
+    if result.winner is None:
+        lines.append("no candidate fits the target's memory")
+    else:
+        lines += ["", f"winner: {result.winner.layout.describe()}",
+                  "mesh rule (put it before the rules it should override; uses "
+                  "jaxlearn.mesh.{mesh_shape_from_axes, RematPolicyModifier, "
+                  "GradAccumulationModifier} and jaxlearn.module.RematSpec):",
+                  result.rule or ""]
+    return "\n".join(lines)
+
+
+__all__ = [
+    "DEFAULT_MICROBATCHES",
+    "DEFAULT_REMAT_POLICIES",
+    "Candidate",
+    "Layout",
+    "PlanResult",
+    "apply_layout",
+    "find_remat_target",
+    "format_plan",
+    "layout_modifiers",
+    "mesh_rule_literal",
+    "plan",
+]

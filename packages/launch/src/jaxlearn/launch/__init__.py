@@ -1,0 +1,4 @@
+"""jaxlearn.launch: start one job on many processes: `jax.distributed` start-up from flags or
+a scheduler's environment, the local launcher, Slurm scripts and Kubernetes JobSet
+manifests. Import submodules directly, e.g. `from jaxlearn.launch import distributed`;
+see packages/launch/README.md."""

@@ -1,0 +1,4 @@
+"""jaxlearn.resilience: what keeps a training run alive and honest: watchdog, supervisor,
+silent-data-corruption checks, non-finite policy, goodput, health checks, fault injection,
+exit codes and elastic re-meshing. Import submodules directly, e.g.
+`from jaxlearn.resilience.supervisor import Supervisor`; see packages/resilience/README.md."""

@@ -1,0 +1,235 @@
+"""Fault injection for resilience tests: a plan read from `JAXLEARN_FAULTS`.
+
+    JAXLEARN_FAULTS="kill@7:save+30,hang@5,nan@3,flip@6:2,sdcstep@4:1"
+
+Transient faults (all but nan/inf) fire at most once per output directory (a marker file
+under `<output_dir>/faults_fired/` is written, durably, just before one fires), so a run
+restarted by a supervisor does not hit the same fault again. A bad batch (nan/inf) is bad
+each time its step runs, as real bad data would be on a replay:
+
+    kill@N:PHASE[+MS]  SIGKILL this process MS milliseconds (default 0) after entering
+                       PHASE of step N: `step` (the step is dispatched, computing), `save`
+                       (the async save of step N returned, writes in flight) or `eval`
+    hang@N             block the training thread forever before step N (for the watchdog)
+    crash@N            raise RuntimeError before step N
+    nan@N / inf@N      put a NaN / Inf into step N's batch (`target_weights`), so the
+                       loss and every gradient become non-finite
+    flip@N:DEV[:PATH]  after step N, flip one bit of the state leaf PATH (default: the
+                       first parameter) in the shard on device DEV (an SDC on one replica)
+    sdcstep@N:DEV      in the recompute SDC check of step N, flip a bit of the first
+                       result on device DEV (a device that computes wrongly)
+    enospc@N           the checkpoint save of step N finds the disk full (its durable
+                       writes raise OSError(ENOSPC))
+
+Unset, the plan is empty and every hook is a dictionary lookup. Not for production use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import logging
+import os
+import re
+import signal
+import threading
+import time
+from typing import Any, Iterator, Optional
+
+import numpy as np
+
+log = logging.getLogger("jaxlearn.faults")
+
+ENV = "JAXLEARN_FAULTS"
+_SPEC = re.compile(r"^(?P<kind>[a-z]+)@(?P<step>\d+)(?::(?P<arg>[^+:]+))?(?::(?P<path>[^+]+))?"
+                   r"(?:\+(?P<ms>\d+(?:\.\d*)?))?$")
+KINDS = {"kill", "hang", "crash", "nan", "inf", "flip", "sdcstep", "enospc"}
+PHASES = {"step", "save", "eval"}
+PERSISTENT = {"nan", "inf"}  # Bad data: bad again when the step is replayed.
+
+
+class FaultSpecError(ValueError):
+    """A malformed JAXLEARN_FAULTS entry."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    kind: str
+    step: int
+    arg: Optional[str] = None
+    path: Optional[str] = None
+    delay_ms: float = 0.0
+    token: str = ""
+
+    @property
+    def marker_name(self) -> str:
+        return re.sub(r"[^A-Za-z0-9_.-]", "_", self.token)
+
+
+def parse(spec: str) -> list[Fault]:
+    out = []
+    for token in (t.strip() for t in spec.split(",")):
+        if not token:
+            continue
+        m = _SPEC.match(token)
+        if not m or m["kind"] not in KINDS:
+            raise FaultSpecError(f"{ENV}: cannot parse {token!r} (kinds: {sorted(KINDS)}, "
+                                 "form KIND@STEP[:ARG[:PATH]][+MS])")
+        fault = Fault(m["kind"], int(m["step"]), m["arg"], m["path"],
+                      float(m["ms"] or 0.0), token)
+        if fault.kind == "kill" and fault.arg not in PHASES:
+            raise FaultSpecError(f"{ENV}: {token!r}: kill needs a phase, one of {sorted(PHASES)}")
+        if fault.kind in ("flip", "sdcstep") and (fault.arg is None or not fault.arg.isdigit()):
+            raise FaultSpecError(f"{ENV}: {token!r}: {fault.kind} needs a device id")
+        out.append(fault)
+    return out
+
+
+class FaultPlan:
+    """The faults of one run, each fired at most once per `output_dir`."""
+
+    def __init__(self, faults: list[Fault], output_dir: Optional[str] = None):
+        self.faults = faults
+        self._dir = os.path.join(output_dir, "faults_fired") if output_dir else None
+        self.fired: list[str] = []
+        self._kill_pending = False
+
+    @classmethod
+    def from_env(cls, output_dir: Optional[str]) -> "FaultPlan":
+        return cls(parse(os.environ.get(ENV, "")), output_dir)
+
+    def __bool__(self) -> bool:
+        return bool(self.faults)
+
+    def _take(self, kind: str, step: int, arg: Optional[str] = None) -> Optional[Fault]:
+        for f in self.faults:
+            if f.kind == kind and f.step == step and (arg is None or f.arg == arg):
+                if f.kind in PERSISTENT:
+                    log.warning("fault injection: %s (fires on every run of step %d)",
+                                f.token, step)
+                    self.fired.append(f.token)
+                    return f
+                if self._dir is not None and os.path.exists(os.path.join(self._dir, f.marker_name)):
+                    continue
+                self._mark(f)
+                return f
+        return None
+
+    def _mark(self, fault: Fault) -> None:
+        self.fired.append(fault.token)
+        log.warning("fault injection: firing %s", fault.token)
+        if self._dir is None:
+            return
+        os.makedirs(self._dir, exist_ok=True)
+        path = os.path.join(self._dir, fault.marker_name)
+        with open(path, "w") as f:
+            f.write(f"{time.time()}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        fd = os.open(self._dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    # ---- hooks called by the trainer's guard -----------------------------------------------
+
+    def before_step(self, step: int, local_batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if not self.faults:
+            return local_batch
+        if self._take("crash", step):
+            raise RuntimeError(f"fault injection: crash before step {step}")
+        if self._take("hang", step):
+            log.warning("fault injection: hanging before step %d", step)
+            while True:
+                time.sleep(3600)
+        for kind, value in (("nan", np.nan), ("inf", np.inf)):
+            if self._take(kind, step):
+                if "target_weights" not in local_batch:
+                    raise RuntimeError("fault injection: the batch has no target_weights")
+                local_batch = dict(local_batch)
+                weights = np.array(local_batch["target_weights"], dtype=np.float32)
+                weights.reshape(-1)[0] = value
+                local_batch["target_weights"] = weights
+        return local_batch
+
+    def enter_phase(self, phase: str, step: int) -> None:
+        """Kill faults for `phase` of `step` (delayed ones on a timer thread)."""
+        if not self.faults or self._kill_pending:  # One kill per process.
+            return
+        fault = self._take("kill", step, phase)
+        if fault is None:
+            return
+        self._kill_pending = True
+        if fault.delay_ms <= 0:
+            _kill_self()
+        timer = threading.Timer(fault.delay_ms / 1000.0, _kill_self)
+        timer.daemon = True
+        timer.start()
+
+    def flip_after_step(self, step: int, state: Any) -> Any:
+        if not self.faults:
+            return state
+        fault = self._take("flip", step)
+        if fault is None:
+            return state
+        from jaxlearn.resilience.nonfinite import leaf_paths
+        from jaxlearn.resilience.sdc import flip_bit_in_tree
+
+        path = fault.path or "params/" + leaf_paths(state["params"])[0]
+        log.warning("fault injection: flipping a bit of %s on device %s after step %d",
+                    path, fault.arg, step)
+        return flip_bit_in_tree(state, path, int(fault.arg or 0), bit=_HIGH_BIT)
+
+    @contextlib.contextmanager
+    def disk_full(self, step: int) -> Iterator[None]:
+        """Inside: durable checkpoint writes fail with ENOSPC (for an `enospc@step`)."""
+        if not self.faults or self._take("enospc", step) is None:
+            yield
+            return
+        from jaxlearn.checkpoint import layout
+
+        real = layout.write_durable
+        name = layout.step_name(step)  # Only this step's files: earlier commits finish.
+
+        def full(path: Any, data: bytes) -> None:
+            if name not in str(path):
+                return real(path, data)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+        layout.write_durable = full
+        try:
+            yield
+        finally:
+            layout.write_durable = real
+
+    def corrupt_recompute(self, step: int) -> Optional[Any]:
+        """A function corrupting the first result of step `step`'s recompute check."""
+        if not self.faults:
+            return None
+        fault = self._take("sdcstep", step)
+        if fault is None:
+            return None
+        from jaxlearn.resilience.nonfinite import leaf_paths
+        from jaxlearn.resilience.sdc import flip_bit_in_tree
+
+        device = int(fault.arg or 0)
+
+        def corrupt(state: Any) -> Any:
+            path = fault.path or "params/" + leaf_paths(state["params"])[0]
+            return flip_bit_in_tree(state, path, device, bit=_HIGH_BIT)
+
+        return corrupt
+
+
+# The top mantissa bit of a float32: the value changes by up to 50% and stays finite, so
+# the damage survives the next update (a low bit could be rounded away).
+_HIGH_BIT = 22
+
+
+def _kill_self() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+__all__ = ["ENV", "Fault", "FaultPlan", "FaultSpecError", "parse"]

@@ -1,0 +1,109 @@
+"""The record of what built a run: experiment name, mesh selector, overrides and the full
+flat config text, written as `run.json` in the output directory and in every checkpoint.
+
+    record = RunRecord(experiment="tiny-llama", mesh_selector=None,
+                       overrides=["max_step=300"], config_text=to_flat_text(cfg))
+    record.write(output_dir)                    # <output_dir>/run.json
+    record = find_run_record("runs/tiny-llama")  # a run dir, its checkpoints dir or a step dir
+
+Readers rebuild the model from the record (`experiment` + `mesh_selector` + `overrides`
+through the experiment registry, checked against `config_text`), never by guessing which
+recipe matches. The file is JSON: nothing is unpickled, and every field is type-checked
+on read, with errors naming the file and the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any, Optional, Union
+
+RECORD_FILE = "run.json"
+FORMAT_VERSION = 1
+
+
+class RunRecordError(ValueError):
+    """A run record that is missing, unreadable or malformed (the message names the file)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunRecord:
+    """What built a run. `overrides` are `path=value` strings applied in order after the
+    experiment's mesh rule (CLI flags such as `--max_step` are recorded as overrides);
+    `base_model` names the pretrained model a fine-tuning run started from, if any."""
+
+    experiment: Optional[str]
+    mesh_selector: Optional[str]
+    overrides: tuple[str, ...]
+    config_text: str
+    base_model: Optional[str] = None
+
+    def to_json(self) -> str:
+        body = {"format_version": FORMAT_VERSION, **dataclasses.asdict(self)}
+        body["overrides"] = list(self.overrides)
+        return json.dumps(body, indent=1, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, where: str = "run record") -> "RunRecord":
+        try:
+            body = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise RunRecordError(f"{where}: not JSON ({e})") from None
+        if not isinstance(body, dict):
+            raise RunRecordError(f"{where}: expected a JSON object, got {type(body).__name__}")
+        version = body.get("format_version")
+        if version != FORMAT_VERSION:
+            raise RunRecordError(f"{where}: format_version {version!r} is not {FORMAT_VERSION}")
+
+        def field(name: str, kind: type, optional: bool) -> Any:
+            value = body.get(name)
+            if value is None and optional:
+                return None
+            if not isinstance(value, kind):
+                raise RunRecordError(f"{where}: field {name!r} must be {kind.__name__}"
+                                     f"{' or null' if optional else ''}, got {value!r:.80}")
+            return value
+
+        overrides = field("overrides", list, False)
+        if not all(isinstance(o, str) for o in overrides):
+            raise RunRecordError(f"{where}: field 'overrides' must be a list of strings")
+        return cls(experiment=field("experiment", str, True),
+                   mesh_selector=field("mesh_selector", str, True),
+                   overrides=tuple(overrides),
+                   config_text=field("config_text", str, False),
+                   base_model=field("base_model", str, True))
+
+    def write(self, directory: Union[str, os.PathLike[str]]) -> Path:
+        """Writes `<directory>/run.json` atomically (temp file + rename); returns its path."""
+        path = Path(directory) / RECORD_FILE
+        tmp = path.with_name(f".{RECORD_FILE}.tmp")
+        tmp.write_text(self.to_json())
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def read(cls, path: Union[str, os.PathLike[str]]) -> "RunRecord":
+        """Reads a `run.json` file."""
+        try:
+            text = Path(path).read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise RunRecordError(f"{path}: cannot read the run record ({e})") from None
+        return cls.from_json(text, where=str(path))
+
+
+def find_run_record(path: Union[str, os.PathLike[str]]) -> Optional[RunRecord]:
+    """The record of the run at `path`: a run's output directory, its `checkpoints/`
+    directory, or one checkpoint step directory (whose own copy wins). None when there is
+    no `run.json` in any of those places; a malformed one raises RunRecordError."""
+    p = Path(path)
+    candidates = [p / RECORD_FILE]
+    if p.name == "checkpoints":
+        candidates.append(p.parent / RECORD_FILE)
+    elif p.parent.name == "checkpoints":
+        candidates.append(p.parent.parent / RECORD_FILE)
+    for candidate in candidates:
+        if candidate.is_file():
+            return RunRecord.read(candidate)
+    return None
