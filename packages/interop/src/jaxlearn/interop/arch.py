@@ -162,18 +162,22 @@ def build_config(
             layers.append(one)
         cfg.decoder.transformer.layers = layers
     if arch.is_moe:
-        experts = MixtureOfExperts.default_config().set(
-            num_experts=arch.num_experts,
-            num_experts_per_token=arch.num_experts_per_token,
-            router_scores="softmax",
-            normalize_top_k_weights=True,
-            capacity_factor=None,
-            dropless_method=moe_dropless_method,
-            # HF's load_balancing_loss_func is num_experts_per_token times ours.
-            load_balance_loss_weight=arch.router_aux_loss_coef * arch.num_experts_per_token,
-        )
-        cfg = replace_config(cfg, FeedForward, experts)
+        cfg = replace_config(cfg, FeedForward, _experts_config(arch, moe_dropless_method))
     return cfg
+
+
+def _experts_config(arch: Architecture, dropless_method: str) -> Any:
+    """The Mixtral MoE (top-k softmax, renormalised, dropless) that replaces every FFN."""
+    return MixtureOfExperts.default_config().set(
+        num_experts=arch.num_experts,
+        num_experts_per_token=arch.num_experts_per_token,
+        router_scores="softmax",
+        normalize_top_k_weights=True,
+        capacity_factor=None,
+        dropless_method=dropless_method,
+        # HF's load_balancing_loss_func is num_experts_per_token times ours.
+        load_balance_loss_weight=arch.router_aux_loss_coef * arch.num_experts_per_token,
+    )
 
 
 # ---- reading an Architecture back from a CausalLM config -------------------------------------
@@ -184,112 +188,123 @@ def _is(cfg: Any, klass: type) -> bool:
     return isinstance(k, type) and issubclass(k, klass)
 
 
+def _bad(path: str, why: str) -> UnsupportedModelError:
+    return UnsupportedModelError(f"cannot export {path}: {why}")
+
+
+def layer_configs(stack: Any) -> list[Any]:
+    """The per-layer configs of a ScanStack / LoopStack config."""
+    return list(getattr(stack, "layers", None) or [stack.layer] * stack.num_layers)
+
+
 def architecture_from_config(cfg: Any, *, max_position_embeddings: Optional[int] = None) -> Any:
     """Reads an `Architecture` from a `CausalLM.Config` (as built by `llama_config`, possibly
-    with MoE / bias / sliding-window changes). Raises `UnsupportedModelError` naming the
-    config path of anything an HF Llama/Mistral/Qwen2/Mixtral checkpoint cannot express."""
-
-    def bad(path: str, why: str) -> UnsupportedModelError:
-        return UnsupportedModelError(f"cannot export {path}: {why}")
-
+    with MoE / bias / sliding-window / fused-projection changes). Raises
+    `UnsupportedModelError` naming the config path of anything an HF
+    Llama/Mistral/Qwen2/Mixtral checkpoint cannot express."""
     dec = cfg.decoder
     if dec.emb.scale_by_sqrt_dim:
-        raise bad("model.decoder.emb.scale_by_sqrt_dim", "HF Llama does not scale embeddings")
+        raise _bad("model.decoder.emb.scale_by_sqrt_dim", "HF Llama does not scale embeddings")
     if dec.logits_soft_cap is not None:
-        raise bad("model.decoder.logits_soft_cap", "no final-logit soft cap in HF Llama")
+        raise _bad("model.decoder.logits_soft_cap", "no final-logit soft cap in HF Llama")
     t = dec.transformer
     if not (_is(t, ScanStack) or _is(t, LoopStack)):
-        raise bad("model.decoder.transformer", f"unknown stack {t.klass}")
-    layer_cfgs = list(getattr(t, "layers", None) or [t.layer] * t.num_layers)
-
-    def norm_eps(path: str, norm: Any) -> float:
-        if not _is(norm, RMSNorm) or norm.scale_offset:
-            raise bad(path, "only RMSNorm without scale offset maps to HF Llama")
-        return float(norm.eps)
-
-    eps = norm_eps("model.decoder.output_norm", dec.output_norm)
+        raise _bad("model.decoder.transformer", f"unknown stack {t.klass}")
+    eps = _norm_eps("model.decoder.output_norm", dec.output_norm)
     windows: list[Optional[int]] = []
     first: Optional[dict[str, Any]] = None
-    for i, lc in enumerate(layer_cfgs):
+    for i, lc in enumerate(layer_configs(t)):
         where = f"model.decoder.transformer.layers[{i}]"
-        if not _is(lc, TransformerLayer):
-            raise bad(where, f"unknown layer {lc.klass}")
-        if norm_eps(f"{where}.norm", lc.norm) != eps:
-            raise bad(f"{where}.norm.eps", "HF Llama has one rms_norm_eps for every norm")
-        a = lc.self_attention
-        if not _is(a, Attention):
-            raise bad(f"{where}.self_attention", f"unknown attention {a.klass}")
-        for field, ok in (
-            ("qk_norm", a.qk_norm is None),
-            ("logit_soft_cap", a.logit_soft_cap is None),
-            ("causal", a.causal),
-            ("rope", a.rope is not None and a.rope.rotary_fraction == 1.0),
-        ):
-            if not ok:
-                raise bad(
-                    f"{where}.self_attention.{field}", f"unsupported value {getattr(a, field)!r}"
-                )
-        head_dim = a.head_dim if a.head_dim is not None else dec.dim // a.num_heads
-        if a.query_scale is not None and not math.isclose(a.query_scale, head_dim**-0.5):
-            raise bad(f"{where}.self_attention.query_scale", "HF uses head_dim ** -0.5")
-        fs = a.rope.frequency_scaling
-        rope_scaling: Optional[dict[str, Any]] = None
-        if fs is not None:
-            if _is(fs, Llama3FrequencyScaling):
-                rope_scaling = {"rope_type": "llama3"}
-                rope_scaling.update({k: getattr(fs, k) for k in fs.keys() if k != "klass"})
-            elif _is(fs, LinearFrequencyScaling):
-                rope_scaling = {"rope_type": "linear", "factor": float(fs.factor)}
-            else:
-                raise bad(f"{where}.self_attention.rope.frequency_scaling", f"{fs.klass}")
-        f = lc.feed_forward
-        if _is(f, MixtureOfExperts):
-            if tuple(f.activation) != ("silu", "linear"):
-                raise bad(f"{where}.feed_forward.activation", "Mixtral experts are SwiGLU")
-            if f.router_scores != "softmax" or not f.normalize_top_k_weights:
-                raise bad(f"{where}.feed_forward", "Mixtral routing is softmax + top-k renorm")
-            ffn = dict(
-                ffn_dim=f.hidden_dim,
-                num_experts=f.num_experts,
-                num_experts_per_token=f.num_experts_per_token,
-                router_aux_loss_coef=f.load_balance_loss_weight / f.num_experts_per_token,
-                mlp_bias=False,
-            )
-        elif _is(f, FeedForward):
-            if tuple(f.activation) != ("silu", "linear"):
-                raise bad(f"{where}.feed_forward.activation", "HF Llama MLP is SwiGLU")
-            ffn = dict(ffn_dim=f.hidden_dim, num_experts=0, mlp_bias=bool(f.use_bias))
-        else:
-            raise bad(f"{where}.feed_forward", f"unknown feed-forward {f.klass}")
-        this = dict(
-            num_heads=a.num_heads,
-            num_kv_heads=a.num_kv_heads if a.num_kv_heads is not None else a.num_heads,
-            head_dim=head_dim,
-            rope_theta=float(a.rope.theta),
-            rope_scaling=rope_scaling,
-            qkv_bias=bool(a.qkv_bias),
-            output_bias=bool(a.output_bias),
-            **ffn,
-        )
+        this = _layer_settings(where, lc, dec.dim, eps)
         if first is None:
             first = this
         elif this != first:
             diff = sorted(k for k in this if this[k] != first[k])
-            raise bad(where, f"layers differ from layer 0 in {diff}; HF needs uniform layers")
-        windows.append(a.sliding_window)
+            raise _bad(where, f"layers differ from layer 0 in {diff}; HF needs uniform layers")
+        windows.append(lc.self_attention.sliding_window)
     assert first is not None
-    family = _family(first, windows)
     return Architecture(
-        family=family,
+        family=_family(first, windows),
         vocab_size=dec.vocab_size,
         dim=dec.dim,
-        num_layers=len(layer_cfgs),
+        num_layers=len(windows),
         norm_eps=eps,
         tie_embeddings=dec.lm_head is None,
         sliding_windows=tuple(windows),
         max_position_embeddings=max_position_embeddings,
         **first,
     )
+
+
+def _norm_eps(path: str, norm: Any) -> float:
+    if not _is(norm, RMSNorm) or norm.scale_offset:
+        raise _bad(path, "only RMSNorm without scale offset maps to HF Llama")
+    return float(norm.eps)
+
+
+def _layer_settings(where: str, lc: Any, dim: int, eps: float) -> dict[str, Any]:
+    """The `Architecture` fields one TransformerLayer config sets (all but the window)."""
+    if not _is(lc, TransformerLayer):
+        raise _bad(where, f"unknown layer {lc.klass}")
+    if _norm_eps(f"{where}.norm", lc.norm) != eps:
+        raise _bad(f"{where}.norm.eps", "HF Llama has one rms_norm_eps for every norm")
+    a = lc.self_attention
+    if not _is(a, Attention):
+        raise _bad(f"{where}.self_attention", f"unknown attention {a.klass}")
+    for field, ok in (
+        ("qk_norm", a.qk_norm is None),
+        ("logit_soft_cap", a.logit_soft_cap is None),
+        ("causal", a.causal),
+        ("rope", a.rope is not None and a.rope.rotary_fraction == 1.0),
+    ):
+        if not ok:
+            value = getattr(a, field)
+            raise _bad(f"{where}.self_attention.{field}", f"unsupported value {value!r}")
+    head_dim = a.head_dim if a.head_dim is not None else dim // a.num_heads
+    if a.query_scale is not None and not math.isclose(a.query_scale, head_dim**-0.5):
+        raise _bad(f"{where}.self_attention.query_scale", "HF uses head_dim ** -0.5")
+    return dict(
+        num_heads=a.num_heads,
+        num_kv_heads=a.num_kv_heads if a.num_kv_heads is not None else a.num_heads,
+        head_dim=head_dim,
+        rope_theta=float(a.rope.theta),
+        rope_scaling=_rope_scaling(f"{where}.self_attention.rope", a.rope.frequency_scaling),
+        qkv_bias=bool(a.qkv_bias),
+        output_bias=bool(a.output_bias),
+        **_ffn_settings(f"{where}.feed_forward", lc.feed_forward),
+    )
+
+
+def _rope_scaling(where: str, fs: Any) -> Optional[dict[str, Any]]:
+    """HF `rope_scaling` dict of a frequency-scaling config (None: no scaling)."""
+    if fs is None:
+        return None
+    if _is(fs, Llama3FrequencyScaling):
+        return {"rope_type": "llama3", **{k: getattr(fs, k) for k in fs.keys() if k != "klass"}}
+    if _is(fs, LinearFrequencyScaling):
+        return {"rope_type": "linear", "factor": float(fs.factor)}
+    raise _bad(f"{where}.frequency_scaling", f"{fs.klass}")
+
+
+def _ffn_settings(where: str, f: Any) -> dict[str, Any]:
+    """The FFN fields of `Architecture` for a FeedForward / MixtureOfExperts config."""
+    if _is(f, MixtureOfExperts):
+        if tuple(f.activation) != ("silu", "linear"):
+            raise _bad(f"{where}.activation", "Mixtral experts are SwiGLU")
+        if f.router_scores != "softmax" or not f.normalize_top_k_weights:
+            raise _bad(where, "Mixtral routing is softmax + top-k renorm")
+        return dict(
+            ffn_dim=f.hidden_dim,
+            num_experts=f.num_experts,
+            num_experts_per_token=f.num_experts_per_token,
+            router_aux_loss_coef=f.load_balance_loss_weight / f.num_experts_per_token,
+            mlp_bias=False,
+        )
+    if _is(f, FeedForward):
+        if tuple(f.activation) != ("silu", "linear"):
+            raise _bad(f"{where}.activation", "HF Llama MLP is SwiGLU")
+        return dict(ffn_dim=f.hidden_dim, num_experts=0, mlp_bias=bool(f.use_bias))
+    raise _bad(where, f"unknown feed-forward {f.klass}")
 
 
 def _family(layer: dict[str, Any], windows: list[Optional[int]]) -> str:

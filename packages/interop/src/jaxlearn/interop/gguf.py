@@ -10,7 +10,8 @@ Architectures: `llama` (Llama 1/2/3, Mistral and Mixtral as llama.cpp converts t
 SmolLM), `qwen2` (q/k/v biases), `mistral`-named files with the llama layout. llama.cpp
 permutes the rows of the q/k projections of `llama` files for its interleaved RoPE
 (`convert_hf_to_gguf.LlamaModel.permute`); `unpermute_qk` undoes it so the weights match the
-HF rotate-half layout that jaxlearn's RoPE uses. qwen2 files are not permuted.
+HF rotate-half layout that jaxlearn's RoPE uses. qwen2 files are not permuted. Tensor
+names, shapes and transforms come from the name table in `jaxlearn.interop.names`.
 
 Llama-3.1 RoPE scaling is stored by llama.cpp as a `rope_freqs.weight` tensor of per-
 frequency divisors; the loader recovers the `Llama3FrequencyScaling` parameters that
@@ -31,15 +32,17 @@ from typing import Any, Optional
 
 import numpy as np
 
-from jaxlearn.interop.arch import Architecture, build_config
+from jaxlearn.interop.arch import Architecture, architecture_from_config, build_config
 from jaxlearn.interop.errors import (
     InteropError,
-    ParameterMismatchError,
     TokenizerError,
     UnsupportedModelError,
 )
 from jaxlearn.interop.model import LoadedModel
-from jaxlearn.interop.tree import assemble_params
+from jaxlearn.interop.names import permute_qk as permute_qk  # re-exported
+from jaxlearn.interop.names import read_tensors, write_tensors
+from jaxlearn.interop.names import unpermute_qk as unpermute_qk  # re-exported
+from jaxlearn.interop.tree import assemble_params, layer_layouts, split_params, stack_kind
 from jaxlearn.text.chat import ChatTemplate
 
 _gguf: Any
@@ -117,6 +120,13 @@ class GGUFFile:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(int(d) for d in reversed(self.tensors[name].shape))
+
+    def names(self) -> list[str]:
+        """The tensor names (`names.Source`)."""
+        return list(self.tensors)
+
+    def read(self, name: str) -> np.ndarray:
+        return self.tensor(name)
 
     def tensor_types(self) -> dict[str, int]:
         """{type name: number of tensors}, e.g. {"Q4_1": 210, "F32": 61}."""
@@ -229,113 +239,27 @@ def architecture_from_gguf(f: GGUFFile) -> Architecture:
 # ---- tensors --------------------------------------------------------------------------------
 
 
-def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undoes llama.cpp's `permute(w, n_head)` of q/k rows (weights [out, in] or biases
-    [out]): per head, rows (0, 2, 4, ..., 1, 3, ...) -> rotate-half order."""
-    rest = w.shape[1:]
-    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
-
-
-def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's permutation (the inverse of `unpermute_qk`), for writing test files."""
-    rest = w.shape[1:]
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *rest).swapaxes(1, 2).reshape(w.shape)
-
-
-class _Taker:
-    def __init__(self, f: GGUFFile):
-        self.f = f
-        self.used: set[str] = set()
-        self.missing: list[str] = []
-        self.mismatched: list[str] = []
-
-    def __call__(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        if name not in self.f.tensors:
-            self.missing.append(f"{name} {shape}")
-            return np.zeros(shape, np.float32)
-        self.used.add(name)
-        got = self.f.shape(name)
-        if got != shape:
-            self.mismatched.append(f"{name}: got {got}, expected {shape}")
-            return np.zeros(shape, np.float32)
-        return self.f.tensor(name)
-
-    def has(self, name: str) -> bool:
-        return name in self.f.tensors
-
-
-def _gguf_layer(take: _Taker, arch: Architecture, i: int, permuted: bool) -> Nested:
-    e, h, kv, d, f = arch.dim, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.ffn_dim
-    pre = f"blk.{i}."
-    q = take(pre + "attn_q.weight", (h * d, e))
-    k = take(pre + "attn_k.weight", (kv * d, e))
-    if permuted:
-        q, k = unpermute_qk(q, h), unpermute_qk(k, kv)
-    attn: dict[str, np.ndarray] = {
-        "q_proj": q.T.reshape(e, h, d),
-        "k_proj": k.T.reshape(e, kv, d),
-        "v_proj": take(pre + "attn_v.weight", (kv * d, e)).T.reshape(e, kv, d),
-        "o_proj": take(pre + "attn_output.weight", (e, h * d)).T.reshape(h, d, e),
-    }
-    if arch.qkv_bias:
-        for name, n in (("q", h), ("k", kv), ("v", kv)):
-            b = take(pre + f"attn_{name}.bias", (n * d,))
-            if permuted and name in ("q", "k"):
-                b = unpermute_qk(b, n)
-            attn[f"{name}_bias"] = b.reshape(n, d)
-    if arch.output_bias:
-        attn["o_bias"] = take(pre + "attn_output.bias", (e,))
-    if arch.is_moe:
-        x = arch.num_experts
-        router = take(pre + "ffn_gate_inp.weight", (x, e)).T
-        if take.has(pre + "ffn_gate_exps.weight"):
-            wi_0 = take(pre + "ffn_gate_exps.weight", (x, f, e)).transpose(0, 2, 1)
-            wi_1 = take(pre + "ffn_up_exps.weight", (x, f, e)).transpose(0, 2, 1)
-            wo = take(pre + "ffn_down_exps.weight", (x, e, f)).transpose(0, 2, 1)
-        else:  # older files: one tensor per expert
-            wi_0 = np.stack([take(pre + f"ffn_gate.{j}.weight", (f, e)).T for j in range(x)])
-            wi_1 = np.stack([take(pre + f"ffn_up.{j}.weight", (f, e)).T for j in range(x)])
-            wo = np.stack([take(pre + f"ffn_down.{j}.weight", (e, f)).T for j in range(x)])
-        ffn = {"router": router, "wi_0": wi_0, "wi_1": wi_1, "wo": wo}
-    else:
-        ffn = {
-            "wi_0": take(pre + "ffn_gate.weight", (f, e)).T,
-            "wi_1": take(pre + "ffn_up.weight", (f, e)).T,
-            "wo": take(pre + "ffn_down.weight", (e, f)).T,
-        }
-        if arch.mlp_bias:
-            ffn["wi_0_bias"] = take(pre + "ffn_gate.bias", (f,))
-            ffn["wi_1_bias"] = take(pre + "ffn_up.bias", (f,))
-            ffn["wo_bias"] = take(pre + "ffn_down.bias", (e,))
-    return {
-        "attention_norm": {"scale": take(pre + "attn_norm.weight", (e,))},
-        "self_attention": attn,
-        "ffn_norm": {"scale": take(pre + "ffn_norm.weight", (e,))},
-        "feed_forward": ffn,
-    }
-
-
 def load_gguf_params(f: GGUFFile, arch: Architecture, model: Any) -> Nested:
-    """Dequantised params of `model` from GGUF file `f` (numpy, spec dtypes)."""
-    take = _Taker(f)
-    e, v = arch.dim, arch.vocab_size
-    permuted = f.get("general.architecture") in ("llama", "mistral")
-    top: Nested = {
-        "emb": {"weight": take("token_embd.weight", (v, e))},
-        "output_norm": {"scale": take("output_norm.weight", (e,))},
-    }
-    if not arch.tie_embeddings:
-        top["lm_head"] = {"weight": take("output.weight", (v, e)).T}
-    layers = []
-    for i in range(arch.num_layers):
-        layers.append(_gguf_layer(take, arch, i, permuted))
-    ignored = {"rope_freqs.weight"}
-    unexpected = sorted(n for n in f.tensors if n not in take.used and n not in ignored)
-    if take.missing or take.mismatched or unexpected:
-        raise ParameterMismatchError(
-            str(f.path), missing=take.missing, unexpected=unexpected, mismatched=take.mismatched
-        )
-    return assemble_params(model, top, layers, source=str(f.path))
+    """Dequantised params of `model` from GGUF file `f` (numpy, spec dtypes), through the
+    name table of `arch.family` (which also says whether q/k rows are permuted)."""
+    top, layers, names = read_tensors(
+        arch,
+        "gguf",
+        f,
+        where=str(f.path),
+        layouts=layer_layouts(model),
+        stacked=stack_kind(model) == "scan",
+    )
+    return assemble_params(model, top, layers, source=str(f.path), names=names)
+
+
+def gguf_params_to_tensors(config: Any, params: Nested) -> dict[str, np.ndarray]:
+    """{GGUF tensor name: float32 array} of a jaxlearn config + params in llama.cpp's
+    layout (numpy row-major [out, in], q/k rows permuted for `llama` files, stacked expert
+    tensors), as a GGUF writer (`gguf.GGUFWriter.add_tensor`) takes them."""
+    arch = architecture_from_config(config)
+    top, layers = split_params(config.instantiate(), params)
+    return write_tensors(arch, "gguf", top, layers)
 
 
 # ---- tokenizer ------------------------------------------------------------------------------

@@ -12,23 +12,8 @@ both the hub layout `block_sparse_moe.experts.N.w1/w2/w3` and the fused
 `safetensors` into numpy (no torch, no pickle), single-file or sharded
 (`model.safetensors.index.json`); bf16 works through `ml_dtypes`.
 
-Layout mapping (HF [out, in] `nn.Linear` weights; ours [in, *out]):
-
-| HF (model.layers.N.)                 | jaxlearn (decoder.transformer.<layer>.)           |
-|--------------------------------------|---------------------------------------------------|
-| input_layernorm.weight               | attention_norm.scale                              |
-| self_attn.q_proj.weight [H*D, E]     | self_attention.q_proj [E, H, D] = W.T.reshape     |
-| self_attn.k/v_proj.weight [K*D, E]   | self_attention.k/v_proj [E, K, D]                 |
-| self_attn.o_proj.weight [E, H*D]     | self_attention.o_proj [H, D, E] = W.T.reshape     |
-| self_attn.q/k/v_proj.bias, o_proj.bias | self_attention.q/k/v_bias [n, D], o_bias [E]    |
-| post_attention_layernorm.weight      | ffn_norm.scale                                    |
-| mlp.gate/up/down_proj.weight (+bias) | feed_forward.wi_0 / wi_1 / wo = W.T (+ *_bias)    |
-| block_sparse_moe.gate.weight [X, E]  | feed_forward.router [E, X] = W.T                  |
-| block_sparse_moe.experts.j.w1/w3/w2  | feed_forward.wi_0[j] / wi_1[j] / wo[j] = W.T      |
-| model.embed_tokens.weight            | decoder.emb.weight                                |
-| model.norm.weight                    | decoder.output_norm.scale                         |
-| lm_head.weight [V, E] (untied)       | decoder.lm_head.weight [E, V] = W.T               |
-
+Tensor names and layouts (HF `nn.Linear` weights are [out, in]; ours [in, *out]) come
+from the name table in `jaxlearn.interop.names`, which import and export both read.
 RoPE uses the rotate-half convention of HF, so q/k need no permutation.
 """
 
@@ -46,24 +31,17 @@ from safetensors.numpy import save_file
 from jaxlearn.interop.arch import Architecture, architecture_from_config, build_config
 from jaxlearn.interop.errors import (
     InteropError,
-    ParameterMismatchError,
     TokenizerError,
     UnsupportedModelError,
 )
 from jaxlearn.interop.model import LoadedModel
-from jaxlearn.interop.tree import assemble_params, split_params
+from jaxlearn.interop.names import FAMILIES, read_tensors, write_tensors
+from jaxlearn.interop.tree import assemble_params, layer_layouts, split_params, stack_kind
 from jaxlearn.text.chat import ChatTemplate
 
 Nested = dict[str, Any]
 INDEX_FILE = "model.safetensors.index.json"
-HF_CLASSES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-}
-# Tensors that carry no parameters (buffers some exporters write).
-_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+HF_CLASSES = {name: fam.hf_class for name, fam in FAMILIES.items()}
 
 
 # ---- config.json -----------------------------------------------------------------------------
@@ -274,7 +252,7 @@ class SafetensorsReader:
                 raise InteropError(f"{path}: not a readable safetensors file ({e})") from None
         return self._handles[path]
 
-    def keys(self) -> list[str]:
+    def names(self) -> list[str]:
         return list(self._where)
 
     def __contains__(self, name: str) -> bool:
@@ -283,169 +261,27 @@ class SafetensorsReader:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._open(self._where[name]).get_slice(name).get_shape())
 
-    def get(self, name: str) -> np.ndarray:
+    def read(self, name: str) -> np.ndarray:
         return np.asarray(self._open(self._where[name]).get_tensor(name))
 
 
-class _Taker:
-    """Reads tensors by name, recording missing / mis-shaped / consumed names so that one
-    error can list every problem."""
+def load_hf_params(directory: str | pathlib.Path, arch: Architecture, model: Any) -> Nested:
+    """Reads the safetensors of `directory` into `model`'s params (numpy, spec dtypes),
+    through the name table of `arch.family`.
 
-    def __init__(self, reader: SafetensorsReader, dtype: Any):
-        self.reader = reader
-        self.dtype = dtype
-        self.used: set[str] = set()
-        self.missing: list[str] = []
-        self.mismatched: list[str] = []
-
-    def __call__(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        if name not in self.reader:
-            self.missing.append(f"{name} {shape}")
-            return np.zeros(shape, self.dtype)
-        self.used.add(name)
-        got = self.reader.shape(name)
-        if got != shape:
-            self.mismatched.append(f"{name}: got {got}, expected {shape}")
-            return np.zeros(shape, self.dtype)
-        return self.reader.get(name).astype(self.dtype, copy=False)
-
-    def has(self, name: str) -> bool:
-        return name in self.reader
-
-
-def _hf_layer(take: _Taker, arch: Architecture, i: int) -> Nested:
-    e, h, kv, d, f = arch.dim, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.ffn_dim
-    pre = f"model.layers.{i}."
-    a = pre + "self_attn."
-    attn: dict[str, np.ndarray] = {
-        "q_proj": take(a + "q_proj.weight", (h * d, e)).T.reshape(e, h, d),
-        "k_proj": take(a + "k_proj.weight", (kv * d, e)).T.reshape(e, kv, d),
-        "v_proj": take(a + "v_proj.weight", (kv * d, e)).T.reshape(e, kv, d),
-        "o_proj": take(a + "o_proj.weight", (e, h * d)).T.reshape(h, d, e),
-    }
-    if arch.qkv_bias:
-        for name, n in (("q", h), ("k", kv), ("v", kv)):
-            attn[f"{name}_bias"] = take(a + f"{name}_proj.bias", (n * d,)).reshape(n, d)
-    if arch.output_bias:
-        attn["o_bias"] = take(a + "o_proj.bias", (e,))
-    if arch.is_moe:
-        x = arch.num_experts
-        if take.has(pre + "mlp.experts.gate_up_proj"):  # transformers 5 fused layout
-            router = take(pre + "mlp.gate.weight", (x, e))
-            gate_up = take(pre + "mlp.experts.gate_up_proj", (x, 2 * f, e))
-            down = take(pre + "mlp.experts.down_proj", (x, e, f))
-            wi_0 = gate_up[:, :f].transpose(0, 2, 1)
-            wi_1 = gate_up[:, f:].transpose(0, 2, 1)
-            wo = down.transpose(0, 2, 1)
-        else:
-            m = pre + "block_sparse_moe."
-            router = take(m + "gate.weight", (x, e))
-            wi_0 = np.stack([take(m + f"experts.{j}.w1.weight", (f, e)).T for j in range(x)])
-            wi_1 = np.stack([take(m + f"experts.{j}.w3.weight", (f, e)).T for j in range(x)])
-            wo = np.stack([take(m + f"experts.{j}.w2.weight", (e, f)).T for j in range(x)])
-        ffn = {"router": router.T, "wi_0": wi_0, "wi_1": wi_1, "wo": wo}
-    else:
-        m = pre + "mlp."
-        ffn = {
-            "wi_0": take(m + "gate_proj.weight", (f, e)).T,
-            "wi_1": take(m + "up_proj.weight", (f, e)).T,
-            "wo": take(m + "down_proj.weight", (e, f)).T,
-        }
-        if arch.mlp_bias:
-            ffn["wi_0_bias"] = take(m + "gate_proj.bias", (f,))
-            ffn["wi_1_bias"] = take(m + "up_proj.bias", (f,))
-            ffn["wo_bias"] = take(m + "down_proj.bias", (e,))
-    return {
-        "attention_norm": {"scale": take(pre + "input_layernorm.weight", (e,))},
-        "self_attention": attn,
-        "ffn_norm": {"scale": take(pre + "post_attention_layernorm.weight", (e,))},
-        "feed_forward": ffn,
-    }
-
-
-def hf_layer_tensors(arch: Architecture, i: int, layer: Nested) -> dict[str, np.ndarray]:
-    """One jaxlearn layer (canonical dict) -> HF tensors of `model.layers.{i}.`."""
-    e, h, kv, d = arch.dim, arch.num_heads, arch.num_kv_heads, arch.head_dim
-    pre = f"model.layers.{i}."
-    a, attn, ffn = pre + "self_attn.", layer["self_attention"], layer["feed_forward"]
-    out = {
-        pre + "input_layernorm.weight": layer["attention_norm"]["scale"],
-        pre + "post_attention_layernorm.weight": layer["ffn_norm"]["scale"],
-        a + "q_proj.weight": attn["q_proj"].reshape(e, h * d).T,
-        a + "k_proj.weight": attn["k_proj"].reshape(e, kv * d).T,
-        a + "v_proj.weight": attn["v_proj"].reshape(e, kv * d).T,
-        a + "o_proj.weight": attn["o_proj"].reshape(h * d, e).T,
-    }
-    for name in ("q", "k", "v"):
-        if f"{name}_bias" in attn:
-            out[a + f"{name}_proj.bias"] = attn[f"{name}_bias"].reshape(-1)
-    if "o_bias" in attn:
-        out[a + "o_proj.bias"] = attn["o_bias"]
-    if "router" in ffn:
-        m = pre + "block_sparse_moe."
-        out[m + "gate.weight"] = ffn["router"].T
-        for j in range(ffn["wi_0"].shape[0]):
-            out[m + f"experts.{j}.w1.weight"] = ffn["wi_0"][j].T
-            out[m + f"experts.{j}.w3.weight"] = ffn["wi_1"][j].T
-            out[m + f"experts.{j}.w2.weight"] = ffn["wo"][j].T
-    else:
-        m = pre + "mlp."
-        for ours, theirs in (("wi_0", "gate_proj"), ("wi_1", "up_proj"), ("wo", "down_proj")):
-            out[m + f"{theirs}.weight"] = ffn[ours].T
-            if f"{ours}_bias" in ffn:
-                out[m + f"{theirs}.bias"] = ffn[f"{ours}_bias"]
-    return out
-
-
-def hf_state_dict(arch: Architecture, top: Nested, layers: list[Nested]) -> dict[str, np.ndarray]:
-    """Canonical (top, layers) -> the HF state dict (numpy, HF shapes)."""
-    out = {
-        "model.embed_tokens.weight": top["emb"]["weight"],
-        "model.norm.weight": top["output_norm"]["scale"],
-    }
-    if "lm_head" in top:
-        out["lm_head.weight"] = top["lm_head"]["weight"].T
-    for i, layer in enumerate(layers):
-        out.update(hf_layer_tensors(arch, i, layer))
-    return out
-
-
-def load_hf_params(
-    directory: str | pathlib.Path,
-    arch: Architecture,
-    model: Any,
-    *,
-    names_out: Optional[dict[str, str]] = None,
-) -> Nested:
-    """Reads the safetensors of `directory` into `model`'s params (numpy, spec dtypes).
-
-    Raises ParameterMismatchError listing every missing, unexpected or mis-shaped tensor.
+    Raises ParameterMismatchError listing every missing, unexpected or mis-shaped tensor
+    (checked from the file headers before any tensor is read).
     """
     directory = pathlib.Path(directory)
-    reader = SafetensorsReader(directory)
-    take = _Taker(reader, np.float32)
-    e, v = arch.dim, arch.vocab_size
-    top: Nested = {
-        "emb": {"weight": take("model.embed_tokens.weight", (v, e))},
-        "output_norm": {"scale": take("model.norm.weight", (e,))},
-    }
-    if not arch.tie_embeddings:
-        top["lm_head"] = {"weight": take("lm_head.weight", (v, e)).T}
-    layers = [_hf_layer(take, arch, i) for i in range(arch.num_layers)]
-    ignored = {"lm_head.weight"} if arch.tie_embeddings else set()
-    unexpected = sorted(
-        n
-        for n in reader.keys()
-        if n not in take.used and n not in ignored and not n.endswith(_IGNORED_SUFFIXES)
+    top, layers, names = read_tensors(
+        arch,
+        "hf",
+        SafetensorsReader(directory),
+        where=str(directory),
+        layouts=layer_layouts(model),
+        stacked=stack_kind(model) == "scan",
     )
-    if take.missing or take.mismatched or unexpected:
-        raise ParameterMismatchError(
-            str(directory),
-            missing=take.missing,
-            unexpected=unexpected,
-            mismatched=take.mismatched,
-        )
-    return assemble_params(model, top, layers, source=str(directory), names=names_out)
+    return assemble_params(model, top, layers, source=str(directory), names=names)
 
 
 # ---- tokenizer ------------------------------------------------------------------------------
@@ -589,7 +425,8 @@ def export_hf(
     arch.bos_token_id = bos_token_id
     arch.eos_token_ids = tuple(int(i) for i in eos_token_ids)
     top, layers = split_params(config.instantiate(), params)
-    state = {k: _cast_for_export(v, dtype) for k, v in hf_state_dict(arch, top, layers).items()}
+    tensors = write_tensors(arch, "hf", top, layers)
+    state = {k: _cast_for_export(v, dtype) for k, v in tensors.items()}
     out.mkdir(parents=True, exist_ok=True)
     _save_safetensors(out, state, max_shard_bytes)
     (out / "config.json").write_text(json.dumps(hf_config_dict(arch, dtype=dtype), indent=2) + "\n")
@@ -657,4 +494,4 @@ def hf_params_to_state(config: Any, params: Nested) -> dict[str, np.ndarray]:
     """The HF state dict (numpy, float32) of a jaxlearn config + params, without writing."""
     arch = architecture_from_config(config)
     top, layers = split_params(config.instantiate(), params)
-    return hf_state_dict(arch, top, layers)
+    return write_tensors(arch, "hf", top, layers)

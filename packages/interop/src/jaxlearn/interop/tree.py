@@ -34,13 +34,28 @@ def flatten(tree: Nested, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _stack_kind(model: Any) -> str:
+def stack_kind(model: Any) -> str:
     stack = model.decoder.transformer
     if isinstance(stack, ScanStack):
         return "scan"
     if isinstance(stack, LoopStack):
         return "loop"
     raise TypeError(f"{stack.path()}: unsupported stack {type(stack).__name__}")
+
+
+def layer_layouts(model: Any) -> list[frozenset[str]]:
+    """Per layer of `model`'s stack: the fused parameter layouts its config asks for
+    ("fused_qkv": one `qkv_proj`; "fused_gate": one `wi_fused`), see `names.FUSIONS`."""
+    cfg = model.decoder.transformer.config
+    layer_cfgs = list(getattr(cfg, "layers", None) or [cfg.layer] * cfg.num_layers)
+    out = []
+    for lc in layer_cfgs:
+        flags = {
+            "fused_qkv": getattr(lc.self_attention, "fused_qkv", False),
+            "fused_gate": getattr(lc.feed_forward, "fused_gate", False),
+        }
+        out.append(frozenset(k for k, v in flags.items() if v))
+    return out
 
 
 def assemble_params(
@@ -51,7 +66,7 @@ def assemble_params(
     `names` maps jaxlearn paths (e.g. "decoder.transformer.layer3.self_attention.q_proj")
     to checkpoint tensor names for the error message.
     """
-    kind = _stack_kind(model)
+    kind = stack_kind(model)
     transformer: Nested
     if kind == "scan":
         structures = {jax.tree.structure(layer) for layer in layers}
@@ -113,7 +128,7 @@ def split_params(model: Any, params: Nested) -> tuple[Nested, list[Nested]]:
     decoder = dict(params["decoder"])
     transformer = decoder.pop("transformer", {})
     n = model.decoder.transformer.config.num_layers
-    if _stack_kind(model) == "scan":
+    if stack_kind(model) == "scan":
         stacked = transformer.get("layer", {})
         layers = [jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(n)]
     else:
