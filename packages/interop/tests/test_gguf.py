@@ -20,7 +20,11 @@ from jaxlearn.interop import (  # noqa: E402
     load_gguf,
     load_pretrained,
 )
-from jaxlearn.interop.gguf import permute_qk, unpermute_qk  # noqa: E402
+from jaxlearn.interop.gguf import (  # noqa: E402
+    gguf_params_to_tensors,
+    permute_qk,
+    unpermute_qk,
+)
 from jaxlearn.interop.hf import hf_params_to_state  # noqa: E402
 from jaxlearn.layers import FeedForward, llama_config  # noqa: E402
 from jaxlearn.layers.moe import MixtureOfExperts  # noqa: E402
@@ -312,6 +316,27 @@ def test_mixture_of_experts(tmp_path):
     np.testing.assert_array_equal(got["router"], want["router"])
     for k in ("wi_0", "wi_1", "wo"):
         assert np.max(np.abs(got[k] - want[k])) < 0.01 * np.max(np.abs(want[k]))
+
+
+def test_exported_gguf_tensors_are_llama_cpp_s_layout():
+    """The name table's GGUF export equals this file's independent writer (HF names
+    renamed, q/k rows permuted for llama files, experts stacked)."""
+    moe = MixtureOfExperts.default_config().set(num_experts=4, num_experts_per_token=2)
+    qwen = base_config(96)
+    qwen.decoder.transformer.layer.self_attention.qkv_bias = True
+    cases = [
+        (base_config(96, attention_bias=True), True),
+        (base_config(96, tie_embeddings=True), True),
+        (replace_config(base_config(96), FeedForward, moe), True),
+        (qwen, False),
+    ]
+    for seed, (config, permuted) in enumerate(cases):
+        params = random_params(config, 20 + seed)
+        got = gguf_params_to_tensors(config, params)
+        want = gguf_tensors(config, params, permute=permuted)
+        assert sorted(got) == sorted(want)
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
 def test_llama3_rope_freqs_tensor_gives_llama3_scaling(tmp_path):
