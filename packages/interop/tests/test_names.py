@@ -1,7 +1,7 @@
-"""The name table (jaxlearn.interop.names): export -> import is the identity for every
-family, format and alternative layout; the HF names it produces are those of the recorded
-transformers checkpoints; fused-projection models go through it; bad files are refused
-from their headers."""
+"""The name table (jaxlearn.interop.names, applied by jaxlearn.interop.convert): export ->
+import is the identity for every family, format and alternative layout; the HF names it
+produces are those of the recorded transformers checkpoints; fused-projection models go
+through it; bad files are refused from their headers."""
 
 import json
 import pathlib
@@ -13,16 +13,9 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 
 from jaxlearn.interop import Architecture, ParameterMismatchError, export_hf, load_hf
+from jaxlearn.interop.convert import permute_qk, plan, read_tensors, write_tensors
 from jaxlearn.interop.hf import architecture_from_hf, load_hf_params
-from jaxlearn.interop.names import (
-    FAMILIES,
-    dims,
-    permute_qk,
-    plan,
-    read_tensors,
-    shape_of,
-    write_tensors,
-)
+from jaxlearn.interop.names import FAMILIES, dims, shape_of
 from jaxlearn.layers import fuse_projections
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"

@@ -33,15 +33,15 @@ from typing import Any, Optional
 import numpy as np
 
 from jaxlearn.interop.arch import Architecture, architecture_from_config, build_config
+from jaxlearn.interop.convert import permute_qk as permute_qk  # re-exported
+from jaxlearn.interop.convert import read_tensors, write_tensors
+from jaxlearn.interop.convert import unpermute_qk as unpermute_qk  # re-exported
 from jaxlearn.interop.errors import (
     InteropError,
     TokenizerError,
     UnsupportedModelError,
 )
 from jaxlearn.interop.model import LoadedModel
-from jaxlearn.interop.names import permute_qk as permute_qk  # re-exported
-from jaxlearn.interop.names import read_tensors, write_tensors
-from jaxlearn.interop.names import unpermute_qk as unpermute_qk  # re-exported
 from jaxlearn.interop.tree import assemble_params, layer_layouts, split_params, stack_kind
 from jaxlearn.text.chat import ChatTemplate
 

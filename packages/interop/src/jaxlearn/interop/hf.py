@@ -29,13 +29,14 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jaxlearn.interop.arch import Architecture, architecture_from_config, build_config
+from jaxlearn.interop.convert import read_tensors, write_tensors
 from jaxlearn.interop.errors import (
     InteropError,
     TokenizerError,
     UnsupportedModelError,
 )
 from jaxlearn.interop.model import LoadedModel
-from jaxlearn.interop.names import FAMILIES, read_tensors, write_tensors
+from jaxlearn.interop.names import FAMILIES
 from jaxlearn.interop.tree import assemble_params, layer_layouts, split_params, stack_kind
 from jaxlearn.text.chat import ChatTemplate
 

@@ -23,18 +23,16 @@ whichever the file holds. `when` names the architecture feature the row needs.
 import concatenates the unfused rows into them, export splits them back.
 
 Adding a family = a `Family` entry with its rows (plus reading its hyperparameters).
+`jaxlearn.interop.convert` applies the table to files and parameter trees.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable, Optional, Protocol, Sequence
+from typing import Any, Optional, Sequence
 
-import numpy as np
+from jaxlearn.interop.errors import UnsupportedModelError
 
-from jaxlearn.interop.errors import ParameterMismatchError, UnsupportedModelError
-
-Nested = dict
 FORMATS = ("hf", "gguf")
 # File tensors that carry no parameters (buffers some exporters write), by name suffix.
 IGNORED = {"hf": (".rotary_emb.inv_freq",), "gguf": ("rope_freqs.weight",)}
@@ -78,7 +76,7 @@ class Row:
     @property
     def key(self) -> str:
         """The path inside the canonical `top` dict or one `layers[i]` dict."""
-        return _key(self.path)
+        return key_of(self.path)
 
     def names(self, fmt: str) -> tuple[Name, ...]:
         return self.hf if fmt == "hf" else self.gguf
@@ -107,7 +105,8 @@ class Family:
     rows: tuple[Row, ...]
 
 
-def _key(path: str) -> str:
+def key_of(path: str) -> str:
+    """A row path inside the canonical `top` dict or one `layers[i]` dict."""
     return path[len(_LAYER) :] if path.startswith(_LAYER) else path.removeprefix("decoder.")
 
 
@@ -276,290 +275,3 @@ def family(arch: object) -> Family:
     if name not in FAMILIES:
         raise UnsupportedModelError(f"architecture family {name!r} has no name table")
     return FAMILIES[name]
-
-
-# ---- q/k permutation of llama.cpp -----------------------------------------------------------
-
-
-def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undoes llama.cpp's `permute(w, n_head)` of q/k rows (weights [out, in] or biases
-    [out]): per head, rows (0, 2, 4, ..., 1, 3, ...) -> rotate-half order."""
-    rest = w.shape[1:]
-    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
-
-
-def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's permutation (the inverse of `unpermute_qk`) of q/k rows."""
-    rest = w.shape[1:]
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *rest).swapaxes(1, 2).reshape(w.shape)
-
-
-# ---- resolving rows against a file ----------------------------------------------------------
-
-
-class Source(Protocol):
-    """Tensors of a checkpoint by name (safetensors directory, GGUF file, a dict)."""
-
-    def names(self) -> Iterable[str]: ...
-
-    def shape(self, name: str) -> tuple[int, ...]: ...
-
-    def read(self, name: str) -> np.ndarray: ...
-
-
-@dataclasses.dataclass(frozen=True)
-class Use:
-    """One row at one layer (None: top level), with the `Name` chosen and its tensors."""
-
-    row: Row
-    layer: Optional[int]
-    name: Name
-    files: tuple[str, ...]
-
-
-def _expand(name: Name, layer: Optional[int], experts: int) -> tuple[str, ...]:
-    if name.per_expert:
-        return tuple(name.template.format(i=layer, j=j) for j in range(experts))
-    return (name.template.format(i=layer),)
-
-
-def plan(
-    arch: object, fmt: str, *, available: Optional[set[str]] = None, alternative: int = 0
-) -> list[Use]:
-    """The tensors of `arch` in format `fmt`, top rows first, then layer by layer. With
-    `available` (the names a file holds), each row takes the first of its names the file
-    has (else its first, which is then reported missing); otherwise name `alternative`
-    (clipped to the row's last)."""
-    if fmt not in FORMATS:
-        raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
-    fam, on, a = family(arch), features(arch), getattr(arch, "num_layers")
-    experts = int(getattr(arch, "num_experts"))
-    rows = [r for r in fam.rows if not r.when or r.when in on]
-    out = []
-    for layer in [None, *range(a)]:
-        for row in rows:
-            if row.per_layer != (layer is not None):
-                continue
-            options = row.names(fmt)
-            if not options:
-                raise UnsupportedModelError(f"{fam.name}: {row.path} has no {fmt} tensor")
-            name = options[min(alternative, len(options) - 1)]
-            if available is not None:
-                name = next(
-                    (n for n in options if _expand(n, layer, experts)[0] in available), options[0]
-                )
-            out.append(Use(row, layer, name, _expand(name, layer, experts)))
-    return out
-
-
-def file_shape(use: Use, d: dict[str, int]) -> tuple[int, ...]:
-    """The shape of each of `use.files` in the file."""
-    return shape_of(use.name.shape, d)
-
-
-def _spare_names(arch: object, fmt: str) -> set[str]:
-    fam, on = family(arch), features(arch)
-    spare = [r for r in fam.rows if r.spare and r.when and r.when not in on]
-    return {n.template for r in spare for n in r.names(fmt)}
-
-
-def check_source(uses: Sequence[Use], arch: object, fmt: str, source: Source, where: str) -> None:
-    """Raises ParameterMismatchError listing every missing, unexpected and mis-shaped
-    tensor of `source` (names and shapes only: nothing is read)."""
-    d = dims(arch)
-    available = set(source.names())
-    missing: list[str] = []
-    mismatched: list[str] = []
-    used: set[str] = set()
-    for use in uses:
-        expected = file_shape(use, d)
-        for n in use.files:
-            if n in used:
-                continue  # one fused tensor serves several rows
-            used.add(n)
-            if n not in available:
-                missing.append(f"{n} {expected}")
-            elif (got := tuple(source.shape(n))) != expected:
-                mismatched.append(f"{n}: got {got}, expected {expected}")
-    skip = used | _spare_names(arch, fmt)
-    unexpected = sorted(n for n in available if n not in skip and not n.endswith(IGNORED[fmt]))
-    if missing or mismatched or unexpected:
-        raise ParameterMismatchError(
-            where, missing=missing, unexpected=unexpected, mismatched=mismatched
-        )
-
-
-# ---- transforms -----------------------------------------------------------------------------
-
-
-def to_jaxlearn(
-    use: Use, arrays: Sequence[np.ndarray], d: dict[str, int], permuted: bool
-) -> np.ndarray:
-    """File tensors of `use` -> the jaxlearn array (float32, shape `use.row.shape`)."""
-    name = use.name
-    x = np.stack(arrays) if name.per_expert else arrays[0]
-    x = np.asarray(x).astype(np.float32, copy=False)
-    if name.part is not None:
-        p, n = name.part
-        rows = x.shape[-2] // n
-        x = x[..., p * rows : (p + 1) * rows, :]
-    if permuted and name.permute:
-        x = unpermute_qk(x, d[name.permute])
-    if name.transpose:
-        x = np.swapaxes(x, -1, -2)
-    return x.reshape(shape_of(use.row.shape, d))
-
-
-def to_file(use: Use, value: np.ndarray, d: dict[str, int], permuted: bool) -> list[np.ndarray]:
-    """The jaxlearn array of `use` -> its file tensors (one per expert for `{j}` names;
-    for `part` names, the block that `join_parts` concatenates)."""
-    name = use.name
-    shape = list(file_shape(use, d))
-    if name.per_expert:
-        shape.insert(0, d["X"])
-    if name.part is not None:
-        shape[-2] //= name.part[1]
-    if name.transpose:
-        shape[-2:] = shape[-1], shape[-2]
-    x = np.asarray(value).reshape(shape)
-    if name.transpose:
-        x = np.swapaxes(x, -1, -2)
-    if permuted and name.permute:
-        x = permute_qk(x, d[name.permute])
-    return list(x) if name.per_expert else [x]
-
-
-# ---- canonical trees ------------------------------------------------------------------------
-
-
-def get_path(tree: Nested, key: str) -> np.ndarray:
-    for part in key.split("."):
-        tree = tree[part]
-    return tree  # type: ignore[return-value]
-
-
-def has_path(tree: Nested, key: str) -> bool:
-    for part in key.split("."):
-        if not isinstance(tree, dict) or part not in tree:
-            return False
-        tree = tree[part]
-    return True
-
-
-def put_path(tree: Nested, key: str, value: np.ndarray) -> None:
-    *parents, last = key.split(".")
-    for part in parents:
-        tree = tree.setdefault(part, {})
-    tree[last] = value
-
-
-def pop_path(tree: Nested, key: str) -> np.ndarray:
-    *parents, last = key.split(".")
-    for part in parents:
-        tree = tree[part]
-    return tree.pop(last)
-
-
-def fuse(layer: Nested, layout: frozenset[str]) -> None:
-    """In place: the unfused parts of every fusion in `layout` -> the fused parameter."""
-    for f in FUSIONS:
-        parts = [_key(p) for p in f.parts]
-        if f.when in layout and all(has_path(layer, p) for p in parts):
-            joined = np.concatenate([pop_path(layer, p) for p in parts], axis=f.axis)
-            put_path(layer, _key(f.path), joined)
-
-
-def unfuse(layer: Nested, d: dict[str, int]) -> None:
-    """In place: every fused parameter in `layer` -> its unfused parts."""
-    shapes = {r.path: r.shape for fam in FAMILIES.values() for r in fam.rows}
-    for f in FUSIONS:
-        if has_path(layer, _key(f.path)):
-            value = pop_path(layer, _key(f.path))
-            sizes = [shape_of(shapes[p], d)[f.axis] for p in f.parts]
-            pieces = np.split(value, np.cumsum(sizes)[:-1], axis=f.axis)
-            for p, piece in zip(f.parts, pieces):
-                put_path(layer, _key(p), piece)
-
-
-# ---- import and export ----------------------------------------------------------------------
-
-
-def read_tensors(
-    arch: object,
-    fmt: str,
-    source: Source,
-    *,
-    where: str,
-    layouts: Sequence[frozenset[str]] = (),
-    stacked: bool = False,
-) -> tuple[Nested, list[Nested], dict[str, str]]:
-    """`source`'s tensors -> canonical (top, layers) in the jaxlearn layout (float32), and
-    {jaxlearn param path: file tensor name} for error messages.
-
-    Every name and shape is checked first (ParameterMismatchError listing every problem,
-    before any tensor is read). layouts[i]: the fusions layer i's config asks for
-    (`fused_qkv`, `fused_gate`); stacked: paths for a scanned stack.
-    """
-    uses = plan(arch, fmt, available=set(source.names()))
-    check_source(uses, arch, fmt, source, where)
-    d, permuted = dims(arch), fmt == "gguf" and family(arch).gguf_permutes_qk
-    top: Nested = {}
-    layers: list[Nested] = [{} for _ in range(getattr(arch, "num_layers"))]
-    names: dict[str, str] = {}
-    cache: dict[str, np.ndarray] = {}  # fused file tensors, read once for all their rows
-    for use in uses:
-        arrays = []
-        for n in use.files:
-            x = cache.get(n)
-            if x is None:
-                x = source.read(n)
-                if use.name.part is not None:
-                    cache[n] = x
-            arrays.append(x)
-        tree = top if use.layer is None else layers[use.layer]
-        put_path(tree, use.row.key, to_jaxlearn(use, arrays, d, permuted))
-        names[param_path(use.row, use.layer, stacked)] = (
-            use.name.template.replace("{i}", "*") if stacked else use.files[0]
-        )
-    for layer, layout in zip(layers, layouts):
-        fuse(layer, layout)
-    return top, layers, names
-
-
-def param_path(row: Row, layer: Optional[int], stacked: bool) -> str:
-    """The jaxlearn param path of `row` at `layer` (scanned stacks: the stacked leaf)."""
-    if layer is None:
-        return row.path
-    return row.path.replace("layer{i}", "layer" if stacked else f"layer{layer}")
-
-
-def write_tensors(
-    arch: object, fmt: str, top: Nested, layers: Sequence[Nested], *, alternative: int = 0
-) -> dict[str, np.ndarray]:
-    """Canonical (top, layers) -> {file tensor name: array in the file layout}. Fused
-    parameters are split first; `alternative` picks a row's other names (see `plan`)."""
-    d, permuted = dims(arch), fmt == "gguf" and family(arch).gguf_permutes_qk
-    unfused = []
-    for layer in layers:
-        layer = copy_dicts(layer)
-        unfuse(layer, d)
-        unfused.append(layer)
-    out: dict[str, np.ndarray] = {}
-    blocks: dict[str, dict[int, np.ndarray]] = {}
-    for use in plan(arch, fmt, alternative=alternative):
-        tree = top if use.layer is None else unfused[use.layer]
-        if not has_path(tree, use.row.key):
-            raise ParameterMismatchError("params", missing=[param_path(use.row, use.layer, False)])
-        pieces = to_file(use, get_path(tree, use.row.key), d, permuted)
-        if use.name.part is not None:
-            blocks.setdefault(use.files[0], {})[use.name.part[0]] = pieces[0]
-            continue
-        out.update(zip(use.files, pieces))
-    for n, parts in blocks.items():
-        out[n] = np.concatenate([parts[p] for p in sorted(parts)], axis=-2)
-    return out
-
-
-def copy_dicts(tree: Nested) -> Nested:
-    """A copy of the dict structure of `tree` (leaves shared)."""
-    return {k: copy_dicts(v) if isinstance(v, dict) else v for k, v in tree.items()}
