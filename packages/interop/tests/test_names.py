@@ -159,6 +159,20 @@ def test_mismatches_are_listed_before_any_tensor_is_read():
     assert info.value.unexpected == ["model.layers.0.extra.weight"]
 
 
+def test_export_refuses_params_the_table_does_not_list():
+    arch = Architecture(
+        family="qwen2", vocab_size=7, dim=4, num_layers=2, num_heads=2, num_kv_heads=1,
+        head_dim=2, ffn_dim=3, norm_eps=1e-5, rope_theta=1e4, qkv_bias=True,
+    )  # fmt: skip
+    top, layers = random_canonical(arch, 2)
+    layers[1]["self_attention"]["extra"] = np.zeros(2, np.float32)
+    del layers[0]["self_attention"]["k_bias"]
+    with pytest.raises(ParameterMismatchError) as info:
+        write_tensors(arch, "hf", top, layers)
+    assert info.value.missing == ["decoder.transformer.layer0.self_attention.k_bias"]
+    assert info.value.unexpected == ["decoder.transformer.layer1.self_attention.extra"]
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_fused_projection_models_export_and_import_through_the_table(family, tmp_path):
     """A serving model with fused q/k/v and gate/up projections exports the same HF tensors

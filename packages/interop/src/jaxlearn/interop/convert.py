@@ -12,6 +12,7 @@ from typing import Iterable, Optional, Protocol, Sequence
 
 import numpy as np
 
+from jaxlearn.interop.arch import Architecture
 from jaxlearn.interop.errors import ParameterMismatchError, UnsupportedModelError
 from jaxlearn.interop.names import (
     FAMILIES,
@@ -76,7 +77,7 @@ def _expand(name: Name, layer: Optional[int], experts: int) -> tuple[str, ...]:
 
 
 def plan(
-    arch: object, fmt: str, *, available: Optional[set[str]] = None, alternative: int = 0
+    arch: Architecture, fmt: str, *, available: Optional[set[str]] = None, alternative: int = 0
 ) -> list[Use]:
     """The tensors of `arch` in format `fmt`, top rows first, then layer by layer. With
     `available` (the names a file holds), each row takes the first of its names the file
@@ -84,11 +85,10 @@ def plan(
     (clipped to the row's last)."""
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
-    fam, on, a = family(arch), features(arch), getattr(arch, "num_layers")
-    experts = int(getattr(arch, "num_experts"))
+    fam, on, experts = family(arch), features(arch), arch.num_experts
     rows = [r for r in fam.rows if not r.when or r.when in on]
     out = []
-    for layer in [None, *range(a)]:
+    for layer in [None, *range(arch.num_layers)]:
         for row in rows:
             if row.per_layer != (layer is not None):
                 continue
@@ -109,13 +109,15 @@ def file_shape(use: Use, d: dict[str, int]) -> tuple[int, ...]:
     return shape_of(use.name.shape, d)
 
 
-def _spare_names(arch: object, fmt: str) -> set[str]:
+def _spare_names(arch: Architecture, fmt: str) -> set[str]:
     fam, on = family(arch), features(arch)
     spare = [r for r in fam.rows if r.spare and r.when and r.when not in on]
     return {n.template for r in spare for n in r.names(fmt)}
 
 
-def check_source(uses: Sequence[Use], arch: object, fmt: str, source: Source, where: str) -> None:
+def check_source(
+    uses: Sequence[Use], arch: Architecture, fmt: str, source: Source, where: str
+) -> None:
     """Raises ParameterMismatchError listing every missing, unexpected and mis-shaped
     tensor of `source` (names and shapes only: nothing is read)."""
     d = dims(arch)
@@ -164,7 +166,7 @@ def to_jaxlearn(
 
 def to_file(use: Use, value: np.ndarray, d: dict[str, int], permuted: bool) -> list[np.ndarray]:
     """The jaxlearn array of `use` -> its file tensors (one per expert for `{j}` names;
-    for `part` names, the block that `join_parts` concatenates)."""
+    for `part` names, the block that `write_tensors` concatenates)."""
     name = use.name
     shape = list(file_shape(use, d))
     if name.per_expert:
@@ -237,7 +239,7 @@ def unfuse(layer: Nested, d: dict[str, int]) -> None:
 
 
 def read_tensors(
-    arch: object,
+    arch: Architecture,
     fmt: str,
     source: Source,
     *,
@@ -256,7 +258,7 @@ def read_tensors(
     check_source(uses, arch, fmt, source, where)
     d, permuted = dims(arch), fmt == "gguf" and family(arch).gguf_permutes_qk
     top: Nested = {}
-    layers: list[Nested] = [{} for _ in range(getattr(arch, "num_layers"))]
+    layers: list[Nested] = [{} for _ in range(arch.num_layers)]
     names: dict[str, str] = {}
     cache: dict[str, np.ndarray] = {}  # fused file tensors, read once for all their rows
     for use in uses:
@@ -286,7 +288,7 @@ def param_path(row: Row, layer: Optional[int], stacked: bool) -> str:
 
 
 def write_tensors(
-    arch: object, fmt: str, top: Nested, layers: Sequence[Nested], *, alternative: int = 0
+    arch: Architecture, fmt: str, top: Nested, layers: Sequence[Nested], *, alternative: int = 0
 ) -> dict[str, np.ndarray]:
     """Canonical (top, layers) -> {file tensor name: array in the file layout}. Fused
     parameters are split first; `alternative` picks a row's other names (see `plan`)."""
@@ -298,10 +300,10 @@ def write_tensors(
         unfused.append(layer)
     out: dict[str, np.ndarray] = {}
     blocks: dict[str, dict[int, np.ndarray]] = {}
-    for use in plan(arch, fmt, alternative=alternative):
+    uses = plan(arch, fmt, alternative=alternative)
+    _check_trees(uses, top, unfused, where=f"export ({arch.family} name table)")
+    for use in uses:
         tree = top if use.layer is None else unfused[use.layer]
-        if not has_path(tree, use.row.key):
-            raise ParameterMismatchError("params", missing=[param_path(use.row, use.layer, False)])
         pieces = to_file(use, get_path(tree, use.row.key), d, permuted)
         if use.name.part is not None:
             blocks.setdefault(use.files[0], {})[use.name.part[0]] = pieces[0]
@@ -309,6 +311,29 @@ def write_tensors(
         out.update(zip(use.files, pieces))
     for n, parts in blocks.items():
         out[n] = np.concatenate([parts[p] for p in sorted(parts)], axis=-2)
+    return out
+
+
+def _check_trees(
+    uses: Sequence[Use], top: Nested, layers: Sequence[Nested], *, where: str
+) -> None:
+    """Raises ParameterMismatchError unless (top, layers) hold exactly the rows of `uses`."""
+    want = {param_path(u.row, u.layer, False) for u in uses}
+    have = set(_leaf_paths(top, "decoder."))
+    for i, layer in enumerate(layers):
+        have.update(_leaf_paths(layer, f"decoder.transformer.layer{i}."))
+    if want != have:
+        raise ParameterMismatchError(
+            where,
+            missing=sorted(want - have),
+            unexpected=sorted(have - want),
+        )
+
+
+def _leaf_paths(tree: Nested, prefix: str) -> list[str]:
+    out: list[str] = []
+    for k, v in tree.items():
+        out += _leaf_paths(v, f"{prefix}{k}.") if isinstance(v, dict) else [prefix + k]
     return out
 
 

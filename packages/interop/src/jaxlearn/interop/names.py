@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional, Sequence
 
+from jaxlearn.interop.arch import Architecture
 from jaxlearn.interop.errors import UnsupportedModelError
 
 FORMATS = ("hf", "gguf")
@@ -95,12 +96,11 @@ class Fusion:
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-    """An architecture family: HF class, GGUF `general.architecture`, whether llama.cpp
-    permutes its q/k rows, and its rows."""
+    """An architecture family: HF class, whether llama.cpp permutes its q/k rows (files
+    with `general.architecture` llama), and its rows."""
 
     name: str
     hf_class: str
-    gguf_arch: str
     gguf_permutes_qk: bool
     rows: tuple[Row, ...]
 
@@ -222,10 +222,10 @@ _MOE = TOP_ROWS + ATTENTION_ROWS + MOE_FFN_ROWS
 FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
-        Family("llama", "LlamaForCausalLM", "llama", True, _DENSE),
-        Family("mistral", "MistralForCausalLM", "llama", True, _DENSE),
-        Family("qwen2", "Qwen2ForCausalLM", "qwen2", False, _DENSE),
-        Family("mixtral", "MixtralForCausalLM", "llama", True, _MOE),
+        Family("llama", "LlamaForCausalLM", True, _DENSE),
+        Family("mistral", "MistralForCausalLM", True, _DENSE),
+        Family("qwen2", "Qwen2ForCausalLM", False, _DENSE),
+        Family("mixtral", "MixtralForCausalLM", True, _MOE),
     )
 }
 
@@ -233,17 +233,16 @@ FAMILIES: dict[str, Family] = {
 # ---- shapes and features --------------------------------------------------------------------
 
 
-def dims(arch: object) -> dict[str, int]:
-    """The shape symbols of `arch` (an `Architecture`)."""
-    a: Any = arch
+def dims(arch: Architecture) -> dict[str, int]:
+    """The shape symbols of `arch`."""
     return {
-        "E": a.dim,
-        "H": a.num_heads,
-        "K": a.num_kv_heads,
-        "D": a.head_dim,
-        "F": a.ffn_dim,
-        "X": a.num_experts,
-        "V": a.vocab_size,
+        "E": arch.dim,
+        "H": arch.num_heads,
+        "K": arch.num_kv_heads,
+        "D": arch.head_dim,
+        "F": arch.ffn_dim,
+        "X": arch.num_experts,
+        "V": arch.vocab_size,
     }
 
 
@@ -258,20 +257,18 @@ def shape_of(spec: str, d: dict[str, int]) -> tuple[int, ...]:
     return tuple(out)
 
 
-def features(arch: object) -> frozenset[str]:
+def features(arch: Architecture) -> frozenset[str]:
     """The `Row.when` features that `arch` has."""
-    a: Any = arch
     on = {
-        "untied": not a.tie_embeddings,
-        "qkv_bias": a.qkv_bias,
-        "output_bias": a.output_bias,
-        "mlp_bias": a.mlp_bias,
+        "untied": not arch.tie_embeddings,
+        "qkv_bias": arch.qkv_bias,
+        "output_bias": arch.output_bias,
+        "mlp_bias": arch.mlp_bias,
     }
     return frozenset(k for k, v in on.items() if v)
 
 
-def family(arch: object) -> Family:
-    name = getattr(arch, "family")
-    if name not in FAMILIES:
-        raise UnsupportedModelError(f"architecture family {name!r} has no name table")
-    return FAMILIES[name]
+def family(arch: Architecture) -> Family:
+    if arch.family not in FAMILIES:
+        raise UnsupportedModelError(f"architecture family {arch.family!r} has no name table")
+    return FAMILIES[arch.family]
