@@ -8,7 +8,7 @@ path serves HF safetensors and GGUF, import and export.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Optional, Protocol, Sequence
+from typing import Container, Iterable, Optional, Protocol, Sequence
 
 import numpy as np
 
@@ -19,6 +19,7 @@ from jaxlearn.interop.names import (
     FORMATS,
     FUSIONS,
     IGNORED,
+    Family,
     Name,
     Row,
     dims,
@@ -102,6 +103,16 @@ def plan(
                 )
             out.append(Use(row, layer, name, _expand(name, layer, experts)))
     return out
+
+
+def held_features(fam: Family, fmt: str, available: Container[str]) -> frozenset[str]:
+    """The `Row.when` features of `fam` whose `fmt` tensors (of layer 0) `available` holds,
+    e.g. {"qkv_bias", "untied"}: how a file without a config says which it has."""
+    out: set[str] = set()
+    for row in fam.rows:
+        if row.when and any(_expand(n, 0, 1)[0] in available for n in row.names(fmt)):
+            out.add(row.when)
+    return frozenset(out)
 
 
 def file_shape(use: Use, d: dict[str, int]) -> tuple[int, ...]:

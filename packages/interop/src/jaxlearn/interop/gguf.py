@@ -33,8 +33,8 @@ from typing import Any, Optional
 import numpy as np
 
 from jaxlearn.interop.arch import Architecture, architecture_from_config, build_config
+from jaxlearn.interop.convert import held_features, read_tensors, write_tensors
 from jaxlearn.interop.convert import permute_qk as permute_qk  # re-exported
-from jaxlearn.interop.convert import read_tensors, write_tensors
 from jaxlearn.interop.convert import unpermute_qk as unpermute_qk  # re-exported
 from jaxlearn.interop.errors import (
     InteropError,
@@ -42,6 +42,7 @@ from jaxlearn.interop.errors import (
     UnsupportedModelError,
 )
 from jaxlearn.interop.model import LoadedModel
+from jaxlearn.interop.names import FAMILIES
 from jaxlearn.interop.tree import assemble_params, layer_layouts, split_params, stack_kind
 from jaxlearn.text.chat import ChatTemplate
 
@@ -204,8 +205,7 @@ def architecture_from_gguf(f: GGUFFile) -> Architecture:
         )
     experts = int(key("expert_count", 0) or 0)
     window = key("attention.sliding_window")
-    q_bias = "blk.0.attn_q.bias" in f.tensors
-    o_bias = "blk.0.attn_output.bias" in f.tensors
+    held = held_features(FAMILIES["llama"], "gguf", f.tensors)  # biases, untied head
     eos = [f.get("tokenizer.ggml.eos_token_id")]
     eos += [f.get("tokenizer.ggml.eot_token_id"), f.get("tokenizer.ggml.eom_token_id")]
     family = "mixtral" if experts else ("qwen2" if arch_name == "qwen2" else "llama")
@@ -223,10 +223,10 @@ def architecture_from_gguf(f: GGUFFile) -> Architecture:
         norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=theta,
         rope_scaling=scaling,
-        tie_embeddings="output.weight" not in f.tensors,
-        qkv_bias=q_bias,
-        output_bias=o_bias,
-        mlp_bias="blk.0.ffn_up.bias" in f.tensors,
+        tie_embeddings="untied" not in held,
+        qkv_bias="qkv_bias" in held,
+        output_bias="output_bias" in held,
+        mlp_bias="mlp_bias" in held,
         sliding_windows=(int(window),) * layers if window is not None else (),
         num_experts=experts,
         num_experts_per_token=int(key("expert_used_count", 2) or 2),
