@@ -173,20 +173,27 @@ def test_export_refuses_params_the_table_does_not_list():
     assert info.value.unexpected == ["decoder.transformer.layer1.self_attention.extra"]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_fused_projection_models_export_and_import_through_the_table(family, tmp_path):
-    """A serving model with fused q/k/v and gate/up projections exports the same HF tensors
-    as the unfused one, and loading into the fused config gives the fused params."""
-    loaded = load_hf(FIXTURES / f"hf_{family}", stack="loop")
+@pytest.mark.parametrize(
+    "family,stack", [("llama", "scan"), ("qwen2", "loop"), ("mixtral", "scan")]
+)
+def test_fused_projection_models_export_and_import_through_the_table(family, stack, tmp_path):
+    """A serving model with fused q/k/v (and, for dense FFNs, gate/up) projections exports
+    the same HF tensors as the unfused one, and loading into the fused config gives the
+    fused params."""
+    loaded = load_hf(FIXTURES / f"hf_{family}", stack=stack)
     fused_cfg, fused_params = fuse_projections(loaded.config, loaded.params)
-    layer0 = fused_params["decoder"]["transformer"]["layer0"]
-    assert "qkv_proj" in layer0["self_attention"] and "wi_fused" in layer0["feed_forward"]
+    transformer = fused_params["decoder"]["transformer"]
+    layer0 = transformer.get("layer", transformer.get("layer0"))
+    assert "qkv_proj" in layer0["self_attention"]
+    assert ("wi_fused" in layer0["feed_forward"]) == (family != "mixtral")
     out = export_hf(tmp_path / "fused", fused_cfg, fused_params)
-    original = safe_open(str(FIXTURES / f"hf_{family}" / "model.safetensors"), "numpy")
-    exported = safe_open(str(out / "model.safetensors"), "numpy")
-    assert sorted(exported.keys()) == sorted(original.keys())
-    for name in original.keys():
-        np.testing.assert_array_equal(exported.get_tensor(name), original.get_tensor(name))
+    with safe_open(str(FIXTURES / f"hf_{family}" / "model.safetensors"), "numpy") as original:
+        with safe_open(str(out / "model.safetensors"), "numpy") as exported:
+            assert sorted(exported.keys()) == sorted(original.keys())
+            for name in original.keys():
+                np.testing.assert_array_equal(
+                    exported.get_tensor(name), original.get_tensor(name), err_msg=name
+                )
     again = load_hf_params(out, loaded.architecture, fused_cfg.instantiate())
     flat_again, flat_fused = _flat(again), _flat(fused_params)
     assert sorted(flat_again) == sorted(flat_fused)
