@@ -1,6 +1,6 @@
 """Chat templates: HF-style Jinja templates rendered in jinja2's sandbox, with limits.
 
-    template = ChatTemplate(source, bos_token="<s>", eos_token="</s>", origin="tokenizer_config.json")
+    template = ChatTemplate(source, bos_token="<s>", eos_token="</s>", origin="chat.jinja")
     text = template.render([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
 
 Templates are rendered like HF `apply_chat_template` does: `ImmutableSandboxedEnvironment`
@@ -136,7 +136,7 @@ class _Guarded(NodeTransformer):
     `~` concatenation goes through the size guard."""
 
     def visit_For(self, node: nodes.For) -> nodes.Node:
-        node = self.generic_visit(node)
+        self.generic_visit(node)
         node.iter = nodes.Call(
             nodes.Name(_LOOP, "load", lineno=node.lineno), [node.iter], [], None, None,
             lineno=node.lineno,
@@ -144,7 +144,7 @@ class _Guarded(NodeTransformer):
         return node
 
     def visit_Concat(self, node: nodes.Concat) -> nodes.Node:
-        node = self.generic_visit(node)
+        self.generic_visit(node)
         return nodes.Call(
             nodes.Name(_CONCAT, "load", lineno=node.lineno), list(node.nodes), [], None, None,
             lineno=node.lineno,
@@ -285,7 +285,7 @@ class ChatTemplate:
         self.origin = origin
         self.limits = limits or ChatLimits()
         self.extra_context = dict(extra_context or {})
-        self._compiled = self._compile()
+        self._compiled: Optional[jinja2.Template] = None  # Compiled on first render.
 
     def __repr__(self) -> str:
         return f"ChatTemplate({self.origin!r}, {len(self.source)} chars)"
@@ -317,6 +317,8 @@ class ChatTemplate:
                 )
         context = dict(bos_token=self.bos_token, eos_token=self.eos_token, **self.extra_context)
         context.update(kwargs, messages=list(messages), add_generation_prompt=add_generation_prompt)
+        if self._compiled is None:
+            self._compiled = self._compile()
         budget = _Budget(self.limits, self.origin)
         token = _BUDGET.set(budget)
         out: list[str] = []

@@ -358,7 +358,7 @@ class HFTokenizer(Tokenizer):
         special tokens, so none are added), as HF `apply_chat_template(tokenize=True)`."""
         if self._chat is None:
             return None
-        text = self._chat.render(list(messages), add_generation_prompt=True)
+        text = self._chat.render([dict(m) for m in messages], add_generation_prompt=True)
         return [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False).ids]
 
 
