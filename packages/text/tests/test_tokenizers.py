@@ -168,7 +168,8 @@ def test_in_memory_tokenizer_for_serving() -> None:
 def test_special_ids_outside_the_vocabulary_are_refused() -> None:
     raw = _trained_bpe()
     n = raw.get_vocab_size()  # type: ignore[attr-defined]
-    with pytest.raises(TokenizerError, match=rf"m\.gguf: eos_token_ids={n} is outside .*\[0, {n}\)"):
+    outside = rf"m\.gguf: eos_token_ids={n} is outside .*\[0, {n}\)"
+    with pytest.raises(TokenizerError, match=outside):
         HFTokenizer.from_tokenizer(raw, eos_token_ids=[2, n], source="m.gguf")
     with pytest.raises(TokenizerError, match="bos_token_id=-1 is outside"):
         HFTokenizer.from_tokenizer(raw, bos_id=-1)
