@@ -56,6 +56,9 @@ def test_a_template_can_render_many_times_and_from_threads():
         ("{{ '{:>4000000000}'.format(1) }}", "max_output_bytes"),
         ("{{ 'x'.ljust(4000000000) }}", "max_output_bytes"),
         ("{{ 'x'|center(4000000000) }}", "max_output_bytes"),
+        ("{{ 'x'|indent(4000000000, first=True) }}", "max_output_bytes"),
+        ("{{ '\t'.expandtabs(4000000000) }}", "max_output_bytes"),
+        ("{{ ('x' * 100000).replace('', 'y' * 100) }}", "max_output_bytes"),
         ("{{ range(100000)|join('y' * 40000) }}", "max_output_bytes"),
         (  # Doubling a string: 2**64 characters.
             "{% set ns = namespace(s='x') %}{% for i in range(64) %}"

@@ -12,8 +12,8 @@ A template comes from a downloaded checkpoint, so rendering is bounded (`ChatLim
   once it passes `max_output_bytes` (1 MiB by default);
 - intermediate values: `*`, `**`, `+`, `%` and `~` are computed only when their result
   fits in `max_output_bytes` (so `'x' * 4000000000` allocates nothing), as are padding
-  widths (`center`, `ljust`, format field widths) and `str.replace`; every filter's and
-  call's result is measured;
+  widths (`center`, `ljust`, `indent`, format field widths), `str.replace` and
+  `str.expandtabs`; every filter's and call's result is measured;
 - time: every loop iteration, function call, attribute or item lookup checks a deadline
   of `max_seconds` (2 s by default); `range()` is capped at 100000 items (jinja2's
   sandbox).
@@ -173,6 +173,9 @@ def _measured(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         budget.tick()
         if name == "center" and len(args) > 1 and isinstance(args[1], int):
             budget.size(args[1], "the width of the 'center' filter")
+        if name == "indent" and len(args) > 1 and isinstance(args[1], int):
+            lines = str(args[0]).count("\n") + 1
+            budget.size(args[1] * lines, "the result of the 'indent' filter")
         if name == "format" and args:
             budget.size(_format_width(args[0]), "a field width of the 'format' filter")
         if name == "join" and len(args) > 2 and isinstance(args[2], str):  # (eval_ctx, value, d)
@@ -200,9 +203,13 @@ class _LimitedEnvironment(ImmutableSandboxedEnvironment):
         if isinstance(getattr(__obj, "__self__", None), str) and name in _WIDTH_METHODS:
             width = args[0] if args else 0
             budget.size(width if isinstance(width, int) else 0, f"str.{name} width")
-        if isinstance(getattr(__obj, "__self__", None), str) and name == "replace" and args:
-            s, new = __obj.__self__, str(args[1]) if len(args) > 1 else ""
-            budget.size(len(s) + (len(s) + 1) * len(new), "str.replace result")
+        owner = getattr(__obj, "__self__", None)
+        if isinstance(owner, str) and name == "replace" and len(args) > 1:
+            grown = len(owner) + (len(owner) + 1) * len(str(args[1]))
+            budget.size(grown, "str.replace result")
+        if isinstance(owner, str) and name == "expandtabs":
+            tab = args[0] if args and isinstance(args[0], int) else 8
+            budget.size(len(owner) * max(tab, 1), "str.expandtabs result")
         out = super().call(__context, __obj, *args, **kwargs)
         budget.size(_length(out), f"the result of {name or 'a call'}")
         return out
