@@ -67,3 +67,52 @@ def test_streamed_text_equals_final_text_and_first_stop(text, stops):
     assert out.text == expected
     assert "".join(d.text for d in deltas) == expected
     assert out.finish_reason == ("stop" if hits else "cancelled")
+
+
+def _hf_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from jaxlearn.text.tokenizers import HFTokenizer
+
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    raw.train_from_iterator(["hello world, user assistant système 😀"] * 20, trainer)
+    return HFTokenizer.from_tokenizer(raw, eos_token_ids=[2])
+
+
+@given(st.text(alphabet="helo wrd,é€😀ü", max_size=40))
+def test_hf_stream_equals_full_decode(text):
+    tok = _hf_tokenizer()
+    prompt = tok.encode("user: hello")
+    ids = tok.encode(text)
+    out = OutputState(tok, prompt, max_new_tokens=BIG)
+    assert out._stream is not None  # Streamed by tokenizers.decoders.DecodeStream.
+    deltas = [out.add(t, room=BIG) for t in ids] + [out.finish("cancelled")]
+    full = tok.decode(prompt + ids)[len(tok.decode(prompt)) :]
+    assert out.text == full == text
+    assert "".join(d.text for d in deltas) == text
+    assert all("\ufffd" not in d.text for d in deltas)
+
+
+def test_hf_stream_with_stop_strings_and_specials():
+    tok = _hf_tokenizer()
+    ids = tok.encode("hello world, système") + [1] + tok.encode("user")
+    out = OutputState(tok, [], max_new_tokens=BIG, stop=("sys",))
+    deltas = []
+    for t in ids:
+        deltas.append(out.add(t, room=BIG))
+        if out.finished:
+            break
+    assert out.text == "hello world, " == "".join(d.text for d in deltas)
+    assert out.finish_reason == "stop"
+    # A special id (<|im_start|>) shows no text; EOS ends the request.
+    out = OutputState(tok, [], max_new_tokens=BIG, stop_token_ids=tok.eos_token_ids)
+    texts = [out.add(t, room=BIG).text for t in [1, *tok.encode("hi"), 2]]
+    assert "".join(texts) == "hi" and out.stop_reason == 2

@@ -17,13 +17,8 @@ from jaxlearn.inference.runner import ModelRunner
 from jaxlearn.inference.sampling import SamplingParams, sample_tokens
 from jaxlearn.inference.scheduler import Request, Scheduler
 from jaxlearn.text.detokenize import Delta, OutputState
-from jaxlearn.text.protocol import (
-    ByteTokenizer,
-    HFTokenizer,
-    Tokenizer,
-    as_tokenizer,
-    chat_prompt,
-)
+from jaxlearn.text.protocol import Tokenizer, as_tokenizer, chat_prompt
+from jaxlearn.text.tokenizers import ByteTokenizer, HFTokenizer
 
 __all__ = [
     "INFERENCE_AXIS_RULES",

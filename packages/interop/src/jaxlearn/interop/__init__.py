@@ -30,11 +30,11 @@ from jaxlearn.interop.hf import (
 )
 from jaxlearn.interop.model import LoadedModel
 from jaxlearn.interop.pretrained import JaxlearnCheckpointError, load_pretrained
-from jaxlearn.text.chat import HAVE_JINJA2, ChatTemplate, detect_family
+from jaxlearn.text.chat import ChatLimits, ChatTemplate
 
 __all__ = [
-    "HAVE_JINJA2",
     "Architecture",
+    "ChatLimits",
     "ChatTemplate",
     "ChatTemplateError",
     "InteropError",
@@ -46,7 +46,6 @@ __all__ = [
     "architecture_from_config",
     "architecture_from_hf",
     "build_config",
-    "detect_family",
     "export_hf",
     "export_pretrained",
     "greedy_generate",

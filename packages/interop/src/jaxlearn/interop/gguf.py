@@ -17,12 +17,9 @@ Llama-3.1 RoPE scaling is stored by llama.cpp as a `rope_freqs.weight` tensor of
 frequency divisors; the loader recovers the `Llama3FrequencyScaling` parameters that
 produce exactly those divisors (or raises UnsupportedModelError).
 
-Tokenizer (`tokenizer.ggml.*`): model `gpt2` (byte-level BPE from tokens + merges, with the
-pre-tokenizer regex chosen by `tokenizer.ggml.pre`: default/gpt2, smollm, llama-bpe,
-qwen2...) or `llama` (SentencePiece-style BPE rebuilt from tokens + scores with byte
-fallback). Control (type 3) and user-defined (type 4) tokens become added tokens; BOS is
-prepended by the post-processor when `tokenizer.ggml.add_bos_token` is true. The chat
-template is `tokenizer.chat_template`.
+Tokenizer (`tokenizer.ggml.*`): rebuilt by `jaxlearn.text.gguf_vocab` (byte-level BPE for
+model `gpt2`, SentencePiece-style BPE for `llama`). The chat template is
+`tokenizer.chat_template`, rendered by `jaxlearn.text.chat`.
 """
 
 from __future__ import annotations
@@ -44,7 +41,9 @@ from jaxlearn.interop.errors import (
 from jaxlearn.interop.model import LoadedModel
 from jaxlearn.interop.names import FAMILIES
 from jaxlearn.interop.tree import assemble_params, layer_layouts, split_params, stack_kind
+from jaxlearn.text import errors as text_errors
 from jaxlearn.text.chat import ChatTemplate
+from jaxlearn.text.gguf_vocab import tokenizer_from_gguf_metadata
 
 _gguf: Any
 try:
@@ -54,17 +53,6 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 Nested = dict[str, Any]
 ARCHITECTURES = ("llama", "mistral", "qwen2")
-# Pre-tokenizer regexes of llama.cpp's `tokenizer.ggml.pre` values (as in the models' HF
-# tokenizer.json files).
-_LLAMA3_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
-    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
-    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_TOKEN_NORMAL, _TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER, _TOKEN_UNUSED, _TOKEN_BYTE = range(1, 7)
 
 
 def _require_gguf() -> Any:
@@ -265,122 +253,13 @@ def gguf_params_to_tensors(config: Any, params: Nested) -> dict[str, np.ndarray]
 # ---- tokenizer ------------------------------------------------------------------------------
 
 
-def _bpe_pre_tokenizer(pre: Optional[str]) -> Any:
-    from tokenizers import Regex, pre_tokenizers
-
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    if pre in (None, "default", "gpt2", "gpt-2"):
-        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre == "smollm":
-        return pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Digits(individual_digits=True),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-            ]
-        )
-    regex = {"llama-bpe": _LLAMA3_REGEX, "llama3": _LLAMA3_REGEX, "qwen2": _QWEN2_REGEX}.get(pre)
-    if regex is None:
-        raise TokenizerError(
-            f"tokenizer.ggml.pre={pre!r} is not supported (default, gpt2, smollm, llama-bpe, "
-            f"qwen2)"
-        )
-    split = pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False)
-    return pre_tokenizers.Sequence([split, byte_level])
-
-
-def _spm_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
-    """BPE merges of a SentencePiece-BPE vocab (as HF's SentencePieceExtractor): every split
-    of a piece into two vocab pieces, ordered by the piece's score (highest first)."""
-    vocab = {t: i for i, t in enumerate(tokens)}
-    merges: list[tuple[float, int, int, str, str]] = []
-    for piece, score in zip(tokens, scores):
-        for k in range(1, len(piece)):
-            left, right = piece[:k], piece[k:]
-            if left in vocab and right in vocab:
-                merges.append((-score, vocab[left], vocab[right], left, right))
-    merges.sort()
-    return [(m[3], m[4]) for m in merges]
-
-
 def tokenizer_from_gguf(f: GGUFFile) -> Any:
-    """A `tokenizers.Tokenizer` equivalent to the one embedded in `f`."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
-
-    kind = f.get("tokenizer.ggml.model")
-    tokens = f.get("tokenizer.ggml.tokens")
-    if kind is None or tokens is None:
-        raise TokenizerError(f"{f.path}: no embedded tokenizer (tokenizer.ggml.model/tokens)")
-    tokens = list(tokens)
-    types = list(f.get("tokenizer.ggml.token_type") or [_TOKEN_NORMAL] * len(tokens))
-    vocab = {t: i for i, t in enumerate(tokens)}
-    if len(vocab) != len(tokens):
-        raise TokenizerError(f"{f.path}: duplicate tokens in tokenizer.ggml.tokens")
-    if kind == "gpt2":
-        merges_raw = f.get("tokenizer.ggml.merges")
-        if merges_raw is None:
-            raise TokenizerError(f"{f.path}: gpt2 tokenizer without tokenizer.ggml.merges")
-        merges = [tuple(m.split(" ", 1)) for m in merges_raw]
-        pre = f.get("tokenizer.ggml.pre")
-        tok = Tokenizer(
-            models.BPE(
-                vocab=vocab,
-                merges=merges,
-                fuse_unk=False,
-                byte_fallback=False,
-                ignore_merges=pre in ("llama-bpe", "llama3"),
-            )
-        )
-        tok.pre_tokenizer = _bpe_pre_tokenizer(pre)
-        tok.decoder = decoders.ByteLevel()
-        base_post: Any = processors.ByteLevel(trim_offsets=False)
-    elif kind == "llama":
-        scores = list(f.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
-        unk_id = f.get("tokenizer.ggml.unknown_token_id", 0)
-        tok = Tokenizer(
-            models.BPE(
-                vocab=vocab,
-                merges=_spm_merges(tokens, scores),
-                unk_token=tokens[unk_id],
-                fuse_unk=True,
-                byte_fallback=True,
-            )
-        )
-        prefix = bool(f.get("tokenizer.ggml.add_space_prefix", True))
-        norm: list[Any] = [normalizers.Replace(" ", "\u2581")]
-        if prefix:
-            norm.insert(0, normalizers.Prepend("\u2581"))
-        tok.normalizer = normalizers.Sequence(norm)
-        steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
-        if prefix:
-            steps.append(decoders.Strip(" ", 1, 0))
-        tok.decoder = decoders.Sequence(steps)
-        base_post = None
-    else:
-        raise TokenizerError(
-            f"{f.path}: tokenizer.ggml.model={kind!r} is not supported (gpt2, llama)"
-        )
-    special = [
-        AddedToken(t, special=(ty == _TOKEN_CONTROL), normalized=False)
-        for t, ty in zip(tokens, types)
-        if ty in (_TOKEN_CONTROL, _TOKEN_USER) or (kind == "llama" and ty == _TOKEN_UNKNOWN)
-    ]
-    tok.add_special_tokens([a for a in special if a.special])
-    tok.add_tokens([a for a in special if not a.special])
-    bos_id = f.get("tokenizer.ggml.bos_token_id")
-    add_bos = bool(f.get("tokenizer.ggml.add_bos_token", kind == "llama"))
-    if add_bos and bos_id is not None:
-        bos = tokens[int(bos_id)]
-        template = processors.TemplateProcessing(
-            single=f"{bos}:0 $A:0",
-            pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
-            special_tokens=[(bos, int(bos_id))],
-        )
-        tok.post_processor = (
-            processors.Sequence([base_post, template]) if base_post is not None else template
-        )
-    elif base_post is not None:
-        tok.post_processor = base_post
-    return tok
+    """A `tokenizers.Tokenizer` equivalent to the one embedded in `f` (built by
+    `jaxlearn.text.gguf_vocab` from the file's metadata)."""
+    try:
+        return tokenizer_from_gguf_metadata(f.metadata, source=str(f.path))
+    except text_errors.TokenizerError as e:
+        raise TokenizerError(str(e)) from None
 
 
 # ---- entry point ----------------------------------------------------------------------------
@@ -425,6 +304,7 @@ def load_gguf(
             template,
             bos_token=text("tokenizer.ggml.bos_token_id"),
             eos_token=text("tokenizer.ggml.eos_token_id"),
+            origin=f"{f.path}: tokenizer.chat_template",
         )
     meta = {k: v for k, v in f.metadata.items() if not (isinstance(v, list) and len(v) > 64)}
     meta["tensor_types"] = f.tensor_types()

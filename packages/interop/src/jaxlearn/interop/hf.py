@@ -38,6 +38,8 @@ from jaxlearn.interop.errors import (
 from jaxlearn.interop.model import LoadedModel
 from jaxlearn.interop.names import FAMILIES
 from jaxlearn.interop.tree import assemble_params, layer_layouts, split_params, stack_kind
+from jaxlearn.text import errors as text_errors
+from jaxlearn.text import hf_files
 from jaxlearn.text.chat import ChatTemplate
 
 Nested = dict[str, Any]
@@ -288,60 +290,15 @@ def load_hf_params(directory: str | pathlib.Path, arch: Architecture, model: Any
 # ---- tokenizer ------------------------------------------------------------------------------
 
 
-def _token_text(value: Any) -> Optional[str]:
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
-
-
 def load_hf_tokenizer(
     directory: str | pathlib.Path,
 ) -> tuple[Any, Optional[ChatTemplate], dict[str, Any]]:
-    """(tokenizers.Tokenizer or None, ChatTemplate or None, info) from `tokenizer.json`,
-    `tokenizer_config.json`, `chat_template.jinja` / `chat_template.json`.
-
-    info: {"bos_token", "eos_token", "pad_token" (text or None), "eos_token_ids" (ids of
-    eos_token and generation_config.json's eos_token_id)}.
-    """
-    from tokenizers import Tokenizer
-
-    directory = pathlib.Path(directory)
-    tokenizer = None
-    if (directory / "tokenizer.json").exists():
-        try:
-            tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
-        except Exception as e:  # tokenizers raises a plain Exception subclass
-            raise TokenizerError(f"{directory / 'tokenizer.json'}: {e}") from None
-    tc: dict[str, Any] = {}
-    if (directory / "tokenizer_config.json").exists():
-        tc = read_json(directory / "tokenizer_config.json")
-    template = tc.get("chat_template")
-    if (directory / "chat_template.jinja").exists():
-        template = (directory / "chat_template.jinja").read_text()
-    elif (directory / "chat_template.json").exists():
-        template = read_json(directory / "chat_template.json").get("chat_template")
-    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default") or next(iter(named.values()), None)
-    bos, eos, pad = (_token_text(tc.get(k)) for k in ("bos_token", "eos_token", "pad_token"))
-    eos_ids: list[int] = []
-    if (directory / "generation_config.json").exists():
-        eos_ids += _ids(read_json(directory / "generation_config.json").get("eos_token_id"))
-    eos_id = tokenizer.token_to_id(eos) if tokenizer is not None and eos is not None else None
-    if eos_id is not None:
-        eos_ids.append(int(eos_id))
-    chat = (
-        ChatTemplate(template, bos_token=bos or "", eos_token=eos or "")
-        if isinstance(template, str) and template
-        else None
-    )
-    info = {
-        "bos_token": bos,
-        "eos_token": eos,
-        "pad_token": pad,
-        "eos_token_ids": tuple(dict.fromkeys(eos_ids)),
-    }
-    return tokenizer, chat, info
+    """(tokenizers.Tokenizer or None, ChatTemplate or None, info) of an HF model directory;
+    see `jaxlearn.text.hf_files.load_hf_tokenizer`."""
+    try:
+        return hf_files.load_hf_tokenizer(directory)
+    except text_errors.TokenizerError as e:
+        raise TokenizerError(str(e)) from None
 
 
 # ---- entry points ---------------------------------------------------------------------------

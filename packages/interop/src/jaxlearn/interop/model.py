@@ -7,7 +7,9 @@ from typing import Any, Optional, Sequence
 
 from jaxlearn.interop.arch import Architecture
 from jaxlearn.interop.errors import TokenizerError
+from jaxlearn.text import errors as text_errors
 from jaxlearn.text.chat import ChatTemplate, Message
+from jaxlearn.text.tokenizers import HFTokenizer
 
 
 @dataclasses.dataclass
@@ -42,6 +44,21 @@ class LoadedModel:
     def model(self) -> Any:
         """The instantiated `CausalLM`."""
         return self.config.instantiate()
+
+    def text_tokenizer(self) -> HFTokenizer:
+        """The checkpoint's tokenizer as a `jaxlearn.text` tokenizer (what the inference
+        engine serves with): its EOS ids, BOS, pad and chat template."""
+        try:
+            return HFTokenizer.from_tokenizer(
+                self._tok(),
+                bos_id=self.bos_token_id,
+                eos_token_ids=self.eos_token_ids,
+                pad_id=self.pad_token_id,
+                chat_template=self.chat_template,
+                source=self.source or self.format,
+            )
+        except text_errors.TokenizerError as e:
+            raise TokenizerError(str(e)) from None
 
     def _tok(self) -> Any:
         if self.tokenizer is None:

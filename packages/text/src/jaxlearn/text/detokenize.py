@@ -1,9 +1,12 @@
 """Incremental detokenization and stop conditions for one request.
 
 `OutputState.add(token)` turns each new token into a text delta that is safe to show:
-- text is decoded over a sliding window of ids (the vLLM prefix/read-offset scheme), so a
-  token that only completes a multi-byte character (or a SentencePiece word boundary)
-  emits nothing until it is complete, and the cost per token stays constant;
+- a tokenizer with `decode_stream(context)` (`HFTokenizer`: `tokenizers.decoders.
+  DecodeStream`) streams the text itself; any other is decoded over a sliding window of
+  ids (the vLLM prefix/read-offset scheme). Either way a token that only completes part of
+  a multi-byte character (or a SentencePiece word boundary) emits nothing until it is
+  complete, and the cost per token stays constant; the prompt's last ids are the context
+  that decides, e.g., whether the first word starts with a space;
 - stop token ids (EOS unless ignored, plus the request's) end the request; the token is
   kept in `tokens` but adds no text;
 - stop strings end the request at their first occurrence (text is cut before it); while
@@ -51,6 +54,8 @@ class OutputState:
         self.finish_reason: Optional[str] = None
         self.stop_reason: Optional[str | int] = None
         context = [int(t) for t in prompt_ids[-_CONTEXT:]]
+        make_stream = getattr(tokenizer, "decode_stream", None)
+        self._stream = make_stream(context) if callable(make_stream) else None
         self._ids = context
         self._prefix = 0
         self._read = len(context)
@@ -60,7 +65,10 @@ class OutputState:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def _decode_step(self) -> str:
+    def _decode_step(self, token: int) -> str:
+        if self._stream is not None:
+            return str(self._stream.step(token))
+        self._ids.append(token)
         tok = self.tokenizer
         prefix_text = tok.decode(self._ids[self._prefix : self._read])
         new_text = tok.decode(self._ids[self._prefix :])
@@ -87,8 +95,7 @@ class OutputState:
         if token in self.stop_token_ids:
             self.finish_reason, self.stop_reason = "stop", token
             return self._flush([token])
-        self._ids.append(token)
-        piece = self._decode_step()
+        piece = self._decode_step(token)
         if piece:
             start = max(0, len(self.text) - self._max_stop + 1)
             self.text += piece
@@ -111,8 +118,14 @@ class OutputState:
         self.finish_reason = reason
         return self._flush([])
 
+    def _buffered_text_counts(self) -> bool:
+        """Buffered ids become text unless a stop string cut the text."""
+        return self.finish_reason != "stop" or isinstance(self.stop_reason, int)
+
     def _flush(self, tokens: list[int]) -> Delta:
-        if self.finish_reason != "stop" or isinstance(self.stop_reason, int):
+        if self._stream is not None and self._buffered_text_counts():
+            self.text += str(self._stream.flush())
+        elif self._buffered_text_counts():
             # Decode whatever is still buffered (e.g. an incomplete character at the end).
             rest = self.tokenizer.decode(self._ids[self._prefix :])
             head = self.tokenizer.decode(self._ids[self._prefix : self._read])

@@ -8,9 +8,10 @@ class TextError(ValueError):
 
 
 class TokenizerError(TextError):
-    """A tokenizer file that is missing or unusable, or a tokenizer package not installed."""
+    """A tokenizer file that is missing or unusable, a special-token id outside the
+    vocabulary, or a tokenizer package not installed."""
 
 
 class ChatTemplateError(TextError):
-    """A chat template could not be rendered (no jinja2 and no built-in fallback fits, or
-    the template raised)."""
+    """A chat template that does not compile, raised, failed, or was refused by the
+    sandbox's limits (`jaxlearn.text.chat.ChatLimits`)."""

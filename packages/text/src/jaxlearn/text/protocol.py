@@ -1,22 +1,29 @@
-"""The tokenizer contract of the engine, and a byte-level tokenizer needing no files.
+"""The tokenizer contract of the inference engine, and adapters onto it.
 
-Any object with these members works (runtime tokenizers, `tokenizers.Tokenizer` wrappers
-built by `jaxlearn.interop`, ...): the engine never imports `jaxlearn.runtime`.
+Every `jaxlearn.text.tokenizers.Tokenizer` (byte-level, HF, SentencePiece) satisfies the
+protocol, so the tokenizer a model was trained with serves it unchanged. `as_tokenizer`
+wraps what a checkpoint loader hands over (a raw `tokenizers.Tokenizer`, or
+`jaxlearn.interop`'s `LoadedModel`) in `HFTokenizer`; `chat_prompt` turns messages into a
+prompt with the tokenizer's chat template, or a plain transcript without one.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, Mapping, Optional, Protocol, Sequence, runtime_checkable
+
+from jaxlearn.text.errors import TokenizerError
+from jaxlearn.text.tokenizers import ByteTokenizer, HFTokenizer
+from jaxlearn.text.tokenizers import Tokenizer as _TokenizerBase
 
 
 @runtime_checkable
 class Tokenizer(Protocol):
-    """encode(text) -> ids; decode(ids) -> text (special ids dropped).
+    """encode(text) -> ids (no special tokens); decode(ids) -> text (special ids dropped).
 
     Optional members the engine uses when present: `eos_token_ids` (every id that ends a
     generation, besides `eos_id`), `add_bos` (whether the engine should prepend BOS to
-    encoded text; default: yes when `bos_id` is set, so a tokenizer whose `encode`
-    already adds BOS sets it False), `apply_chat_template(messages) -> str | ids`.
+    encoded text; default: yes when `bos_id` is set), `apply_chat_template(messages) ->
+    str | ids | None`, `decode_stream(context)` (see `jaxlearn.text.detokenize`).
     """
 
     @property
@@ -33,103 +40,35 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int]) -> str: ...
 
 
-class ByteTokenizer:
-    """UTF-8 bytes with the runtime's id scheme: pad 0, bos 1, eos 2, byte b -> b + 3.
-
-    `decode` drops special ids and ids outside the vocabulary (a model whose vocabulary is
-    padded past 259, e.g. to 320, may still emit them when the engine does not mask them).
-    """
-
-    OFFSET = 3
-
-    @property
-    def vocab_size(self) -> int:
-        return 256 + self.OFFSET
-
-    @property
-    def bos_id(self) -> int:
-        return 1
-
-    @property
-    def eos_id(self) -> int:
-        return 2
-
-    @property
-    def pad_id(self) -> int:
-        return 0
-
-    def encode(self, text: str) -> list[int]:
-        return [b + self.OFFSET for b in text.encode("utf-8")]
-
-    def decode(self, ids: Sequence[int]) -> str:
-        data = bytes(int(i) - self.OFFSET for i in ids if self.OFFSET <= int(i) < self.vocab_size)
-        return data.decode("utf-8", errors="replace")
-
-
-class HFTokenizer:
-    """The engine's protocol over a HuggingFace `tokenizers.Tokenizer` (anything with
-    `encode(text).ids`, `decode(ids, skip_special_tokens=...)`, `get_vocab_size()`).
-
-    Its post-processor adds BOS where the model wants it, so `add_bos` is False.
-    chat_template: optional `messages -> text or ids` (e.g. interop's `encode_chat`).
-    """
-
-    add_bos = False
-
-    def __init__(
-        self,
-        tokenizer: Any,
-        *,
-        bos_id: Optional[int] = None,
-        eos_token_ids: Sequence[int] = (),
-        chat_template: Optional[Callable[[Sequence[Mapping[str, str]]], Any]] = None,
-    ):
-        self.tokenizer = tokenizer
-        self._bos = bos_id
-        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
-        self._chat = chat_template
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.tokenizer.get_vocab_size())
-
-    @property
-    def bos_id(self) -> Optional[int]:
-        return self._bos
-
-    @property
-    def eos_id(self) -> Optional[int]:
-        return self.eos_token_ids[0] if self.eos_token_ids else None
-
-    def encode(self, text: str) -> list[int]:
-        return [int(t) for t in self.tokenizer.encode(text).ids]
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return str(self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True))
-
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> Any:
-        return None if self._chat is None else self._chat(list(messages))
-
-
 def as_tokenizer(obj: Any) -> Any:
-    """`obj` as an engine tokenizer: protocol objects as they are; a `tokenizers.Tokenizer`
-    or a loaded checkpoint bundle (attributes `tokenizer`, `eos_token_ids`,
-    `bos_token_id`, optional `chat_template` + `encode_chat`, as `jaxlearn.interop`'s
-    `LoadedModel`) wrapped in `HFTokenizer`."""
-    if isinstance(obj, Tokenizer) and not hasattr(obj, "get_vocab_size"):
+    """`obj` as an engine tokenizer: jaxlearn tokenizers and other protocol objects as they
+    are; a `tokenizers.Tokenizer`, or a loaded checkpoint bundle (attributes `tokenizer`,
+    `eos_token_ids`, `bos_token_id`, optional `pad_token_id`, `chat_template`, `source`, as
+    `jaxlearn.interop`'s `LoadedModel`), wrapped in `HFTokenizer.from_tokenizer`."""
+    if isinstance(obj, _TokenizerBase):
         return obj
     if hasattr(obj, "eos_token_ids") and hasattr(obj, "tokenizer"):
-        chat = obj.encode_chat if getattr(obj, "chat_template", None) is not None else None
-        return HFTokenizer(obj.tokenizer, bos_id=getattr(obj, "bos_token_id", None),
-                           eos_token_ids=obj.eos_token_ids, chat_template=chat)
+        source = str(getattr(obj, "source", "") or type(obj).__name__)
+        if obj.tokenizer is None:
+            raise TokenizerError(f"{source}: the checkpoint has no tokenizer")
+        return HFTokenizer.from_tokenizer(
+            obj.tokenizer,
+            bos_id=getattr(obj, "bos_token_id", None),
+            eos_token_ids=obj.eos_token_ids,
+            pad_id=getattr(obj, "pad_token_id", None),
+            chat_template=getattr(obj, "chat_template", None),
+            source=source,
+        )
     if hasattr(obj, "get_vocab_size"):
-        return HFTokenizer(obj)
+        return HFTokenizer.from_tokenizer(obj)
+    if isinstance(obj, Tokenizer):
+        return obj
     raise TypeError(
         f"{type(obj).__name__} is not a tokenizer: need encode/decode/vocab_size/bos_id/eos_id"
     )
 
 
-def chat_prompt(tokenizer: Any, messages: Sequence[Mapping[str, str]]) -> str | list[int]:
+def chat_prompt(tokenizer: Any, messages: Sequence[Mapping[str, Any]]) -> str | list[int]:
     """The prompt of a chat: the tokenizer's own `apply_chat_template(messages)` when it has
     one (returning text or ids; None means "no template"), else a plain fallback
     transcript:
@@ -144,3 +83,7 @@ def chat_prompt(tokenizer: Any, messages: Sequence[Mapping[str, str]]) -> str | 
         return [int(i) for i in out]
     parts = [f"<|{m['role']}|>\n{m['content']}\n" for m in messages]
     return "".join(parts) + "<|assistant|>\n"
+
+
+# ByteTokenizer and HFTokenizer are the classes of jaxlearn.text.tokenizers, re-exported.
+__all__ = ["ByteTokenizer", "HFTokenizer", "Tokenizer", "as_tokenizer", "chat_prompt"]

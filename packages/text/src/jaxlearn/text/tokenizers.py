@@ -1,19 +1,25 @@
-"""Tokenizers for the input pipeline: byte-level (default, no files), HF `tokenizers`, and
-SentencePiece.
+"""Tokenizers: byte-level (default, no files), HF `tokenizers` and SentencePiece. One set of
+classes serves the input pipeline and the inference engine, so a model is served with
+exactly the ids it was trained on.
 
 Every tokenizer is a `Configurable` with the same API:
 
-    tok = ByteTokenizer.default_config().instantiate()
-    ids = tok.encode("héllo")          # list[int]
-    tok.decode(ids) == "héllo"
+    tok = ByteTokenizer.default_config().instantiate()   # or ByteTokenizer()
+    ids = tok.encode("héllo")          # list[int], never with BOS/EOS
+    tok.decode(ids) == "héllo"         # BOS/EOS/pad and ids outside the vocabulary dropped
     tok.vocab_size, tok.bos_id, tok.eos_id, tok.pad_id
 
+and the members the engine reads (`jaxlearn.text.protocol.Tokenizer`): `eos_token_ids`
+(every id that ends a generation), `add_bos` (the caller prepends BOS to encoded text),
+`apply_chat_template(messages)` (prompt ids, or None without a template).
 `encode_array(text)` is the pipeline's entry point: the same ids as an int32 numpy array
-`[num_tokens]`. Special tokens are never added by `encode`; the pipeline adds BOS/EOS itself.
+`[num_tokens]`. `HFTokenizer.decode_stream(context)` streams text with
+`tokenizers.decoders.DecodeStream`.
 
 `HFTokenizer` and `SentencePieceTokenizer` import their third-party package lazily, so the
-default pipeline needs neither. A missing or unreadable tokenizer file raises
-`TokenizerError` (a `jaxlearn.text.TextError`) naming the file, when the tokenizer is instantiated.
+default pipeline needs neither. A missing or unreadable tokenizer file, or a special-token
+id outside the vocabulary, raises `TokenizerError` (a `jaxlearn.text.TextError`) naming the
+file and field, when the tokenizer is instantiated.
 """
 
 from __future__ import annotations
@@ -21,35 +27,53 @@ from __future__ import annotations
 import importlib
 import os
 from types import ModuleType
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 import numpy as np
 
 from jaxlearn.config import REQUIRED, Configurable
 from jaxlearn.text.errors import TokenizerError
 
+if TYPE_CHECKING:
+    from jaxlearn.text.chat import ChatTemplate
+
 
 class Tokenizer(Configurable):
-    """Base class: `encode`, `decode`, `vocab_size`, `bos_id`, `eos_id`, `pad_id`."""
+    """Base class: `encode`, `decode`, `vocab_size`, `bos_id`, `eos_id`, `pad_id`, plus the
+    engine's `eos_token_ids`, `add_bos` and `apply_chat_template`.
+
+    `cfg` defaults to `default_config()`, so a tokenizer without required fields can be
+    built as `ByteTokenizer()`.
+    """
 
     class Config(Configurable.Config):
         pass
+
+    add_bos = True  # `encode` never adds BOS; the pipeline and the engine prepend it.
+
+    def __init__(self, cfg: Optional[Configurable.Config] = None, **kwargs: Any):
+        super().__init__(type(self).default_config() if cfg is None else cfg, **kwargs)
 
     @property
     def vocab_size(self) -> int:
         raise NotImplementedError(type(self))
 
     @property
-    def bos_id(self) -> int:
+    def bos_id(self) -> Optional[int]:
         raise NotImplementedError(type(self))
 
     @property
-    def eos_id(self) -> int:
+    def eos_id(self) -> Optional[int]:
         raise NotImplementedError(type(self))
 
     @property
-    def pad_id(self) -> int:
+    def pad_id(self) -> Optional[int]:
         raise NotImplementedError(type(self))
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends a generation: `(eos_id,)` unless a subclass knows more."""
+        return () if self.eos_id is None else (int(self.eos_id),)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, without BOS/EOS."""
@@ -58,6 +82,11 @@ class Tokenizer(Configurable):
     def decode(self, ids: Sequence[int]) -> str:
         """The text of `ids`; BOS/EOS/pad ids are dropped."""
         raise NotImplementedError(type(self))
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> Optional[list[int]]:
+        """Prompt ids of a chat, or None when the tokenizer has no chat template."""
+        del messages
+        return None
 
     def encode_array(self, text: str) -> np.ndarray:
         """`encode(text)` as an int32 array `[num_tokens]`."""
@@ -72,7 +101,11 @@ class Tokenizer(Configurable):
 
 
 class ByteTokenizer(Tokenizer):
-    """UTF-8 bytes: pad=0, bos=1, eos=2, byte b -> b + 3 (vocab_size 259). Needs no files."""
+    """UTF-8 bytes: pad=0, bos=1, eos=2, byte b -> b + 3 (vocab_size 259). Needs no files.
+
+    `decode` drops the special ids and ids outside [3, 259) (a model whose vocabulary is
+    padded past 259, e.g. to 320, has rows for ids that carry no text).
+    """
 
     OFFSET = 3
 
@@ -101,11 +134,8 @@ class ByteTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         arr = np.asarray(ids, dtype=np.int64).reshape(-1)
-        bad = arr[(arr < 0) | (arr >= self.vocab_size)]
-        if bad.size:
-            raise ValueError(f"ByteTokenizer.decode: id {int(bad[0])} is outside [0, 259)")
-        data = (arr[arr >= self.OFFSET] - self.OFFSET).astype(np.uint8).tobytes()
-        return data.decode("utf-8", errors="replace")
+        keep = arr[(arr >= self.OFFSET) & (arr < self.vocab_size)]
+        return (keep - self.OFFSET).astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
 
 def _import(package: str, pip_name: str, user: str) -> ModuleType:
@@ -133,13 +163,57 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
-class HFTokenizer(Tokenizer):
-    """A Hugging Face `tokenizers` file (`tokenizer.json`).
+def check_special_ids(ids: Mapping[str, Any], vocab_size: int, where: str) -> None:
+    """Raises TokenizerError naming `where` and the field when an id in `ids`
+    ({field: id, list of ids, or None}) is not in [0, vocab_size)."""
+    for field, value in ids.items():
+        values = value if isinstance(value, (list, tuple)) else [value]
+        for v in values:
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise TokenizerError(f"{where}: {field}={v!r} is not a token id")
+            if not 0 <= int(v) < vocab_size:
+                raise TokenizerError(
+                    f"{where}: {field}={int(v)} is outside the vocabulary [0, {vocab_size})"
+                )
 
-    BOS/EOS/pad come from `bos_token`/`eos_token`/`pad_token` when set, else from the first
-    common name found in the vocabulary (`<s>`, `</s>`, `<|endoftext|>`, `<pad>`, ...). A
-    tokenizer without a BOS token uses EOS as BOS (the GPT-2 convention); without a pad
-    token, pad is EOS (padding is always masked by `target_weights`).
+
+class _DecodeStream:
+    """Incremental text of one sequence through `tokenizers.decoders.DecodeStream`:
+    `step(id)` returns the text that id completes ("" while a character is incomplete);
+    `flush()` the text of ids still buffered at the end."""
+
+    def __init__(self, owner: "HFTokenizer", context: Sequence[int]):
+        from tokenizers.decoders import DecodeStream
+
+        self._owner = owner
+        self._stream = DecodeStream(ids=[int(i) for i in context], skip_special_tokens=True)
+        self._pending: list[int] = []
+
+    def step(self, token: int) -> str:
+        if int(token) in self._owner.special_ids:
+            return ""
+        self._pending.append(int(token))
+        piece = self._stream.step(self._owner.tokenizer, int(token))
+        if piece is None:
+            return ""
+        self._pending = []
+        return str(piece)
+
+    def flush(self) -> str:
+        rest, self._pending = self._pending, []
+        return self._owner.decode(rest) if rest else ""
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face `tokenizers` file (`tokenizer.json`), or an in-memory
+    `tokenizers.Tokenizer` (`HFTokenizer.from_tokenizer`, as a loaded checkpoint has).
+
+    From a file, BOS/EOS/pad come from `bos_token`/`eos_token`/`pad_token` when set, else
+    from the first common name found in the vocabulary (`<s>`, `</s>`, `<|endoftext|>`,
+    `<pad>`, ...). A tokenizer without a BOS token uses EOS as BOS (the GPT-2 convention);
+    without a pad token, pad is EOS (padding is always masked by `target_weights`).
     """
 
     class Config(Tokenizer.Config):
@@ -152,19 +226,54 @@ class HFTokenizer(Tokenizer):
     _EOS = ("</s>", "<|end_of_text|>", "<|endoftext|>", "<eos>", "<|eot_id|>", "[SEP]")
     _PAD = ("<pad>", "[PAD]", "<|pad|>", "<|padding|>")
 
-    def __init__(self, cfg: Any, **kwargs: Any):
+    def __init__(self, cfg: Optional[Configurable.Config] = None, *, _memory: Any = None,
+                 **kwargs: Any):
         super().__init__(cfg, **kwargs)
+        self._chat: Optional[ChatTemplate] = None
+        if _memory is None:
+            self._load_file()
+        else:
+            self._adopt(**_memory)
+        self.special_ids = frozenset(
+            i for i in (self._bos, self._pad, *self._eos_ids) if i is not None
+        )
+
+    @classmethod
+    def from_tokenizer(
+        cls,
+        tokenizer: Any,
+        *,
+        bos_id: Optional[int] = None,
+        eos_token_ids: Sequence[int] = (),
+        pad_id: Optional[int] = None,
+        chat_template: Optional[ChatTemplate] = None,
+        source: str = "tokenizers.Tokenizer",
+    ) -> "HFTokenizer":
+        """Wraps an in-memory `tokenizers.Tokenizer` (its `config.path` is "").
+
+        Ids not given are found by name as for a file (none found: None; pad falls back
+        to EOS). `add_bos` is True when the tokenizer's post-processor prepends BOS (the
+        engine then prepends it, since `encode` never adds special tokens).
+        `chat_template` renders `apply_chat_template`. Ids outside the vocabulary raise
+        TokenizerError naming `source`.
+        """
+        memory = dict(tokenizer=tokenizer, bos_id=bos_id, eos_token_ids=tuple(eos_token_ids),
+                      pad_id=pad_id, chat_template=chat_template, source=source)
+        return cls(cls.default_config().set(path=""), _memory=memory)
+
+    def _load_file(self) -> None:
         cfg = self.config
         path = _check_file(cfg.path, "HFTokenizer")
         lib = _import("tokenizers", "tokenizers", "HFTokenizer")
         try:
-            self._tok = lib.Tokenizer.from_file(path)
+            self.tokenizer = lib.Tokenizer.from_file(path)
         except Exception as e:  # The Rust side raises its own exception type.
             raise TokenizerError(
                 f"{path}: not a readable tokenizers file: {_one_line(e)}"
             ) from None
-        vocab = self._tok.get_vocab(with_added_tokens=True)
-        self._vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
+        self.source = path
+        self._vocab_size = int(self.tokenizer.get_vocab_size(with_added_tokens=True))
+        vocab = self.tokenizer.get_vocab(with_added_tokens=True)
         eos = self._special(vocab, cfg.eos_token, self._EOS, "eos_token", path)
         if eos is None:
             raise TokenizerError(
@@ -173,10 +282,32 @@ class HFTokenizer(Tokenizer):
             )
         bos = self._special(vocab, cfg.bos_token, self._BOS, "bos_token", path)
         pad = self._special(vocab, cfg.pad_token, self._PAD, "pad_token", path)
-        self._eos: int = eos
-        self._bos = self._eos if bos is None else bos
-        self._pad = self._eos if pad is None else pad
-        self._specials = {self._bos, self._eos, self._pad}
+        self._eos_ids: tuple[int, ...] = (eos,)
+        self._bos: Optional[int] = eos if bos is None else bos
+        self._pad: Optional[int] = eos if pad is None else pad
+
+    def _adopt(self, *, tokenizer: Any, bos_id: Optional[int], eos_token_ids: tuple[int, ...],
+               pad_id: Optional[int], chat_template: Optional[ChatTemplate], source: str) -> None:
+        self.tokenizer, self.source, self._chat = tokenizer, source, chat_template
+        self._vocab_size = int(tokenizer.get_vocab_size(with_added_tokens=True))
+        check_special_ids(
+            {"bos_token_id": bos_id, "eos_token_ids": list(eos_token_ids), "pad_token_id": pad_id},
+            self._vocab_size,
+            source,
+        )
+        vocab = tokenizer.get_vocab(with_added_tokens=True)
+        if not eos_token_ids:
+            eos = self._special(vocab, None, self._EOS, "eos_token", source)
+            eos_token_ids = () if eos is None else (eos,)
+        if bos_id is None:
+            bos_id = self._special(vocab, None, self._BOS, "bos_token", source)
+        if pad_id is None:
+            pad_id = self._special(vocab, None, self._PAD, "pad_token", source)
+        self._eos_ids = tuple(int(t) for t in eos_token_ids)
+        self._bos = None if bos_id is None else int(bos_id)
+        self._pad = self.eos_id if pad_id is None else int(pad_id)
+        probe = tokenizer.encode("a", add_special_tokens=True).ids
+        self.add_bos = self._bos is not None and probe[:1] == [self._bos]
 
     @staticmethod
     def _special(
@@ -196,23 +327,39 @@ class HFTokenizer(Tokenizer):
         return self._vocab_size
 
     @property
-    def bos_id(self) -> int:
+    def bos_id(self) -> Optional[int]:
         return self._bos
 
     @property
-    def eos_id(self) -> int:
-        return self._eos
+    def eos_id(self) -> Optional[int]:
+        return self._eos_ids[0] if self._eos_ids else None
 
     @property
-    def pad_id(self) -> int:
+    def pad_id(self) -> Optional[int]:
         return self._pad
 
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._eos_ids
+
     def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+        return [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False).ids]
 
     def decode(self, ids: Sequence[int]) -> str:
-        keep = [int(i) for i in ids if int(i) not in self._specials]
-        return str(self._tok.decode(keep, skip_special_tokens=True))
+        keep = [int(i) for i in ids if int(i) not in self.special_ids]
+        return str(self.tokenizer.decode(keep, skip_special_tokens=True))
+
+    def decode_stream(self, context: Sequence[int]) -> _DecodeStream:
+        """A stream decoding the ids that follow `context` (e.g. the prompt's last ids)."""
+        return _DecodeStream(self, context)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> Optional[list[int]]:
+        """Ids of the rendered chat (generation prompt added; the template writes its own
+        special tokens, so none are added), as HF `apply_chat_template(tokenize=True)`."""
+        if self._chat is None:
+            return None
+        text = self._chat.render([dict(m) for m in messages], add_generation_prompt=True)
+        return [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False).ids]
 
 
 class SentencePieceTokenizer(Tokenizer):
@@ -222,7 +369,7 @@ class SentencePieceTokenizer(Tokenizer):
     class Config(Tokenizer.Config):
         path: str = REQUIRED
 
-    def __init__(self, cfg: Any, **kwargs: Any):
+    def __init__(self, cfg: Optional[Configurable.Config] = None, **kwargs: Any):
         super().__init__(cfg, **kwargs)
         path = _check_file(self.config.path, "SentencePieceTokenizer")
         lib = _import("sentencepiece", "sentencepiece", "SentencePieceTokenizer")
@@ -261,7 +408,9 @@ class SentencePieceTokenizer(Tokenizer):
         return [int(i) for i in self._sp.encode(text)]
 
     def decode(self, ids: Sequence[int]) -> str:
-        return str(self._sp.decode([int(i) for i in ids if int(i) not in self._specials]))
+        n = self.vocab_size
+        keep = [int(i) for i in ids if int(i) not in self._specials and 0 <= int(i) < n]
+        return str(self._sp.decode(keep))
 
 
 __all__ = [
@@ -270,4 +419,5 @@ __all__ = [
     "SentencePieceTokenizer",
     "Tokenizer",
     "TokenizerError",
+    "check_special_ids",
 ]
