@@ -90,7 +90,8 @@ def add_parsers(sub: Any) -> None:
 
 def engine_config(args: argparse.Namespace, **fields: Any) -> Any:
     """The `Engine.Config` of the command line: defaults, then `fields` (command-specific
-    settings), then the flags that were given, then `--engine_set` overrides."""
+    settings), then the flags that were given, then `--engine_set` overrides. A model_name
+    left at its default becomes the name of --model's file or directory."""
     from jaxlearn.cli.main import UsageError
     from jaxlearn.config import ConfigError, apply_overrides
     from jaxlearn.inference import Engine
@@ -102,6 +103,9 @@ def engine_config(args: argparse.Namespace, **fields: Any) -> Any:
         cfg.set(**{k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None})
         apply_overrides(cfg, args.engine_set)
         check_settings(cfg)
+        if cfg.model_name == Engine.default_config().model_name:
+            p = Path(args.model)
+            cfg.model_name = (p.stem if p.is_file() else p.name) or cfg.model_name
     except (ConfigError, ValueError) as e:
         raise UsageError(f"engine config: {e}") from None
     return cfg
@@ -250,17 +254,13 @@ def run_config(path: Path, root: Path, experiment: Optional[str],
 
 def load_model(path: str, engine_cfg: Any, *, experiment: Optional[str] = None,
                overrides: Sequence[str] = (), dtype: Optional[str] = None) -> Any:
-    """An `Engine` with `engine_cfg` for PATH (see module docstring). A model_name left
-    at its default becomes PATH's name."""
+    """An `Engine` with `engine_cfg` for PATH (see module docstring)."""
     from jaxlearn.cli.main import UsageError
     from jaxlearn.inference import Engine
 
     p = Path(path)
     if not p.exists():
         raise UsageError(f"--model {path}: no such file or directory")
-    engine_cfg = engine_cfg.clone()
-    if engine_cfg.model_name == Engine.default_config().model_name:
-        engine_cfg.model_name = (p.stem if p.is_file() else p.name) or "jaxlearn"
     location = checkpoint_location(p)
     if location is not None:
         root, step = location
@@ -289,10 +289,13 @@ def load_model(path: str, engine_cfg: Any, *, experiment: Optional[str] = None,
 
 def print_config(args: argparse.Namespace, engine_cfg: Any) -> int:
     """`--print_config`: the engine config and, for a jaxlearn run, its model config."""
+    from jaxlearn.cli.main import UsageError
     from jaxlearn.config import to_flat_text
 
-    sys.stdout.write(engine_text(engine_cfg))
     p = Path(args.model)
+    if not p.exists():
+        raise UsageError(f"--model {args.model}: no such file or directory")
+    sys.stdout.write(engine_text(engine_cfg))
     location = checkpoint_location(p)
     if location is not None:
         cfg, source = run_config(p, location[0], args.experiment, args.overrides)
