@@ -90,7 +90,7 @@ def test_generate_from_run_dir_restores_the_recorded_model(run, capsys):
 
 @pytest.mark.parametrize("change,argv,message", [
     (dict(experiment="gone-llama"), [], "unknown experiment 'gone-llama'"),
-    (dict(experiment=None), [], "the run record names no experiment"),
+    (dict(experiment=None), [], "the run record names no experiment and no experiment has"),
     (dict(overrides=OVERRIDES[:1]), [],
      "now builds a different model than the run recorded (model.decoder.transformer.layer."
      "feed_forward.hidden_dim: recorded 96, now 352; 1 line(s) differ)"),
@@ -109,18 +109,37 @@ def test_bad_run_records_are_one_line_errors(run, tmp_path, capsys, change, argv
     assert message in err[0], err
 
 
+def test_record_without_experiment_takes_experiment_flag(run, tmp_path, capsys):
+    """A run built through the Python API records no experiment: --experiment names it,
+    and the rebuilt model must still match the recorded text."""
+    out, record, _ = run
+    other = tmp_path / "api-run"
+    other.mkdir()
+    (other / "checkpoints").symlink_to(out / "checkpoints", target_is_directory=True)
+    dataclasses.replace(record, experiment=None).write(other)
+    argv = ["serve", "--model", str(other), "--print_config", "--experiment"]
+    assert main([*argv, "tiny-llama"]) == 0
+    std = capsys.readouterr()
+    assert _model_lines(std.out) == _model_lines(record.config_text)
+    assert "model config from the run record: experiment 'tiny-llama'" in std.err
+    assert main([*argv, "tiny-moe"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "experiment 'tiny-moe' now builds a different model" in err[0]
+
+
 def test_checkpoint_without_record_is_a_labelled_guess(tmp_path, capsys):
     text = to_flat_text(final_config("tiny-llama", None, []))
     _checkpoint(tmp_path / "plain" / "checkpoints", {"step": np.int32(5)}, text)
     assert main(["serve", "--model", str(tmp_path / "plain"), "--print_config"]) == 0
     std = capsys.readouterr()
-    assert "a guess: no run record (run.json), and experiment 'tiny-llama'" in std.err
+    assert "a guess: no run record (run.json), and experiment 'tiny-llama' has its model" \
+        in std.err
     assert _model_lines(std.out) == _model_lines(text)
     changed = to_flat_text(final_config("tiny-llama", None, OVERRIDES))
     _checkpoint(tmp_path / "odd", {"step": np.int32(5)}, changed)
     assert main(["serve", "--model", str(tmp_path / "odd"), "--print_config"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "no run record (run.json) and no experiment has" in err[0], err
+    assert len(err) == 1 and "no run record (run.json) and no experiment has its" in err[0], err
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -174,20 +174,23 @@ def model_difference(recorded: str, rebuilt: str) -> Optional[str]:
 
 
 def config_from_record(record: Any, where: str, experiment: Optional[str],
-                       overrides: Sequence[str]) -> Any:
-    """The trainer config a run record describes (`final_config` of its experiment, mesh
-    selector and overrides), checked against its recorded text on the `model.` lines,
-    with `overrides` applied after the check. UsageError (one line) when it cannot be."""
+                       overrides: Sequence[str]) -> tuple[Any, str]:
+    """(trainer config, where it came from) of a run record: `final_config` of its
+    experiment, mesh selector and overrides, checked against the recorded text on the
+    `model.` lines, with `overrides` applied after the check. A record that names no
+    experiment (a run built through the Python API) takes `experiment`, or else the
+    experiment whose model config matches its text, labelled a guess. UsageError (one
+    line) when the record's config cannot be rebuilt."""
     from jaxlearn.cli.main import UsageError, final_config
     from jaxlearn.config import ConfigError, apply_overrides, to_flat_text
 
-    name = record.experiment
-    if name is None:
-        raise UsageError(f"--model {where}: the run record names no experiment, so its config "
-                         f"cannot be rebuilt")
-    if experiment is not None and experiment != name:
+    if record.experiment is None and experiment is None:
+        return guess_config(record.config_text, overrides, where,
+                            "the run record names no experiment")
+    if record.experiment is not None and experiment not in (None, record.experiment):
         raise UsageError(f"--experiment {experiment}: the run record of {where} says the run "
-                         f"is experiment {name!r}")
+                         f"is experiment {record.experiment!r}")
+    name: str = record.experiment or experiment or ""
     try:
         cfg = final_config(name, record.mesh_selector, record.overrides)
     except UsageError as e:
@@ -202,37 +205,35 @@ def config_from_record(record: Any, where: str, experiment: Optional[str],
         apply_overrides(cfg, overrides)
     except ConfigError as e:
         raise UsageError(f"--set: {e}") from None
-    return cfg
+    return cfg, (f"the run record: experiment {name!r}, mesh_selector "
+                 f"{record.mesh_selector}, overrides {list(record.overrides)}")
 
 
-def _guess_config(root: Path, overrides: Sequence[str]) -> tuple[Any, str]:
-    """The experiment whose model config matches the one saved with the newest step."""
-    from jaxlearn.checkpoint import Checkpointer
+def guess_config(saved: str, overrides: Sequence[str], where: str,
+                 why: str) -> tuple[Any, str]:
+    """The experiment whose model config matches the flat text `saved` (`same_model`),
+    with `overrides`; the description says it is a guess and `why`."""
     from jaxlearn.cli.main import UsageError, final_config
     from jaxlearn.config import to_flat_text
     from jaxlearn.experiments import EXPERIMENTS
 
-    with Checkpointer.default_config().set(directory=str(root)).instantiate() as ckpt:
-        step = ckpt.latest_step()
-        saved = ckpt.read_metadata(step).config_text if step is not None else None
-    if not saved:
-        raise UsageError(f"--model {root}: no run record (run.json) and no config saved with "
-                         f"the checkpoint; pass --experiment NAME")
     for name in sorted(EXPERIMENTS):
         try:
             cfg = final_config(name, None, overrides)
         except UsageError:  # E.g. an override that only some experiments have.
             continue
         if same_model(saved, to_flat_text(cfg)):
-            return cfg, (f"a guess: no run record (run.json), and experiment {name!r} has the "
-                         f"model config saved with the checkpoint")
-    raise UsageError(f"--model {root}: no run record (run.json) and no experiment has the "
-                     f"checkpoint's model config; pass --experiment NAME (and --set overrides)")
+            return cfg, f"a guess: {why}, and experiment {name!r} has its model config"
+    raise UsageError(f"--model {where}: {why} and no experiment has its model config; pass "
+                     f"--experiment NAME (and --set overrides)")
 
 
 def run_config(path: Path, root: Path, experiment: Optional[str],
                overrides: Sequence[str]) -> tuple[Any, str]:
-    """(trainer config, where it came from) of the jaxlearn run at `path`."""
+    """(trainer config, where it came from) of the jaxlearn run at `path`: from its run
+    record (`path`'s own, else the newest step's), else `--experiment`, else a guess from
+    the config text saved with the newest checkpoint."""
+    from jaxlearn.checkpoint import Checkpointer
     from jaxlearn.cli.main import UsageError, final_config
     from jaxlearn.runtime.record import RunRecordError, find_run_record
 
@@ -244,12 +245,16 @@ def run_config(path: Path, root: Path, experiment: Optional[str],
     except RunRecordError as e:
         raise UsageError(str(e)) from None
     if record is not None:
-        cfg = config_from_record(record, str(path), experiment, overrides)
-        return cfg, (f"the run record: experiment {record.experiment!r}, mesh_selector "
-                     f"{record.mesh_selector}, overrides {list(record.overrides)}")
+        return config_from_record(record, str(path), experiment, overrides)
     if experiment is not None:
         return final_config(experiment, None, overrides), f"--experiment {experiment}"
-    return _guess_config(root, overrides)
+    with Checkpointer.default_config().set(directory=str(root)).instantiate() as ckpt:
+        step = ckpt.latest_step()
+        saved = ckpt.read_metadata(step).config_text if step is not None else None
+    if not saved:
+        raise UsageError(f"--model {path}: no run record (run.json) and no config saved with "
+                         f"the checkpoint; pass --experiment NAME")
+    return guess_config(saved, overrides, str(path), "no run record (run.json)")
 
 
 def load_model(path: str, engine_cfg: Any, *, experiment: Optional[str] = None,
