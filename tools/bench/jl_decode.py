@@ -19,31 +19,6 @@ from common import emit, log, med, model_cfg, rnd
 from decode_common import continuous_workload
 
 
-class IdTokenizer:
-    """Token ids in, token ids out: the model's whole vocabulary, no BOS/EOS."""
-
-    def __init__(self, vocab: int):
-        self._vocab = vocab
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab
-
-    @property
-    def bos_id(self) -> None:
-        return None
-
-    @property
-    def eos_id(self) -> None:
-        return None
-
-    def encode(self, text: str) -> list[int]:
-        return [int(t) for t in text.split()]
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return ""
-
-
 def build_engine(c: dict[str, Any], dtype: str, *, max_batch: int, max_seq_len: int,
                  decode_burst: int) -> Any:
     import jax
@@ -59,9 +34,11 @@ def build_engine(c: dict[str, Any], dtype: str, *, max_batch: int, max_seq_len: 
         jax.random.PRNGKey(0))
     if dtype == "bf16":
         params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
-    return Engine(cfg, params, IdTokenizer(c["vocab"]), max_seq_len=max_seq_len,
-                  max_batch=max_batch, prefill_chunk=256, decode_burst=decode_burst,
-                  max_queue=4096)
+    # No tokenizer: token ids in and out over the model's whole vocabulary, no BOS/EOS.
+    settings = Engine.default_config().set(max_seq_len=max_seq_len, max_batch=max_batch,
+                                           prefill_chunk=256, decode_burst=decode_burst,
+                                           max_queue=4096)
+    return settings.instantiate(model_cfg=cfg, params=params, tokenizer=None)
 
 
 def generate(engine: Any, prompts: list[list[int]], new_tokens: Sequence[int]) -> float:

@@ -34,9 +34,10 @@ def build(args, *, max_batch, decode_burst):
     cfg = llama_config(args.vocab, args.dim, args.layers, args.heads, args.kv_heads, args.ffn,
                        rope_theta=10000.0, stack=args.stack, dtype=args.dtype)
     params = cfg.instantiate().initialize_parameters_recursively(jax.random.PRNGKey(0))
-    return Engine(cfg, params, None, max_seq_len=args.max_seq_len, max_batch=max_batch,
-                  prefill_chunk=args.prefill_chunk, decode_burst=decode_burst,
-                  max_queue=1024)
+    settings = Engine.default_config().set(max_seq_len=args.max_seq_len, max_batch=max_batch,
+                                           prefill_chunk=args.prefill_chunk,
+                                           decode_burst=decode_burst, max_queue=1024)
+    return settings.instantiate(model_cfg=cfg, params=params, tokenizer=None)
 
 
 def prompt(rng, n, vocab):

@@ -63,13 +63,19 @@ def params(cfg):
     return tiny_params(cfg)
 
 
+def make_engine(model_cfg, params, tokenizer, **settings):
+    """An Engine with `settings` as its `Engine.Config` fields."""
+    from jaxlearn.inference import Engine
+
+    return Engine.default_config().set(**settings).instantiate(
+        model_cfg=model_cfg, params=params, tokenizer=tokenizer)
+
+
 @pytest.fixture(scope="session")
 def engine(cfg, params, tok):
     """Shared engine: 4 slots of 64 tokens, prefill chunks of 16, decode bursts of 4."""
-    from jaxlearn.inference import Engine
-
-    return Engine(cfg, params, tok, max_seq_len=64, max_batch=4, prefill_chunk=16,
-                  decode_burst=4, max_queue=8, model_name="tiny")
+    return make_engine(cfg, params, tok, max_seq_len=64, max_batch=4, prefill_chunk=16,
+                       decode_burst=4, max_queue=8, model_name="tiny")
 
 
 def prompt_pool(n: int = 8, length: int = 60, seed: int = 0) -> list[list[int]]:

@@ -4,7 +4,7 @@ seeds, streaming, checkpoint restore (also onto a mesh)."""
 import jax
 import numpy as np
 import pytest
-from conftest import prompt_pool, reference_greedy
+from conftest import make_engine, prompt_pool, reference_greedy
 
 from jaxlearn.inference import Engine, RequestError
 from jaxlearn.module import functional
@@ -71,7 +71,7 @@ def test_small_pool_preempts_and_recomputes_with_identical_tokens(cfg, params, t
     """A pool of 80 tokens (5 pages of 16) for 4 slots of up to 64 tokens: requests hold
     pages by their live length, the youngest is preempted when the pool runs out, and
     every request still gets exactly the tokens it gets alone (greedy and seeded)."""
-    small = Engine(
+    small = make_engine(
         cfg,
         params,
         tok,
@@ -106,12 +106,13 @@ def test_small_pool_preempts_and_recomputes_with_identical_tokens(cfg, params, t
 
 
 def test_pool_must_hold_one_full_request(cfg, params, tok):
-    with pytest.raises(ValueError, match="kv_cache_tokens"):
-        Engine(cfg, params, tok, max_seq_len=64, max_batch=2, kv_cache_tokens=48)
+    with pytest.raises(ValueError, match="kv_cache_tokens=48: cannot hold one request"):
+        make_engine(cfg, params, tok, max_seq_len=64, max_batch=2, kv_cache_tokens=48)
 
 
 def test_prefill_chunk_size_does_not_change_greedy(cfg, params, tok, engine):
-    other = Engine(cfg, params, tok, max_seq_len=64, max_batch=1, prefill_chunk=64, decode_burst=1)
+    other = make_engine(cfg, params, tok, max_seq_len=64, max_batch=1, prefill_chunk=64,
+                        decode_burst=1)
     prompt = POOL[2][:37]
     a = other.generate(prompt, max_new_tokens=8, ignore_eos=True).tokens
     assert a == engine.generate(prompt, max_new_tokens=8, ignore_eos=True).tokens
@@ -229,19 +230,21 @@ def test_logits_shape_and_padding_invariance(engine):
 
 def test_from_checkpoint_restores_params_also_onto_a_mesh(tmp_path, cfg, params, tok, engine):
     from jaxlearn.checkpoint import Checkpointer
-    from jaxlearn.mesh import make_mesh
 
     ckpt = Checkpointer.default_config().set(directory=str(tmp_path / "checkpoints"))
     with ckpt.instantiate() as c:
         c.save(7, {"params": params, "step": np.int32(7)})
         c.wait_until_finished()
     kw = dict(max_seq_len=64, max_batch=2, prefill_chunk=16, decode_burst=1)
-    restored = Engine.from_checkpoint(tmp_path, cfg, tok, **kw)
+    restored = Engine.from_checkpoint(tmp_path, cfg, tok,
+                                      engine_cfg=Engine.default_config().set(**kw))
     ids = np.asarray([POOL[0][:16]])
     want = engine.logits(ids)
     np.testing.assert_array_equal(restored.logits(ids), want)
-    mesh = make_mesh((1, 2, 4), ("data", "fsdp", "model"), jax.devices()[:8])
-    sharded = Engine.from_checkpoint(tmp_path / "checkpoints", cfg, tok, mesh=mesh, step=7, **kw)
+    mesh_cfg = Engine.default_config().set(mesh_shape=(1, 2, 4), **kw)
+    sharded = Engine.from_checkpoint(tmp_path / "checkpoints", cfg, tok, step=7,
+                                     engine_cfg=mesh_cfg)
+    assert dict(sharded.mesh.shape) == {"data": 1, "fsdp": 2, "model": 4}
     q = sharded.runner.params["decoder"]["transformer"]["layer"]["self_attention"]["q_proj"]
     assert len(q.sharding.device_set) == 8
     np.testing.assert_allclose(sharded.logits(ids), want, atol=1e-5)
@@ -253,7 +256,7 @@ def test_bf16_engine(tok):
     from conftest import tiny_config, tiny_params
 
     cfg16 = tiny_config(dtype="bfloat16")
-    eng = Engine(
+    eng = make_engine(
         cfg16,
         tiny_params(cfg16),
         tok,
@@ -288,7 +291,8 @@ def test_hf_tokenizers_object_and_loaded_bundle(cfg, params, engine):
             "encode_chat": None,
         },
     )()
-    eng = Engine(cfg, params, bundle, max_seq_len=64, max_batch=1, prefill_chunk=16, decode_burst=4)
+    eng = make_engine(cfg, params, bundle, max_seq_len=64, max_batch=1, prefill_chunk=16,
+                      decode_burst=4)
     tok = eng.tokenizer
     assert tok.encode("w5 w6 w7") == [5, 6, 7] and tok.eos_token_ids == (2,) and not eng.add_bos
     res = eng.generate("w5 w6 w7", max_new_tokens=6, ignore_eos=True)
@@ -299,8 +303,8 @@ def test_hf_tokenizers_object_and_loaded_bundle(cfg, params, engine):
 
 
 def test_fused_projections_engine_generates_the_same_tokens(cfg, params, tok, engine):
-    fused = Engine(cfg, params, tok, max_seq_len=64, max_batch=2, prefill_chunk=16,
-                   decode_burst=4, fuse_projections=True)
+    fused = make_engine(cfg, params, tok, max_seq_len=64, max_batch=2, prefill_chunk=16,
+                        decode_burst=4, fuse_projections=True)
     p = fused.runner.params["decoder"]["transformer"]["layer"]
     assert "qkv_proj" in p["self_attention"] and "wi_fused" in p["feed_forward"]
     for prompt in (POOL[0][:9], POOL[1][:30]):

@@ -5,7 +5,7 @@ is bounded."""
 import functools
 
 import pytest
-from conftest import prompt_pool
+from conftest import make_engine, prompt_pool
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -70,9 +70,7 @@ def test_continuous_batching_equals_alone(engine, reqs):
 @pytest.fixture(scope="module")
 def small_pool_engine(cfg, params, tok):
     """4 slots of up to 64 tokens over a pool of 96 tokens (6 pages of 16)."""
-    from jaxlearn.inference import Engine
-
-    return Engine(
+    return make_engine(
         cfg,
         params,
         tok,
@@ -180,9 +178,8 @@ def test_long_prompt_prefill_interleaves_with_decode(engine):
 @pytest.fixture(scope="module")
 def long_engine(cfg, params, tok):
     """256-token slots: calls see 64-, 128- or 256-position windows of the cache."""
-    from jaxlearn.inference import Engine
-
-    return Engine(cfg, params, tok, max_seq_len=256, max_batch=3, prefill_chunk=32, decode_burst=4)
+    return make_engine(cfg, params, tok, max_seq_len=256, max_batch=3, prefill_chunk=32,
+                       decode_burst=4)
 
 
 LONG = prompt_pool(n=3, length=250, seed=5)

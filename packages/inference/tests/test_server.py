@@ -263,3 +263,23 @@ def test_fuzz_request_bodies_never_5xx(server, engine, path, raw):
     if status == 200 and not out.startswith(b"data: "):
         assert json.loads(out)["choices"]
     assert wait_until(lambda: engine.scheduler.num_running == 0)
+
+
+def test_engine_without_tokenizer_refuses_text_and_chat(cfg, params):
+    """Token ids only: a text prompt or a chat is a 400 naming the missing tokenizer."""
+    from conftest import make_engine
+
+    engine = make_engine(cfg, params, None, max_seq_len=32, max_batch=1, prefill_chunk=16)
+    srv = InferenceServer(engine, port=0).start()
+    try:
+        for path, body, param in [
+            ("/v1/completions", {"prompt": "hello", "max_tokens": 2}, "prompt"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]},
+             "messages"),
+        ]:
+            status, out, _ = call(srv, "POST", path, body)
+            err = json.loads(out)["error"]
+            assert status == 400 and err["param"] == param and "no" in err["message"]
+            assert "tokenizer" in err["message"], err
+    finally:
+        srv.shutdown()

@@ -4,7 +4,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from jaxlearn.text.detokenize import OutputState
-from jaxlearn.text.protocol import ByteTokenizer
+from jaxlearn.text.tokenizers import ByteTokenizer
 
 BIG = 10**6
 

@@ -1,15 +1,24 @@
 """`jaxlearn serve` and `jaxlearn generate`.
 
     jaxlearn serve --model PATH [--host 127.0.0.1] [--port 8000] [--max_batch 8]
+                   [--engine_set decode_burst=4 ...] [--print_config]
     jaxlearn generate --model PATH --prompt TEXT [--chat] [--max_new_tokens 128]
                       [--temperature 0] [--top_k 0] [--top_p 1] [--seed N]
 
+The serving settings are the fields of `Engine.Config`: the flags (`--max_seq_len`,
+`--max_batch`, ...) and `--engine_set PATH=VALUE` set them, the rest keep their defaults.
+Both commands print the engine config (`engine.` lines, the flat text form) at start;
+`--print_config` prints it, with the model config of a jaxlearn run, and exits.
+
 PATH is resolved by `load_model`:
-- a jaxlearn checkpoint (a Checkpointer directory with `step_*/`, or a training
-  output_dir with `checkpoints/`): the model config comes from `--experiment` (or, when
-  omitted, from the experiment whose model config equals the one saved with the
-  checkpoint) plus `--set` overrides, the tokenizer from that experiment's input, and the
-  params from `jaxlearn.checkpoint` (Engine.from_checkpoint);
+- a jaxlearn run (a training output_dir, its `checkpoints/` directory or one `step_*`
+  directory): the model config is rebuilt from the run's record (`run.json`, see
+  `jaxlearn.runtime.record`): experiment + mesh selector + overrides, checked against the
+  recorded flat text on every `model.` line, then `--set` overrides on top; the
+  tokenizer is the recorded config's `input.tokenizer`, the params come from
+  `jaxlearn.checkpoint` (Engine.from_checkpoint). A checkpoint without a record takes
+  its config from `--experiment`, or else from a guess: the experiment whose model
+  config matches the one saved with the checkpoint (a warning says so);
 - anything else (an HF model directory, a `.gguf` file) goes to
   `jaxlearn.interop.load_pretrained`, with its tokenizer and chat template.
 """
@@ -17,28 +26,43 @@ PATH is resolved by `load_model`:
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+# Flags that set `Engine.Config` fields of the same name (None: the field's default).
+ENGINE_FLAGS = ("max_seq_len", "max_batch", "prefill_chunk", "kv_cache_tokens", "page_size")
+_STEP_DIR = re.compile(r"step_(\d+)")
+
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, metavar="PATH",
-                   help="jaxlearn checkpoint dir, HF model dir, or .gguf file")
+                   help="jaxlearn run dir (or its checkpoints/ or a step_* dir), HF model "
+                        "dir, or .gguf file")
     p.add_argument("--experiment", default=None,
-                   help="recipe of a jaxlearn checkpoint (default: inferred from it)")
+                   help="recipe of a jaxlearn checkpoint that has no run record")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
-                   help="override a field of the experiment config (jaxlearn checkpoints)")
+                   help="override a field of the run's config (jaxlearn runs), e.g. "
+                        "--set model.dtype='bfloat16'")
     p.add_argument("--dtype", default=None, help="compute dtype, e.g. bfloat16 (HF / GGUF)")
-    p.add_argument("--max_seq_len", type=int, default=2048, help="prompt + generated tokens")
-    p.add_argument("--max_batch", type=int, default=8, help="most requests running at once")
-    p.add_argument("--prefill_chunk", type=int, default=256, help="prompt tokens per chunk")
+    p.add_argument("--max_seq_len", type=int, default=None,
+                   help="prompt + generated tokens (default 2048)")
+    p.add_argument("--max_batch", type=int, default=None,
+                   help="most requests running at once (default 8)")
+    p.add_argument("--prefill_chunk", type=int, default=None,
+                   help="prompt tokens per chunk (default 256)")
     p.add_argument("--kv_cache_tokens", type=int, default=None,
                    help="tokens the paged KV pool holds, all requests together (default "
                         "max_batch x max_seq_len; smaller pools preempt the youngest request "
                         "when live tokens exceed them)")
-    p.add_argument("--page_size", type=int, default=16, help="tokens per KV page")
+    p.add_argument("--page_size", type=int, default=None, help="tokens per KV page (default 16)")
+    p.add_argument("--engine_set", action="append", default=[], metavar="PATH=VALUE",
+                   help="set an Engine.Config field, e.g. --engine_set decode_burst=4 "
+                        "(repeatable; see the printed engine config)")
+    p.add_argument("--print_config", action="store_true",
+                   help="print the engine config (and a jaxlearn run's model config), exit")
 
 
 def add_parsers(sub: Any) -> None:
@@ -47,7 +71,8 @@ def add_parsers(sub: Any) -> None:
     _model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: localhost)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max_queue", type=int, default=64, help="waiting requests before 429")
+    p.add_argument("--max_queue", type=int, default=None,
+                   help="waiting requests before 429 (default 64)")
     p.add_argument("--served_model_name", default=None, help="the `model` name clients use")
 
     p = sub.add_parser("generate", help="generate from a prompt, streaming to stdout")
@@ -63,11 +88,57 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
-def _checkpoint_root(path: Path) -> Optional[Path]:
+def engine_config(args: argparse.Namespace, **fields: Any) -> Any:
+    """The `Engine.Config` of the command line: defaults, then `fields` (command-specific
+    settings), then the flags that were given, then `--engine_set` overrides. A model_name
+    left at its default becomes the name of --model's file or directory."""
+    from jaxlearn.cli.main import UsageError
+    from jaxlearn.config import ConfigError, apply_overrides
+    from jaxlearn.inference import Engine
+    from jaxlearn.inference.engine import check_settings
+
+    cfg = Engine.default_config()
+    try:
+        cfg.set(**fields)
+        cfg.set(**{k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None})
+        apply_overrides(cfg, args.engine_set)
+        check_settings(cfg)
+        if cfg.model_name == Engine.default_config().model_name:
+            p = Path(args.model)
+            cfg.model_name = (p.stem if p.is_file() else p.name) or cfg.model_name
+    except (ConfigError, ValueError) as e:
+        raise UsageError(f"engine config: {e}") from None
+    return cfg
+
+
+def engine_text(engine_cfg: Any) -> str:
+    """The engine config as `engine.`-prefixed flat text lines."""
+    from jaxlearn.config import to_flat_text
+
+    return "".join(f"engine.{line}\n" for line in to_flat_text(engine_cfg).splitlines())
+
+
+# ---- jaxlearn runs ---------------------------------------------------------------------
+
+
+def checkpoint_location(path: Path) -> Optional[tuple[Path, Optional[int]]]:
+    """(Checkpointer directory, step or None for the newest) of a run dir, a checkpoints
+    dir or one step dir; None when `path` holds no jaxlearn checkpoint."""
+    if not path.is_dir():
+        return None
+    match = _STEP_DIR.fullmatch(path.name)
+    if match:
+        return path.parent, int(match.group(1))
     for root in (path, path / "checkpoints"):
-        if root.is_dir() and any(p.is_dir() for p in root.glob("step_*")):
-            return root
+        if root.is_dir() and any(_STEP_DIR.fullmatch(p.name) for p in root.glob("step_*")):
+            return root, None
     return None
+
+
+def _newest_step_dir(root: Path) -> Optional[Path]:
+    steps = [(int(m.group(1)), p) for p in root.glob("step_*")
+             if (m := _STEP_DIR.fullmatch(p.name))]
+    return max(steps)[1] if steps else None
 
 
 def _model_lines(flat_text: str) -> list[str]:
@@ -78,57 +149,133 @@ def same_model(saved_text: str, flat_text: str) -> bool:
     """Whether a checkpoint's saved config text and an experiment's flat text describe the
     same model: every saved `model.` line is in the experiment's, and the experiment's other
     lines are fields the saved text does not have at all (fields added to the layers since
-    the checkpoint was written, e.g. `fused_qkv`, which keep their defaults)."""
+    the checkpoint was written, e.g. `fused_qkv`, which keep their defaults). Only used
+    for checkpoints without a run record, where the match is a guess."""
     saved, have = set(_model_lines(saved_text)), set(_model_lines(flat_text))
     saved_keys = {line.split(": ", 1)[0] for line in saved}
     extra = have - saved
     return saved <= have and not any(line.split(": ", 1)[0] in saved_keys for line in extra)
 
 
-def _experiment_config(root: Path, experiment: Optional[str], overrides: Sequence[str]) -> Any:
-    """The trainer config of a checkpoint: --experiment, or the experiment whose model
-    config equals the one saved with the newest step."""
-    from jaxlearn.checkpoint import Checkpointer
+def model_difference(recorded: str, rebuilt: str) -> Optional[str]:
+    """None when both flat texts have the same `model.` lines, else the first difference
+    and how many lines differ, e.g. "model.decoder.dim: recorded 128, now 64; 1 line"."""
+    def split(text: str) -> dict[str, str]:
+        return dict(line.split(": ", 1) for line in _model_lines(text))
+
+    a, b = split(recorded), split(rebuilt)
+    keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    if not keys:
+        return None
+    k = keys[0]
+    what = (f"recorded {a[k]}, now {b[k]}" if k in a and k in b
+            else "only in the record" if k in a else "not in the record")
+    return f"{k}: {what}; {len(keys)} line(s) differ"
+
+
+def config_from_record(record: Any, where: str, experiment: Optional[str],
+                       overrides: Sequence[str]) -> tuple[Any, str]:
+    """(trainer config, where it came from) of a run record: `final_config` of its
+    experiment, mesh selector and overrides, checked against the recorded text on the
+    `model.` lines, with `overrides` applied after the check. A record that names no
+    experiment (a run built through the Python API) takes `experiment`, or else the
+    experiment whose model config matches its text, labelled a guess. UsageError (one
+    line) when the record's config cannot be rebuilt."""
+    from jaxlearn.cli.main import UsageError, final_config
+    from jaxlearn.config import ConfigError, apply_overrides, to_flat_text
+
+    if record.experiment is None and experiment is None:
+        return guess_config(record.config_text, overrides, where,
+                            "the run record names no experiment")
+    if record.experiment is not None and experiment not in (None, record.experiment):
+        raise UsageError(f"--experiment {experiment}: the run record of {where} says the run "
+                         f"is experiment {record.experiment!r}")
+    name: str = record.experiment or experiment or ""
+    try:
+        cfg = final_config(name, record.mesh_selector, record.overrides)
+    except UsageError as e:
+        raise UsageError(f"--model {where}: cannot rebuild the recorded experiment {name!r} "
+                         f"(mesh_selector {record.mesh_selector}, overrides "
+                         f"{list(record.overrides)}): {e}") from None
+    diff = model_difference(record.config_text, to_flat_text(cfg))
+    if diff is not None:
+        raise UsageError(f"--model {where}: experiment {name!r} now builds a different model "
+                         f"than the run recorded ({diff})")
+    try:
+        apply_overrides(cfg, overrides)
+    except ConfigError as e:
+        raise UsageError(f"--set: {e}") from None
+    return cfg, (f"the run record: experiment {name!r}, mesh_selector "
+                 f"{record.mesh_selector}, overrides {list(record.overrides)}")
+
+
+def guess_config(saved: str, overrides: Sequence[str], where: str,
+                 why: str) -> tuple[Any, str]:
+    """The experiment whose model config matches the flat text `saved` (`same_model`),
+    with `overrides`; the description says it is a guess and `why`."""
     from jaxlearn.cli.main import UsageError, final_config
     from jaxlearn.config import to_flat_text
     from jaxlearn.experiments import EXPERIMENTS
 
-    if experiment is not None:
-        return final_config(experiment, None, overrides)
-    with Checkpointer.default_config().set(directory=str(root)).instantiate() as ckpt:
-        step = ckpt.latest_step()
-        saved = ckpt.read_metadata(step).config_text if step is not None else None
-    if not saved:
-        raise UsageError(f"--model {root}: no config saved with the checkpoint; pass "
-                         f"--experiment NAME")
     for name in sorted(EXPERIMENTS):
         try:
             cfg = final_config(name, None, overrides)
         except UsageError:  # E.g. an override that only some experiments have.
             continue
         if same_model(saved, to_flat_text(cfg)):
-            return cfg
-    raise UsageError(f"--model {root}: no experiment has the checkpoint's model config; pass "
+            return cfg, f"a guess: {why}, and experiment {name!r} has its model config"
+    raise UsageError(f"--model {where}: {why} and no experiment has its model config; pass "
                      f"--experiment NAME (and --set overrides)")
 
 
-def load_model(path: str, *, experiment: Optional[str] = None, overrides: Sequence[str] = (),
-               dtype: Optional[str] = None, **engine_kwargs: Any) -> Any:
-    """An `Engine` for PATH (see module docstring); engine_kwargs go to `Engine`."""
+def run_config(path: Path, root: Path, experiment: Optional[str],
+               overrides: Sequence[str]) -> tuple[Any, str]:
+    """(trainer config, where it came from) of the jaxlearn run at `path`: from its run
+    record (`path`'s own, else the newest step's), else `--experiment`, else a guess from
+    the config text saved with the newest checkpoint."""
+    from jaxlearn.checkpoint import Checkpointer
+    from jaxlearn.cli.main import UsageError, final_config
+    from jaxlearn.runtime.record import RunRecordError, find_run_record
+
+    newest = _newest_step_dir(root)
+    try:
+        record = find_run_record(path)
+        if record is None and newest is not None and newest != path:
+            record = find_run_record(newest)
+    except RunRecordError as e:
+        raise UsageError(str(e)) from None
+    if record is not None:
+        return config_from_record(record, str(path), experiment, overrides)
+    if experiment is not None:
+        return final_config(experiment, None, overrides), f"--experiment {experiment}"
+    with Checkpointer.default_config().set(directory=str(root)).instantiate() as ckpt:
+        step = ckpt.latest_step()
+        saved = ckpt.read_metadata(step).config_text if step is not None else None
+    if not saved:
+        raise UsageError(f"--model {path}: no run record (run.json) and no config saved with "
+                         f"the checkpoint; pass --experiment NAME")
+    return guess_config(saved, overrides, str(path), "no run record (run.json)")
+
+
+def load_model(path: str, engine_cfg: Any, *, experiment: Optional[str] = None,
+               overrides: Sequence[str] = (), dtype: Optional[str] = None) -> Any:
+    """An `Engine` with `engine_cfg` for PATH (see module docstring)."""
     from jaxlearn.cli.main import UsageError
-    from jaxlearn.inference import ByteTokenizer, Engine
+    from jaxlearn.inference import Engine
 
     p = Path(path)
     if not p.exists():
         raise UsageError(f"--model {path}: no such file or directory")
-    root = _checkpoint_root(p) if p.is_dir() else None
-    if root is not None:
-        cfg = _experiment_config(root, experiment, overrides)
-        tokenizer: Any = ByteTokenizer()
+    location = checkpoint_location(p)
+    if location is not None:
+        root, step = location
+        cfg, source = run_config(p, root, experiment, overrides)
+        print(f"jaxlearn: model config from {source}", file=sys.stderr)
+        tokenizer = None
         if getattr(cfg, "input", None) is not None and "tokenizer" in cfg.input:
             tokenizer = cfg.input.tokenizer.instantiate()
-        engine_kwargs.setdefault("model_name", p.name or "jaxlearn")
-        return Engine.from_checkpoint(root, cfg.model, tokenizer, **engine_kwargs)
+        return Engine.from_checkpoint(root, cfg.model, tokenizer, step=step,
+                                      engine_cfg=engine_cfg)
     try:
         from jaxlearn.interop import InteropError, load_pretrained
     except ImportError:
@@ -140,41 +287,65 @@ def load_model(path: str, *, experiment: Optional[str] = None, overrides: Sequen
         raise UsageError(str(e)) from None
     if loaded.tokenizer is None:
         raise UsageError(f"--model {path}: the checkpoint has no tokenizer")
-    engine_kwargs.setdefault("model_name", p.stem if p.is_file() else p.name)
     # The LoadedModel is its own tokenizer bundle (tokenizer, EOS ids, chat template).
-    return Engine(loaded.config, loaded.params, loaded, **engine_kwargs)
+    return engine_cfg.instantiate(model_cfg=loaded.config, params=loaded.params,
+                                  tokenizer=loaded)
 
 
-def _engine(args: argparse.Namespace, **extra: Any) -> Any:
+def print_config(args: argparse.Namespace, engine_cfg: Any) -> int:
+    """`--print_config`: the engine config and, for a jaxlearn run, its model config."""
+    from jaxlearn.cli.main import UsageError
+    from jaxlearn.config import to_flat_text
+
+    p = Path(args.model)
+    if not p.exists():
+        raise UsageError(f"--model {args.model}: no such file or directory")
+    sys.stdout.write(engine_text(engine_cfg))
+    location = checkpoint_location(p)
+    if location is not None:
+        cfg, source = run_config(p, location[0], args.experiment, args.overrides)
+        print(f"jaxlearn: model config from {source}", file=sys.stderr)
+        sys.stdout.write("".join(f"{line}\n" for line in to_flat_text(cfg).splitlines()
+                                 if line.startswith(("model.", "input.tokenizer."))))
+    return 0
+
+
+def _engine(args: argparse.Namespace, engine_cfg: Any) -> Any:
     from jaxlearn.cli.main import UsageError
     from jaxlearn.inference import RequestError
 
     t0 = time.monotonic()
     try:
-        engine = load_model(args.model, experiment=args.experiment, overrides=args.overrides,
-                            dtype=args.dtype, max_seq_len=args.max_seq_len,
-                            max_batch=args.max_batch, prefill_chunk=args.prefill_chunk,
-                            kv_cache_tokens=args.kv_cache_tokens, page_size=args.page_size,
-                            **extra)
+        engine = load_model(args.model, engine_cfg, experiment=args.experiment,
+                            overrides=args.overrides, dtype=args.dtype)
     except (ValueError, RequestError, OSError) as e:
         raise UsageError(f"--model {args.model}: {e}") from None
+    sys.stderr.write(engine_text(engine.config))  # The one block of serving settings.
     r = engine.runner
     print(f"jaxlearn: loaded {args.model} in {time.monotonic() - t0:.1f}s (vocab "
           f"{engine.vocab_size}, up to {engine.max_batch} requests x {engine.max_seq_len} "
           f"tokens; KV pool {(r.num_pages - 1) * r.page_size} tokens = "
-          f"{r.cache_bytes() / 2**20:.0f} MiB)", file=sys.stderr)
+          f"{r.cache_bytes() / 2**20:.0f} MiB"
+          f"{'; no tokenizer: token ids only' if engine.tokenizer is None else ''})",
+          file=sys.stderr)
     return engine
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from jaxlearn.inference.server import InferenceServer
 
-    extra: dict[str, Any] = {"max_queue": args.max_queue}
+    fields: dict[str, Any] = {}
+    if args.max_queue is not None:
+        fields["max_queue"] = args.max_queue
     if args.served_model_name:
-        extra["model_name"] = args.served_model_name
-    engine = _engine(args, **extra)
+        fields["model_name"] = args.served_model_name
+    engine_cfg = engine_config(args, **fields)
+    if args.print_config:
+        return print_config(args, engine_cfg)
+    engine = _engine(args, engine_cfg)
     t0 = time.monotonic()
-    engine.generate([engine.tokenizer.bos_id or 0, 3], max_new_tokens=2)  # Compile.
+    bos = engine.tokenizer.bos_id if engine.tokenizer is not None else None
+    engine.generate([bos or 0, 3], max_new_tokens=2)  # Compile.
     print(f"jaxlearn: warmed up in {time.monotonic() - t0:.1f}s", file=sys.stderr)
     server = InferenceServer(engine, args.host, args.port)
     host, port = server.address
@@ -191,7 +362,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from jaxlearn.cli.main import UsageError
     from jaxlearn.inference import RequestError, chat_prompt
 
-    engine = _engine(args, max_queue=1)
+    engine_cfg = engine_config(args, max_queue=1)
+    if args.print_config:
+        return print_config(args, engine_cfg)
+    engine = _engine(args, engine_cfg)
+    if engine.tokenizer is None:
+        raise UsageError(f"--model {args.model}: the model has no tokenizer, so a text "
+                         f"--prompt cannot be encoded")
     prompt: Any = args.prompt
     if args.chat:
         prompt = chat_prompt(engine.tokenizer, [{"role": "user", "content": args.prompt}])
@@ -215,7 +392,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(f"jaxlearn: {n} tokens in {dt:.2f}s ({n / max(dt, 1e-9):.1f} tok/s, first one "
           f"includes compilation), finish_reason={reason}", file=sys.stderr)
     return 0
-
 
 
 COMMANDS = {"serve": cmd_serve, "generate": cmd_generate}

@@ -1,6 +1,8 @@
 """`Engine`: the Python API of inference on the training layers.
 
-    engine = Engine(model_cfg, params, tokenizer, max_seq_len=512, max_batch=8)
+    engine = Engine.default_config().set(max_seq_len=512, max_batch=8).instantiate(
+        model_cfg=model_cfg, params=params, tokenizer=tokenizer)
+    to_flat_text(engine.config)                       # every serving setting, one per line
     engine.logits([[1, 5, 7]])                        # [batch, seq, vocab] float32
     out = engine.generate("Once upon", max_new_tokens=32, temperature=0.7, top_p=0.9,
                           seed=1, stop=["\\n\\n"])   # GenerationResult
@@ -11,8 +13,9 @@
 its parameter tree (as `initialize_parameters_recursively` returns it, or restored by
 `Engine.from_checkpoint`, or converted by `jaxlearn.interop`); `tokenizer` any object of
 the `Tokenizer` protocol, a `tokenizers.Tokenizer`, or interop's `LoadedModel` itself
-(see `as_tokenizer`). Everything runs through the
-continuous-batching `Scheduler`; `generate` with a list of prompts batches them.
+(see `as_tokenizer`), or None for an engine of token ids only (see `Engine`). Everything
+runs through the continuous-batching `Scheduler`; `generate` with a list of prompts
+batches them.
 
 While `start()`ed (the server does this), one background thread steps the scheduler and
 `generate`/`stream` from other threads just enqueue and wait; otherwise they step the
@@ -26,23 +29,28 @@ import logging
 import queue
 import threading
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, Iterator, Optional, Sequence, Union, cast
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from jaxlearn import layers
-from jaxlearn.config import REQUIRED
+from jaxlearn.config import REQUIRED, Configurable
 from jaxlearn.inference.errors import InferenceError, QueueFullError, RequestError
 from jaxlearn.inference.metrics import Metrics
 from jaxlearn.inference.runner import ModelRunner, next_pow2
 from jaxlearn.inference.sampling import SamplingParams
 from jaxlearn.inference.scheduler import Request, Scheduler
-from jaxlearn.mesh import DEFAULT_AXIS_RULES, logical_to_partition_spec, merge_axis_rules
+from jaxlearn.mesh import (
+    DEFAULT_AXIS_RULES,
+    logical_to_partition_spec,
+    make_mesh,
+    merge_axis_rules,
+)
 from jaxlearn.module import Module, is_spec
 from jaxlearn.text.detokenize import Delta
-from jaxlearn.text.protocol import ByteTokenizer, as_tokenizer
+from jaxlearn.text.protocol import as_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -94,120 +102,175 @@ def _is_prompt_list(prompt: Any) -> bool:
     )
 
 
-class Engine:
-    """A model, its params, a tokenizer, a paged KV cache and a continuous-batching
-    scheduler.
+def check_settings(cfg: Any) -> int:
+    """Validates an `Engine.Config`; returns the KV pool size in tokens. Each error names
+    the field and its value."""
+    for name, low in (("max_seq_len", 2), ("max_batch", 1), ("prefill_chunk", 1),
+                      ("decode_burst", 1), ("max_queue", 1)):
+        if getattr(cfg, name) < low:
+            raise ValueError(f"Engine.Config.{name}={getattr(cfg, name)}: must be >= {low}")
+    ps = cfg.page_size
+    if ps < 1 or ps & (ps - 1) or ps > 64:
+        raise ValueError(f"Engine.Config.page_size={ps}: must be a power of two <= 64")
+    if cfg.fuse_projections and cfg.mesh_shape is not None:
+        raise ValueError(f"Engine.Config.fuse_projections=True needs mesh_shape=None (one "
+                         f"device), got mesh_shape={cfg.mesh_shape}")
+    max_len = -(-cfg.max_seq_len // ps) * ps
+    tokens = cfg.max_batch * max_len if cfg.kv_cache_tokens is None else cfg.kv_cache_tokens
+    if tokens < max_len:
+        raise ValueError(f"Engine.Config.kv_cache_tokens={tokens}: cannot hold one request of "
+                         f"max_seq_len={cfg.max_seq_len} tokens")
+    return int(tokens)
 
-    mesh: optional `jax.sharding.Mesh`; params are placed per their logical axes and
-        `axis_rules` (default INFERENCE_AXIS_RULES: the training rules with the batch
-        replicated); the KV cache is replicated.
-    max_seq_len: prompt + generated tokens per request.
-    max_batch: most requests running at once.
-    page_size: tokens per KV page (power of two <= 64).
-    fuse_projections: serve with fused q/k/v and gate/up projections (one matmul each;
-        `jaxlearn.layers.fuse_projections`; mesh=None only: the fused axes are not
-        sharded). Off by default: on the 2-core dev CPU it made f32 batch-1 decode ~5%
-        faster but bf16 batch-1 ~8% slower (XLA's bf16 GEMV), batch 16 within noise.
-    kv_cache_tokens: tokens the KV pool holds, all requests together (default max_batch x
-        max_seq_len: nobody is ever preempted). Smaller pools serve the same max_batch as
-        long as the live tokens fit, and preempt (recompute) the youngest request when
-        they do not; it must hold at least one max_seq_len request.
-    prefill_chunk: prompt tokens per prefill chunk (power of two; clipped to max_seq_len).
-    decode_burst: most decode steps fused into one jit call when nobody waits.
-    max_queue: most requests waiting for a slot (beyond it: QueueFullError / HTTP 429).
-    add_bos: prepend BOS to text prompts (None: the tokenizer's `add_bos` attribute if it
-        has one, else whether it has a BOS id).
+
+def build_mesh(cfg: Any) -> Optional[Mesh]:
+    """The mesh of an `Engine.Config` (None: one device)."""
+    if cfg.mesh_shape is None:
+        return None
+    try:
+        return make_mesh(cfg.mesh_shape, cfg.mesh_axis_names)
+    except ValueError as e:
+        raise ValueError(f"Engine.Config.mesh_shape={cfg.mesh_shape} with mesh_axis_names="
+                         f"{cfg.mesh_axis_names}: {e}") from None
+
+
+def param_shardings(model: Module, mesh: Mesh, axis_rules: Any) -> Any:
+    """NamedSharding per parameter of `model` from its logical axes and `axis_rules`."""
+    specs = model.create_parameter_specs_recursively()
+    return jax.tree.map(
+        lambda s: NamedSharding(
+            mesh, logical_to_partition_spec(s.mesh_axes, axis_rules, mesh, shape=s.shape)
+        ),
+        specs,
+        is_leaf=is_spec,
+    )
+
+
+def _axis_rules(cfg: Any) -> Any:
+    return tuple(cfg.axis_rules) if cfg.axis_rules is not None else INFERENCE_AXIS_RULES
+
+
+def _resolve_add_bos(add_bos: Optional[bool], tokenizer: Any) -> bool:
+    if add_bos is not None:
+        return add_bos
+    if tokenizer is None:
+        return False
+    attr = getattr(tokenizer, "add_bos", None)
+    return bool(attr) if attr is not None else tokenizer.bos_id is not None
+
+
+class Engine(Configurable):
+    """A model, its params, a tokenizer, a paged KV cache and a continuous-batching
+    scheduler, configured by `Engine.Config` (every field prints in the flat text form:
+    `to_flat_text(engine.config)`).
+
+        engine = Engine.default_config().set(max_seq_len=512, max_batch=8).instantiate(
+            model_cfg=llama_config(...), params=params, tokenizer=tok)
+
+    model_cfg: a `CausalLM` config; params: its parameter tree; tokenizer: a `Tokenizer`,
+    a `tokenizers.Tokenizer` or interop's `LoadedModel` (`as_tokenizer`), or None: then
+    the engine serves token ids only (prompts and stops as ids, `text` always "", the
+    whole model vocabulary sampled) and refuses text prompts and stop strings with a
+    RequestError naming the missing tokenizer.
     """
 
-    def __init__(
-        self,
-        model_cfg: Any,
-        params: Any,
-        tokenizer: Any = None,
-        *,
-        mesh: Optional[Mesh] = None,
-        axis_rules: Any = None,
-        max_seq_len: int = 2048,
-        max_batch: int = 8,
-        prefill_chunk: int = 256,
-        decode_burst: int = 8,
-        max_queue: int = 64,
-        add_bos: Optional[bool] = None,
-        model_name: str = "jaxlearn",
-        page_size: int = 16,
-        kv_cache_tokens: Optional[int] = None,
-        fuse_projections: bool = False,
-    ):
-        if max_seq_len < 2 or max_batch < 1 or prefill_chunk < 1:
-            raise ValueError(
-                f"Engine: need max_seq_len >= 2, max_batch >= 1, prefill_chunk >= 1; got "
-                f"{max_seq_len}, {max_batch}, {prefill_chunk}"
-            )
+    class Config(Configurable.Config):
+        """Serving settings.
+
+        max_seq_len: prompt + generated tokens per request.
+        max_batch: most requests running at once.
+        prefill_chunk: prompt tokens per prefill chunk (rounded up to a power of two and
+            clipped to max_seq_len).
+        decode_burst: most decode steps fused into one jit call when nobody waits.
+        max_queue: most requests waiting for a slot (beyond it: QueueFullError / 429).
+        page_size: tokens per KV page (power of two <= 64).
+        kv_cache_tokens: tokens the KV pool holds, all requests together (None: max_batch
+            x max_seq_len, nobody is ever preempted). Smaller pools serve the same
+            max_batch as long as the live tokens fit and preempt (recompute) the youngest
+            request when they do not; it must hold one max_seq_len request.
+        add_bos: prepend BOS to text prompts (None: the tokenizer's `add_bos` attribute if
+            it has one, else whether it has a BOS id).
+        model_name: the name clients use (`model` in the HTTP API).
+        fuse_projections: serve with fused q/k/v and gate/up projections (one matmul each,
+            `jaxlearn.layers.fuse_projections`; one device only). Off by default: on the
+            2-core dev CPU it made f32 batch-1 decode ~5% faster but bf16 batch-1 ~8%
+            slower (XLA's bf16 GEMV), batch 16 within noise.
+        mesh_shape: None serves on one device; else the mesh over all devices (one -1
+            entry allowed), with `mesh_axis_names`. Params are placed by their logical
+            axes through `axis_rules` (None: INFERENCE_AXIS_RULES, the training rules
+            with batch and seq replicated); the KV cache is replicated.
+        """
+
+        max_seq_len: int = 2048
+        max_batch: int = 8
+        prefill_chunk: int = 256
+        decode_burst: int = 8
+        max_queue: int = 64
+        page_size: int = 16
+        kv_cache_tokens: Optional[int] = None
+        add_bos: Optional[bool] = None
+        model_name: str = "jaxlearn"
+        fuse_projections: bool = False
+        mesh_shape: Optional[tuple[int, ...]] = None
+        mesh_axis_names: tuple[str, ...] = ("data", "fsdp", "model")
+        axis_rules: Optional[tuple[tuple[str, Any], ...]] = None
+
+    def __init__(self, cfg: "Engine.Config", *, model_cfg: Any, params: Any,
+                 tokenizer: Any = None):
+        super().__init__(cfg)
+        cfg = self.config
+        pool_tokens = check_settings(cfg)
         if getattr(model_cfg, "name", None) is REQUIRED:
             model_cfg = model_cfg.clone(name="model")
-        if fuse_projections:
-            if mesh is not None:
-                raise ValueError("Engine: fuse_projections needs mesh=None (one device)")
+        if cfg.fuse_projections:
             model_cfg, params = layers.fuse_projections(model_cfg, params)
         self.model_cfg = model_cfg
         self.model: Module = model_cfg.instantiate()
-        self.tokenizer = as_tokenizer(tokenizer) if tokenizer is not None else ByteTokenizer()
-        self.model_name = model_name
-        self.max_seq_len = max_seq_len
-        self.max_batch = max_batch
-        self.mesh = mesh
-        self.axis_rules = axis_rules if axis_rules is not None else INFERENCE_AXIS_RULES
+        self.tokenizer = as_tokenizer(tokenizer) if tokenizer is not None else None
+        self.model_name = cfg.model_name
+        self.max_seq_len = cfg.max_seq_len
+        self.max_batch = cfg.max_batch
+        self.axis_rules = _axis_rules(cfg)
+        self.mesh = build_mesh(cfg)
         spec_fn = None
-        if mesh is not None:
-            params = jax.device_put(params, self.param_shardings(mesh))
-            spec_fn = _SpecFn(self.axis_rules, mesh)
+        if self.mesh is not None:
+            params = jax.device_put(params, self.param_shardings(self.mesh))
+            spec_fn = _SpecFn(self.axis_rules, self.mesh)
         else:  # Host (numpy) params would be copied to the device on every call.
             params = jax.device_put(params)
-        chunk = min(next_pow2(prefill_chunk), next_pow2(max_seq_len))
-        if page_size < 1 or page_size & (page_size - 1) or page_size > 64:
-            raise ValueError(f"Engine: page_size={page_size} must be a power of two <= 64")
-        max_len = -(-max_seq_len // page_size) * page_size
-        tokens = max_batch * max_len if kv_cache_tokens is None else int(kv_cache_tokens)
-        if tokens < max_len:
-            raise ValueError(
-                f"Engine: kv_cache_tokens={tokens} cannot hold one request of "
-                f"max_seq_len={max_seq_len} tokens"
-            )
-        vocab = int(
+        self.vocab_size = int(
             jax.eval_shape(
                 lambda p: self.model_logits_fn(p, np.zeros((1, 1), np.int32)), params
             ).shape[-1]
         )
-        self.vocab_size = vocab
-        tok_vocab = int(getattr(self.tokenizer, "vocab_size", vocab) or vocab)
+        # Without a tokenizer every id of the model's vocabulary may be sampled.
+        tok_vocab = getattr(self.tokenizer, "vocab_size", None) or self.vocab_size
+        max_len = -(-cfg.max_seq_len // cfg.page_size) * cfg.page_size
         # (A one-row bf16 decode needs no padding here: `layers.dense` pads m=1 GEMVs.)
         self.runner = ModelRunner(
             self.model,
             params,
-            num_slots=max_batch,
-            num_pages=-(-tokens // page_size) + 1,  # + page 0, which nobody owns.
-            page_size=page_size,
+            num_slots=cfg.max_batch,
+            num_pages=-(-pool_tokens // cfg.page_size) + 1,  # + page 0, which nobody owns.
+            page_size=cfg.page_size,
             max_len=max_len,
-            vocab_size=vocab,
-            vocab_limit=min(tok_vocab, vocab),
-            mesh=mesh,
+            vocab_size=self.vocab_size,
+            vocab_limit=min(int(tok_vocab), self.vocab_size),
+            mesh=self.mesh,
             spec_fn=spec_fn,
         )
         self.metrics = Metrics()
         self.scheduler = Scheduler(
             self.runner,
             self.tokenizer,
-            max_batch=max_batch,
-            max_seq_len=max_seq_len,
-            prefill_chunk=chunk,
-            decode_burst=decode_burst,
-            max_queue=max_queue,
+            max_batch=cfg.max_batch,
+            max_seq_len=cfg.max_seq_len,
+            prefill_chunk=min(next_pow2(cfg.prefill_chunk), next_pow2(cfg.max_seq_len)),
+            decode_burst=cfg.decode_burst,
+            max_queue=cfg.max_queue,
             metrics=self.metrics,
         )
-        if add_bos is None:
-            attr = getattr(self.tokenizer, "add_bos", None)
-            add_bos = bool(attr) if attr is not None else self.tokenizer.bos_id is not None
-        self.add_bos = add_bos
+        self.add_bos = _resolve_add_bos(cfg.add_bos, self.tokenizer)
         self._thread: Optional[threading.Thread] = None
         self._stopping = threading.Event()
 
@@ -223,14 +286,7 @@ class Engine:
 
     def param_shardings(self, mesh: Mesh) -> Any:
         """NamedSharding per parameter from its logical axes and `axis_rules`."""
-        specs = self.model.create_parameter_specs_recursively()
-        return jax.tree.map(
-            lambda s: NamedSharding(
-                mesh, logical_to_partition_spec(s.mesh_axes, self.axis_rules, mesh, shape=s.shape)
-            ),
-            specs,
-            is_leaf=is_spec,
-        )
+        return param_shardings(self.model, mesh, self.axis_rules)
 
     @classmethod
     def from_checkpoint(
@@ -241,18 +297,19 @@ class Engine:
         *,
         step: Optional[int] = None,
         use_ema: bool = False,
-        mesh: Optional[Mesh] = None,
-        **kwargs: Any,
+        engine_cfg: Optional["Engine.Config"] = None,
     ) -> "Engine":
         """An engine on the params of a jaxlearn checkpoint (`jaxlearn.checkpoint`).
 
         directory: a Checkpointer directory (holding `step_*/`) or a training output_dir
         (holding `checkpoints/`). step: default the newest step that verifies. Only the
         params (or, with use_ema, the EMA params) are read, directly into the shardings of
-        `mesh` (any mesh, whatever the training mesh was). Other kwargs go to `Engine`.
+        the engine's mesh (`engine_cfg.mesh_shape`, whatever the training mesh was).
+        engine_cfg: default `cls.default_config()`.
         """
         from jaxlearn.checkpoint import Checkpointer, CheckpointNotFoundError
 
+        engine_cfg = engine_cfg if engine_cfg is not None else cls.default_config()
         root = Path(directory)
         if not any(root.glob("step_*")) and (root / "checkpoints").is_dir():
             root = root / "checkpoints"
@@ -260,10 +317,9 @@ class Engine:
             model_cfg = model_cfg.clone(name="model")
         model = model_cfg.instantiate()
         shapes = jax.eval_shape(model.initialize_parameters_recursively, jax.random.key(0))
+        mesh = build_mesh(engine_cfg)
         if mesh is not None:
-            probe = cls.__new__(cls)
-            probe.model, probe.axis_rules = model, kwargs.get("axis_rules") or INFERENCE_AXIS_RULES
-            shardings = probe.param_shardings(mesh)
+            shardings = param_shardings(model, mesh, _axis_rules(engine_cfg))
             shapes = jax.tree.map(
                 lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings
             )
@@ -280,13 +336,18 @@ class Engine:
         finally:
             ckpt.close()
         log.info("restored %s of step %d from %s", key, step, root)
-        return cls(model_cfg, tree[key], tokenizer, mesh=mesh, **kwargs)
+        return cast(Engine, engine_cfg.instantiate(model_cfg=model_cfg, params=tree[key],
+                                                   tokenizer=tokenizer))
 
     # ---- prompts ------------------------------------------------------------------------
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Text -> ids (BOS prepended when `add_bos`); ids are returned unchanged."""
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError(
+                    "this engine has no tokenizer (built with tokenizer=None): send the "
+                    "prompt as a list of token ids", param="prompt")
             ids = list(self.tokenizer.encode(prompt))
             bos = self.tokenizer.bos_id
             if self.add_bos and bos is not None and (not ids or ids[0] != bos):

@@ -82,6 +82,13 @@ def eos_ids(tokenizer: Any) -> set[int]:
     return out
 
 
+class _NoText:
+    """The detokenizer of an engine without a tokenizer: every token decodes to ""."""
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return ""
+
+
 @dataclasses.dataclass(eq=False)
 class Request:
     """One generation request and its progress (owned by the scheduler once submitted)."""
@@ -116,6 +123,8 @@ class Scheduler:
     """Slots, pages, queue and the step loop (see module docstring).
 
     runner: the `ModelRunner` (its seen-mask has >= max_batch slots; its pool the pages).
+    tokenizer: decodes outputs and gives the EOS ids; None: token ids only (no EOS, text
+        always "", stop strings refused).
     max_seq_len: prompt + generated tokens per request (<= runner.max_len).
     prefill_chunk: most tokens of one prompt per prefill call, a power of two.
     decode_burst: most fused decode steps per step() (1 disables fusing).
@@ -215,11 +224,15 @@ class Scheduler:
                 f"max_seq_len={self.max_seq_len} tokens in all (prompt + at least 1 generated)",
                 param="prompt",
             )
+        if self.tokenizer is None and params.stop:
+            raise RequestError(
+                f"stop strings {list(params.stop)!r} need a tokenizer and this engine has "
+                f"none: use stop token ids", param="stop")
         stops = set(params.stop_token_ids)
         if not params.ignore_eos:
             stops |= eos_ids(self.tokenizer)
         output = OutputState(
-            self.tokenizer,
+            self.tokenizer if self.tokenizer is not None else _NoText(),
             ids,
             max_new_tokens=params.max_new_tokens,
             stop=params.stop,

@@ -290,6 +290,10 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             if parsed.kind == "chat":
                 assert parsed.messages is not None
+                if eng.tokenizer is None:
+                    raise RequestError("chat needs a tokenizer and this engine has none: use "
+                                       "/v1/completions with a prompt of token ids",
+                                       param="messages")
                 try:
                     prompt: Any = chat_prompt(eng.tokenizer, parsed.messages)
                 except Exception as e:  # Templates reject some conversations (roles...).

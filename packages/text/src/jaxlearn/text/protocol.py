@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
 from jaxlearn.text.errors import TokenizerError
-from jaxlearn.text.tokenizers import ByteTokenizer, HFTokenizer
+from jaxlearn.text.tokenizers import HFTokenizer
 from jaxlearn.text.tokenizers import Tokenizer as _TokenizerBase
 
 
@@ -85,5 +85,4 @@ def chat_prompt(tokenizer: Any, messages: Sequence[Mapping[str, Any]]) -> str | 
     return "".join(parts) + "<|assistant|>\n"
 
 
-# ByteTokenizer and HFTokenizer are the classes of jaxlearn.text.tokenizers, re-exported.
-__all__ = ["ByteTokenizer", "HFTokenizer", "Tokenizer", "as_tokenizer", "chat_prompt"]
+__all__ = ["Tokenizer", "as_tokenizer", "chat_prompt"]

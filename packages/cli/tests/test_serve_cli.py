@@ -1,0 +1,154 @@
+"""`jaxlearn serve` / `generate` on a jaxlearn run (in-process `main([...])`): the model is
+rebuilt from the run record, the engine config is printed, bad records are one-line
+errors, a checkpoint without a record falls back to a labelled guess."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from jaxlearn.checkpoint import Checkpointer
+from jaxlearn.cli.main import final_config, main
+from jaxlearn.config import to_flat_text
+from jaxlearn.runtime.record import RunRecord
+
+# A one-layer tiny-llama with a narrower FFN: no experiment has this model without the
+# recorded overrides, so only the record can rebuild it.
+OVERRIDES = ("model.decoder.transformer.num_layers=1",
+             "model.decoder.transformer.layer.feed_forward.hidden_dim=96")
+SMALL = ["--max_seq_len", "32", "--max_batch", "1", "--prefill_chunk", "16"]
+
+
+def _model_lines(text):
+    return [line for line in text.splitlines() if line.startswith("model.")]
+
+
+def _checkpoint(directory, state, config_text):
+    with Checkpointer.default_config().set(directory=str(directory)).instantiate() as c:
+        c.save(5, state, config_text=config_text)
+        c.wait_until_finished()
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A run dir: checkpoints/step_00000005 with random params and run.json."""
+    out = tmp_path_factory.mktemp("runs") / "tiny-run"
+    cfg = final_config("tiny-llama", "cpu-8", OVERRIDES)
+    text = to_flat_text(cfg)
+    model = cfg.model.clone(name="model").instantiate()
+    params = model.initialize_parameters_recursively(jax.random.PRNGKey(4))
+    _checkpoint(out / "checkpoints", {"params": params, "step": np.int32(5)}, text)
+    record = RunRecord("tiny-llama", "cpu-8", OVERRIDES, text)
+    record.write(out)
+    return out, record, params
+
+
+@pytest.mark.parametrize("where", ["", "checkpoints", "checkpoints/step_00000005"])
+def test_print_config_shows_engine_and_recorded_model(run, capsys, where):
+    out, record, _ = run
+    path = out / where if where else out
+    assert main(["serve", "--model", str(path), "--print_config", "--max_batch", "3",
+                 "--engine_set", "decode_burst=2", "--engine_set", "page_size=8"]) == 0
+    std = capsys.readouterr()
+    lines = std.out.splitlines()
+    assert {"engine.max_batch: 3", "engine.decode_burst: 2", "engine.page_size: 8",
+            "engine.max_seq_len: 2048", "engine.klass: jaxlearn.inference.engine.Engine",
+            f"engine.model_name: {path.name!r}"} <= set(lines)
+    assert _model_lines(std.out) == _model_lines(record.config_text)
+    assert "model.decoder.transformer.num_layers: 1" in lines
+    assert "input.tokenizer.klass: jaxlearn.text.tokenizers.ByteTokenizer" in lines
+    assert "model config from the run record: experiment 'tiny-llama'" in std.err
+
+
+def test_generate_from_run_dir_restores_the_recorded_model(run, capsys):
+    from jaxlearn.cli.main import build_parser
+    from jaxlearn.cli.serve_cmd import engine_config, load_model
+
+    out, record, params = run
+    argv = ["generate", "--model", str(out), "--prompt", "Once upon", "--max_new_tokens", "6",
+            *SMALL]
+    assert main(argv) == 0
+    std = capsys.readouterr()
+    # One block of engine settings on stderr, the continuation on stdout.
+    block = [line for line in std.err.splitlines() if line.startswith("engine.")]
+    assert "engine.max_seq_len: 32" in block and "engine.max_queue: 1" in block
+    assert len(block) == len(to_flat_text(engine_config(build_parser().parse_args(argv),
+                                                        max_queue=1)).splitlines())
+    args = build_parser().parse_args(argv)
+    engine = load_model(str(out), engine_config(args, max_queue=1))
+    served = [f"model.{line}" for line in to_flat_text(engine.model_cfg).splitlines()
+              if not line.startswith("name:")]
+    assert served == [line for line in _model_lines(record.config_text)
+                      if not line.startswith("model.name:")]
+    jax.tree.map(np.testing.assert_array_equal, engine.runner.params, params)
+    assert type(engine.tokenizer).__name__ == "ByteTokenizer"
+    want = engine.generate("Once upon", max_new_tokens=6)
+    assert std.out == want.text + "\n"
+    assert len(want.tokens) == 6 or want.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("change,argv,message", [
+    (dict(experiment="gone-llama"), [], "unknown experiment 'gone-llama'"),
+    (dict(experiment=None), [], "the run record names no experiment and no experiment has"),
+    (dict(overrides=OVERRIDES[:1]), [],
+     "now builds a different model than the run recorded (model.decoder.transformer.layer."
+     "feed_forward.hidden_dim: recorded 96, now 352; 1 line(s) differ)"),
+    ({}, ["--experiment", "tiny-moe"], "the run record of"),
+    ({}, ["--set", "model.decoder.dimm=3"], "--set: "),
+])
+def test_bad_run_records_are_one_line_errors(run, tmp_path, capsys, change, argv, message):
+    out, record, _ = run
+    other = tmp_path / "other-run"
+    other.mkdir()
+    (other / "checkpoints").symlink_to(out / "checkpoints", target_is_directory=True)
+    dataclasses.replace(record, **change).write(other)
+    rc = main(["generate", "--model", str(other), "--prompt", "x", *SMALL, *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("jaxlearn: error:"), err
+    assert message in err[0], err
+
+
+def test_record_without_experiment_takes_experiment_flag(run, tmp_path, capsys):
+    """A run built through the Python API records no experiment: --experiment names it,
+    and the rebuilt model must still match the recorded text."""
+    out, record, _ = run
+    other = tmp_path / "api-run"
+    other.mkdir()
+    (other / "checkpoints").symlink_to(out / "checkpoints", target_is_directory=True)
+    dataclasses.replace(record, experiment=None).write(other)
+    argv = ["serve", "--model", str(other), "--print_config", "--experiment"]
+    assert main([*argv, "tiny-llama"]) == 0
+    std = capsys.readouterr()
+    assert _model_lines(std.out) == _model_lines(record.config_text)
+    assert "model config from the run record: experiment 'tiny-llama'" in std.err
+    assert main([*argv, "tiny-moe"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "experiment 'tiny-moe' now builds a different model" in err[0]
+
+
+def test_checkpoint_without_record_is_a_labelled_guess(tmp_path, capsys):
+    text = to_flat_text(final_config("tiny-llama", None, []))
+    _checkpoint(tmp_path / "plain" / "checkpoints", {"step": np.int32(5)}, text)
+    assert main(["serve", "--model", str(tmp_path / "plain"), "--print_config"]) == 0
+    std = capsys.readouterr()
+    assert "a guess: no run record (run.json), and experiment 'tiny-llama' has its model" \
+        in std.err
+    assert _model_lines(std.out) == _model_lines(text)
+    changed = to_flat_text(final_config("tiny-llama", None, OVERRIDES))
+    _checkpoint(tmp_path / "odd", {"step": np.int32(5)}, changed)
+    assert main(["serve", "--model", str(tmp_path / "odd"), "--print_config"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no run record (run.json) and no experiment has its" in err[0], err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--engine_set", "page_size=24"], "engine config: Engine.Config.page_size=24"),
+    (["--engine_set", "max_btach=2"], "engine config: "),
+    (["--max_batch", "0"], "Engine.Config.max_batch=0: must be >= 1"),
+])
+def test_bad_engine_settings_are_one_line_errors(run, capsys, argv, message):
+    out, _, _ = run
+    assert main(["serve", "--model", str(out), "--print_config", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
