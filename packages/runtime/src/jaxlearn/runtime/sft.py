@@ -278,8 +278,9 @@ class SFTInput(Input):
         if len(ids) - 1 > cfg.seq_len:
             if not cfg.truncate:
                 raise DataError(
-                    f"{doc.origin}: {len(ids) - 1} tokens, longer than seq_len={cfg.seq_len} "
-                    "(shorten the row, raise seq_len, or set SFTInput.truncate=True)"
+                    f"{doc.origin}: {len(ids)} tokens, too long for seq_len={cfg.seq_len} "
+                    f"(at most {cfg.seq_len + 1}); shorten the row, raise seq_len, or set "
+                    "SFTInput.truncate=True"
                 )
             self._truncated += 1
             ids, weights = ids[: cfg.seq_len + 1], weights[: cfg.seq_len + 1]
