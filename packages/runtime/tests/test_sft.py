@@ -17,8 +17,13 @@ from hypothesis import strategies as st
 from jaxlearn.config import ConfigError
 from jaxlearn.runtime.data import DataError, InlineSource
 from jaxlearn.runtime.input_pipeline import FEATURES
-from jaxlearn.runtime.sft import CHAT_EXAMPLE, SFTInput, SFTSource, resolve_path
-from jaxlearn.text.tokenizers import ByteTokenizer
+from jaxlearn.runtime.sft import (
+    CHAT_EXAMPLE,
+    SFTInput,
+    SFTSource,
+    resolve_path,
+)
+from jaxlearn.text.tokenizers import ByteTokenizer, HFTokenizer
 
 BOS, EOS, PAD = 1, 2, 0
 TOK = ByteTokenizer.default_config().instantiate()
@@ -114,6 +119,53 @@ def test_without_bos_and_with_a_template_that_renders_bos(tmp_path: Any) -> None
     assert ids[0] != BOS, "the template renders BOS itself"
     assert TOK.decode(ids) == "<s>[user]u[assistant]a</s>"
     assert trained_text(ids, weights) == "a</s>"
+
+
+def test_subword_tokenizer_masks_whole_tokens(tmp_path: Any) -> None:
+    """With a BPE tokenizer whose ChatML markers are single special tokens, the trained
+    ids are exactly the ids of the reply followed by the `<|im_end|>` id."""
+    tk = pytest.importorskip("tokenizers")
+    raw = tk.Tokenizer(tk.models.BPE())
+    raw.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = tk.decoders.ByteLevel()
+    trainer = tk.trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    raw.train_from_iterator(["user assistant system hello there, how are you today?"] * 8,
+                            trainer)
+    raw.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = HFTokenizer.default_config().set(path=str(tmp_path / "tokenizer.json"))
+    row = chat(("user", "hello there"), ("assistant", "how are you today?"))
+    ids, weights = one(tmp_path, row, tokenizer=tokenizer, add_bos=False)
+    end = raw.token_to_id(END)
+    reply = raw.encode("how are you today?").ids
+    assert len(reply) < len("how are you today?"), "merges learned"
+    np.testing.assert_array_equal(ids[weights > 0], reply + [end])
+    assert int(ids[-2]) == end and weights[-1] == 0, "the newline after <|im_end|> is untrained"
+
+
+class MergingTokenizer(ByteTokenizer):
+    """Bytes, except that a newline followed by "Y" is the one token 259."""
+
+    @property
+    def vocab_size(self) -> int:
+        return 260
+
+    def encode_array(self, text: str) -> np.ndarray:
+        out: list[int] = []
+        for b in super().encode_array(text).tolist():
+            if out and out[-1] == ord("\n") + 3 and b == ord("Y") + 3:
+                out[-1] = 259
+            else:
+                out.append(b)
+        return np.asarray(out, np.int32)
+
+
+def test_a_token_straddling_the_reply_start_belongs_to_the_reply(tmp_path: Any) -> None:
+    merging = SFTInput.default_config().tokenizer.set(klass=MergingTokenizer)
+    ids, weights = one(tmp_path, chat(("user", "Hi"), ("assistant", "Yo")), tokenizer=merging)
+    trained = ids[weights > 0].tolist()
+    assert trained == [259] + TOK.encode("o" + END)
 
 
 @st.composite
@@ -249,6 +301,8 @@ def test_bad_files_and_config(tmp_path: Any) -> None:
         sft([]).iterator()
     with pytest.raises(ConfigError, match=r"num_packing_bins must be >= 1, got 0"):
         sft(["x.jsonl"], num_packing_bins=0)
+    with pytest.raises(ConfigError, match=r"SFTSource.roles \['user'\] must include 'assistant'"):
+        SFTSource.default_config().set(paths=["x.jsonl"], roles=["user"]).instantiate()
     with pytest.raises(ConfigError, match=r"chat_template is empty"):
         sft(["x.jsonl"], chat_template=" ")
 

@@ -116,6 +116,13 @@ class SFTSource(Source):
         paths: Sequence[str] = REQUIRED
         roles: Sequence[str] = DEFAULT_ROLES
 
+    def __init__(self, cfg: Any, **kwargs: Any):
+        super().__init__(cfg, **kwargs)
+        if TRAINED_ROLE not in self.config.roles:
+            raise ConfigError(
+                f"SFTSource.roles {list(self.config.roles)} must include {TRAINED_ROLE!r}"
+            )
+
     def describe(self) -> str:
         paths = self.config.paths
         return f"SFTSource({', '.join([paths] if isinstance(paths, str) else paths)})"
