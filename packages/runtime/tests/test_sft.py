@@ -287,6 +287,10 @@ def test_template_failures_name_the_row(tmp_path: Any) -> None:
     path = write(tmp_path / "t.jsonl", [GOOD, chat(("user", "boom"), ("assistant", "x"))])
     with pytest.raises(DataError, match=rf"^{path}:2: chat template failed: .*no boom"):
         sft([path], chat_template=raising).iterator()
+    dividing = "{% for m in messages %}{{ m['content'] }}{{ 1 // (m['content'] != 'x') }}" \
+        "{% endfor %}"
+    with pytest.raises(DataError, match=rf"^{path}:2: chat template failed: .*division"):
+        sft([path], chat_template=dividing).iterator()
     # A template that renders a conversation's start differently as it grows.
     counting = "{{ messages|length }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
     with pytest.raises(DataError, match=rf"^{path}:1: the chat template does not render "
@@ -340,7 +344,7 @@ def assert_same(a: list[dict[str, np.ndarray]], b: list[dict[str, np.ndarray]]) 
 @pytest.mark.parametrize("num_epochs", [None, 2])
 def test_resume_is_exact(tmp_path: Any, num_epochs: Optional[int]) -> None:
     path = write(tmp_path / "r.jsonl", mixed_rows(40))
-    make = lambda: sft([path], seq_len=160, num_epochs=num_epochs, global_batch_size=2)  # noqa
+    make = lambda: sft([path], seq_len=160, num_epochs=num_epochs, global_batch_size=2)  # noqa: E731
     reference = take(make().iterator(), 12)
     assert_same(reference, take(make().iterator(), 12))
     for k in (1, 5, 9):
@@ -351,6 +355,15 @@ def test_resume_is_exact(tmp_path: Any, num_epochs: Optional[int]) -> None:
         fresh = make().iterator()
         fresh.set_state(state)
         assert_same(take(fresh, 12 - k), reference[k:])
+
+
+def test_processes_together_equal_one_process(tmp_path: Any) -> None:
+    path = write(tmp_path / "r.jsonl", mixed_rows(40))
+    make = lambda: sft([path], seq_len=160, global_batch_size=4)  # noqa: E731
+    whole = take(make().iterator(), 5)
+    halves = [take(make().iterator(i, 2), 5) for i in range(2)]
+    joined = [{k: np.concatenate([a[k], b[k]]) for k in FEATURES} for a, b in zip(*halves)]
+    assert_same(whole, joined)
 
 
 def test_state_from_another_template_is_refused(tmp_path: Any) -> None:

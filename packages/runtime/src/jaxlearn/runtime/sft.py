@@ -59,7 +59,6 @@ from jaxlearn.runtime.data import DataError, Document, Source, read_text
 from jaxlearn.runtime.input_pipeline import Input, InputIterator, _per_process
 from jaxlearn.runtime.sft_rows import DEFAULT_ROLES, TRAINED_ROLE, SFTRow, parse_row
 from jaxlearn.text.chat import ChatTemplate
-from jaxlearn.text.errors import ChatTemplateError
 from jaxlearn.text.tokenizers import Tokenizer
 
 _log = logging.getLogger(__name__)
@@ -166,24 +165,29 @@ def render_row(row: SFTRow, template: ChatTemplate) -> Rendered:
         text = row.prompt + row.completion
         return Rendered(text, ((len(row.prompt), len(text)),), add_eos=True, train_eos=True)
     messages = row.message_dicts()
-    try:
-        full = template.render(messages, add_generation_prompt=False)
-        spans = []
-        for k, message in enumerate(messages):
-            if message["role"] != TRAINED_ROLE:
-                continue
-            head = template.render(messages[:k], add_generation_prompt=True)
-            turn = template.render(messages[: k + 1], add_generation_prompt=False)
-            if not (turn.startswith(head) and full.startswith(turn)):
-                raise DataError(
-                    f"{row.origin}: the chat template does not render messages[{k}] as an "
-                    "extension of the conversation before it, so the assistant tokens "
-                    "cannot be located"
-                )
-            spans.append((len(head), max(len(head), len(turn.rstrip()))))
-    except ChatTemplateError as e:
-        raise DataError(f"{row.origin}: chat template failed: {e}") from None
+    full = _render(template, messages, False, row.origin)
+    spans = []
+    for k, message in enumerate(messages):
+        if message["role"] != TRAINED_ROLE:
+            continue
+        head = _render(template, messages[:k], True, row.origin)
+        turn = _render(template, messages[: k + 1], False, row.origin)
+        if not (turn.startswith(head) and full.startswith(turn)):
+            raise DataError(
+                f"{row.origin}: the chat template does not render messages[{k}] as an "
+                "extension of the conversation before it, so the assistant tokens cannot "
+                "be located"
+            )
+        spans.append((len(head), max(len(head), len(turn.rstrip()))))
     return Rendered(full, tuple(spans), add_eos=False, train_eos=False)
+
+
+def _render(template: ChatTemplate, messages: list[Any], gen: bool, where: str) -> str:
+    try:
+        return template.render(messages, add_generation_prompt=gen)
+    except Exception as e:  # A template runs arbitrary logic (TypeError, ZeroDivisionError...).
+        detail = " ".join(str(e).split()) or type(e).__name__
+        raise DataError(f"{where}: chat template failed: {detail}") from None
 
 
 def _token_index(tok: Tokenizer, text: str, ids: np.ndarray, boundary: int) -> int:
