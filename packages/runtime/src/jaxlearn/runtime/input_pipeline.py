@@ -221,7 +221,8 @@ class InputIterator:
                 return {
                     "input_ids": np.where(valid, packed["inputs"], self._tok.pad_id),
                     "target_labels": np.where(valid, packed["targets"], -1),
-                    "target_weights": valid,
+                    # An example may carry per-target loss weights (fine-tuning masks).
+                    "target_weights": np.where(valid, packed.get("weights", 1.0), 0.0),
                     "segment_ids": segments,
                     "positions": np.where(valid, packed["inputs_positions"], 0),
                 }
