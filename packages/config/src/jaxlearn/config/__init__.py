@@ -29,7 +29,14 @@ from jaxlearn.config.flat import (
     to_flat_dict,
     to_flat_text,
 )
-from jaxlearn.config.overrides import OverrideError, apply_override, apply_overrides, parse_value
+from jaxlearn.config.overrides import (
+    OverrideError,
+    apply_override,
+    apply_overrides,
+    import_dotted,
+    parse_value,
+)
+from jaxlearn.config.rebuild import IMPORTABLE, FlatTextError, from_flat_text
 from jaxlearn.config.traverse import carry_over_fields, leaves, replace_config, visit
 
 __all__ = [
@@ -39,7 +46,9 @@ __all__ = [
     "ConfigError",
     "ConfigTypeError",
     "Configurable",
+    "FlatTextError",
     "FunctionConfigBase",
+    "IMPORTABLE",
     "InstantiableConfig",
     "OverrideError",
     "RequiredFieldError",
@@ -53,6 +62,8 @@ __all__ = [
     "diff_flat_texts",
     "format_path",
     "format_value",
+    "from_flat_text",
+    "import_dotted",
     "leaves",
     "parse_path",
     "parse_value",

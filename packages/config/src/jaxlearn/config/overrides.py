@@ -16,7 +16,7 @@ import importlib
 import re
 import types
 import typing
-from typing import Any, Iterable, Union
+from typing import Any, Iterable, Optional, Sequence, Union
 
 from jaxlearn.config.base import (
     REQUIRED,
@@ -67,6 +67,39 @@ def _enum_member(text: str, hint: Any) -> Any:
     return _NOT_LITERAL
 
 
+def _allowed(name: str, importable: Optional[Sequence[str]]) -> bool:
+    return importable is None or any(name.startswith(p) or name == p.rstrip(".")
+                                     for p in importable)
+
+
+def import_dotted(text: str, importable: Optional[Sequence[str]] = None,
+                  where: str = "") -> Any:
+    """The object a dotted path (`pkg.module.Name`) names. With `importable` (module-name
+    prefixes such as `"jaxlearn."`), a path outside them is never imported, and an object
+    found under an allowed module but defined elsewhere (`jaxlearn.x.os.system`) is refused.
+    Raises ImportError/AttributeError for paths that do not resolve."""
+    if not _allowed(text, importable):
+        raise OverrideError(
+            f"{where}: {text!r} is outside the importable modules "
+            f"({', '.join(importable or ())}); refusing to import it"
+        )
+    obj = _import_dotted(text)
+    if importable is None:
+        return obj
+    if isinstance(obj, types.ModuleType):
+        module = obj.__name__
+    elif isinstance(obj, enum.Enum):
+        module = type(obj).__module__
+    else:
+        module = getattr(obj, "__module__", None)
+    if not (isinstance(module, str) and _allowed(module + ".", importable)):
+        raise OverrideError(
+            f"{where}: {text!r} resolves to an object defined in {module!r}, outside the "
+            f"importable modules ({', '.join(importable)}); refusing it"
+        )
+    return obj
+
+
 def _import_dotted(text: str) -> Any:
     module_name, _, attr = text.rpartition(".")
     while module_name:
@@ -83,13 +116,16 @@ def _import_dotted(text: str) -> Any:
     raise ImportError(text)
 
 
-def parse_value(text: str, hint: Any = Any, where: str = "") -> Any:
+def parse_value(
+    text: str, hint: Any = Any, where: str = "", importable: Optional[Sequence[str]] = None
+) -> Any:
     """Parses the text of an override for a field annotated `hint`.
 
     In order: a Python literal (`ast.literal_eval`, never `eval`) that fits `hint`; `nan`
     and `inf` for float fields; an enum member's name for enum fields; the raw text for
     fields that accept `str`; a dotted import path for fields that hold classes, callables
-    or other objects.
+    or other objects (with `importable`, only under those module prefixes; see
+    `import_dotted`).
     """
     text = text.strip()
     if text == "REQUIRED":  # As the flat form prints it; quote it to mean the string.
@@ -109,7 +145,7 @@ def parse_value(text: str, hint: Any = Any, where: str = "") -> Any:
         return text
     if _DOTTED.match(text) and _accepts_objects(hint):
         try:
-            obj = _import_dotted(text)
+            obj = import_dotted(text, importable, where)
         except (ImportError, AttributeError):
             obj = _NOT_LITERAL
         if obj is not _NOT_LITERAL and type_matches(obj, hint):
