@@ -86,6 +86,7 @@ def import_dotted(text: str, importable: Optional[Sequence[str]] = None,
     obj = _import_dotted(text)
     if importable is None:
         return obj
+    module: Any
     if isinstance(obj, types.ModuleType):
         module = obj.__name__
     elif isinstance(obj, enum.Enum):

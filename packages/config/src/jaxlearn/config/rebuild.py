@@ -130,7 +130,8 @@ class _Builder:
                 raise FlatTextError(f"{self._at(node)}: is both a value and a container")
             lineno, text = node.leaf
             try:
-                return parse_value(text, hint, where=self._at(node, lineno), importable=self.importable)
+                return parse_value(text, hint, where=self._at(node, lineno),
+                                   importable=self.importable)
             except FlatTextError:
                 raise
             except ConfigError as e:
@@ -175,7 +176,7 @@ class _Builder:
         elif name == "fn":
             cfg = config_for_function(target)
         elif isinstance(target, type) and callable(getattr(target, "default_config", None)):
-            cfg = target.default_config()
+            cfg = getattr(target, "default_config")()
         elif isinstance(target, type):
             cfg = config_for_class(target)
         else:
