@@ -10,6 +10,7 @@ from jaxlearn.config.base import (
     ConfigTypeError,
     RequiredFieldError,
     UnknownFieldError,
+    below_minimum,
     format_path,
     parse_path,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "UnknownFieldError",
     "apply_override",
     "apply_overrides",
+    "below_minimum",
     "carry_over_fields",
     "config_for_class",
     "config_for_function",

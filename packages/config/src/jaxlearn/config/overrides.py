@@ -2,7 +2,9 @@
 
 Values are parsed with `ast.literal_eval` (never `eval`). A field annotated `str` takes the
 raw text when it is not a string literal; a field annotated with a class or callable takes
-a dotted import path (`pkg.module.Name`), which is imported, not evaluated. Every line of
+a dotted import path (`pkg.module.Name`), which is imported, not evaluated; a field that
+holds a config takes a Configurable class's path and gets its default config
+(`input.source=jaxlearn.runtime.data.TextFilesSource`). Every line of
 the flat text form (`to_flat_text`) is itself a valid override.
 """
 
@@ -125,7 +127,8 @@ def parse_value(
     In order: a Python literal (`ast.literal_eval`, never `eval`) that fits `hint`; `nan`
     and `inf` for float fields; an enum member's name for enum fields; the raw text for
     fields that accept `str`; a dotted import path for fields that hold classes, callables
-    or other objects (with `importable`, only under those module prefixes; see
+    or other objects (a Configurable class, for a field that holds configs, gives its
+    `default_config()`) (with `importable`, only under those module prefixes; see
     `import_dotted`).
     """
     text = text.strip()
@@ -151,6 +154,9 @@ def parse_value(
             obj = _NOT_LITERAL
         if obj is not _NOT_LITERAL and type_matches(obj, hint):
             return obj
+        default = _default_config_of(obj, hint)
+        if default is not None:
+            return default
         if obj is not _NOT_LITERAL:
             value = obj
     shown = type_name(hint)
@@ -163,6 +169,16 @@ def parse_value(
 
 
 _NOT_LITERAL = object()
+
+
+def _default_config_of(obj: Any, hint: Any) -> Any:
+    """`obj.default_config()` when `obj` is a Configurable class and a field annotated `hint`
+    holds configs (`input.source=jaxlearn.runtime.data.TextFilesSource`); else None."""
+    make = getattr(obj, "default_config", None) if isinstance(obj, type) else None
+    if not callable(make):
+        return None
+    cfg = make()
+    return cfg if isinstance(cfg, ConfigBase) and type_matches(cfg, hint) else None
 
 
 def _assignment_index(override: str) -> int:
