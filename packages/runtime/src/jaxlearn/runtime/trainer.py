@@ -394,8 +394,9 @@ class Trainer(Configurable):
         if self._train_step is None:
             with guard.span("compile"):
                 self._train_step = self._compile(batch)
-                if run.checkpointer is not None:
-                    self._start_keep_compile(batch)
+                first_save = (run.step // cfg.save_every_n_steps + 1) * cfg.save_every_n_steps
+                if run.checkpointer is not None and first_save < cfg.max_step:
+                    self._start_keep_compile(batch)  # Needed after the first save.
             run.t_last = time.monotonic()
             self._report_flops(run)
         step_fn = self._train_step
@@ -468,6 +469,8 @@ class Trainer(Configurable):
                           "too: %s", e)
         if run.writer is not None:
             run.writer.close()
+        if self._keep_compile is not None:  # No compilation outlives the run.
+            self._keep_compile.join()
         run.guard.close()
 
     def parameter_count(self) -> int:
