@@ -202,7 +202,9 @@ def format_percent(fraction: float) -> str:
     pct = 100 * fraction
     if abs(pct) >= 10:
         return f"{pct:.0f}%"
-    return f"{pct:.1f}%" if abs(pct) >= 1 else f"{format_number(pct)}%"
+    if abs(pct) >= 1:
+        return f"{pct:.1f}%"
+    return f"{format_number(float(f'{pct:.2g}'))}%"  # Two significant digits.
 
 
 def format_flops(flops: float) -> str:
