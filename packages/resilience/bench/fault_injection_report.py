@@ -7,8 +7,8 @@ Every scenario is a supervised run (jaxlearn.resilience.supervisor, backoff 0) o
 fault-injection suite's toy job (tests/resilience_child.py: bigram model, 8 fake CPU
 devices, 12 steps, checkpoints every 3 steps, eval every 4) with faults injected through
 `--set resilience.faults=...`, plus one job with every fault at once. A fault counts as
-recovered when the job finishes and its final parameters and optimizer state equal, bit for bit, those
-of a job that saw no fault (for a skipped non-finite step: a job that saw only that
+recovered when the job finishes and its final parameters and optimizer state equal, bit
+for bit, those of a job that saw no fault (for a skipped non-finite step: a job that saw only that
 batch; after an elastic restart: equal up to float reassociation, rtol 2e-5). Steps lost =
 steps recomputed after a restart + steps whose update was dropped. Goodput = productive
 step time / wall time (first spawn to last exit), from the jobs' goodput records; on this
