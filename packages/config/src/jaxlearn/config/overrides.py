@@ -1,4 +1,4 @@
-"""Overrides from strings: `model.decoder.num_layers=4`.
+"""Overrides from strings: `model.decoder.transformer.num_layers=4`.
 
 Values are parsed with `ast.literal_eval` (never `eval`). A field annotated `str` takes the
 raw text when it is not a string literal; a field annotated with a class or callable takes
