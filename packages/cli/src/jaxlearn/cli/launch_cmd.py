@@ -31,7 +31,7 @@ import shlex
 import sys
 from typing import Any, Callable, Optional, Sequence
 
-from jaxlearn.launch.job import DEFAULT_ENTRYPOINT
+from jaxlearn.launch.job import DEFAULT_ENTRYPOINT, JobSpecError, JobTarget, job_name
 
 EXIT_DISTRIBUTED = 3
 
@@ -215,10 +215,9 @@ def _local(args: argparse.Namespace) -> int:
 # ---- the train command of a cluster job ----------------------------------------------------
 
 
-def _target(args: argparse.Namespace) -> Any:
-    """The validated train command of a cluster job and its hardware, as a JobTarget."""
+def _target(args: argparse.Namespace) -> JobTarget:
+    """The validated train command of a cluster job and its hardware."""
     from jaxlearn.cli.main import build_parser, final_config
-    from jaxlearn.launch.job import JobSpecError, JobTarget, job_name
     from jaxlearn.mesh import get_hardware, parse_selector
     from jaxlearn.mesh.errors import MeshError
 
@@ -264,9 +263,8 @@ def _job_options(args: argparse.Namespace) -> dict[str, Any]:
                 heartbeat_timeout=args.heartbeat_timeout, entrypoint=args.entrypoint)
 
 
-def _generate(make: Callable[..., str], options: Any, target: Any) -> str:
-    from jaxlearn.launch.job import JobSpecError
-
+def _generate(make: Callable[[Any, JobTarget], str], options: Any, target: JobTarget) -> str:
+    """`make(options, target)`, its JobSpecError a usage error."""
     try:
         return make(options, target)
     except JobSpecError as e:
@@ -291,7 +289,6 @@ def _write(text: str, path: Optional[str], what: str) -> None:
 
 def _slurm(args: argparse.Namespace) -> int:
     from jaxlearn.launch import slurm
-    from jaxlearn.launch.job import JobSpecError
 
     target = _target(args)
     options = slurm.SlurmOptions(
