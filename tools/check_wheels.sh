@@ -10,7 +10,14 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-python3.11}"
 WORK="$(mktemp -d /tmp/jaxlearn-check-wheels.XXXXXX)"
-trap 'rm -rf "$WORK"' EXIT
+LOCAL=(config module layers)
+# pip builds a source directory in place (build/, src/*.egg-info); stale copies there could
+# reach a later wheel, so they are removed before and after.
+clean() {
+  for p in "${LOCAL[@]}"; do rm -rf "$ROOT/packages/$p/build" "$ROOT/packages/$p"/src/*.egg-info; done
+}
+trap 'rm -rf "$WORK"; clean' EXIT
+clean
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 unset PYTHONPATH
 
@@ -18,8 +25,7 @@ step() { echo "[check_wheels] $*" >&2; }
 
 step "1/2 pip install ./packages/{config,module,layers} into $WORK/layers-venv"
 "$PY" -m venv "$WORK/layers-venv"
-"$WORK/layers-venv/bin/pip" install -q "$ROOT/packages/config" "$ROOT/packages/module" \
-  "$ROOT/packages/layers"
+"$WORK/layers-venv/bin/pip" install -q "${LOCAL[@]/#/$ROOT/packages/}"
 (cd "$WORK" && "$WORK/layers-venv/bin/python" - <<'PY'
 import jax
 import jax.numpy as jnp
