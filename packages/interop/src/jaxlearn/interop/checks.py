@@ -140,6 +140,6 @@ def check_layers_present(
     shown = shown[:SHOWN]
     more = f" ... and {count - len(shown)} more" if count > len(shown) else ""
     raise MalformedFileError(
-        f"{where}: {field} = {arch.num_layers}, but {source} holds no tensors for {absent} "
-        f"of those layers ({count} tensors missing: {', '.join(shown)}{more})"
+        f"{where}: {field} = {arch.num_layers}, but {absent} of those layers have no tensors "
+        f"in {source} ({count} tensors missing: {', '.join(shown)}{more})"
     )

@@ -289,7 +289,7 @@ def architecture_from_gguf(f: GGUFFile) -> Architecture:
         f.tensors,
         where=str(f.path),
         field=f"{arch_name}.block_count",
-        source="its tensors",
+        source="the file",
     )
     return arch
 
