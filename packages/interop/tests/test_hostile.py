@@ -161,6 +161,22 @@ GGUF_HEADERS = {
         lambda p: raw_gguf(p, [ARCH_KV, kv("x.s", S, struct.pack("<Q", 2**40))]),
         ["'x.s'", f"string of {2**40} bytes"],
     ),
+    "string_in_array_2e40": (
+        lambda p: raw_gguf(
+            p,
+            [
+                ARCH_KV,
+                kv("x.t", A, struct.pack("<IQ", S, 2) + gstr("ok") + struct.pack("<Q", 2**40)),
+            ],
+        ),
+        ["'x.t'[1] (a string of 1099511627776 bytes)"],
+    ),
+    "token_not_utf8": (
+        lambda p: raw_gguf(
+            p, [ARCH_KV, kv("x.u", A, struct.pack("<IQ", S, 2) + gstr("ok") + gstr(b"\xff"))]
+        ),
+        ["'x.u'[1] is not valid UTF-8"],
+    ),
     "key_2e40": (lambda p: raw_gguf(p, [struct.pack("<Q", 2**40)]), ["metadata key #0"]),
     "nested_array": (
         lambda p: raw_gguf(p, [ARCH_KV, kv("x.nest", A, struct.pack("<IQ", A, 1))]),
@@ -452,3 +468,21 @@ def test_hostile_files_under_a_memory_limit(hostile, tmp_path, model):
         assert kind == "ChatTemplateError" and "\n" not in message, (case, kind, message)
         assert "tokenizer.chat_template" in message and "refused" in message, message
         assert seconds < MAX_SECONDS, (case, seconds)
+
+
+def test_stray_value_errors_become_one_line_errors_naming_the_file(tmp_path, monkeypatch):
+    """A ValueError raised deeper in the stack (here: by a patched GGUF loader) reaches
+    the caller as a one-line MalformedFileError naming the path."""
+    import jaxlearn.interop.gguf as gguf_module
+    from jaxlearn.interop import MalformedFileError
+
+    def broken(path, **kw):
+        raise ValueError("cannot reshape array\nof size 3")
+
+    monkeypatch.setattr(gguf_module, "load_gguf", broken)
+    path = raw_gguf(tmp_path / "x.gguf")
+    with pytest.raises(MalformedFileError) as info:
+        load_pretrained(path)
+    assert (
+        str(info.value) == f"{path}: cannot be loaded (ValueError: cannot reshape array of size 3)"
+    )

@@ -2,7 +2,9 @@
 
     loaded = load_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")      # LoadedModel
 
-Read with the `gguf` package (`GGUFReader`, memory-mapped). Every tensor is dequantised to
+The header is read and validated by `jaxlearn.interop.gguf_header` (every count, length,
+dimension and offset against the file size; the file memory-mapped read-only), then every
+size in the metadata by `jaxlearn.interop.checks`. Every tensor is dequantised to
 float32 with `gguf.quants.dequantize` (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the
 K-quants and the IQ types that the package implements), then cast to the param dtype.
 

@@ -81,6 +81,17 @@ class TensorInfo:
         return int(np.prod(self.shape, dtype=np.int64))
 
 
+_U64 = struct.Struct("<Q")
+
+
+def _is_utf8(b: bytes) -> bool:
+    try:
+        b.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
 class _Cursor:
     """Reads little-endian values from `buf`, refusing any read past its end."""
 
@@ -136,7 +147,29 @@ class _Cursor:
         if etype != STRING:
             raise self.fail(f"{what} is an array of unknown value type {etype}")
         self.need(n * 8, f"{what} (an array of {n} strings)")
-        return [self.string(f"{what}[{i}]") for i in range(n)]
+        return self.strings(n, what)
+
+    def strings(self, n: int, what: str) -> list[str]:
+        """`n` strings (the loop of `string`, inlined: token lists hold 10**5 of them)."""
+        buf, pos, end, length = self.buf, self.pos, self.end, _U64.unpack_from
+        raw: list[bytes] = []
+        for i in range(n):
+            if end - pos < 8:
+                self.pos = pos
+                self.need(8, f"{what}[{i}] (string length)")
+            (k,) = length(buf, pos)
+            pos += 8
+            if k > end - pos:
+                self.pos = pos
+                self.need(k, f"{what}[{i}] (a string of {k} bytes)")
+            raw.append(buf[pos : pos + k])
+            pos += k
+        self.pos = pos
+        try:
+            return [b.decode("utf-8") for b in raw]
+        except UnicodeDecodeError as e:
+            bad = next(i for i, b in enumerate(raw) if not _is_utf8(b))
+            raise self.fail(f"{what}[{bad}] is not valid UTF-8 ({e.reason})") from None
 
 
 class GGUFHeader:
@@ -145,6 +178,8 @@ class GGUFHeader:
 
     def __init__(self, path: str | pathlib.Path):
         self.path = pathlib.Path(path)
+        if not self.path.is_file():  # a FIFO or device would block or never end
+            raise MalformedFileError(f"{self.path}: not a regular file")
         try:
             with open(self.path, "rb") as fh:
                 self.size = self.path.stat().st_size

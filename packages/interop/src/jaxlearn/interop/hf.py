@@ -131,7 +131,7 @@ class SafetensorsReader:
             for name, file in weight_map.items():
                 self._where[name] = self._shard(index, name, file)
         else:
-            files = sorted(directory.glob("*.safetensors"))
+            files = sorted(p for p in directory.glob("*.safetensors") if p.is_file())
             if not files:
                 raise InteropError(f"{directory}: no *.safetensors files (and no {INDEX_FILE})")
             for path in files:

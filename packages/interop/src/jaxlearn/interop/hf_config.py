@@ -29,6 +29,8 @@ MAX_JSON_BYTES = 64 * 2**20  # config.json and index files are kilobytes
 def read_json(path: pathlib.Path, *, max_bytes: int = MAX_JSON_BYTES) -> Any:
     """The parsed JSON of `path` (at most `max_bytes`; one-line InteropError otherwise)."""
     try:
+        if path.exists() and not path.is_file():  # a FIFO or device would block or never end
+            raise MalformedFileError(f"{path}: not a regular file")
         size = path.stat().st_size
         if size > max_bytes:
             raise MalformedFileError(f"{path}: {size} bytes, more than the {max_bytes} allowed")

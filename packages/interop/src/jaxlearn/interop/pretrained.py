@@ -48,9 +48,7 @@ def load_pretrained(path: str | pathlib.Path, **kwargs: Any) -> LoadedModel:
         raise
     except (ValueError, TypeError, KeyError, IndexError, OverflowError, UnicodeError) as e:
         what = " ".join(str(e).split())[:500]
-        raise MalformedFileError(
-            f"{p}: cannot be loaded ({type(e).__name__}: {what})"
-        ) from None
+        raise MalformedFileError(f"{p}: cannot be loaded ({type(e).__name__}: {what})") from None
 
 
 def _load(p: pathlib.Path, **kwargs: Any) -> LoadedModel:
