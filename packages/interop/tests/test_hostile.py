@@ -262,6 +262,10 @@ HF_CONFIGS = {
         {"rope_scaling": {"rope_type": "llama3", "original_max_position_embeddings": 64}},
         ["rope_scaling.factor = None"],
     ),
+    "tie_as_string": (
+        {"tie_word_embeddings": "false"},
+        ["tie_word_embeddings = 'false' is not true or false"],
+    ),
     "missing_intermediate_size": ({"intermediate_size": None}, ["'intermediate_size'"]),
 }
 

@@ -53,6 +53,15 @@ def optional_integer(
     return None if value is None else integer(value, where, field, low=low, high=high)
 
 
+def flag(value: Any, where: str, field: str, default: bool = False) -> bool:
+    """`value` as a bool (`default` when None); "false" and 0 are refused, not truthy."""
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise MalformedFileError(f"{where}: {field} = {value!r} is not true or false")
+    return value
+
+
 def number(value: Any, where: str, field: str, *, positive: bool = True) -> float:
     """`value` as a finite float (> 0 when `positive`)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -387,7 +387,7 @@ def load_gguf(
         chat_template=chat,
         eos_token_ids=arch.eos_token_ids,
         bos_token_id=arch.bos_token_id,
-        pad_token_id=f.get("tokenizer.ggml.padding_token_id"),
+        pad_token_id=_token_id(f, "tokenizer.ggml.padding_token_id"),
         architecture=arch,
         format="gguf",
         source=str(f.path),

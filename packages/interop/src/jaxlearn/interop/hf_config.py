@@ -18,7 +18,14 @@ import pathlib
 from typing import Any, Optional
 
 from jaxlearn.interop.arch import Architecture
-from jaxlearn.interop.checks import LIMITS, check_heads, integer, number, optional_integer
+from jaxlearn.interop.checks import (
+    LIMITS,
+    check_heads,
+    flag,
+    integer,
+    number,
+    optional_integer,
+)
 from jaxlearn.interop.errors import InteropError, MalformedFileError, UnsupportedModelError
 from jaxlearn.interop.names import FAMILIES
 
@@ -104,7 +111,7 @@ def _windows(
     window = optional_integer(hf.get("sliding_window"), where, "sliding_window", high=2**40)
     layer_types = hf.get("layer_types")
     if model_type == "qwen2":
-        if not hf.get("use_sliding_window", False):
+        if not flag(hf.get("use_sliding_window"), where, "use_sliding_window"):
             window = None
         if layer_types is None:
             k = integer(
@@ -163,7 +170,7 @@ def architecture_from_hf(hf: Any, *, where: str = "config.json") -> Architecture
         raise MalformedFileError(
             f"{where}: num_experts_per_tok = {per_token} > num_local_experts = {experts}"
         )
-    bias = bool(hf.get("attention_bias", False))
+    bias = flag(hf.get("attention_bias"), where, "attention_bias")
     return Architecture(
         family=model_type,
         vocab_size=size("vocab_size", "vocab_size"),
@@ -176,10 +183,10 @@ def architecture_from_hf(hf: Any, *, where: str = "config.json") -> Architecture
         norm_eps=number(hf.get("rms_norm_eps", 1e-6), where, "rms_norm_eps"),
         rope_theta=theta,
         rope_scaling=scaling,
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        tie_embeddings=flag(hf.get("tie_word_embeddings"), where, "tie_word_embeddings"),
         qkv_bias=True if model_type == "qwen2" else bias,
         output_bias=bias if model_type == "llama" else False,
-        mlp_bias=bool(hf.get("mlp_bias", False)) if model_type == "llama" else False,
+        mlp_bias=flag(hf.get("mlp_bias"), where, "mlp_bias") if model_type == "llama" else False,
         sliding_windows=_windows(hf, where, model_type, layers),
         num_experts=experts,
         num_experts_per_token=per_token,
