@@ -476,17 +476,28 @@ def test_hostile_files_under_a_memory_limit(hostile, tmp_path, model):
 
 def test_stray_value_errors_become_one_line_errors_naming_the_file(tmp_path, monkeypatch):
     """A ValueError raised deeper in the stack (here: by a patched GGUF loader) reaches
-    the caller as a one-line MalformedFileError naming the path."""
+    the caller as a one-line MalformedFileError naming the path; a `jaxlearn.text` error
+    keeps its own message (which names file and key), on one line."""
     import jaxlearn.interop.gguf as gguf_module
     from jaxlearn.interop import MalformedFileError
+    from jaxlearn.text.errors import ChatTemplateError
 
-    def broken(path, **kw):
-        raise ValueError("cannot reshape array\nof size 3")
-
-    monkeypatch.setattr(gguf_module, "load_gguf", broken)
     path = raw_gguf(tmp_path / "x.gguf")
-    with pytest.raises(MalformedFileError) as info:
-        load_pretrained(path)
-    assert (
-        str(info.value) == f"{path}: cannot be loaded (ValueError: cannot reshape array of size 3)"
-    )
+    for error, message in (
+        (
+            ValueError("cannot reshape array\nof size 3"),
+            f"{path}: cannot be loaded (ValueError: cannot reshape array of size 3)",
+        ),
+        (
+            ChatTemplateError(f"{path}: tokenizer.chat_template:\n bad"),
+            f"{path}: tokenizer.chat_template: bad",
+        ),
+    ):
+
+        def broken(p, error=error, **kw):
+            raise error
+
+        monkeypatch.setattr(gguf_module, "load_gguf", broken)
+        with pytest.raises(MalformedFileError) as info:
+            load_pretrained(path)
+        assert str(info.value) == message
