@@ -206,7 +206,7 @@ def _merge_tree(module: Any, params: dict[str, Any]) -> dict[str, Any]:
             keys = (name, f"{name}_lora_a", f"{name}_lora_b")
             if any(k not in out for k in keys):
                 missing = [k for k in keys if k not in out]
-                raise ValueError(f"merge_lora: {module.path()}: params lack {missing}")
+                raise ValueError(f"merge_lora: {module._where()}: params lack {missing}")
             w, a, b = out[name], out.pop(keys[1]), out.pop(keys[2])
             out[name] = _folded(w, a, b, module.lora_scale)
     for child_name, child in module.children.items():

@@ -147,7 +147,7 @@ class LoraMixin:
         self._dot = _LoraDot(self, self._dot)
 
     def _where(self) -> str:
-        return self.path()  # type: ignore[attr-defined, no-any-return]
+        return self.path()  # type: ignore[attr-defined]
 
     def _create_layer_parameter_specs(self) -> dict[str, ParameterSpec]:
         specs: dict[str, ParameterSpec] = super()._create_layer_parameter_specs()  # type: ignore[misc]
@@ -206,8 +206,8 @@ class LoraFeedForward(LoraMixin, FeedForward):
 
 
 # Base layer class -> its LoRA subclass, and back.
-LORA_CLASSES: dict[type, type] = {Attention: LoraAttention, FeedForward: LoraFeedForward}
-BASE_CLASSES: dict[type, type] = {v: k for k, v in LORA_CLASSES.items()}
+LORA_CLASSES: dict[type[Module], type[Module]] = {Attention: LoraAttention, FeedForward: LoraFeedForward}
+BASE_CLASSES: dict[type[Module], type[Module]] = {v: k for k, v in LORA_CLASSES.items()}
 
 
 def with_base_params(params: Any, base: Any, *, where: str = "params") -> Any:
