@@ -213,3 +213,38 @@ def test_only_the_targets_given_are_adapted():
     visit(lcfg, lambda path, v: seen.append((path, v.lora_targets))
           if hasattr(v, "keys") and "lora_targets" in v.keys() else None)
     assert seen == [("decoder.transformer.layer.self_attention", ("q_proj", "v_proj"))]
+
+
+def test_no_weight_gradient_matmuls_for_adapted_weights():
+    """The compiled gradient of a LoRA model has no dW dot for an adapted weight (base:
+    one per weight), found by the dW output shapes [in, out] (16 tokens, none of them)."""
+    cfg = llama_config(64, 24, 1, 4, 2, 40, stack="loop", rope_theta=100.0)
+    ids = jnp.zeros((2, 9), jnp.int32)
+    dw_shapes = {"24,24", "24,12", "24,40", "40,24"}  # q/o, k/v, wi_0/wi_1, wo
+
+    def dot_shapes(c):
+        model = c.instantiate()
+        params = model.initialize_parameters_recursively(jax.random.key(0))
+        hlo = jax.jit(jax.grad(lambda p: _loss(model, p, ids))).lower(params).compile()
+        lines = [ln for ln in hlo.as_text().splitlines() if " dot(" in ln]
+        return {m.group(1) for ln in lines if (m := re.search(r"= f32\[([\d,]+)\]", ln))}
+
+    assert dw_shapes <= dot_shapes(cfg)
+    assert not dw_shapes & dot_shapes(use_lora(cfg, rank=4))
+
+
+def test_an_injected_int8_dot_still_runs_the_base_matmul():
+    from jaxlearn.layers import use_dot
+    from jaxlearn.layers.quantized import Int8Dot
+
+    cfg = use_dot(_cfg(), Int8Dot.default_config())
+    base = cfg.instantiate()
+    base_params = base.initialize_parameters_recursively(jax.random.key(0))
+    lora = use_lora(cfg, rank=4).instantiate()
+    params = with_base_params(lora.initialize_parameters_recursively(jax.random.key(1)),
+                              base_params)
+    int8 = _logits(base, base_params, IDS)
+    # Equal up to XLA's fusion of the int8 rescale with the zero adapter (an ulp or so).
+    np.testing.assert_allclose(_logits(lora, params, IDS), int8, rtol=1e-5, atol=1e-5)
+    f32 = _logits(_setup("scan")[1], base_params, IDS)
+    assert float(jnp.abs(int8 - f32).max()) > 1e-4  # The int8 dot did run.

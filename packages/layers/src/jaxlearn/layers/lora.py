@@ -150,7 +150,8 @@ class LoraMixin:
         return self.path()  # type: ignore[attr-defined]
 
     def _create_layer_parameter_specs(self) -> dict[str, ParameterSpec]:
-        specs: dict[str, ParameterSpec] = super()._create_layer_parameter_specs()  # type: ignore[misc]
+        specs: dict[str, ParameterSpec]
+        specs = super()._create_layer_parameter_specs()  # type: ignore[misc]
         for name in self.config.lora_targets:
             specs.update(adapter_specs(name, specs[name], self.config.lora_rank))
         return specs
@@ -206,7 +207,10 @@ class LoraFeedForward(LoraMixin, FeedForward):
 
 
 # Base layer class -> its LoRA subclass, and back.
-LORA_CLASSES: dict[type[Module], type[Module]] = {Attention: LoraAttention, FeedForward: LoraFeedForward}
+LORA_CLASSES: dict[type[Module], type[Module]] = {
+    Attention: LoraAttention,
+    FeedForward: LoraFeedForward,
+}
 BASE_CLASSES: dict[type[Module], type[Module]] = {v: k for k, v in LORA_CLASSES.items()}
 
 
