@@ -28,15 +28,17 @@ MODELS = {
     "scan": dict(stack="scan"),
     "loop": dict(stack="loop"),
     "gqa_loop": dict(stack="loop", kv=1),
+    "bias_loop": dict(stack="loop", bias=True),
     "bf16_scan": dict(stack="scan", dtype="bfloat16"),
     "moe_scan": dict(stack="scan", moe=True),
 }
 
 
-def _cfg(stack="scan", kv=2, dtype=None, moe=False):
+def _cfg(stack="scan", kv=2, dtype=None, moe=False, bias=False):
     if moe:
         return mixtral_config(VOCAB, 16, 2, 4, kv, 24, 4, 2, stack=stack, rope_theta=100.0)
-    return llama_config(VOCAB, 16, 2, 4, kv, 24, stack=stack, rope_theta=100.0, dtype=dtype)
+    return llama_config(VOCAB, 16, 2, 4, kv, 24, stack=stack, rope_theta=100.0, dtype=dtype,
+                        attention_bias=bias, mlp_bias=bias)
 
 
 def _paths(tree):
@@ -63,10 +65,10 @@ def _setup(kind):
 
 
 def _perturbed_b(params, scale=0.3):
-    """Non-zero lora_b (a trained adapter), each leaf from its own key."""
+    """Non-zero lora_b (a trained adapter) and biases, each leaf from its own key."""
     def one(kp, x):
         path = "/".join(str(k.key) for k in kp)
-        if not path.endswith("_lora_b"):
+        if not path.endswith(("_lora_b", "_bias")):
             return x
         return scale * jax.random.normal(jax.random.key(len(path) * 7919 % 1000), x.shape, x.dtype)
 
@@ -124,6 +126,24 @@ def test_step0_equals_base_and_merge_equals_unmerged(kind):
             assert np.linalg.norm(got - f32) / np.linalg.norm(f32) < 0.03
     else:
         np.testing.assert_allclose(merged, unmerged, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["scan", "moe_scan"])
+def test_cached_decoding_with_adapters_equals_forward(kind):
+    """Serving unmerged: prefill + extend_step of the adapted model give its forward's
+    logits (the KV-cache path runs the same projections)."""
+    _, _, _, _, lora, params = _setup(kind)
+    trained = _perturbed_b(params)
+    full = np.asarray(_logits(lora, trained, IDS))
+
+    def call(method, *args):
+        return functional(lora, None, trained, args, method=method, is_training=False)[0]
+
+    states = call("init_states", 2, 8)
+    states, first = call("prefill", states, IDS[:, :5])
+    _, rest = call("extend_step", states, IDS[:, 5:])
+    np.testing.assert_allclose(np.asarray(first), full[:, :5], rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(rest), full[:, 5:], rtol=2e-5, atol=2e-5)
 
 
 def test_default_targets_leave_moe_experts_alone():

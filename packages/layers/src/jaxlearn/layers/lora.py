@@ -15,7 +15,8 @@ The base weight keeps its name and path (a base checkpoint loads by path; see
 backward pass computes no dW for it). The layer code itself is untouched: its params are
 read through a view that remembers which weight was read last, and the layer's injected
 `dot` (which every projection's `dense()` call goes through) adds that weight's adapter.
-The dot checks that the weight it multiplies has the shape of the one read.
+The dot checks that the weight it multiplies has the shape of the one read. (The last
+read is kept on the module object: trace one call of a module at a time.)
 
 `composition.use_lora` / `merge_lora` put these layers into a model config and take them
 out again (folding the adapters into the weights).
@@ -97,6 +98,9 @@ class _TrackedParams(collections.abc.Mapping):
         value = self._state[key]
         self._layer._lora_pending = key if key in self._layer._lora_names else None
         return value if isinstance(value, dict) else jax.lax.stop_gradient(value)
+
+    def __contains__(self, key: object) -> bool:  # A membership test is not a read.
+        return key in self._state
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._state)
