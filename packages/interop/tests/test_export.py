@@ -136,7 +136,7 @@ def test_gguf_export_loads_back_with_same_logits_tokenizer_and_template(
         # Measured on this random model (max |logit| 4.8): max |diff| f16 0.0063,
         # bf16 0.051, q8_0 0.20; relative rms f16 9.5e-4, bf16 8.0e-3, q8_0 0.025.
         rel = float(np.sqrt(np.mean((got - ref) ** 2) / np.mean(ref**2)))
-        print(f"{dtype}: max |logit diff| {err:.3g}, relative rms {rel:.3g}, max |logit| {scale:.3g}")
+        print(f"{dtype}: max |logit diff| {err:.3g}, relative rms {rel:.3g} (max {scale:.3g})")
         atol, rms = {"f16": (0.02, 3e-3), "bf16": (0.15, 0.025), "q8_0": (0.6, 0.06)}[dtype]
         np.testing.assert_allclose(got, ref, atol=atol, rtol=0)
         assert rel <= rms, (dtype, rel)

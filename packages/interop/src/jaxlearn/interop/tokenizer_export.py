@@ -110,7 +110,8 @@ def _bos_added(tok: Any) -> Optional[int]:
     """The id the post-processor puts in front of an encoded text, if any."""
     with_specials = tok.encode("a", add_special_tokens=True).ids
     plain = tok.encode("a", add_special_tokens=False).ids
-    if len(with_specials) > len(plain) and with_specials[len(with_specials) - len(plain) :] == plain:
+    extra = len(with_specials) - len(plain)
+    if extra > 0 and with_specials[extra:] == plain:
         return int(with_specials[0])
     return None
 
@@ -139,6 +140,7 @@ def export_tokenizer(
     tokenizer type, a tokenizer with more ids than `vocab_size`, or special ids out of range.
     """
     eos = tuple(int(i) for i in eos_token_ids)
+    own: tuple[Optional[int], Optional[int], Optional[int]]  # the tokenizer's bos, eos, pad
     if isinstance(tokenizer, ByteTokenizer):
         tok = byte_level_tokenizer()
         own = (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id)
@@ -176,7 +178,9 @@ def export_tokenizer(
     for what, ids in (("bos_token_id", [bos]), ("eos_token_ids", eos), ("pad_token_id", [pad])):
         for i in ids:
             if i is not None and not 0 <= int(i) < out.size:
-                raise TokenizerError(f"{what} {i} is not an id of the tokenizer (0..{out.size - 1})")
+                raise TokenizerError(
+                    f"{what} {i} is not an id of the tokenizer (0..{out.size - 1})"
+                )
     return out
 
 
