@@ -195,6 +195,45 @@ def test_gguf_export_architectures_load_back_exactly(kind, tmp_path, bpe):
         )
 
 
+def test_gguf_export_of_a_sentencepiece_style_bpe(tmp_path):
+    """A BPE with byte fallback and a "▁" prefix (the Llama-2 tokenizer.json layout) is
+    written as tokenizer.ggml.model "llama" (scores from merge ranks, byte tokens typed)
+    and reads back with the same ids and text."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")]
+    )
+    tok.decoder = decoders.Sequence([
+        decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+        decoders.Strip(" ", 1, 0),
+    ])  # fmt: skip
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tok.train_from_iterator(
+        [TEXTS[0] + " 12 apples, 345 pears!"] * 50,
+        trainers.BpeTrainer(vocab_size=400, special_tokens=pieces),
+    )
+    state = json.loads(tok.to_str())  # byte pieces are vocab entries, not added tokens
+    state["added_tokens"] = [a for a in state["added_tokens"] if a["id"] < 3]
+    tok = Tokenizer.from_str(json.dumps(state))
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s>:0 $A:0", special_tokens=[("<s>", 1)]
+    )
+    config = tiny_config(vocab=416)
+    path = tmp_path / "spm.gguf"
+    export_gguf(path, config, random_params(config, 11), tokenizer=tok, eos_token_ids=[2])
+    f = GGUFFile(path)
+    assert f.get("tokenizer.ggml.model") == "llama" and f.get("tokenizer.ggml.add_bos_token")
+    types = f.get("tokenizer.ggml.token_type")
+    assert types[:4] == [2, 3, 3, 6] and types[3 + 255] == 6 and types[-1] == 5
+    loaded = load_pretrained(path)
+    for text in TEXTS + ["héllo 日本 7"]:
+        assert loaded.encode(text) == tok.encode(text).ids
+        assert loaded.decode(loaded.encode(text)) == tok.decode(tok.encode(text).ids)
+    assert (loaded.bos_token_id, loaded.eos_token_ids) == (1, (2,))
+
+
 # ---- HF -------------------------------------------------------------------------------------
 
 
