@@ -10,8 +10,10 @@ Two stages, so that each runs in the venv that has its packages (not run in CI):
     #    not imported. Appends one JSON line per check to tools/bench/results/export_check.jsonl.
     python tools/bench/export_check.py check --out /tmp/export_check
 
-Checks per case: transformers `AutoModelForCausalLM` logits vs jaxlearn's (max abs diff),
-`AutoTokenizer` ids and `apply_chat_template` text equal jaxlearn's, greedy tokens equal;
+Checks per case: transformers `AutoConfig` / `AutoTokenizer` / `GenerationConfig` load the
+HF export, its ids, `apply_chat_template` text and ids and special ids equal jaxlearn's (no
+torch needed); `AutoModelForCausalLM` logits vs jaxlearn's (max abs diff) and greedy
+tokens (needs torch);
 llama.cpp (`llama_cpp.Llama`) tokenization (with BOS and special tokens parsed) equal,
 last-position logits (max abs diff, argmax agreement) and greedy tokens, the chat
 template read from the file's metadata equal. A package that is not importable is
@@ -46,11 +48,19 @@ NEW_TOKENS = 8
 # ---- stage 1: export (project venv) ---------------------------------------------------------
 
 
-def _tiny_bpe() -> Any:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def _tiny_bpe(qwen2_pre_tokenizer: bool = False) -> Any:
+    """A byte-level BPE trained on a line of text: GPT-2 pre-tokenizer, or Qwen2's (the
+    one transformers 5 imposes on `qwen2` models, whatever tokenizer.json says)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from jaxlearn.interop.tokenizer_export import _QWEN2_REGEX
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if qwen2_pre_tokenizer:
+        split = pre_tokenizers.Split(Regex(_QWEN2_REGEX), behavior="isolated", invert=False)
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=316,
@@ -84,7 +94,7 @@ def _tiny_cases() -> list[tuple[str, Any, Any, Any, Any]]:
     cases = []
     for seed, (name, cfg, tok, tmpl) in enumerate([
         ("llama_bpe", config(), bpe, chat),
-        ("qwen2_bpe", qwen, bpe, chat),
+        ("qwen2_bpe", qwen, _tiny_bpe(qwen2_pre_tokenizer=True), chat),
         ("mixtral_bpe", replace_config(config(), FeedForward, moe), bpe, chat),
         ("llama_byte", config(), byte, byte_chat),
     ]):  # fmt: skip
@@ -151,13 +161,39 @@ def _record(results: pathlib.Path, **fields: Any) -> None:
     print(json.dumps(fields))
 
 
-def _check_transformers(case: pathlib.Path, ref: dict[str, Any], logits: np.ndarray) -> dict:
+def _check_transformers_files(case: pathlib.Path, ref: dict[str, Any]) -> dict:
+    """AutoConfig / AutoTokenizer / GenerationConfig on the HF export (no torch needed)."""
+    import transformers
+
+    hf = case / "hf"
+    config = transformers.AutoConfig.from_pretrained(hf)
+    tok = transformers.AutoTokenizer.from_pretrained(hf)
+    gen = transformers.GenerationConfig.from_pretrained(hf)
+    rendered = tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    chat_ids = tok.apply_chat_template(MESSAGES, tokenize=True, add_generation_prompt=True)
+    if isinstance(chat_ids, dict) or hasattr(chat_ids, "keys"):
+        chat_ids = chat_ids["input_ids"]
+    return {
+        "transformers": transformers.__version__,
+        "config_class": type(config).__name__,
+        "tokenizer_class": type(tok).__name__,
+        "text_ids_equal": all(tok(t)["input_ids"] == ids for t, ids in ref["text_ids"].items()),
+        "chat_template_equal": rendered == ref["rendered"],
+        "chat_ids_equal": list(chat_ids) == ref["prompt_ids"],
+        "decode_equal": tok.decode(ref["prompt_ids"]) == ref["rendered"],
+        "special_ids": [tok.bos_token_id, tok.eos_token_id, tok.pad_token_id],
+        "generation_ids": [gen.bos_token_id, gen.eos_token_id, gen.pad_token_id],
+    }
+
+
+def _check_transformers_model(
+    case: pathlib.Path, ref: dict[str, Any], logits: np.ndarray
+) -> dict:
+    """AutoModelForCausalLM logits and greedy tokens vs jaxlearn's (needs torch)."""
     import torch
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(case / "hf", dtype=torch.float32)
-    tok = transformers.AutoTokenizer.from_pretrained(case / "hf")
-    rendered = tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
     ids = torch.tensor([ref["prompt_ids"]])
     with torch.no_grad():
         got = model(ids).logits[0].float().numpy()
@@ -168,8 +204,6 @@ def _check_transformers(case: pathlib.Path, ref: dict[str, Any], logits: np.ndar
         "class": type(model).__name__,
         "max_abs_logit_diff": float(np.max(np.abs(got - logits))),
         "max_abs_logit": float(np.max(np.abs(logits))),
-        "text_ids_equal": all(tok(t)["input_ids"] == ids_ for t, ids_ in ref["text_ids"].items()),
-        "chat_template_equal": rendered == ref["rendered"],
         "greedy_equal": new.tolist() == ref["greedy"],
     }
 
@@ -203,16 +237,22 @@ def _check_llama_cpp(path: pathlib.Path, ref: dict[str, Any], logits: np.ndarray
 
 
 def check_stage(out: pathlib.Path, results: pathlib.Path) -> None:
-    have = {m: importlib.util.find_spec(m) is not None for m in ("transformers", "llama_cpp")}
+    peers = ("transformers", "torch", "llama_cpp")
+    have = {m: importlib.util.find_spec(m) is not None for m in peers}
     for case in sorted(p for p in out.iterdir() if (p / "reference.json").exists()):
         ref = json.loads((case / "reference.json").read_text())
         logits = np.load(case / "logits.npy")
         base = {"case": case.name, "python": sys.version.split()[0]}
+        hf = {"peer": "transformers", "format": "hf"}
         if have["transformers"]:
-            _record(results, **base, peer="transformers", format="hf",
-                    **_check_transformers(case, ref, logits))  # fmt: skip
+            _record(results, **base, **hf, part="files", **_check_transformers_files(case, ref))
         else:
-            _record(results, **base, peer="transformers", format="hf", skipped="not importable")
+            _record(results, **base, **hf, part="files", skipped="transformers not importable")
+        if have["transformers"] and have["torch"]:
+            result = _check_transformers_model(case, ref, logits)
+            _record(results, **base, **hf, part="model", **result)
+        else:
+            _record(results, **base, **hf, part="model", skipped="torch not importable")
         for dtype in GGUF_DTYPES:
             if not have["llama_cpp"]:
                 skipped = {"peer": "llama.cpp", "format": f"gguf {dtype}"}
