@@ -352,7 +352,7 @@ def test_bad_inputs_raise_one_clear_error(tmp_path, bpe, model):
     with pytest.raises(TokenizerError, match="cannot export a tokenizer of type dict"):
         export_gguf(path, config, params, tokenizer={"a": 1})
     assert not path.exists() and not (tmp_path / "bad.gguf.tmp").exists()
-    with pytest.raises(UnsupportedModelError):
+    with pytest.raises(UnsupportedModelError, match="layers have different sliding windows"):
         mixed = tiny_config(stack="loop")
         mixed.decoder.transformer.layer.self_attention.qkv_bias = True
         mixed.decoder.transformer.layers = [
