@@ -2,7 +2,9 @@
 
 The Slurm job is the generated sbatch script, submitted to a fake `sbatch` that runs it with
 a fake `srun`, which starts the tasks on this machine with Slurm's real variables (`launch
-local --emulate slurm`). The Kubernetes job is the generated JobSet manifest, whose pods a
+local --emulate slurm`); and, where `sbatch`/`srun` exist and a cluster of 2 or more nodes
+answers `sinfo` (e.g. Debian's slurm-wlm with two slurmd on this host; SLURM_CONF set), the
+same script submitted unmodified to that real Slurm (skipped, with the reason, otherwise). The Kubernetes job is the generated JobSet manifest, whose pods a
 fake kubelet starts with the manifest's command and env (annotations resolved as the
 downward API does, JOB_COMPLETION_INDEX as Kubernetes sets it). Both are 2 processes x 4 CPU
 devices training tiny-llama; their losses must equal one process with 8 devices, and their
@@ -95,6 +97,14 @@ open(script + ".rc", "w").write(str(rc))
 print("Submitted batch job 4242")
 """
 
+FAKE_SCONTROL = """#!/bin/sh
+# Fake scontrol: this machine is the allocation's only node.
+case "$2" in
+  hostnames) echo localhost ;;
+  node) echo "NodeName=localhost Arch=x86_64 NodeAddr=127.0.0.1 NodeHostName=localhost" ;;
+esac
+"""
+
 FAKE_SRUN = """#!{python}
 # Fake srun: one step of SLURM_NNODES x ntasks-per-node tasks, all on this machine, each
 # with the variables slurmstepd would give it; --kill-on-bad-exit as launch local does.
@@ -112,26 +122,28 @@ os.execv(sys.executable, [sys.executable, "-m", "jaxlearn.cli", "launch", "local
 
 
 @pytest.fixture(scope="module")
-def fake_slurm(tmp_path_factory, env_for_children):
+def fake_slurm(tmp_path_factory):
+    """A directory with the fake sbatch, srun and scontrol (put on PATH only while used)."""
     bin_dir = tmp_path_factory.mktemp("slurm-bin")
-    for name, text in (("sbatch", FAKE_SBATCH), ("srun", FAKE_SRUN)):
+    for name, text in (("sbatch", FAKE_SBATCH), ("srun", FAKE_SRUN),
+                       ("scontrol", FAKE_SCONTROL)):
         path = bin_dir / name
-        path.write_text(text.format(python=sys.executable))
+        path.write_text(text.format(python=sys.executable) if "{python}" in text else text)
         path.chmod(0o755)
-    env_for_children.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     return bin_dir
 
 
 @pytest.fixture(scope="module")
-def slurm_run(tmp_path_factory, fake_slurm, reference):
+def slurm_run(tmp_path_factory, fake_slurm, env_for_children, reference):
     """`jaxlearn launch slurm --nodes 2 --submit` of the first 2 of the 4 steps."""
     work = tmp_path_factory.mktemp("slurm")
     out, script = str(work / "run"), str(work / "job.sbatch")
     t0 = time.monotonic()
-    rc = main(["launch", "slurm", "--nodes", "2", "--no_exclusive", "--entrypoint", ENTRYPOINT,
-               "--initialization_timeout", "90", "--heartbeat_timeout", "90",
-               "--script", script, "--submit", "--",
-               "train", *COMMON, "--output_dir", out, "--max_step", "2"])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PATH", f"{fake_slurm}{os.pathsep}{os.environ['PATH']}")
+        rc = main(["launch", "slurm", "--nodes", "2", "--no_exclusive", "--entrypoint",
+                   ENTRYPOINT, *TIMEOUTS, "--script", script, "--submit", "--",
+                   "train", *COMMON, "--output_dir", out, "--max_step", "2"])
     seconds = time.monotonic() - t0
     log = Path(script + ".out").read_text() if os.path.exists(script + ".out") else ""
     assert rc == 0 and Path(script + ".rc").read_text() == "0", log[-4000:]
@@ -169,6 +181,103 @@ def test_two_process_checkpoint_resumes_in_one_process(slurm_run, reference, tmp
     shutil.copytree(slurm_run["out"], out)
     assert main(["train", *COMMON, "--output_dir", out, "--max_step", "4"]) == 0
     _assert_same_losses(_losses(out), reference, [3, 4])
+
+
+# ---- a real Slurm: the generated script, unmodified, under sbatch/srun ----------------------
+
+CHECKOUT = Path(__file__).resolve().parents[3]
+
+
+def _real_slurm_missing():
+    """Why no real Slurm can run the job here (None: one can)."""
+    for tool in ("sbatch", "srun", "sinfo", "scontrol"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not on PATH (no Slurm client tools)"
+    try:
+        done = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True,
+                              text=True, timeout=20)
+    except subprocess.TimeoutExpired:
+        return "sinfo did not answer within 20s"
+    if done.returncode:
+        return f"no Slurm cluster answers sinfo: {done.stderr.strip()[-200:]} (is SLURM_CONF set?)"
+    usable = {line.split()[0] for line in done.stdout.splitlines()
+              if re.match(r"\S+ (idle|mixed|allocated|completing)", line)}
+    if len(usable) < 2:
+        return f"the Slurm cluster has {len(usable)} usable node(s), the job needs 2"
+    return None
+
+
+@pytest.fixture(scope="module")
+def real_slurm_run(tmp_path_factory, env_for_children, reference):
+    """`jaxlearn launch slurm --nodes 2 --submit --wait` of the first 2 of the 4 steps on a
+    real Slurm, with the default entrypoint and log; the work directory (this host's
+    tmp) must be visible to the nodes, as it is for slurmd daemons on this host."""
+    missing = _real_slurm_missing()
+    if missing:
+        pytest.skip(f"no real Slurm: {missing}")
+    work = tmp_path_factory.mktemp("real-slurm")
+    out, script = str(work / "run"), str(work / "job.sbatch")
+    t0 = time.monotonic()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(work)  # The log's default place: the directory sbatch runs in.
+        mp.delenv("JAXLEARN_ENTRYPOINT", raising=False)
+        rc = main(["launch", "slurm", "--nodes", "2", "--no_exclusive", "--time", "20:00",
+                   *TIMEOUTS, "--script", script, "--submit", "--wait", "--",
+                   "train", *COMMON, "--output_dir", out, "--max_step", "2"])
+    seconds = time.monotonic() - t0
+    logs = sorted(work.glob("slurm-jaxlearn-tiny-llama-*.out"))
+    log = logs[0].read_text() if logs else ""
+    assert rc == 0 and len(logs) == 1, (rc, logs, log[-4000:])
+    print(f"real Slurm job (2 nodes x 4 devices, 2 steps): {seconds:.1f}s")
+    job_id = int(re.search(r"-(\d+)\.out$", logs[0].name).group(1))
+    return {"out": out, "log": log, "script": Path(script).read_text(), "job_id": job_id}
+
+
+def test_real_slurm_runs_the_generated_script(real_slurm_run, reference):
+    script, log = real_slurm_run["script"], real_slurm_run["log"]
+    srun = shlex.split(script[script.index("\nsrun "):].replace("\\\n", " "))
+    assert srun[:2] == ["srun", "--label"]
+    assert srun[4] == str(CHECKOUT / "tools" / "jaxlearn")  # The jaxlearn the test runs.
+    # Every line labelled with its rank; both ranks name the same coordinator, at the port
+    # derived from the job id.
+    joined = re.findall(r"^(\d+): jaxlearn: process (\d+) of 2 joined \(slurm, coordinator "
+                        r"(\S+):(\d+)\)", log, re.M)
+    assert sorted((r, p) for r, p, _, _ in joined) == [("0", "0"), ("1", "1")], log[-4000:]
+    assert len({(h, p) for _, _, h, p in joined}) == 1
+    assert int(joined[0][3]) == real_slurm_run["job_id"] % 4096 + 61440
+    for i in (0, 1):
+        assert f"\n{i}: jaxlearn: training tiny-llama on 8 device(s)" in log
+    losses = _losses(real_slurm_run["out"])
+    assert sorted(losses) == [1, 2]
+    _assert_same_losses(losses, reference, [1, 2])
+    step = Path(real_slurm_run["out"]) / "checkpoints" / "step_00000002" / "state"
+    assert (step / "ocdbt.process_0").is_dir() and (step / "ocdbt.process_1").is_dir()
+
+
+def test_real_slurm_checkpoint_resumes_in_one_process(real_slurm_run, reference, tmp_path):
+    out = str(tmp_path / "resumed")
+    shutil.copytree(real_slurm_run["out"], out)
+    assert main(["train", *COMMON, "--output_dir", out, "--max_step", "4"]) == 0
+    _assert_same_losses(_losses(out), reference, [3, 4])
+
+
+def test_tools_jaxlearn_first_use_creates_the_venv_once(tmp_path):
+    """Two nodes' first uses of the checkout's tools/jaxlearn at once, on a shared home:
+    one creates the venv (under the lock), the other waits and then uses it."""
+    reqs = tmp_path / "requirements.txt"
+    reqs.write_text("# nothing to install: the venv itself is what is created\n")
+    venv = tmp_path / "shared-home" / "venv"
+    env = dict(os.environ, JAXLEARN_VENV=str(venv), JAXLEARN_REQUIREMENTS=str(reqs))
+    argv = [str(CHECKOUT / "tools" / "jaxlearn"), "python", "-c",
+            "import sys; print(sys.prefix)"]
+    procs = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    results = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], results
+    assert [out.strip() for out, _ in results] == [str(venv)] * 2
+    created = sum(err.count("first run: creating") for _, err in results)
+    assert created == 1, results
+    assert (venv / ".ok").is_file()
 
 
 # ---- Kubernetes: generated JobSet -> fake kubelet -> 2 pods ---------------------------------
@@ -275,14 +384,15 @@ def test_sbatch_script_for_a_gpu_cluster(capsys, tmp_path):
         "--setup", "source /opt/venv/bin/activate", "--initialization_timeout", "600")
     assert options == {"job-name": "jaxlearn-tiny-llama", "nodes": "4", "ntasks-per-node": "1",
                        "gpus-per-node": "8", "partition": "a3", "time": "2:00:00",
-                       "exclusive": ""}
+                       "output": "slurm-%x-%j.out", "exclusive": ""}
     assert "\nsource /opt/venv/bin/activate\n" in script
     assert "\nexport NCCL_DEBUG=WARN\n" in script
     assert "\nexport JAXLEARN_INITIALIZATION_TIMEOUT=600\n" in script
-    assert srun[:3] == ["srun", "--kill-on-bad-exit=1", "--ntasks-per-node=1"]
-    assert srun[3:] == ["python3", "-m", "jaxlearn.cli", "train", "--experiment", "tiny-llama",
-                        "--mesh_selector", "gpu-h100-8x4", "--output_dir", "/shared/runs/x",
-                        "--set", "max_step=100"]
+    assert srun[:4] == ["srun", "--label", "--kill-on-bad-exit=1", "--ntasks-per-node=1"]
+    # The jaxlearn this test runs (the checkout's), by absolute path.
+    assert srun[4:] == [str(CHECKOUT / "tools" / "jaxlearn"), "train", "--experiment",
+                        "tiny-llama", "--mesh_selector", "gpu-h100-8x4", "--output_dir",
+                        "/shared/runs/x", "--set", "max_step=100"]
     path = tmp_path / "job.sbatch"
     path.write_text(script)
     assert subprocess.run(["bash", "-n", str(path)]).returncode == 0

@@ -2,15 +2,17 @@
 `bash -n` and by what each task then detects), Kubernetes JobSet manifests (read back as
 YAML, and what each pod then detects), and the YAML emitter."""
 
+import os
 import re
 import shlex
 import subprocess
+import sys
 
 import pytest
 from yaml_subset import check_yaml
 
 from jaxlearn.launch.cluster import detect_cluster
-from jaxlearn.launch.job import JobSpecError, JobTarget, job_name
+from jaxlearn.launch.job import JobSpecError, JobTarget, job_name, same_jaxlearn
 from jaxlearn.launch.k8s import K8sOptions, jobset_file, jobset_manifest, to_yaml, tpu_topology
 from jaxlearn.launch.slurm import SlurmOptions, slurm_script
 
@@ -45,16 +47,86 @@ def test_slurm_cpu_target_splits_devices_over_tasks(tmp_path):
                            setup=("module load x",))
     script = slurm_script(options, _target("cpu", "cpu", 8, None))
     directives = dict(re.findall(r"^#SBATCH --([\w-]+)(?:=(\S+))?$", script, re.M))
-    assert directives == {"job-name": "job", "nodes": "2", "ntasks-per-node": "2"}
+    assert directives == {"job-name": "job", "nodes": "2", "ntasks-per-node": "2",
+                          "output": "slurm-%x-%j.out"}
     assert "\nmodule load x\nexport A='b c'\nexport JAXLEARN_HEARTBEAT_TIMEOUT=50\n" \
            "export JAXLEARN_COORDINATOR_PORT=1234\n" in script
-    assert _srun(script) == ["srun", "--kill-on-bad-exit=1", "--ntasks-per-node=2", "python3",
-                             "-m", "jaxlearn.cli", *ARGV, "--num_cpu_devices", "2"]
+    assert _srun(script) == ["srun", "--label", "--kill-on-bad-exit=1", "--ntasks-per-node=2",
+                             "python3", "-m", "jaxlearn.cli", *ARGV, "--num_cpu_devices", "2"]
     path = tmp_path / "job.sbatch"
     path.write_text(script)
     assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
     with pytest.raises(JobSpecError, match="8 CPU devices do not split over 3 process"):
         slurm_script(SlurmOptions(nodes=3), _target("cpu", "cpu", 8, None))
+
+
+FAKE_SCONTROL = """#!/bin/sh
+# `scontrol show hostnames LIST` / `scontrol show node -o NAME`, as Slurm answers them.
+case "$2" in
+  hostnames) echo "$3" | tr ',' '\\n' ;;
+  node) echo "NodeName=$4 Arch=x86_64 CoresPerSocket=2 $NODE_ADDR State=IDLE" ;;
+esac
+"""
+
+
+def _run_script(tmp_path, script, **env):
+    """Runs `script` with bash, a fake scontrol and an srun that prints the coordinator."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, text in (("scontrol", FAKE_SCONTROL),
+                       ("srun", "#!/bin/sh\necho \"$JAXLEARN_COORDINATOR_ADDRESS\"\n")):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    path = tmp_path / "job.sbatch"
+    path.write_text(script)
+    full = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "4100",
+            **env}
+    done = subprocess.run(["bash", str(path)], env=full, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_slurm_script_names_the_coordinator_by_slurm_address(tmp_path):
+    """The first node of the allocation, by its NodeAddr (else its name); the port from
+    the job id as JAX derives it, or the one given."""
+    script = slurm_script(SlurmOptions(nodes=2), _target("cpu", "cpu", 8, None))
+    nodes = {"SLURM_JOB_NODELIST": "gpu7,gpu8"}
+    assert _run_script(tmp_path, script, NODE_ADDR="NodeAddr=10.1.2.7 NodeHostName=gpu7",
+                       **nodes) == "10.1.2.7:61444"
+    assert _run_script(tmp_path, script, NODE_ADDR="", **nodes) == "gpu7:61444"
+    script = slurm_script(SlurmOptions(nodes=2, coordinator_port=1234),
+                          _target("cpu", "cpu", 8, None))
+    assert _run_script(tmp_path, script, NODE_ADDR="NodeAddr=gpu7", **nodes) == "gpu7:1234"
+
+
+def test_slurm_log_goes_where_asked():
+    target = _target("cpu", "cpu", 8, None)
+    assert "\n#SBATCH --output=slurm-%x-%j.out\n" in slurm_script(SlurmOptions(), target)
+    script = slurm_script(SlurmOptions(log="/logs/%j.txt"), target)
+    assert "\n#SBATCH --output=/logs/%j.txt\n" in script
+
+
+def test_same_jaxlearn_entrypoint(tmp_path):
+    """The jaxlearn a node runs: the one this process runs, by absolute path."""
+    bin_dir = tmp_path / "venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    console = bin_dir / "jaxlearn"
+    console.write_text("#!/bin/sh\n")
+    console.chmod(0o755)
+    checkout = tmp_path / "my checkout"
+    (checkout / "tools").mkdir(parents=True)
+    (checkout / "tools" / "jaxlearn").write_text("#!/bin/sh\n")
+    (checkout / "tools" / "jaxlearn").chmod(0o755)
+    py = sys.executable
+    assert same_jaxlearn("x", {"JAXLEARN_ENTRYPOINT": "/c/tools/jaxlearn"}, py,
+                         str(checkout)) == "/c/tools/jaxlearn"
+    assert same_jaxlearn(str(console), {}, py, str(checkout)) == str(console)
+    assert same_jaxlearn("jaxlearn", {"PATH": str(bin_dir)}, py, None) == str(console)
+    main = "/src/jaxlearn/cli/__main__.py"
+    words = shlex.split(same_jaxlearn(main, {}, py, str(checkout)))
+    assert words == [str(checkout / "tools" / "jaxlearn")]
+    assert same_jaxlearn(main, {}, py, str(tmp_path / "none")) == \
+        shlex.join([os.path.abspath(py), "-m", "jaxlearn.cli"])
 
 
 def test_slurm_gpu_and_tpu_hosts():

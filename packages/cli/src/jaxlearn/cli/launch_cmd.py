@@ -31,7 +31,13 @@ import shlex
 import sys
 from typing import Any, Callable, Optional, Sequence
 
-from jaxlearn.launch.job import DEFAULT_ENTRYPOINT, JobSpecError, JobTarget, job_name
+from jaxlearn.launch.job import (
+    DEFAULT_ENTRYPOINT,
+    JobSpecError,
+    JobTarget,
+    job_name,
+    same_jaxlearn,
+)
 
 EXIT_DISTRIBUTED = 3
 
@@ -124,10 +130,14 @@ def add_parsers(sub: Any) -> None:
     q.add_argument("--setup", action="append", default=[], metavar="SHELL",
                    help="a line run before srun, e.g. 'source ~/venv/bin/activate'")
     q.add_argument("--log", default=None,
-                   help="sbatch --output (default: slurm-%%x-%%j.out in the submit directory)")
+                   help="the job's output, every line labelled with its rank (sbatch "
+                        "--output; relative to the directory sbatch runs in; %%x job name, "
+                        "%%j job id; default: slurm-%%x-%%j.out)")
     q.add_argument("--script", default=None,
                    help="write the script here (default: stdout; with --submit, NAME.sbatch)")
     q.add_argument("--submit", action="store_true", help="submit it with sbatch")
+    q.add_argument("--wait", action="store_true",
+                   help="with --submit: return when the job ends, with its exit status")
     _add_command(q)
 
     q = where.add_parser("k8s", help="write a Kubernetes JobSet manifest (YAML)")
@@ -159,8 +169,11 @@ def _add_cluster_args(q: argparse.ArgumentParser) -> None:
                    help="seconds for all processes to join (default 300)")
     q.add_argument("--heartbeat_timeout", type=float, default=None,
                    help="seconds of silence after which a process is dead (default 100)")
-    q.add_argument("--entrypoint", default=DEFAULT_ENTRYPOINT,
-                   help="how the cluster runs jaxlearn (default: %(default)s)")
+    q.add_argument("--entrypoint", default=None,
+                   help="how the cluster runs jaxlearn (default: Slurm, whose nodes share "
+                        "this filesystem: the jaxlearn you ran, by absolute path - an "
+                        "installed `jaxlearn` script or the checkout's tools/jaxlearn; "
+                        f"Kubernetes: `{DEFAULT_ENTRYPOINT}` in the image)")
 
 
 def _add_command(q: argparse.ArgumentParser) -> None:
@@ -255,12 +268,24 @@ def _pairs(items: Sequence[str], flag: str, key_pattern: str = r".*"
     return tuple(pairs)
 
 
-def _job_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The JobOptions fields every cluster launcher shares."""
+def _job_options(args: argparse.Namespace, entrypoint: str) -> dict[str, Any]:
+    """The JobOptions fields every cluster launcher shares (`entrypoint`: the default)."""
     return dict(env=_pairs(args.env, "--env", r"[A-Za-z_][A-Za-z0-9_]*"),
                 coordinator_port=args.coordinator_port,
                 initialization_timeout=args.initialization_timeout,
-                heartbeat_timeout=args.heartbeat_timeout, entrypoint=args.entrypoint)
+                heartbeat_timeout=args.heartbeat_timeout,
+                entrypoint=args.entrypoint or entrypoint)
+
+
+def _this_jaxlearn() -> str:
+    """The jaxlearn this process runs, as a node on the same filesystem runs it."""
+    import jaxlearn.cli
+
+    # packages/cli/src/jaxlearn/cli/__init__.py -> the checkout, when run from one.
+    checkout = os.path.abspath(os.path.join(os.path.dirname(jaxlearn.cli.__file__),
+                                            *[os.pardir] * 5))
+    return same_jaxlearn(sys.argv[0] if sys.argv else "", os.environ, sys.executable,
+                         checkout)
 
 
 def _generate(make: Callable[[Any, JobTarget], str], options: Any, target: JobTarget) -> str:
@@ -292,20 +317,32 @@ def _slurm(args: argparse.Namespace) -> int:
 
     target = _target(args)
     options = slurm.SlurmOptions(
-        **_job_options(args), nodes=args.nodes, processes_per_node=args.processes_per_node,
+        **_job_options(args, _this_jaxlearn()), nodes=args.nodes, processes_per_node=args.processes_per_node,
         gpus_per_node=args.gpus_per_node, partition=args.partition, account=args.account,
         time=args.time, cpus_per_task=args.cpus_per_task, exclusive=not args.no_exclusive,
-        setup=tuple(args.setup), log=args.log)
+        setup=tuple(args.setup), log=args.log or slurm.DEFAULT_LOG)
     text = _generate(slurm.slurm_script, options, target)
     path = args.script or (f"{target.name}.sbatch" if args.submit else None)
     _write(text, path, "sbatch script")
     if not args.submit:
         return 0
     assert path is not None
+    _log_directory(options.log)
     try:
-        return 1 if slurm.submit(path) else 0
+        return 1 if slurm.submit(path, wait=args.wait) else 0
     except JobSpecError as e:
         raise _usage(str(e)) from None
+
+
+def _log_directory(log: str) -> None:
+    """Creates the directory of the job's log (sbatch does not, and the job then fails
+    with no output at all); left alone when it depends on the job (%j, ...)."""
+    parent = os.path.dirname(log)
+    if parent and "%" not in parent:
+        try:
+            os.makedirs(parent, exist_ok=True)
+        except OSError as e:
+            raise _usage(f"--log {log}: cannot create {parent} ({e.strerror})") from None
 
 
 def _k8s(args: argparse.Namespace) -> int:
@@ -313,7 +350,7 @@ def _k8s(args: argparse.Namespace) -> int:
 
     target = _target(args)
     options = k8s.K8sOptions(
-        **_job_options(args), image=args.image, namespace=args.namespace,
+        **_job_options(args, DEFAULT_ENTRYPOINT), image=args.image, namespace=args.namespace,
         num_processes=args.num_processes, tpu_topology=args.tpu_topology,
         node_selector=_pairs(args.node_selector, "--node_selector"), cpu=args.cpu,
         memory=args.memory, max_restarts=args.max_restarts,
