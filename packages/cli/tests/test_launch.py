@@ -4,9 +4,10 @@ The Slurm job is the generated sbatch script, submitted to a fake `sbatch` that 
 a fake `srun`, which starts the tasks on this machine with Slurm's real variables (`launch
 local --emulate slurm`); and, where `sbatch`/`srun` exist and a cluster of 2 or more nodes
 answers `sinfo` (e.g. Debian's slurm-wlm with two slurmd on this host; SLURM_CONF set), the
-same script submitted unmodified to that real Slurm (skipped, with the reason, otherwise). The Kubernetes job is the generated JobSet manifest, whose pods a
-fake kubelet starts with the manifest's command and env (annotations resolved as the
-downward API does, JOB_COMPLETION_INDEX as Kubernetes sets it). Both are 2 processes x 4 CPU
+same script submitted unmodified to that real Slurm (skipped, with the reason, otherwise).
+The Kubernetes job is the generated JobSet manifest, whose pods a fake kubelet starts with
+the manifest's command and env (annotations resolved as the downward API does,
+JOB_COMPLETION_INDEX as Kubernetes sets it). Both are 2 processes x 4 CPU
 devices training tiny-llama; their losses must equal one process with 8 devices, and their
 checkpoints must resume across process counts (2 -> 1 and 1 -> 2).
 
@@ -26,6 +27,7 @@ import time
 from pathlib import Path
 
 import pytest
+from jobset_schema import check_jobset
 from yaml_subset import check_yaml
 
 from jaxlearn.cli.main import main
@@ -58,6 +60,16 @@ def _losses(out_dir):
 def _assert_same_losses(got, want, steps):
     for s in steps:
         assert got[s] == pytest.approx(want[s], rel=1e-5, abs=1e-6), (s, got, want)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fit_cache(tmp_path_factory):
+    """The launch fit check's cache, fresh for this module (its figures are computed once
+    per config here, then read back)."""
+    with pytest.MonkeyPatch.context() as mp:
+        path = tmp_path_factory.mktemp("fit-cache")
+        mp.setenv("JAXLEARN_FIT_CACHE", str(path))
+        yield path
 
 
 @pytest.fixture(scope="module")
@@ -241,7 +253,7 @@ def test_real_slurm_runs_the_generated_script(real_slurm_run, reference):
     # Every line labelled with its rank; both ranks name the same coordinator, at the port
     # derived from the job id.
     joined = re.findall(r"^(\d+): jaxlearn: process (\d+) of 2 joined \(slurm, coordinator "
-                        r"(\S+):(\d+)\)", log, re.M)
+                        r"(\S+):(\d+)[,)]", log, re.M)
     assert sorted((r, p) for r, p, _, _ in joined) == [("0", "0"), ("1", "1")], log[-4000:]
     assert len({(h, p) for _, _, h, p in joined}) == 1
     assert int(joined[0][3]) == real_slurm_run["job_id"] % 4096 + 61440
@@ -345,7 +357,7 @@ def k8s_run(tmp_path_factory, env_for_children, reference):
                  "--num_processes", "2", "--entrypoint", ENTRYPOINT, *TIMEOUTS,
                  "--output", manifest_path, "--", "train", *COMMON, "--output_dir", out,
                  "--max_step", "4"]) == 0
-    manifest = check_yaml(Path(manifest_path).read_text())
+    manifest = check_jobset(check_yaml(Path(manifest_path).read_text()))
     t0 = time.monotonic()
     codes, logs = _run_pods(manifest, f"127.0.0.1:{free_port()}")
     seconds = time.monotonic() - t0
@@ -431,7 +443,7 @@ def _manifest(capsys, *launch_args, selector):
                selector, "--output_dir", "/gcs/runs/x"])
     captured = capsys.readouterr()
     assert rc == 0, captured.err
-    return check_yaml(captured.out)
+    return check_jobset(check_yaml(captured.out))
 
 
 def test_jobset_manifest_for_a_tpu_slice(capsys):
@@ -481,6 +493,32 @@ def test_jobset_manifest_for_a_gpu_node_pool(capsys):
     assert "annotations" not in m["metadata"]
 
 
+def test_readme_k8s_example_runs_as_written(tmp_path):
+    """The top-level README's `launch k8s` line, word for word (plus --output)."""
+    line = next(line for line in (CHECKOUT / "README.md").read_text().splitlines()
+                if line.startswith("tools/jaxlearn launch k8s"))
+    argv = shlex.split(line.split("#")[0])[1:]
+    out = tmp_path / "jobset.yaml"
+    assert main([*argv[:2], "--output", str(out), *argv[2:]]) == 0
+    m = check_jobset(check_yaml(out.read_text()))
+    _, job, pod = _pods(m)
+    assert job["parallelism"] == 32  # tpu-v5p-256: 128 chips, 4 per host.
+    assert pod["containers"][0]["command"][-2:] == ["--output_dir", "gs://..."]
+    assert m["spec"]["failurePolicy"]["maxRestarts"] == 3
+
+
+def test_jobset_mounts_shared_storage(capsys):
+    m = _manifest(capsys, "--pvc", "runs:/runs", "--volume",
+                  "gcsfuse.csi.storage.gke.io:/gcs:bucketName=b,mountOptions=implicit-dirs",
+                  selector="gpu-h100-8x2")
+    _, _, pod = _pods(m)
+    assert pod["volumes"][:2] == [
+        {"name": "shared-0", "persistentVolumeClaim": {"claimName": "runs"}},
+        {"name": "shared-1", "csi": {"driver": "gcsfuse.csi.storage.gke.io", "volumeAttributes":
+                                     {"bucketName": "b", "mountOptions": "implicit-dirs"}}}]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in pod["containers"][0]["volumeMounts"]
+
+
 @pytest.mark.parametrize("argv,message", [
     (["slurm", "--", "train", "--experiment", "tiny-llama", "--output_dir", "o"],
      "needs the target's --mesh_selector"),
@@ -493,12 +531,62 @@ def test_jobset_manifest_for_a_gpu_node_pool(capsys):
     (["k8s", "--image", "i", "--name", "x" * 41, "--", "train", "--experiment", "tiny-llama",
       "--mesh_selector", "cpu-8", "--output_dir", "o"], "1-40 characters"),
     (["k8s", "--image", "i", "--", "serve"], "runs `train`"),
+    (["k8s", "--image", "i", "--pvc", "runs", "--", "train", "--experiment", "tiny-llama",
+      "--mesh_selector", "cpu-8", "--output_dir", "o"], "expected CLAIM:MOUNT"),
+    (["k8s", "--image", "i", "--volume", "gcsfuse.csi.storage.gke.io:/gcs:bucketName", "--",
+      "train", "--experiment", "tiny-llama", "--mesh_selector", "cpu-8", "--output_dir", "o"],
+     "expected KEY=VALUE"),
     (["local", "--num_processes", "2"], "give the command after --"),
 ])
 def test_launch_usage_errors_are_one_line(capsys, argv, message):
     assert main(["launch", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("jaxlearn: error:") and message in err[0], err
+
+
+# ---- does the recipe fit its target? --------------------------------------------------------
+
+
+def test_launch_checks_that_a_tiny_recipe_fits(capsys, fit_cache):
+    assert main(["launch", "k8s", "--image", "i", "--", "train", "--experiment", "tiny-llama",
+                 "--mesh_selector", "cpu-8", "--output_dir", "o"]) == 0
+    err = capsys.readouterr().err
+    m = re.search(r"tiny-llama on cpu-8 fits: at least (\S+) (\S+) per device \(state .*"
+                  r"gradients .*activations kept for the backward pass .*\) of 15.20 GiB "
+                  r"usable \(0.95 x 16.00 GiB HBM\)", err)
+    assert m and m.group(2) in ("KiB", "MiB"), err
+    assert len(list(fit_cache.glob("*.json"))) >= 1
+
+
+def test_launch_refuses_a_recipe_that_does_not_fit(capsys, tmp_path):
+    """llama2-7b at global batch 1024 x 4096 tokens over 32 H100s: 32 sequences per GPU
+    keep more activations than any HBM holds; refused in one line, --force warns and
+    writes, --no_fit_check does not look."""
+    train = ["--", "train", "--experiment", "llama2-7b", "--mesh_selector", "gpu-h100-8x4",
+             "--output_dir", "/shared/runs/7b"]
+    script = tmp_path / "job.sbatch"
+    t0 = time.monotonic()
+    assert main(["launch", "slurm", "--script", str(script), *train]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("jaxlearn: error: llama2-7b on gpu-h100-8x4 "
+                                                "does not fit: at least "), err
+    required = float(re.search(r"at least ([\d.]+) GiB per device", err[0]).group(1))
+    assert required > 300 and "of 76.00 GiB usable (0.95 x 80.00 GiB HBM)" in err[0]
+    assert "--force" in err[0] and "jaxlearn plan" in err[0] and not script.exists()
+    print(f"fit check of llama2-7b@gpu-h100-8x4: {time.monotonic() - t0:.1f}s")
+    t0 = time.monotonic()
+    assert main(["launch", "slurm", "--force", "--script", str(script), *train]) == 0
+    assert time.monotonic() - t0 < 20  # Cached.
+    err = capsys.readouterr().err
+    assert "WARNING (--force): llama2-7b on gpu-h100-8x4 does not fit" in err
+    assert script.is_file()
+    assert main(["launch", "slurm", "--no_fit_check", *train]) == 0
+    assert "fit" not in capsys.readouterr().err
+    # The same recipe with 1 sequence per GPU and no saved matmul outputs: under the floor.
+    assert main(["launch", "slurm", "--script", str(script), *train,
+                 "--set", "input.global_batch_size=32", "--set",
+                 "model.decoder.transformer.layer.remat_spec.policy=nothing_saveable"]) == 0
+    assert "llama2-7b on gpu-h100-8x4 fits: at least" in capsys.readouterr().err
 
 
 # ---- failures -------------------------------------------------------------------------------
