@@ -14,8 +14,12 @@ Anything after `--` that is not a jaxlearn command runs as given (`-- python scr
 `slurm` writes an sbatch script and `k8s` a JobSet manifest (YAML) for the hardware named by
 the train command's `--mesh_selector` (e.g. `gpu-h100-8x4`: 4 nodes x 8 GPUs, one process per
 node; `tpu-v5p-64`: 8 TPU VMs x 4 chips). Both validate the train command (experiment, mesh
-rules, --set) first. On Slurm `srun --kill-on-bad-exit=1` and on Kubernetes the JobSet's
-failure policy stop the other processes when one fails; `jaxlearn train` in each process
+rules, --set) first, then check that the recipe fits the target's memory
+(`jaxlearn.cli.launch_fit`): over the floor is a usage error (exit 2, one line) unless
+`--force` (a loud warning) or `--no_fit_check`. The Slurm script runs the jaxlearn this
+command runs, by absolute path (`jaxlearn.launch.job.same_jaxlearn`). On Slurm
+`srun --kill-on-bad-exit=1` and on Kubernetes the JobSet's failure policy stop the other
+processes when one fails; `jaxlearn train` in each process
 finds its place from the scheduler's variables (jaxlearn.launch.cluster).
 
 This module parses the flags, builds the option dataclasses and writes the files; the
