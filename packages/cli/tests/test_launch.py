@@ -431,6 +431,13 @@ def test_sbatch_submit(capsys, tmp_path, monkeypatch):
     assert "Submitted batch job 99" in capsys.readouterr().out
     assert record.read_text().strip() == "exp1.sbatch"
     assert "#SBATCH --nodes=2" in (tmp_path / "exp1.sbatch").read_text()
+    # --log's directory exists before sbatch runs (sbatch does not create it); --wait.
+    assert main(["launch", "slurm", "--submit", "--wait", "--name", "exp2", "--log",
+                 "logs/a/%x-%j.out", "--", "train", "--experiment", "tiny-llama",
+                 "--mesh_selector", "gpu-h100-8x2", "--output_dir", "o"]) == 0
+    assert (tmp_path / "logs" / "a").is_dir()
+    assert record.read_text().strip() == "--wait exp2.sbatch"
+    assert "#SBATCH --output=logs/a/%x-%j.out" in (tmp_path / "exp2.sbatch").read_text()
     monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
     assert main(["launch", "slurm", "--submit", "--", "train", "--experiment", "tiny-llama",
                  "--mesh_selector", "gpu-h100-8x2", "--output_dir", "o"]) == 2
@@ -556,6 +563,15 @@ def test_launch_checks_that_a_tiny_recipe_fits(capsys, fit_cache):
                   r"usable \(0.95 x 16.00 GiB HBM\)", err)
     assert m and m.group(2) in ("KiB", "MiB"), err
     assert len(list(fit_cache.glob("*.json"))) >= 1
+
+
+def test_launch_aot_check_uses_the_compiled_step(capsys):
+    """--aot_check: `jaxlearn aot`'s compiled requirement instead of the floor."""
+    assert main(["launch", "k8s", "--image", "i", "--aot_check", "--", "train", "--experiment",
+                 "tiny-llama", "--mesh_selector", "cpu-8", "--output_dir", "o"]) == 0
+    err = capsys.readouterr().err
+    assert re.search(r"tiny-llama on cpu-8 fits: the compiled step needs \S+ \S+ per device "
+                     r"\(temporaries .*, arguments .*\) of 15.20 GiB usable", err), err
 
 
 def test_launch_refuses_a_recipe_that_does_not_fit(capsys, tmp_path):
