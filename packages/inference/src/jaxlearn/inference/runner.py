@@ -1,7 +1,7 @@
 """ModelRunner: the device side of the engine. It owns the params, the paged KV pool, the
-per-slot "seen tokens" mask and generated-token counts, and runs three jit'ed programs through the `CausalLM`
-decode API (`init_paged_states`, `extend_step`, `logits`), i.e. the same layer code as
-training:
+per-slot "seen tokens" mask and generated-token counts, and runs three jit'ed programs
+through the `CausalLM` decode API (`init_paged_states`, `extend_step`, `logits`), i.e.
+the same layer code as training:
 
 - `prefill`: prompt chunks of several requests at once, ids [rows, bucket]; row r is
   written at positions [start[r], start[r] + bucket) of its pages and the token after its
@@ -210,7 +210,7 @@ class ModelRunner:
         last = (n_valid - 1)[:, None]
         every = prompt_k is not None
         pool, logits = self._forward(params, pool, table, start, ids, None if every else last)
-        out: dict[str, Array] = {}
+        out: dict[str, Any] = {}
         if every:
             out["prompt"] = token_logprobs(logits, targets, prompt_k or 0)
             logits = jnp.take_along_axis(logits, last[..., None], axis=1)  # [rows, 1, v]
