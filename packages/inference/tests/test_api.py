@@ -248,7 +248,8 @@ def test_stop_token_ids(server, engine):
     out = post(server, {"prompt": "abc", "max_tokens": 8, "temperature": 0, "ignore_eos": True,
                         "stop_token_ids": [gen[2]]})
     c = out["choices"][0]
-    assert c["finish_reason"] == "stop" and out["usage"]["completion_tokens"] == gen.index(gen[2]) + 1
+    assert c["finish_reason"] == "stop"
+    assert out["usage"]["completion_tokens"] == gen.index(gen[2]) + 1
 
 
 def test_stream_with_logprobs_n_and_usage(server):

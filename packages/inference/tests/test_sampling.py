@@ -166,7 +166,7 @@ def test_repetition_penalty_hf_rule():
 @pytest.mark.parametrize(
     "field,value",
     [("temperature", -0.1), ("temperature", float("nan")), ("temperature", 1e9),
-     ("top_p", 0.0), ("top_p", 1.5), ("repetition_penalty", 0.0), ("max_new_tokens", 0),
+     ("top_p", 0.0), ("top_p", 1.5), ("repetition_penalty", 0.0), ("max_new_tokens", -1),
      ("max_new_tokens", 1.5), ("top_k", 2.0), ("seed", "x"), ("temperature", True),
      ("stop", ("",))],
 )
@@ -227,7 +227,7 @@ def test_presence_frequency_and_bias_match_openai_formula():
 @pytest.mark.parametrize("field,value", [
     ("presence_penalty", 2.5), ("frequency_penalty", float("nan")),
     ("logit_bias", ((1, 101.0),)), ("logit_bias", ((-1, 1.0),)), ("logit_bias", ((1,),)),
-    ("logprobs", 21), ("logprobs", True), ("prompt_logprobs", -1), ("max_new_tokens", -1),
+    ("logprobs", 21), ("logprobs", True), ("prompt_logprobs", -1),
 ])
 def test_invalid_penalty_and_logprob_params(field, value):
     with pytest.raises(RequestError, match=field):
