@@ -3,7 +3,7 @@
 `Group(engine, parsed)` turns a `ParsedRequest` into one engine `Request` per (prompt,
 candidate): `best_of` candidates for each prompt (`n` when best_of is not given), with
 seeds seed + k for the k-th candidate of the request when a seed is given. It submits
-them as the engine's queue has room (`poll`) and hands back (candidate, delta) events,
+them as the engine's queue has room (`submit`, `poll`) and hands back (candidate, delta) events,
 then builds the choices:
 
 - non-streaming: for each prompt the `n` candidates of highest cumulative logprob (all
@@ -65,7 +65,7 @@ def _chat_prompt(engine: Any, parsed: ParsedRequest) -> Union[str, list[int]]:
 
 class Group:
     """The engine requests of one HTTP request (see module docstring). Building it
-    validates everything (RequestError); nothing is queued before `poll`."""
+    validates everything (RequestError); nothing is queued before `submit` / `poll`."""
 
     def __init__(self, engine: Any, parsed: ParsedRequest):
         self.engine, self.parsed = engine, parsed
@@ -131,18 +131,21 @@ class Group:
 
     # ---- driving ----------------------------------------------------------------------
 
-    def poll(self, timeout: float) -> Optional[tuple[Candidate, Delta]]:
-        """Submits what the queue has room for, then the next event (None after
-        `timeout` seconds without one). QueueFullError when nothing of the group runs
-        and the queue is full."""
+    def submit(self) -> None:
+        """Submits what the engine's queue has room for (QueueFullError when nothing of
+        the group could be queued yet)."""
         while self.pending:
             try:
                 self.engine.scheduler.submit(self.pending[0].request)
             except QueueFullError:
                 if len(self.pending) == len(self.candidates):
                     raise
-                break
+                return
             self.pending.pop(0)
+
+    def poll(self, timeout: float) -> Optional[tuple[Candidate, Delta]]:
+        """`submit`, then the next event (None after `timeout` seconds without one)."""
+        self.submit()
         try:
             cand, delta = self.box.get(timeout=timeout)
         except queue.Empty:

@@ -7,8 +7,9 @@
     GET  /health                200 while the engine thread runs, else 503
     GET  /metrics               Prometheus text (engine + HTTP counters)
 
-Threads: HTTP handler threads parse and validate, then enqueue a request on the engine's
-scheduler and wait on its private queue; one engine thread (`Engine.start`) runs the
+Threads: HTTP handler threads parse and validate, then enqueue the request's engine
+requests (one per prompt and candidate: `completions.Group`) on the engine's scheduler
+and wait on their private queue; one engine thread (`Engine.start`) runs the
 scheduler loop. Every problem with a request is a 4xx with an OpenAI-style error body:
 malformed or non-object JSON, unknown fields, wrong types, out-of-range sampling values,
 prompts over max_seq_len (400), bodies over `max_body_bytes` (413), missing length (411),
@@ -328,7 +329,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _stream(self, parsed: ParsedRequest, rid: str, group: Group) -> None:
         model = self.app.engine.model_name
-        group.poll(0)  # A full queue is a 429 before the stream starts.
+        group.submit()  # A full queue is a 429 before the stream starts.
         self.close_connection = True  # The body ends when the connection closes.
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream; charset=utf-8")
