@@ -9,8 +9,7 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import make_engine, prompt_pool
-from test_server import call, sse_events
+from conftest import call, make_engine, prompt_pool, sse_events
 
 from jaxlearn.inference.server import InferenceServer
 from jaxlearn.module import functional

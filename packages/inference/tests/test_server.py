@@ -1,7 +1,6 @@
 """HTTP server: OpenAI endpoints, SSE streaming, concurrent clients, disconnect frees the
 slot, 429 under overload, and a hypothesis fuzz over request bodies with zero 5xx."""
 
-import http.client
 import json
 import socket
 import threading
@@ -9,7 +8,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import ALPHABET
+from conftest import ALPHABET, call, sse_events
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -21,27 +20,6 @@ def server(engine):
     srv = InferenceServer(engine, port=0).start()
     yield srv
     srv.shutdown()
-
-
-def call(srv, method, path, body=None, *, raw=None, headers=None, timeout=120):
-    host, port = srv.address
-    conn = http.client.HTTPConnection(host, port, timeout=timeout)
-    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-    conn.request(method, path, body=data, headers={"Content-Type": "application/json",
-                                                    **(headers or {})})
-    resp = conn.getresponse()
-    out = resp.read()
-    conn.close()
-    return resp.status, out, resp
-
-
-def sse_events(payload: bytes) -> list:
-    events = []
-    for block in payload.decode().split("\n\n"):
-        if block.startswith("data: "):
-            data = block[len("data: "):]
-            events.append(data if data == "[DONE]" else json.loads(data))
-    return events
 
 
 def wait_until(cond, timeout=30.0):
