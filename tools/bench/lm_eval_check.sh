@@ -12,6 +12,9 @@
 # tokenizer is written out as a local `tokenizer.json` for lm-eval, so the model itself
 # needs no hub access.
 #
+# lm-eval is told max_length = MAX_SEQ_LEN - 1, so a truncated context + continuation
+# always leaves the server room for the one token max_tokens=1 asks for.
+#
 # Environment: TASK (arc_easy), LIMIT (50), PORT (18790), MAX_SEQ_LEN (2048),
 # JAXLEARN_LMEVAL_VENV (default ~/.cache/jaxlearn/lm-eval-venv-0.4.13), OUT (results dir,
 # default tools/bench/results/lm_eval). Prints lm-eval's table; the JSON lands under $OUT.
@@ -77,5 +80,5 @@ echo "[lm_eval_check] serving $MODEL on port $PORT; running $TASK --limit $LIMIT
 
 mkdir -p "$OUT"
 "$VENV/bin/lm_eval" --model local-completions \
-  --model_args "model=$MODEL,base_url=http://127.0.0.1:$PORT/v1/completions,tokenizer=$WORK/tokenizer,tokenizer_backend=huggingface,tokenized_requests=True,num_concurrent=1,max_retries=3,max_length=$MAX_SEQ_LEN" \
+  --model_args "model=$MODEL,base_url=http://127.0.0.1:$PORT/v1/completions,tokenizer=$WORK/tokenizer,tokenizer_backend=huggingface,tokenized_requests=True,num_concurrent=1,max_retries=3,max_length=$((MAX_SEQ_LEN - 1))" \
   --tasks "$TASK" --limit "$LIMIT" --output_path "$OUT"
