@@ -288,3 +288,17 @@ def test_chat_logprobs_and_max_completion_tokens(server):
     plain = post(server, {k: v for k, v in body.items() if "logprobs" not in k},
                  "/v1/chat/completions")
     assert plain["choices"][0]["logprobs"] is None
+
+
+def test_chat_n_streams_every_choice(server):
+    body = {"messages": [{"role": "user", "content": "hey"}], "max_tokens": 4, "n": 2,
+            "temperature": 0.8, "seed": 9, "ignore_eos": True}
+    whole = post(server, body, "/v1/chat/completions")
+    status, raw, _ = call(server, "POST", "/v1/chat/completions", {**body, "stream": True})
+    events = [e for e in sse_events(raw) if e != "[DONE]"]
+    assert status == 200 and len(whole["choices"]) == 2
+    for c in whole["choices"]:
+        parts = [ch for e in events for ch in e["choices"] if ch["index"] == c["index"]]
+        assert parts[0]["delta"]["role"] == "assistant"
+        assert "".join(p["delta"].get("content", "") for p in parts) == c["message"]["content"]
+        assert parts[-1]["finish_reason"] == "length"
