@@ -68,7 +68,7 @@ def main(argv: Sequence[str]) -> int:
 
     from jaxlearn.checkpoint import CheckpointStructureError
     from jaxlearn.resilience.elastic import adapt_to_devices
-    from jaxlearn.resilience.failures import EXIT_USAGE, ResilienceError
+    from jaxlearn.resilience.failures import EXIT_USAGE, Preempted, ResilienceError
     from jaxlearn.resilience.manager import CheckpointSaveFailed
 
     cfg = child_config(args.output_dir,
@@ -82,6 +82,9 @@ def main(argv: Sequence[str]) -> int:
           flush=True)
     try:
         trainer.run()
+    except Preempted as e:
+        print(f"child: stopped: {e}", file=sys.stderr)
+        return e.exit_code
     except ResilienceError as e:
         print(f"child: error: {e}", file=sys.stderr)
         return e.exit_code
