@@ -161,3 +161,52 @@ def test_resume_with_other_max_step_warns_schedule_changes(tmp_path, caplog):
         child_config(out, ["max_step=5", "learner.total_steps=4", "eval_every_n_steps=0"]
                      ).instantiate().run()
     assert not [r for r in caplog.records if "learning-rate schedule" in r.message]
+
+
+def _two_processes(out, faults_on_1=""):
+    """The child as 2 processes x 4 CPU devices; `faults_on_1`: process 1's faults."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, JAX_NUM_CPU_DEVICES="4")
+    env.pop("XLA_FLAGS", None)
+    procs = []
+    for pid in (0, 1):
+        args = [*CHILD, str(out), "--distributed", str(port), str(pid), "2",
+                "--set", "eval_every_n_steps=0"]
+        if pid == 1 and faults_on_1:
+            args += ["--set", f"resilience.faults={faults_on_1}"]
+        procs.append(subprocess.Popen(args, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    outs = []
+    try:
+        for proc in procs:
+            outs.append(proc.communicate(timeout=600)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    return [p.returncode for p in procs], outs
+
+
+def test_two_processes_save_the_same_step_when_one_is_signalled(tmp_path):
+    """SIGTERM reaches process 1 only, during step 5: both processes stop at the step
+    the vote agreed on (one boundary later), save it together and exit 46; the rerun
+    ends bit for bit where an uninterrupted 2-process run ends."""
+    ref = tmp_path / "ref"
+    rcs, outs = _two_processes(ref)
+    assert rcs == [0, 0], outs[0][-2000:] + outs[1][-2000:]
+    out = tmp_path / "pre"
+    rcs, outs = _two_processes(out, "sigterm@5:step")
+    assert rcs == [EXIT_PREEMPTED] * 2, outs[0][-2000:] + outs[1][-2000:]
+    saved = _steps(out)[-1]
+    assert saved in (6, 7), saved
+    assert f"a preemption signal to another process: saved and committed step {saved} " \
+        in outs[0]
+    assert f"SIGTERM: saved and committed step {saved} " in outs[1]
+    rcs, outs = _two_processes(out, "sigterm@5:step")
+    assert rcs == [0, 0], outs[0][-2000:] + outs[1][-2000:]
+    assert f"from step {saved}" in outs[0]
+    _assert_bit_exact(out, _final(ref), "two processes")

@@ -103,7 +103,8 @@ class Preemption(Configurable):
             return
         signal.set_wakeup_fd(-1 if self._old_wakeup_fd is None else self._old_wakeup_fd)
         for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
+            # None: installed outside Python (e.g. by a C++ runtime): not restorable.
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
         self._previous = {}
         read_fd, write_fd = self._pipe
         self._pipe = None

@@ -1,6 +1,7 @@
 """Pieces of the trainer that need no `Trainer` instance: what one run carries between
-its phases, pytree key paths, device choice for small meshes, state-update merging, and
-merged input states for an elastic resume."""
+its phases, pytree key paths, device choice for small meshes, state-update merging,
+merged input states for an elastic resume, the MFU peak, and the schedule-length check on
+a resume."""
 
 from __future__ import annotations
 
