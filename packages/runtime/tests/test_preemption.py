@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import random
+import re
 import subprocess
 import sys
 
@@ -51,10 +52,10 @@ def _steps(out):
 
 
 def _assert_intact_before(out, step):
-    """Only steps saved before `step` are visible (step 3, once its async commit is done),
-    and each verifies; no trace of `step` but an unfinished `.tmp` dir."""
+    """Only steps saved before `step` are visible (step 4 of `save_every_n_steps=4`, once
+    its async commit is done), and each verifies; no trace of `step` but a `.tmp` dir."""
     ckpt = Checkpointer.default_config().set(directory=str(out / "checkpoints")).instantiate()
-    assert set(ckpt.steps()) <= {3}, ckpt.steps()
+    assert set(ckpt.steps()) <= {4}, ckpt.steps()
     for s in ckpt.steps():
         assert ckpt.read_metadata(s).step == s
     names = [p.name for p in (out / "checkpoints").glob(f"step_{step:08d}*")]
@@ -106,22 +107,28 @@ def test_signals_save_current_step_and_resume_bit_exact(tmp_path, reference, see
 
 
 def test_second_signal_exits_at_once_keeping_previous_commit(tmp_path, reference):
+    """Two SIGTERMs 1.5 s apart, the first during step 5, while the save (of step 5, or 6
+    when the flag missed step 5's boundary) is stalled: the second ends the run during
+    the save (the grace period, 20 s, has not run out)."""
     out = tmp_path / "twice"
-    rc, err = _child(out, "resilience.faults=sigterm@5:step:2")
+    faults = "resilience.faults=sigterm@5:step:2,stall@5+120000,stall@6+120000"
+    rc, err = _child(out, faults, "save_every_n_steps=4")
     assert rc == 128 + 15, err[-3000:]
-    assert "second signal (SIGTERM)" in err and "exiting at once with status 143" in err
+    assert re.search(r"second signal \(SIGTERM\) while saving step [56]: exiting at once "
+                     "with status 143", err), err[-3000:]
     _assert_intact_before(out, 5)
-    rc, err = _child(out, "resilience.faults=sigterm@5:step:2")
+    rc, err = _child(out, faults, "save_every_n_steps=4")
     assert rc == 0, err[-3000:]
     _assert_bit_exact(out, reference, "second signal")
 
 
 def test_grace_period_out_exits_47_keeping_previous_commit(tmp_path):
     out = tmp_path / "slow"
-    rc, err = _child(out, "resilience.faults=sigterm@5:step,stall@5+120000",
-                     "resilience.preemption.grace_s=5.0", "save_every_n_steps=3")
+    rc, err = _child(out, "resilience.faults=sigterm@5:step,stall@5+120000,stall@6+120000",
+                     "resilience.preemption.grace_s=5.0", "save_every_n_steps=4")
     assert rc == EXIT_PREEMPTED_UNSAVED, err[-3000:]
-    assert "grace period of 5 s after SIGTERM ran out while saving step 5" in err
+    assert re.search(r"grace period of 5 s after SIGTERM ran out while saving step [56]",
+                     err), err[-3000:]
     _assert_intact_before(out, 5)
 
 

@@ -22,8 +22,9 @@ each time its step runs, as real bad data would be on a replay:
     enospc@N           the checkpoint save of step N finds the disk full (its durable
                        writes raise OSError(ENOSPC))
     sigterm@N:PHASE[:COUNT][+MS] / sigint@...
-                       send this process SIGTERM / SIGINT (COUNT times in a row, default
-                       1) MS milliseconds after entering PHASE of step N (a preemption)
+                       send this process SIGTERM / SIGINT MS milliseconds after entering
+                       PHASE of step N (a preemption); COUNT times (default 1), 1.5 s
+                       apart (a repeat within 1 s is the same notice: preemption.py)
     stall@N+MS         the checkpoint save of step N first sleeps MS milliseconds (a slow
                        filesystem)
 
@@ -260,8 +261,10 @@ def _kill_self() -> None:
 
 
 def _signal_self(signum: int, count: int) -> None:
-    for _ in range(count):
-        os.kill(os.getpid(), signum)
+    """`count` signals: one now, the repeats 1.5 s apart on a timer thread."""
+    os.kill(os.getpid(), signum)
+    if count > 1:
+        _after(1500.0, lambda: _signal_self(signum, count - 1))
 
 
 def _after(delay_ms: float, fn: Any) -> None:

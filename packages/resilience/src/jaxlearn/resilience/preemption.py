@@ -10,7 +10,10 @@ default, before SIGKILL); Ctrl-C sends SIGINT. During `Trainer.run`:
                  process exits with status 47 (`EXIT_PREEMPTED_UNSAVED`); the unfinished
                  save is a `step_n.tmp/` no reader uses, the previous committed step is intact.
     2nd signal   exits at once with the shell status of the signal (143 SIGTERM, 130
-                 SIGINT), leaving the previous committed step intact.
+                 SIGINT), leaving the previous committed step intact. A signal within
+                 `SAME_NOTICE_S` (1 s) of the first is the same notice delivered twice
+                 (a scheduler signals every process of the job, and a supervisor forwards
+                 its own copy; Ctrl-C reaches the whole process group) and is ignored.
 
 The Python-level handlers do nothing: CPython's C handler writes each signal's number to a
 wakeup pipe (`signal.set_wakeup_fd`), which a watcher thread reads, so a second signal
@@ -39,6 +42,7 @@ from jaxlearn.resilience.failures import EXIT_PREEMPTED_UNSAVED
 log = logging.getLogger("jaxlearn.preemption")
 
 SIGNALS = ("SIGTERM", "SIGINT")
+SAME_NOTICE_S = 1.0
 
 
 class Preemption(Configurable):
@@ -130,8 +134,11 @@ class Preemption(Configurable):
 
     def notify(self, signum: int) -> None:
         """One received signal (called by the watcher thread; public for tests)."""
-        self._count += 1
         name = signal.Signals(signum).name
+        if self.signal_time is not None and \
+                time.monotonic() - self.signal_time < SAME_NOTICE_S:
+            return  # The first notice again (forwarded or sent to the whole group).
+        self._count += 1
         if self._count > 1:
             _write_stderr(f"preemption: second signal ({name}) {self.saving}: exiting at "
                           f"once with status {128 + signum}; the newest committed "

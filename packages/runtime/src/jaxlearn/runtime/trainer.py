@@ -376,9 +376,8 @@ class Trainer(Configurable):
         run.writer = cfg.summary_writer.instantiate(
             output_dir=cfg.output_dir, max_step=cfg.max_step, enabled=run.is_main,
             mfu_peak=None if peak is None else peak[1], resumed_at=run.step)
-        if run.step and run.checkpointer is not None:
-            warn_if_schedule_changed(run.checkpointer, run.step, self.config.max_step,
-                                     self.learner.config.total_steps)
+        warn_if_schedule_changed(run.checkpointer, run.step, cfg.max_step,
+                                 self.learner.config.total_steps)
         if run.is_main:
             with open(os.path.join(cfg.output_dir, "config.txt"), "w") as f:
                 f.write(self.run_record.config_text)

@@ -117,9 +117,11 @@ def schedule_steps(config_text: str) -> Optional[int]:
 
 def warn_if_schedule_changed(checkpointer: Any, step: int, max_step: int,
                              total_steps: Optional[int]) -> Optional[str]:
-    """On a resume from `step`: one warning (returned) when the checkpoint's run had
-    another schedule length than this one (`total_steps`, else `max_step`). The schedule
-    follows the new length from `step` on; `learner.total_steps` keeps the old one."""
+    """On a resume from `step` (> 0): one warning (returned) when the checkpoint's run
+    had another schedule length than this one (`total_steps`, else `max_step`). The
+    schedule follows the new length from `step` on; `learner.total_steps` keeps the old."""
+    if not step or checkpointer is None:
+        return None
     try:
         saved = checkpointer.read_metadata(step, process_index=jax.process_index()).config_text
     except Exception:
