@@ -16,7 +16,10 @@ Errors in what the user gave (unknown experiment, bad --set, bad data, unwritabl
 dir, a checkpoint in --output_dir from another model) print one line `jaxlearn: error: ...`
 and exit with status 2; nothing is written. Detected faults exit with their own status
 (42 hang, 43 silent data corruption, 44 non-finite values, 45 health check; see
-jaxlearn.resilience.failures), which `--supervise` uses to restart the run.
+jaxlearn.resilience.failures), which `--supervise` uses to restart the run. SIGTERM or
+SIGINT saves and commits the current step, prints one `jaxlearn: preemption: ...` line and
+exits 46 (47: the grace period `resilience.preemption.grace_s` ran out before the commit; a
+second signal exits at once with 143/130); a rerun resumes from the newest committed step.
 """
 
 from __future__ import annotations
@@ -244,7 +247,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError, OSError) as e:
         raise UsageError(str(e)) from None
     from jaxlearn.checkpoint import CheckpointStructureError, NoGoodCheckpointError
-    from jaxlearn.resilience.failures import ResilienceError
+    from jaxlearn.resilience.failures import Preempted, ResilienceError
     from jaxlearn.resilience.manager import CheckpointSaveFailed
     from jaxlearn.runtime.data import DataError
     from jaxlearn.runtime.record import RunRecord
@@ -273,6 +276,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     except (CheckpointStructureError, NoGoodCheckpointError, DataError) as e:
         # Another model's checkpoint, all checkpoints damaged, another input's state.
         raise UsageError(f"--output_dir {args.output_dir}: {_one_line(e)}") from None
+    except Preempted as e:  # SIGTERM/SIGINT: status 46 (saved) or 47; a rerun resumes.
+        print(f"jaxlearn: {_one_line(e)}", file=sys.stderr)
+        return e.exit_code
     except ResilienceError as e:
         print(f"jaxlearn: error: {_one_line(e)}", file=sys.stderr)
         return e.exit_code

@@ -50,6 +50,8 @@ from jaxlearn.runtime.trainer_support import (
     dict_keys,
     merge_updates,
     merged_iterator_state,
+    peak_flops,
+    warn_if_schedule_changed,
 )
 
 log = logging.getLogger("jaxlearn.trainer")
@@ -136,7 +138,7 @@ class Trainer(Configurable):
         self._keep_compile_error: Optional[BaseException] = None
         self._eval_step: Any = None
         self.compiled_flops: Optional[float] = None
-        self.mfu_peak = self._peak()
+        self.mfu_peak = peak_flops(cfg.peak_flops_per_device, list(self.mesh.devices.flat))
 
     # ---- sharding -------------------------------------------------------------------------
 
@@ -347,6 +349,8 @@ class Trainer(Configurable):
             while run.step < cfg.max_step:
                 self._train_step_once(run)
                 self._after_step(run)
+                if run.guard.stop_requested(run.step):  # SIGTERM/SIGINT, on any process.
+                    self._stop_preempted(run)  # Raises Preempted.
             self._finish(run)
         finally:
             self._close(run)
@@ -371,7 +375,9 @@ class Trainer(Configurable):
         peak = self.mfu_peak
         run.writer = cfg.summary_writer.instantiate(
             output_dir=cfg.output_dir, max_step=cfg.max_step, enabled=run.is_main,
-            mfu_peak=None if peak is None else peak[1])
+            mfu_peak=None if peak is None else peak[1], resumed_at=run.step)
+        warn_if_schedule_changed(run.checkpointer, run.step, cfg.max_step,
+                                 self.learner.config.total_steps)
         if run.is_main:
             with open(os.path.join(cfg.output_dir, "config.txt"), "w") as f:
                 f.write(self.run_record.config_text)
@@ -440,13 +446,26 @@ class Trainer(Configurable):
         if run.checkpointer is not None and (
             step % cfg.save_every_n_steps == 0 or step == cfg.max_step
         ):
-            # snapshot=False: the next step does not donate `state`, so the checkpointer
-            # copies it to host in the background.
-            run.state = run.guard.save(
-                run.checkpointer, step, run.state, data_iterator_state=run.data.get_state(),
-                config_text=self.run_record.config_text, metrics=run.last, snapshot=False,
-                extra_files={RECORD_FILE: self.run_record.to_json().encode()})
-            run.keep_input = True
+            self._save(run)
+
+    def _save(self, run: Run) -> None:
+        """Saves `run.state` at `run.step`. snapshot=False: the next step does not donate
+        `state` (`keep_input`), so the checkpointer copies it to host in the background."""
+        run.state = run.guard.save(
+            run.checkpointer, run.step, run.state, data_iterator_state=run.data.get_state(),
+            config_text=self.run_record.config_text, metrics=run.last, snapshot=False,
+            extra_files={RECORD_FILE: self.run_record.to_json().encode()})
+        run.keep_input = True
+
+    def _stop_preempted(self, run: Run) -> None:
+        """A preemption signal reached some process: every process saves this step (unless
+        `_after_step` just did) and waits for the commit; raises Preempted (status 46)."""
+        run.guard.finish()
+        if run.checkpointer is not None and not run.keep_input:
+            run.guard.preemption.saving = f"while saving step {run.step}"
+            self._save(run)
+        run.checkpointer, pending = None, run.checkpointer
+        run.guard.preempted(pending, run.step)
 
     def _finish(self, run: Run) -> None:
         """A normal end: the last non-finite flags, then the last commit."""
@@ -533,22 +552,6 @@ class Trainer(Configurable):
             raise TrainerError(f"compiling the non-donating train step failed: {error}") \
                 from error
         return self._keep_step
-
-    def _peak(self) -> Optional[tuple[float, str]]:
-        """(peak FLOP/s per device, what it is) for MFU: the config's, else the hardware
-        catalogue's bf16 peak for this mesh's devices; None when neither is known."""
-        peak = self.config.peak_flops_per_device
-        if peak is not None:
-            return peak, f"peak_flops_per_device {format_flops(peak)}/s (config)"
-        try:
-            from jaxlearn.mesh import detect_hardware
-
-            spec = detect_hardware(list(self.mesh.devices.flat))
-        except Exception:
-            return None
-        return spec.peak_bf16_flops, (f"{spec.kind} bf16 peak "
-                                      f"{format_flops(spec.peak_bf16_flops)}/s per device "
-                                      "(catalogue)")
 
     def _mfu(self, step_time: float) -> Optional[float]:
         """Model FLOPs utilization of one step against `mfu_peak` (per device)."""

@@ -1,6 +1,7 @@
 """Pieces of the trainer that need no `Trainer` instance: what one run carries between
-its phases, pytree key paths, device choice for small meshes, state-update merging, and
-merged input states for an elastic resume."""
+its phases, pytree key paths, device choice for small meshes, state-update merging,
+merged input states for an elastic resume, the MFU peak, and the schedule-length check on
+a resume."""
 
 from __future__ import annotations
 
@@ -76,3 +77,62 @@ def merge_updates(params: Any, updates: Any) -> Any:
         elif k in out:
             out[k] = v
     return out
+
+
+def peak_flops(peak: Optional[float], devices: list) -> Optional[tuple[float, str]]:
+    """(peak FLOP/s per device, what it is) for MFU: `peak` (the config's), else the
+    hardware catalogue's bf16 peak for `devices`; None when neither is known."""
+    from jaxlearn.runtime.summary import format_flops
+
+    if peak is not None:
+        return peak, f"peak_flops_per_device {format_flops(peak)}/s (config)"
+    try:
+        from jaxlearn.mesh import detect_hardware
+
+        spec = detect_hardware(devices)
+    except Exception:
+        return None
+    return spec.peak_bf16_flops, (f"{spec.kind} bf16 peak "
+                                  f"{format_flops(spec.peak_bf16_flops)}/s per device "
+                                  "(catalogue)")
+
+
+def _flat_value(config_text: str, key: str) -> Optional[str]:
+    for line in config_text.splitlines():
+        name, sep, value = line.partition(": ")
+        if sep and name == key:
+            return value.strip()
+    return None
+
+
+def schedule_steps(config_text: str) -> Optional[int]:
+    """The learning-rate schedule length of the run whose flat config is `config_text`:
+    `learner.total_steps`, else `max_step` (None when the text names neither)."""
+    for key in ("learner.total_steps", "max_step"):
+        value = _flat_value(config_text, key)
+        if value is not None and value.isdigit() and int(value) > 0:
+            return int(value)
+    return None
+
+
+def warn_if_schedule_changed(checkpointer: Any, step: int, max_step: int,
+                             total_steps: Optional[int]) -> Optional[str]:
+    """On a resume from `step` (> 0): one warning (returned) when the checkpoint's run
+    had another schedule length than this one (`total_steps`, else `max_step`). The
+    schedule follows the new length from `step` on; `learner.total_steps` keeps the old."""
+    if not step or checkpointer is None:
+        return None
+    try:
+        saved = checkpointer.read_metadata(step, process_index=jax.process_index()).config_text
+    except Exception:
+        return None
+    old = schedule_steps(saved) if saved else None
+    new = total_steps or max_step
+    if old is None or old == new:
+        return None
+    line = (f"resumed at step {step} with a learning-rate schedule of {new} steps; the "
+            f"checkpoint's run scheduled {old}, so the learning rate from step {step} on "
+            f"follows the {new}-step schedule (set learner.total_steps={old} to keep the "
+            "original one)")
+    log.warning(line)
+    return line
