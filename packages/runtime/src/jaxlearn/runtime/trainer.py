@@ -7,12 +7,13 @@ instead of blocking the loop for the copy.
 
 State = {"params", "opt_state", "prng_key", "step"} (+ "ema"), sharded per the mesh and
 the logical axis rules. The model is any `jaxlearn.module.Module` whose `forward(batch)`
-returns `(loss, metrics)`; auxiliary losses (MoE) are the model's to add. The trainer does
-not import layers: recipes put a model config into `TrainerConfig.model`.
-"""
+returns `(loss, metrics)`; auxiliary losses (MoE) are the model's to add. Recipes put a
+model config into `model` (the trainer imports no layers); `init_from` loads pretrained
+params into the param shardings (`runtime.init_from`) when there is no checkpoint yet."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -50,6 +51,7 @@ from jaxlearn.runtime.trainer_support import (
     dict_keys,
     merge_updates,
     merged_iterator_state,
+    peak_flops,
 )
 
 log = logging.getLogger("jaxlearn.trainer")
@@ -87,6 +89,9 @@ class Trainer(Configurable):
         peak_flops_per_device: Optional[float] = None
         # Watchdog, health checks, SDC and non-finite policies, goodput (resilience.py).
         resilience: Resilience.Config = Resilience.default_config()
+        # The first params when output_dir has no checkpoint: a `runtime.init_from.
+        # ParamSource` config (jaxlearn run, HF dir, GGUF file); None: from `seed`.
+        init_from: Optional[InstantiableConfig] = None
 
         def _field_problems(self) -> dict[str, str]:
             problems = below_minimum(self, max_step=1, log_every_n_steps=1,
@@ -103,7 +108,7 @@ class Trainer(Configurable):
         `jax.devices()`); e.g. mock TPU topology devices or fake CPU devices for AOT.
         `run_record`: what built this run (experiment, selector, overrides), written as
         `run.json` into the output dir and every checkpoint; its `config_text` must be this
-        config's flat text. Default: a record naming no experiment."""
+        config's flat text (default: naming no experiment; `base_model`: init_from's path)."""
         super().__init__(cfg)
         cfg = self.config
         cfg.validate()
@@ -113,6 +118,8 @@ class Trainer(Configurable):
         elif run_record.config_text != text:
             raise TrainerError("run_record.config_text is not this trainer's config (build the "
                                "record from the final config, after every override)")
+        if cfg.init_from is not None and run_record.base_model is None:
+            run_record = dataclasses.replace(run_record, base_model=str(cfg.init_from.path))
         self.run_record: RunRecord = run_record
         if devices is None:
             devices = devices_for(cfg.mesh_shape)
@@ -136,7 +143,7 @@ class Trainer(Configurable):
         self._keep_compile_error: Optional[BaseException] = None
         self._eval_step: Any = None
         self.compiled_flops: Optional[float] = None
-        self.mfu_peak = self._peak()
+        self.mfu_peak = peak_flops(cfg.peak_flops_per_device, list(self.mesh.devices.flat))
 
     # ---- sharding -------------------------------------------------------------------------
 
@@ -171,7 +178,11 @@ class Trainer(Configurable):
 
     def _init_state(self, seed_key: jax.Array) -> State:
         init_key, train_key = jax.random.split(seed_key)
-        params = self.model.initialize_parameters_recursively(init_key)
+        return self._state_from_params(
+            self.model.initialize_parameters_recursively(init_key), train_key)
+
+    def _state_from_params(self, params: Any, train_key: jax.Array) -> State:
+        """The train state around `params`: fresh optimizer state (and EMA), step 0."""
         params = jax.lax.with_sharding_constraint(params, self.param_shardings)
         state: State = {
             "params": params,
@@ -214,10 +225,20 @@ class Trainer(Configurable):
         return shardings
 
     def init_state(self) -> State:
-        """Fresh sharded state for `config.seed` (bit-identical for the same seed)."""
-        fn = jax.jit(self._init_state, out_shardings=self.state_shardings)
+        """Fresh sharded state for `config.seed` (bit-identical for the same seed); with
+        `init_from`, around its params loaded straight into the param shardings."""
+        key = jax.random.PRNGKey(self.config.seed)
+        if self.config.init_from is None:
+            fn, args = jax.jit(self._init_state, out_shardings=self.state_shardings), (key,)
+        else:
+            from jaxlearn.runtime.init_from import load_params
+
+            fn = jax.jit(self._state_from_params, out_shardings=self.state_shardings,
+                         donate_argnums=(0,))  # The loaded params become the state's.
+            args = (load_params(self.config.init_from, self.model, self.param_specs,
+                                self.param_shardings), jax.random.split(key)[1])
         with jax.set_mesh(self.mesh):
-            return fn(jax.random.PRNGKey(self.config.seed))
+            return fn(*args)
 
     def abstract_state(self) -> State:
         """ShapeDtypeStructs with shardings: the restore target, and what AOT compiles for."""
@@ -475,9 +496,8 @@ class Trainer(Configurable):
 
     def parameter_count(self) -> int:
         """Number of model parameters (scalars), from the parameter specs."""
-        sizes = [int(np.prod(s.shape)) for s in jax.tree.leaves(self.param_specs,
-                                                                  is_leaf=is_spec)]
-        return int(sum(sizes))
+        leaves = jax.tree.leaves(self.param_specs, is_leaf=is_spec)
+        return int(sum(int(np.prod(s.shape)) for s in leaves))
 
     def _report_flops(self, run: Run) -> None:
         """The start line about compute: FLOPs per token of the compiled step, and the peak
@@ -533,22 +553,6 @@ class Trainer(Configurable):
             raise TrainerError(f"compiling the non-donating train step failed: {error}") \
                 from error
         return self._keep_step
-
-    def _peak(self) -> Optional[tuple[float, str]]:
-        """(peak FLOP/s per device, what it is) for MFU: the config's, else the hardware
-        catalogue's bf16 peak for this mesh's devices; None when neither is known."""
-        peak = self.config.peak_flops_per_device
-        if peak is not None:
-            return peak, f"peak_flops_per_device {format_flops(peak)}/s (config)"
-        try:
-            from jaxlearn.mesh import detect_hardware
-
-            spec = detect_hardware(list(self.mesh.devices.flat))
-        except Exception:
-            return None
-        return spec.peak_bf16_flops, (f"{spec.kind} bf16 peak "
-                                      f"{format_flops(spec.peak_bf16_flops)}/s per device "
-                                      "(catalogue)")
 
     def _mfu(self, step_time: float) -> Optional[float]:
         """Model FLOPs utilization of one step against `mfu_peak` (per device)."""

@@ -1,6 +1,6 @@
 """Pieces of the trainer that need no `Trainer` instance: what one run carries between
 its phases, pytree key paths, device choice for small meshes, state-update merging, and
-merged input states for an elastic resume."""
+merged input states for an elastic resume, the peak FLOP/s that MFU is measured against."""
 
 from __future__ import annotations
 
@@ -76,3 +76,21 @@ def merge_updates(params: Any, updates: Any) -> Any:
         elif k in out:
             out[k] = v
     return out
+
+
+def peak_flops(configured: Optional[float], devices: list) -> Optional[tuple[float, str]]:
+    """(peak FLOP/s per device, what it is) for MFU: `configured` (the config's), else the
+    hardware catalogue's bf16 peak for `devices`; None when neither is known."""
+    from jaxlearn.runtime.summary import format_flops
+
+    if configured is not None:
+        return configured, f"peak_flops_per_device {format_flops(configured)}/s (config)"
+    try:
+        from jaxlearn.mesh import detect_hardware
+
+        spec = detect_hardware(devices)
+    except Exception:
+        return None
+    return spec.peak_bf16_flops, (f"{spec.kind} bf16 peak "
+                                  f"{format_flops(spec.peak_bf16_flops)}/s per device "
+                                  "(catalogue)")
