@@ -16,11 +16,11 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-from jaxlearn.config import REQUIRED, Configurable
+from jaxlearn.config import Configurable
 from jaxlearn.text.chat import ChatTemplate
 from jaxlearn.text.errors import TokenizerError
 from jaxlearn.text.gguf_vocab import tokenizer_from_gguf_metadata
-from jaxlearn.text.tokenizers import HFTokenizer, Tokenizer
+from jaxlearn.text.tokenizers import HFTokenizer
 
 
 def read_gguf_metadata(path: str) -> dict[str, Any]:
@@ -67,23 +67,37 @@ def chat_template_of(meta: dict[str, Any], path: str) -> Optional[ChatTemplate]:
 
 
 class GGUFTokenizer(HFTokenizer):
-    """The tokenizer of the GGUF file `path` (see the module doc)."""
+    """The tokenizer of the GGUF file `path` (see the module doc). `bos_token`,
+    `eos_token`, `pad_token`: None takes the file's special ids; a token text overrides
+    that id (EOS: the only end-of-generation id then)."""
 
-    class Config(Tokenizer.Config):
-        path: str = REQUIRED
+    class Config(HFTokenizer.Config):
+        pass
 
     def __init__(self, cfg: Optional[Configurable.Config] = None, **kwargs: Any):
-        config = type(self).default_config() if cfg is None else cfg
-        path = str(getattr(config, "path", ""))
+        config: Any = type(self).default_config() if cfg is None else cfg
+        path = str(config.path or "")
         if not path:
             raise TokenizerError("GGUFTokenizer.path is empty; set it to a .gguf file")
         meta = read_gguf_metadata(path)
-        ids = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+        tok = tokenizer_from_gguf_metadata(meta, source=path)
+        vocab = tok.get_vocab(with_added_tokens=True)
+
+        def pick(field: str, key: str) -> Optional[int]:
+            name = getattr(config, field)
+            if name is None:
+                value = meta.get(key)
+                return None if value is None else int(value)
+            return self._special(vocab, name, (), field, path)
+
+        eos = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+        if config.eos_token is not None:
+            eos = [pick("eos_token", "")]
         memory = dict(
-            tokenizer=tokenizer_from_gguf_metadata(meta, source=path),
-            bos_id=meta.get("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=tuple(dict.fromkeys(int(i) for i in ids if i is not None)),
-            pad_id=meta.get("tokenizer.ggml.padding_token_id"),
+            tokenizer=tok,
+            bos_id=pick("bos_token", "tokenizer.ggml.bos_token_id"),
+            eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos if i is not None)),
+            pad_id=pick("pad_token", "tokenizer.ggml.padding_token_id"),
             chat_template=chat_template_of(meta, path),
             source=path,
         )
