@@ -2,12 +2,12 @@
 metadata (written here with the gguf package's writer; no tensors needed)."""
 
 import pytest
+from test_gguf_vocab import spm_metadata
 
 from jaxlearn.config import from_flat_text, to_flat_text
 from jaxlearn.text.errors import TokenizerError
 from jaxlearn.text.gguf_tokenizer import GGUFTokenizer
 from jaxlearn.text.gguf_vocab import tokenizer_from_gguf_metadata
-from test_gguf_vocab import spm_metadata
 
 gguf = pytest.importorskip("gguf")
 TEMPLATE = "{% for m in messages %}{{ bos_token + m['content'] + eos_token }}{% endfor %}"

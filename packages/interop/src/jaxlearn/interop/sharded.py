@@ -165,7 +165,8 @@ def _groups(t_shape: Sequence[int], shape: Sequence[int]) -> Optional[tuple[tupl
     groups: list[tuple[int, ...]] = []
     a = 0
     for length in t_shape:
-        group, prod = [], 1
+        group: list[int] = []
+        prod = 1
         while a < len(shape) and (prod < length or (not group and length == 1)):
             group.append(a)
             prod *= shape[a]
@@ -387,7 +388,8 @@ def load_sharded(path: Union[str, pathlib.Path], model: Any, shardings: Any) -> 
         sharding = flat_shardings[name] if flat_shardings is not None else shardings
         cache: dict[tuple, np.ndarray] = {}
 
-        def cb(index: tuple[slice, ...]) -> np.ndarray:
+        def cb(index: Optional[tuple[slice, ...]]) -> np.ndarray:
+            index = index or ()
             key = tuple(s.indices(n)[:2] for s, n in zip(index, reader.shape))
             if key not in cache:
                 cache[key] = reader(index)

@@ -228,15 +228,14 @@ class Trainer(Configurable):
         """Fresh sharded state for `config.seed` (bit-identical for the same seed); with
         `init_from`, around its params loaded straight into the param shardings."""
         key = jax.random.PRNGKey(self.config.seed)
-        if self.config.init_from is None:
-            fn, args = jax.jit(self._init_state, out_shardings=self.state_shardings), (key,)
-        else:
+        fn, args = jax.jit(self._init_state, out_shardings=self.state_shardings), [key]
+        if self.config.init_from is not None:
             from jaxlearn.runtime.init_from import load_params
 
             fn = jax.jit(self._state_from_params, out_shardings=self.state_shardings,
                          donate_argnums=(0,))  # The loaded params become the state's.
-            args = (load_params(self.config.init_from, self.model, self.param_specs,
-                                self.param_shardings), jax.random.split(key)[1])
+            args = [load_params(self.config.init_from, self.model, self.param_specs,
+                                self.param_shardings), jax.random.split(key)[1]]
         with jax.set_mesh(self.mesh):
             return fn(*args)
 
