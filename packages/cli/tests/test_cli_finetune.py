@@ -61,6 +61,12 @@ def test_config_takes_model_tokenizer_and_template_from_init_from(model_dir, cap
     assert cfg.input.tokenizer.path == str(model_dir / "tokenizer.json")
     assert cfg.input.chat_template == TEMPLATE
     assert (cfg.input.bos_token, cfg.input.eos_token) == ("<s>", "<|im_end|>")
+    # The mesh rules apply to the pretrained model: bf16 compute and remat on a TPU pod.
+    assert main(["config", "--experiment", "finetune", "--init_from", str(model_dir),
+                 "--mesh_selector", "tpu-v5p-512"]) == 0
+    tpu = from_flat_text(capsys.readouterr().out)
+    assert tpu.model.dtype == "bfloat16" and tpu.model.decoder.dim == 32
+    assert tpu.model.decoder.transformer.layer.remat_spec.policy == "nothing_saveable"
 
 
 def test_finetune_starts_at_the_pretrained_loss_and_lowers_it(model_dir, tmp_path):
