@@ -389,7 +389,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
                          f"--prompt cannot be encoded")
     prompt: Any = args.prompt
     if args.chat:
-        prompt = chat_prompt(engine.tokenizer, [{"role": "user", "content": args.prompt}])
+        try:
+            prompt = chat_prompt(engine.tokenizer, [{"role": "user", "content": args.prompt}])
+        except ValueError as e:  # ChatTemplateError: a refused or failing template
+            raise UsageError(str(e)) from None
     t0 = time.monotonic()
     n = 0
     reason = None
