@@ -87,7 +87,7 @@ class GGUFSlices:
 
     def read_slice(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
         t = self.f.tensors[name]
-        data = t.data
+        data = self.f.header.data(name)  # a view of the validated, memory-mapped file
         if tuple(data.shape) == self.f.shape(name) and data.dtype.kind == "f":
             return np.asarray(data[index], np.float32)
         from gguf import quants  # a quantised (or BF16) tensor: [rows..., bytes per row]
