@@ -212,3 +212,35 @@ def test_bad_init_from_is_one_line(tmp_path, capsys, make, message):
     assert main(["config", "--experiment", "finetune", "--init_from", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and err.count("\n") == 0 and str(path) in err
+
+
+def test_lora_from_init_from_trains_only_the_adapters(model_dir, tmp_path):
+    """`lora` on the pretrained model: the LoRA layers survive --init_from, step 1's loss
+    is the base model's (adapters start as a no-op), and after training every base weight
+    is bit-identical to the pretrained one while the adapters moved."""
+    from jaxlearn.checkpoint import Checkpointer
+    from jaxlearn.interop import load_pretrained
+    from jaxlearn.interop.tree import flatten
+    from jaxlearn.module import functional
+
+    out = tmp_path / "lora"
+    assert main(["train", "--experiment", "lora", "--init_from", str(model_dir),
+                 "--output_dir", str(out), "--max_step", "6", *FAST]) == 0
+    cfg = from_flat_text((out / "config.txt").read_text())
+    assert cfg.model.decoder.transformer.layer.self_attention.klass.__name__ == "LoraAttention"
+    losses = _losses(out)
+    assert losses[6] < losses[1], losses
+    batch = next(cfg.input.instantiate().iterator(0, 1))
+    loaded = load_pretrained(model_dir)
+    (loss, _), _ = functional(loaded.model(), None, loaded.params, (batch,), is_training=False)
+    np.testing.assert_allclose(float(loss), losses[1], rtol=2e-6)
+    ckpt = Checkpointer.default_config().set(directory=str(out / "checkpoints")).instantiate()
+    trained = flatten(jax.tree.map(np.asarray, ckpt.restore(6, _abstract(ckpt, out),
+                                                            partial=True)["params"]))
+    ckpt.close()
+    base = flatten(loaded.params)
+    adapters = [k for k in trained if "_lora_" in k]
+    assert adapters and set(trained) == set(base) | set(adapters)
+    for k, v in base.items():
+        np.testing.assert_array_equal(trained[k], v, err_msg=k)
+    assert all(np.abs(trained[k]).max() > 0 for k in adapters if k.endswith("_lora_b"))

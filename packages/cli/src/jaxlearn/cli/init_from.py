@@ -8,7 +8,8 @@ or one step dir). Config fields set from PATH, so `jaxlearn config` prints them 
 run record holds them:
 
 - `model`: the pretrained architecture (`interop.build_config`, a scanned stack), keeping
-  the recipe's compute and param dtypes; a jaxlearn run's model config as recorded;
+  the recipe's compute and param dtypes and its LoRA layers (rank, alpha, dropout and
+  adapted weights re-applied with `layers.use_lora`); a jaxlearn run's model as recorded;
 - `input.tokenizer` (and `eval_input`'s): `HFTokenizer` on `tokenizer.json` with the
   BOS/EOS/pad token texts of `tokenizer_config.json`; `GGUFTokenizer` on the GGUF file;
   a jaxlearn run's recorded tokenizer;
@@ -58,12 +59,30 @@ def _kind(p: pathlib.Path) -> tuple[str, pathlib.Path]:
         f"({len(ggufs)} *.gguf files here) nor a jaxlearn run (no run.json, no checkpoints)")
 
 
+def _lora_settings(model: Any) -> Optional[dict[str, Any]]:
+    """`use_lora` arguments that rebuild the LoRA layers of a recipe's model (None: none):
+    its first LoRA layer's rank, alpha and dropout, targets = every adapted weight name."""
+    from jaxlearn.config import visit
+
+    found: list[Any] = []
+    visit(model, lambda path, c: found.append(c) if hasattr(c, "lora_rank") else None)
+    if not found:
+        return None
+    names = sorted({n for c in found for n in c.lora_targets})
+    return {"rank": found[0].lora_rank, "alpha": found[0].lora_alpha,
+            "dropout": found[0].lora_dropout, "targets": rf".*\.({'|'.join(names)})"}
+
+
 def _pretrained_model(cfg: Any, arch: Any) -> Any:
+    """PATH's architecture with the recipe's dtypes and LoRA layers (`use_lora` again)."""
     from jaxlearn.interop import build_config
+    from jaxlearn.layers import use_lora
 
     model = cfg.model
-    return build_config(arch, stack="scan", dtype=getattr(model, "dtype", None),
-                        param_dtype=getattr(model, "param_dtype", None))
+    new = build_config(arch, stack="scan", dtype=getattr(model, "dtype", None),
+                       param_dtype=getattr(model, "param_dtype", None))
+    lora = _lora_settings(model)
+    return new if lora is None else use_lora(new, **lora)
 
 
 def _hf(p: pathlib.Path) -> tuple[Any, Any, Any]:

@@ -15,7 +15,7 @@ from jaxlearn.experiments.common import (
     small_model_mesh_rules,
     trainer_config,
 )
-from jaxlearn.layers import llama_config, use_moe
+from jaxlearn.layers import ADAPTERS, llama_config, use_lora, use_moe
 from jaxlearn.mesh import SetFieldsModifier
 from jaxlearn.runtime.bundled import BundledSource
 from jaxlearn.runtime.input_pipeline import Input
@@ -149,6 +149,15 @@ def finetune() -> Trainer.Config:
     )
 
 
+def lora() -> Trainer.Config:
+    """`finetune` with LoRA adapters (rank 8, alpha 16) on every attention and dense FFN
+    projection; only the adapters train (`learner.trainable`), at lr 2e-4."""
+    cfg = finetune()
+    cfg.model = use_lora(cfg.model, rank=8, alpha=16.0)
+    cfg.learner.set(trainable=ADAPTERS, learning_rate=2e-4)
+    return cfg
+
+
 EXPERIMENTS = {
     "tiny-llama": tiny_llama,
     "tiny-moe": tiny_moe,
@@ -157,6 +166,7 @@ EXPERIMENTS = {
     "llama3-8b": llama3_8b,
     "mixtral-8x7b": mixtral_8x7b,
     "finetune": finetune,
+    "lora": lora,
 }
 DEFAULT_EXPERIMENT = "tiny-llama"
 

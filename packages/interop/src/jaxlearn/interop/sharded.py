@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import pathlib
+import re
 from typing import Any, Optional, Sequence, Union
 
 import numpy as np
@@ -358,7 +359,11 @@ def param_readers(path: Union[str, pathlib.Path], model: Any) -> dict[str, Slice
 def _check_against(
     model: Any, nodes: dict[str, Node], source: Any, where: str
 ) -> dict[str, SliceReader]:
+    from jaxlearn.layers import ADAPTERS
+
     specs = flatten(model.create_parameter_specs_recursively())
+    adapters = {k for k in specs if k not in nodes and re.fullmatch(ADAPTERS, k.replace(".", "/"))}
+    specs = {k: v for k, v in specs.items() if k not in adapters}  # the trainer inits them
     missing = sorted(k for k in specs if k not in nodes)
     unexpected = sorted(k for k in nodes if k not in specs)
     mismatched = [
@@ -375,31 +380,38 @@ def _check_against(
 def load_sharded(path: Union[str, pathlib.Path], model: Any, shardings: Any) -> Any:
     """`model`'s params from `path` as jax.Arrays placed per `shardings` (a tree like the
     model's parameter specs), each built by `jax.make_array_from_callback` from reads of
-    its addressable shards only. A shard index held by several devices is read once."""
+    its addressable shards only. A shard index held by several devices is read once.
+    LoRA adapters (`layers.ADAPTERS` paths) that the file lacks are left out: the caller
+    initialises them (the trainer does, from its seed)."""
+
     import jax
 
-    readers = param_readers(path, model)
-    spec_tree = model.create_parameter_specs_recursively()
     flat_shardings = flatten(shardings) if isinstance(shardings, dict) else None
-
-    def build(keypath: Any, spec: Any) -> Any:
-        name = ".".join(str(k.key) for k in keypath)
-        reader = readers[name]
+    out: dict[str, Any] = {}
+    for name, reader in param_readers(path, model).items():
         sharding = flat_shardings[name] if flat_shardings is not None else shardings
-        cache: dict[tuple, np.ndarray] = {}
+        *parents, last = name.split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = _sharded_array(reader, sharding)
+    return out
 
-        def cb(index: Optional[tuple[slice, ...]]) -> np.ndarray:
-            index = index or ()
-            key = tuple(s.indices(n)[:2] for s, n in zip(index, reader.shape))
-            if key not in cache:
-                cache[key] = reader(index)
-            return cache[key]
 
-        return jax.make_array_from_callback(reader.shape, sharding, cb)
+def _sharded_array(reader: SliceReader, sharding: Any) -> Any:
+    """`reader`'s parameter as a jax.Array with `sharding`, each distinct shard read once."""
+    import jax
 
-    from jaxlearn.module import is_spec
+    cache: dict[tuple, np.ndarray] = {}
 
-    return jax.tree_util.tree_map_with_path(build, spec_tree, is_leaf=is_spec)
+    def cb(index: Optional[tuple[slice, ...]]) -> np.ndarray:
+        index = index or ()
+        key = tuple(s.indices(n)[:2] for s, n in zip(index, reader.shape))
+        if key not in cache:
+            cache[key] = reader(index)
+        return cache[key]
+
+    return jax.make_array_from_callback(reader.shape, sharding, cb)
 
 
 class PretrainedParams(Configurable):

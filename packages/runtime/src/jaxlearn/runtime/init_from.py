@@ -89,20 +89,54 @@ class CheckpointParams(Configurable):
         return restored["params"]
 
 
-def load_params(init_from: Any, model: Any, specs: Any, shardings: Any) -> Any:
+def load_params(init_from: Any, model: Any, specs: Any, shardings: Any, init_key: Any) -> Any:
     """`init_from` (a ParamSource config) instantiated and loaded for `model`, checked
-    against its parameter specs `specs` (paths, shapes, dtypes)."""
+    against its parameter specs `specs` (paths, shapes, dtypes). Params the source leaves
+    out (LoRA adapters a base model lacks) get `model`'s own initialisation from
+    `init_key`, computed sharded (only those leaves are kept)."""
     from jaxlearn.module import is_spec
 
     source: ParamSource = init_from.instantiate()
     log.info("init_from %s", source.describe())
-    params = source.load(model, shardings)
+    params = _fill_missing(source.load(model, shardings), model, shardings, init_key)
     want = jax.tree.map(lambda s: (tuple(s.shape), np.dtype(s.dtype)), specs, is_leaf=is_spec)
     got = jax.tree.map(lambda a: (tuple(a.shape), np.dtype(a.dtype)), params)
     if want != got:
         raise InitFromError(f"init_from {source.describe()}: its params do not match the "
                             "model's parameter specs (paths, shapes, dtypes)")
     return params
+
+
+def _paths(tree: Any, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict[tuple[str, ...], Any] = {}
+    for k, v in tree.items():
+        out.update(_paths(v, prefix + (k,)))
+    return out
+
+
+def _fill_missing(params: Any, model: Any, shardings: Any, init_key: Any) -> Any:
+    have = _paths(params)
+    want = _paths(shardings)
+    missing = [p for p in want if p not in have]
+    if not missing:
+        return params
+    log.info("init_from: %d params initialised from the seed (not in the source): %s",
+             len(missing), ", ".join(".".join(p) for p in missing[:4]))
+
+    def pick(key: Any) -> list[Any]:
+        full = _paths(model.initialize_parameters_recursively(key))
+        return [full[p] for p in missing]
+
+    values = jax.jit(pick, out_shardings=[want[p] for p in missing])(init_key)
+    out: dict[str, Any] = {}
+    for p, v in [*have.items(), *zip(missing, values)]:
+        node = out
+        for part in p[:-1]:
+            node = node.setdefault(part, {})
+        node[p[-1]] = v
+    return out
 
 
 __all__ = ["CheckpointParams", "InitFromError", "ParamSource", "checkpoint_root",

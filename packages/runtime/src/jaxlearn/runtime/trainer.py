@@ -228,16 +228,17 @@ class Trainer(Configurable):
         """Fresh sharded state for `config.seed` (bit-identical for the same seed); with
         `init_from`, around its params loaded straight into the param shardings."""
         key = jax.random.PRNGKey(self.config.seed)
-        fn, args = jax.jit(self._init_state, out_shardings=self.state_shardings), [key]
-        if self.config.init_from is not None:
+        with jax.set_mesh(self.mesh):
+            if self.config.init_from is None:
+                return jax.jit(self._init_state, out_shardings=self.state_shardings)(key)
             from jaxlearn.runtime.init_from import load_params
 
+            init_key, train_key = jax.random.split(key)
+            params = load_params(self.config.init_from, self.model, self.param_specs,
+                                 self.param_shardings, init_key)
             fn = jax.jit(self._state_from_params, out_shardings=self.state_shardings,
                          donate_argnums=(0,))  # The loaded params become the state's.
-            args = [load_params(self.config.init_from, self.model, self.param_specs,
-                                self.param_shardings), jax.random.split(key)[1]]
-        with jax.set_mesh(self.mesh):
-            return fn(*args)
+            return fn(params, train_key)
 
     def abstract_state(self) -> State:
         """ShapeDtypeStructs with shardings: the restore target, and what AOT compiles for."""
