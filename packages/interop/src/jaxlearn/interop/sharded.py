@@ -384,7 +384,6 @@ def load_sharded(path: Union[str, pathlib.Path], model: Any, shardings: Any) -> 
     LoRA adapters (`layers.ADAPTERS` paths) that the file lacks are left out: the caller
     initialises them (the trainer does, from its seed)."""
 
-    import jax
 
     flat_shardings = flatten(shardings) if isinstance(shardings, dict) else None
     out: dict[str, Any] = {}
