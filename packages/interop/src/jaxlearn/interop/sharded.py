@@ -383,8 +383,6 @@ def load_sharded(path: Union[str, pathlib.Path], model: Any, shardings: Any) -> 
     its addressable shards only. A shard index held by several devices is read once.
     LoRA adapters (`layers.ADAPTERS` paths) that the file lacks are left out: the caller
     initialises them (the trainer does, from its seed)."""
-
-
     flat_shardings = flatten(shardings) if isinstance(shardings, dict) else None
     out: dict[str, Any] = {}
     for name, reader in param_readers(path, model).items():
