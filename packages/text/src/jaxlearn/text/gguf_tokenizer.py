@@ -5,7 +5,9 @@ is just the file's path, so a run's config text rebuilds it.
     tok.encode("hi"), tok.bos_id, tok.eos_token_ids, tok.apply_chat_template(messages)
 
 The `tokenizer.ggml.*` metadata is read with the `gguf` package's memory-mapped reader
-(no tensor data is touched) and rebuilt by `jaxlearn.text.gguf_vocab`. BOS, EOS (with the
+(no tensor data is touched). That reader trusts the header's sizes: `--init_from` first
+validates the file with `jaxlearn.interop`'s header reader; give this class only files
+that passed such a check and rebuilt by `jaxlearn.text.gguf_vocab`. BOS, EOS (with the
 end-of-turn/message ids), pad and the chat template (`tokenizer.chat_template`, with the
 BOS/EOS token texts) come from the same metadata. It is an `HFTokenizer` in every other
 respect (encode without specials, decode, `decode_stream`).
