@@ -1,14 +1,15 @@
 """Pieces of the trainer that need no `Trainer` instance: what one run carries between
 its phases, pytree key paths, device choice for small meshes, state-update merging,
-merged input states for an elastic resume, the MFU peak, and the schedule-length check on
-a resume."""
+merged input states for an elastic resume, the MFU peak, the schedule-length check on a
+resume, and compiling a step on a background thread."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import numpy as np
@@ -136,3 +137,44 @@ def warn_if_schedule_changed(checkpointer: Any, step: int, max_step: int,
             "original one)")
     log.warning(line)
     return line
+
+
+def abstract_like(tree: Any) -> Any:
+    """ShapeDtypeStructs (with shardings) of a tree of arrays, e.g. a global batch."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                        tree)
+
+
+class BackgroundCompile:
+    """`compile(abstract)` run on a daemon thread: `start` begins it, `get` waits for (or
+    starts and waits for) the result and re-raises the thread's error, `join` waits."""
+
+    def __init__(self, compile: Callable[[Any], Any]):
+        self._compile = compile
+        self._result: Any = None
+        self._error: Optional[BaseException] = None
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self, abstract: Any) -> None:
+        def work() -> None:
+            try:
+                self._result = self._compile(abstract)
+            except BaseException as e:  # Raised on the caller's thread by get().
+                self._error = e
+
+        self._thread = threading.Thread(target=work, name="compile-keep-step", daemon=True)
+        self._thread.start()
+
+    def join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def get(self, abstract: Any) -> Any:
+        if self._result is None and self._thread is None and self._error is None:
+            self.start(abstract)
+        self.join()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        return self._result
