@@ -53,7 +53,7 @@ def _tiny_bpe(qwen2_pre_tokenizer: bool = False) -> Any:
     one transformers 5 imposes on `qwen2` models, whatever tokenizer.json says)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from jaxlearn.interop.tokenizer_export import _QWEN2_REGEX
+    from jaxlearn.text.tokenizer_export import _QWEN2_REGEX
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

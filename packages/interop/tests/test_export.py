@@ -26,10 +26,10 @@ from jaxlearn.interop import (  # noqa: E402
     load_pretrained,
 )
 from jaxlearn.interop.gguf import GGUFFile  # noqa: E402
-from jaxlearn.interop.tokenizer_export import BYTE_SPECIALS, byte_level_tokenizer  # noqa: E402
 from jaxlearn.layers import FeedForward, llama_config  # noqa: E402
 from jaxlearn.layers.moe import MixtureOfExperts  # noqa: E402
 from jaxlearn.module import functional  # noqa: E402
+from jaxlearn.text.tokenizer_export import BYTE_SPECIALS, byte_level_tokenizer  # noqa: E402
 from jaxlearn.text.tokenizers import ByteTokenizer  # noqa: E402
 
 V = 320

@@ -25,14 +25,18 @@ from typing import Any, Iterable, Optional
 import numpy as np
 
 from jaxlearn.interop.arch import Architecture, architecture_from_config
-from jaxlearn.interop.errors import InteropError, UnsupportedModelError
+from jaxlearn.interop.errors import (
+    InteropError,
+    UnsupportedModelError,
+    tokenizer_errors_as_interop,
+)
 from jaxlearn.interop.gguf import _require_gguf, gguf_params_to_tensors
-from jaxlearn.interop.tokenizer_export import (
+from jaxlearn.text.chat import ChatTemplate
+from jaxlearn.text.tokenizer_export import (
     ExportTokenizer,
     export_tokenizer,
     gguf_tokenizer_metadata,
 )
-from jaxlearn.text.chat import ChatTemplate
 
 DTYPES = ("f32", "f16", "bf16", "q8_0")
 _KEEP_F32 = ("_norm.weight", ".bias", "ffn_gate_inp.weight", "rope_freqs.weight")
@@ -94,7 +98,8 @@ def _write_architecture(w: Any, arch: Architecture, context_length: int) -> None
 def _write_tokenizer(
     w: Any, tok: ExportTokenizer, chat_template: Optional[ChatTemplate], vocab_size: int
 ) -> None:
-    meta = gguf_tokenizer_metadata(tok, vocab_size=vocab_size)
+    with tokenizer_errors_as_interop():
+        meta = gguf_tokenizer_metadata(tok, vocab_size=vocab_size)
     w.add_tokenizer_model(meta["model"])
     if "pre" in meta:
         w.add_tokenizer_pre(meta["pre"])
@@ -179,14 +184,15 @@ def export_gguf(
     freqs = _rope_freqs(arch)
     if freqs is not None:
         tensors["rope_freqs.weight"] = freqs
-    tok = export_tokenizer(
-        tokenizer,
-        vocab_size=arch.vocab_size,
-        chat_template=chat_template,
-        bos_token_id=bos_token_id,
-        eos_token_ids=eos_token_ids,
-        pad_token_id=pad_token_id,
-    )
+    with tokenizer_errors_as_interop():
+        tok = export_tokenizer(
+            tokenizer,
+            vocab_size=arch.vocab_size,
+            chat_template=chat_template,
+            bos_token_id=bos_token_id,
+            eos_token_ids=eos_token_ids,
+            pad_token_id=pad_token_id,
+        )
     types = {n: _tensor_type(n, v, dtype) for n, v in tensors.items()}
     out = pathlib.Path(path)
     tmp = out.with_name(out.name + ".tmp")

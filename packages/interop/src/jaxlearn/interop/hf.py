@@ -35,6 +35,7 @@ from jaxlearn.interop.errors import (
     InteropError,
     MalformedFileError,
     TokenizerError,
+    tokenizer_errors_as_interop,
 )
 from jaxlearn.interop.hf_config import HF_CLASSES, architecture_from_hf, read_json
 from jaxlearn.interop.model import LoadedModel
@@ -322,7 +323,7 @@ def export_hf(
     that do not match the config, TokenizerError for a tokenizer larger than the model's
     vocab.
     """
-    from jaxlearn.interop.tokenizer_export import (
+    from jaxlearn.text.tokenizer_export import (
         export_tokenizer,
         generation_config,
         write_hf_tokenizer_files,
@@ -334,14 +335,15 @@ def export_hf(
     tensors = write_tensors(arch, "hf", top, layers)
     tok = None
     if tokenizer is not None:
-        tok = export_tokenizer(
-            tokenizer,
-            vocab_size=arch.vocab_size,
-            chat_template=chat_template,
-            bos_token_id=bos_token_id,
-            eos_token_ids=eos_token_ids,
-            pad_token_id=pad_token_id,
-        )
+        with tokenizer_errors_as_interop():
+            tok = export_tokenizer(
+                tokenizer,
+                vocab_size=arch.vocab_size,
+                chat_template=chat_template,
+                bos_token_id=bos_token_id,
+                eos_token_ids=eos_token_ids,
+                pad_token_id=pad_token_id,
+            )
     gen = generation_config(tok, bos_token_id, tuple(eos_token_ids), pad_token_id)
     arch.bos_token_id = gen.get("bos_token_id")
     eos = gen.get("eos_token_id")

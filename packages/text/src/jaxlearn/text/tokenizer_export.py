@@ -25,8 +25,8 @@ import json
 import pathlib
 from typing import Any, Iterable, Optional, Sequence
 
-from jaxlearn.interop.errors import TokenizerError
 from jaxlearn.text.chat import ChatTemplate
+from jaxlearn.text.errors import TokenizerError
 from jaxlearn.text.tokenizers import ByteTokenizer, HFTokenizer
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = range(1, 7)
