@@ -275,6 +275,24 @@ def run_config(path: Path, root: Path, experiment: Optional[str],
     return guess_config(saved, overrides, str(path), "no run record (run.json)")
 
 
+def run_tokenizer(cfg: Any) -> Any:
+    """The tokenizer a run trained with (`input.tokenizer`), with the chat template its data
+    was rendered with (`input.chat_template`, e.g. a fine-tuning run's) when the tokenizer
+    brings none of its own; None when the run's input has no tokenizer."""
+    from jaxlearn.text.chat import ChatTemplate
+
+    data = getattr(cfg, "input", None)
+    if data is None or "tokenizer" not in data:
+        return None
+    tokenizer = data.tokenizer.instantiate()
+    source = data.chat_template if "chat_template" in data else None
+    if source and tokenizer.chat_template is None:
+        tokenizer.set_chat_template(ChatTemplate(
+            source, bos_token=data.bos_token, eos_token=data.eos_token,
+            origin="the run's input.chat_template"))
+    return tokenizer
+
+
 def load_model(path: str, engine_cfg: Any, *, experiment: Optional[str] = None,
                overrides: Sequence[str] = (), dtype: Optional[str] = None) -> Any:
     """An `Engine` with `engine_cfg` for PATH (see module docstring)."""
@@ -289,9 +307,7 @@ def load_model(path: str, engine_cfg: Any, *, experiment: Optional[str] = None,
         root, step = location
         cfg, source = run_config(p, root, experiment, overrides)
         print(f"jaxlearn: model config from {source}", file=sys.stderr)
-        tokenizer = None
-        if getattr(cfg, "input", None) is not None and "tokenizer" in cfg.input:
-            tokenizer = cfg.input.tokenizer.instantiate()
+        tokenizer = run_tokenizer(cfg)
         return Engine.from_checkpoint(root, cfg.model, tokenizer, step=step,
                                       engine_cfg=engine_cfg)
     try:

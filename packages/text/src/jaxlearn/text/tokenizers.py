@@ -83,10 +83,26 @@ class Tokenizer(Configurable):
         """The text of `ids`; BOS/EOS/pad ids are dropped."""
         raise NotImplementedError(type(self))
 
+    # A chat template set on the instance (`set_chat_template`), e.g. the one a fine-tuning
+    # run rendered its data with; HFTokenizer also gets one from its files.
+    _chat: Optional[ChatTemplate] = None
+
+    @property
+    def chat_template(self) -> Optional[ChatTemplate]:
+        return self._chat
+
+    def set_chat_template(self, template: Optional[ChatTemplate]) -> None:
+        """Renders `apply_chat_template` with `template` from now on (None: no template)."""
+        self._chat = template
+
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> Optional[list[int]]:
-        """Prompt ids of a chat, or None when the tokenizer has no chat template."""
-        del messages
-        return None
+        """Prompt ids of a chat (the template's text with the generation prompt, encoded
+        without added special tokens: the template writes its own), or None when the
+        tokenizer has no chat template."""
+        if self._chat is None:
+            return None
+        return self.encode(self._chat.render([dict(m) for m in messages],
+                                             add_generation_prompt=True))
 
     def encode_array(self, text: str) -> np.ndarray:
         """`encode(text)` as an int32 array `[num_tokens]`."""
