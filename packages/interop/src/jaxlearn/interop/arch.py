@@ -1,10 +1,11 @@
 """`Architecture`: the hyperparameters of a Llama-family decoder, independent of the file
 format they come from (HF config.json, GGUF metadata) or go to (HF export).
 
-`build_config(arch)` turns one into a `CausalLM.Config` with `llama_config` (plus a
-dense-FFN -> MoE replacement for Mixtral, per-attention biases for Qwen2 and per-layer
-sliding windows); `architecture_from_config(cfg)` reads one back from a `CausalLM.Config`
-and raises `UnsupportedModelError` for anything the HF Llama/Mistral/Qwen2/Mixtral classes
+`build_config(arch)` turns one into a `CausalLM.Config` with `llama_config` (`qwen3_config`
+for Qwen3: per-head q/k RMSNorm; plus a dense-FFN -> MoE replacement for Mixtral,
+per-attention biases for Qwen2 and per-layer sliding windows);
+`architecture_from_config(cfg)` reads one back from a `CausalLM.Config` and raises
+`UnsupportedModelError` for anything the HF Llama/Mistral/Qwen2/Qwen3/Mixtral classes
 cannot express.
 """
 
@@ -26,10 +27,13 @@ from jaxlearn.layers import (
     ScanStack,
     TransformerLayer,
     llama_config,
+    qwen3_config,
 )
 from jaxlearn.layers.moe import MixtureOfExperts
 
-FAMILIES = ("llama", "mistral", "qwen2", "mixtral")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral")
+# Families whose attention normalises q and k per head (RMSNorm over head_dim, eps norm_eps).
+QK_NORM_FAMILIES = ("qwen3",)
 STACKS = ("scan", "loop")
 
 
@@ -86,6 +90,11 @@ class Architecture:
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
+    @property
+    def qk_norm(self) -> bool:
+        """Per-head RMSNorm of q and k before RoPE (Qwen3)."""
+        return self.family in QK_NORM_FAMILIES
+
     def uniform_sliding_window(self) -> tuple[bool, Optional[int]]:
         """(True, window) when every layer has the same window (None = none)."""
         if not self.sliding_windows:
@@ -104,7 +113,8 @@ def build_config(
     moe_dropless_method: str = "ragged_dot",
     name: str = "model",
 ) -> Any:
-    """A `CausalLM.Config` for `arch` (built with `llama_config`).
+    """A `CausalLM.Config` for `arch` (built with `llama_config`, or `qwen3_config` for
+    families with q/k norms).
 
     stack: "scan" or "loop"; layers with different sliding windows need per-layer configs,
     so they always get a `LoopStack` (whatever `stack` says).
@@ -124,7 +134,8 @@ def build_config(
         )
     if arch.is_moe and arch.mlp_bias:
         raise UnsupportedModelError("MoE experts with MLP biases are not supported")
-    cfg = llama_config(
+    recipe = qwen3_config if arch.qk_norm else llama_config
+    cfg = recipe(
         vocab_size=arch.vocab_size,
         dim=arch.dim,
         num_layers=arch.num_layers,
@@ -201,7 +212,7 @@ def architecture_from_config(cfg: Any, *, max_position_embeddings: Optional[int]
     """Reads an `Architecture` from a `CausalLM.Config` (as built by `llama_config`, possibly
     with MoE / bias / sliding-window / fused-projection changes). Raises
     `UnsupportedModelError` naming the config path of anything an HF
-    Llama/Mistral/Qwen2/Mixtral checkpoint cannot express."""
+    Llama/Mistral/Qwen2/Qwen3/Mixtral checkpoint cannot express."""
     dec = cfg.decoder
     if dec.emb.scale_by_sqrt_dim:
         raise _bad("model.decoder.emb.scale_by_sqrt_dim", "HF Llama does not scale embeddings")
@@ -223,8 +234,10 @@ def architecture_from_config(cfg: Any, *, max_position_embeddings: Optional[int]
             raise _bad(where, f"layers differ from layer 0 in {diff}; HF needs uniform layers")
         windows.append(lc.self_attention.sliding_window)
     assert first is not None
+    family = _family(first, windows)
+    del first["qk_norm"]  # implied by the family
     return Architecture(
-        family=_family(first, windows),
+        family=family,
         vocab_size=dec.vocab_size,
         dim=dec.dim,
         num_layers=len(windows),
@@ -251,8 +264,10 @@ def _layer_settings(where: str, lc: Any, dim: int, eps: float) -> dict[str, Any]
     a = lc.self_attention
     if not _is(a, Attention):
         raise _bad(f"{where}.self_attention", f"unknown attention {a.klass}")
+    qk_norm = a.qk_norm is not None
+    if qk_norm and _norm_eps(f"{where}.self_attention.qk_norm", a.qk_norm) != eps:
+        raise _bad(f"{where}.self_attention.qk_norm.eps", "HF Qwen3 uses rms_norm_eps")
     for field, ok in (
-        ("qk_norm", a.qk_norm is None),
         ("logit_soft_cap", a.logit_soft_cap is None),
         ("causal", a.causal),
         ("rope", a.rope is not None and a.rope.rotary_fraction == 1.0),
@@ -271,6 +286,7 @@ def _layer_settings(where: str, lc: Any, dim: int, eps: float) -> dict[str, Any]
         rope_scaling=_rope_scaling(f"{where}.self_attention.rope", a.rope.frequency_scaling),
         qkv_bias=bool(a.qkv_bias),
         output_bias=bool(a.output_bias),
+        qk_norm=qk_norm,
         **_ffn_settings(f"{where}.feed_forward", lc.feed_forward),
     )
 
@@ -311,6 +327,8 @@ def _family(layer: dict[str, Any], windows: list[Optional[int]]) -> str:
     """The HF model class that can express these settings."""
     sliding = any(w is not None for w in windows)
     uniform = all(w == windows[0] for w in windows)
+    if layer["qk_norm"]:
+        return _qwen3_family(layer, windows)
     if layer["num_experts"]:
         if layer["qkv_bias"] or layer["output_bias"]:
             raise UnsupportedModelError("cannot export: Mixtral has no attention biases")
@@ -320,13 +338,7 @@ def _family(layer: dict[str, Any], windows: list[Optional[int]]) -> str:
     if layer["qkv_bias"] and not layer["output_bias"]:
         if layer["mlp_bias"]:
             raise UnsupportedModelError("cannot export: Qwen2 has no MLP biases")
-        if sliding:
-            # Qwen2: full attention for layers < max_window_layers, the window after.
-            k = next(i for i, w in enumerate(windows) if w is not None)
-            if any(w is not None for w in windows[:k]) or any(w != windows[k] for w in windows[k:]):
-                raise UnsupportedModelError(
-                    "cannot export: Qwen2 windows must be full attention then one window"
-                )
+        _check_qwen_windows("Qwen2", windows)
         return "qwen2"
     if layer["qkv_bias"] != layer["output_bias"]:
         raise UnsupportedModelError("cannot export: output bias without q/k/v biases")
@@ -337,3 +349,26 @@ def _family(layer: dict[str, Any], windows: list[Optional[int]]) -> str:
             raise UnsupportedModelError("cannot export: Mistral has no biases")
         return "mistral"
     return "llama"
+
+
+def _check_qwen_windows(name: str, windows: list[Optional[int]]) -> None:
+    """Qwen2/Qwen3: full attention for layers < max_window_layers, one window after."""
+    if all(w is None for w in windows):
+        return
+    k = next(i for i, w in enumerate(windows) if w is not None)
+    if any(w is not None for w in windows[:k]) or any(w != windows[k] for w in windows[k:]):
+        raise UnsupportedModelError(
+            f"cannot export: {name} windows must be full attention then one window"
+        )
+
+
+def _qwen3_family(layer: dict[str, Any], windows: list[Optional[int]]) -> str:
+    """The Qwen3 class for a layer with q/k norms (attention biases on q/k/v and o or none)."""
+    if layer["qkv_bias"] != layer["output_bias"]:
+        raise UnsupportedModelError("cannot export: Qwen3 biases are on q/k/v and o together")
+    if layer["mlp_bias"]:
+        raise UnsupportedModelError("cannot export: Qwen3 has no MLP biases")
+    if layer["num_experts"]:
+        raise UnsupportedModelError("cannot export: q/k norms with experts (Qwen3-MoE)")
+    _check_qwen_windows("Qwen3", windows)
+    return "qwen3"

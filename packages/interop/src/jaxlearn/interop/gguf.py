@@ -7,10 +7,11 @@ float32 with `gguf.quants.dequantize` (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q
 K-quants and the IQ types that the package implements), then cast to the param dtype.
 
 Architectures: `llama` (Llama 1/2/3, Mistral and Mixtral as llama.cpp converts them, and
-SmolLM), `qwen2` (q/k/v biases), `mistral`-named files with the llama layout. llama.cpp
+SmolLM), `qwen2` (q/k/v biases), `qwen3` (`attn_q_norm` / `attn_k_norm`, explicit
+`attention.key_length`), `mistral`-named files with the llama layout. llama.cpp
 permutes the rows of the q/k projections of `llama` files for its interleaved RoPE
 (`convert_hf_to_gguf.LlamaModel.permute`); `unpermute_qk` undoes it so the weights match the
-HF rotate-half layout that jaxlearn's RoPE uses. qwen2 files are not permuted. Tensor
+HF rotate-half layout that jaxlearn's RoPE uses. qwen2 and qwen3 files are not permuted. Tensor
 names, shapes and transforms come from the name table in `jaxlearn.interop.names`.
 
 Llama-3.1 RoPE scaling is stored by llama.cpp as a `rope_freqs.weight` tensor of per-
@@ -52,7 +53,7 @@ except ImportError:  # pragma: no cover - depends on the environment
     _gguf = None
 
 Nested = dict[str, Any]
-ARCHITECTURES = ("llama", "mistral", "qwen2")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def _require_gguf() -> Any:
@@ -152,7 +153,7 @@ def _llama3_scaling_from_factors(
 
 
 def architecture_from_gguf(f: GGUFFile) -> Architecture:
-    """Reads the hyperparameters of a llama/qwen2 GGUF file."""
+    """Reads the hyperparameters of a llama/qwen2/qwen3 GGUF file."""
     arch_name = f.require("general.architecture")
     if arch_name not in ARCHITECTURES:
         raise UnsupportedModelError(
@@ -196,7 +197,7 @@ def architecture_from_gguf(f: GGUFFile) -> Architecture:
     held = held_features(FAMILIES["llama"], "gguf", f.tensors)  # biases, untied head
     eos = [f.get("tokenizer.ggml.eos_token_id")]
     eos += [f.get("tokenizer.ggml.eot_token_id"), f.get("tokenizer.ggml.eom_token_id")]
-    family = "mixtral" if experts else ("qwen2" if arch_name == "qwen2" else "llama")
+    family = "mixtral" if experts else (arch_name if arch_name in ("qwen2", "qwen3") else "llama")
     if window is not None and family == "llama":
         family = "mistral"
     return Architecture(

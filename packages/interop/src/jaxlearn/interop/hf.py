@@ -6,7 +6,8 @@
 
 Supported `model_type`s: llama (incl. Llama-3.1 RoPE scaling, attention/MLP biases),
 mistral (sliding window), qwen2 (q/k/v biases, per-layer sliding windows via
-`layer_types` / `use_sliding_window` + `max_window_layers`), mixtral (top-k softmax MoE;
+`layer_types` / `use_sliding_window` + `max_window_layers`), qwen3 (per-head q/k RMSNorm,
+explicit head_dim, optional q/k/v/o biases, windows as qwen2), mixtral (top-k softmax MoE;
 both the hub layout `block_sparse_moe.experts.N.w1/w2/w3` and the fused
 `mlp.experts.gate_up_proj/down_proj` layout of transformers 5). Tensors are read with
 `safetensors` into numpy (no torch, no pickle), single-file or sharded
@@ -96,7 +97,7 @@ def _rope(hf: dict[str, Any], where: str) -> tuple[float, Optional[dict[str, Any
 
 
 def architecture_from_hf(hf: dict[str, Any], *, where: str = "config.json") -> Architecture:
-    """Reads an HF `config.json` dict (Llama / Mistral / Qwen2 / Mixtral)."""
+    """Reads an HF `config.json` dict (Llama / Mistral / Qwen2 / Qwen3 / Mixtral)."""
     model_type = hf.get("model_type")
     if model_type not in HF_CLASSES:
         archs = hf.get("architectures") or []
@@ -116,7 +117,7 @@ def architecture_from_hf(hf: dict[str, Any], *, where: str = "config.json") -> A
         n_windows: tuple[Optional[int], ...] = ()
         window = hf.get("sliding_window")
         layer_types = hf.get("layer_types")
-        if model_type == "qwen2":
+        if model_type in ("qwen2", "qwen3"):
             if not hf.get("use_sliding_window", False):
                 window = None
             if layer_types is None:
@@ -125,7 +126,7 @@ def architecture_from_hf(hf: dict[str, Any], *, where: str = "config.json") -> A
                     "sliding_attention" if window is not None and i >= k else "full_attention"
                     for i in range(layers)
                 ]
-        if layer_types is not None and model_type in ("qwen2", "llama"):
+        if layer_types is not None and model_type in ("qwen2", "qwen3", "llama"):
             n_windows = tuple(
                 int(window) if t == "sliding_attention" and window is not None else None
                 for t in layer_types
@@ -147,7 +148,7 @@ def architecture_from_hf(hf: dict[str, Any], *, where: str = "config.json") -> A
             rope_scaling=scaling,
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=True if model_type == "qwen2" else bias,
-            output_bias=bias if model_type == "llama" else False,
+            output_bias=bias if model_type in ("llama", "qwen3") else False,
             mlp_bias=bool(hf.get("mlp_bias", False)) if model_type == "llama" else False,
             sliding_windows=n_windows,
             num_experts=int(hf.get("num_local_experts", 0)) if model_type == "mixtral" else 0,
@@ -199,7 +200,7 @@ def hf_config_dict(arch: Architecture, *, dtype: str = "float32") -> dict[str, A
         out["mlp_bias"] = arch.mlp_bias
     elif arch.family == "mistral":
         out["sliding_window"] = windows[0] if windows else None
-    elif arch.family == "qwen2":
+    elif arch.family in ("qwen2", "qwen3"):
         sliding = [i for i, w in enumerate(windows) if w is not None]
         out["use_sliding_window"] = bool(sliding)
         out["sliding_window"] = windows[sliding[0]] if sliding else None
@@ -208,6 +209,8 @@ def hf_config_dict(arch: Architecture, *, dtype: str = "float32") -> dict[str, A
             out["layer_types"] = [
                 "sliding_attention" if w is not None else "full_attention" for w in windows
             ]
+        if arch.family == "qwen3":
+            out["attention_bias"] = arch.qkv_bias
     elif arch.family == "mixtral":
         out["sliding_window"] = windows[0] if windows else None
         out["num_local_experts"] = arch.num_experts
@@ -375,8 +378,8 @@ def export_hf(
     generation_config.json, and tokenizer.json / tokenizer_config.json when a tokenizer is
     given. dtype: "float32", "bfloat16" or "float16".
 
-    Raises UnsupportedModelError if the config has features HF Llama/Mistral/Qwen2/Mixtral
-    cannot express (the message names the config path).
+    Raises UnsupportedModelError if the config has features HF
+    Llama/Mistral/Qwen2/Qwen3/Mixtral cannot express (the message names the config path).
     """
     out = pathlib.Path(path)
     arch = architecture_from_config(config, max_position_embeddings=max_position_embeddings)

@@ -164,6 +164,15 @@ ATTENTION_ROWS = (
            _hf("post_attention_layernorm.weight", "E"),
            _gg("ffn_norm.weight", "E")),
 )  # fmt: skip
+# Qwen3: per-head RMSNorm scales of q and k (applied before RoPE).
+QK_NORM_ROWS = (
+    _layer("self_attention.q_norm.scale", "D",
+           _hf("self_attn.q_norm.weight", "D"),
+           _gg("attn_q_norm.weight", "D")),
+    _layer("self_attention.k_norm.scale", "D",
+           _hf("self_attn.k_norm.weight", "D"),
+           _gg("attn_k_norm.weight", "D")),
+)  # fmt: skip
 DENSE_FFN_ROWS = (
     _layer("feed_forward.wi_0", "E F", _hf("mlp.gate_proj.weight", "F E", T),
            _gg("ffn_gate.weight", "F E", T)),
@@ -225,6 +234,7 @@ FAMILIES: dict[str, Family] = {
         Family("llama", "LlamaForCausalLM", True, _DENSE),
         Family("mistral", "MistralForCausalLM", True, _DENSE),
         Family("qwen2", "Qwen2ForCausalLM", False, _DENSE),
+        Family("qwen3", "Qwen3ForCausalLM", False, _DENSE + QK_NORM_ROWS),
         Family("mixtral", "MixtralForCausalLM", True, _MOE),
     )
 }

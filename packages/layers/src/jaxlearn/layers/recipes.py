@@ -88,6 +88,46 @@ def llama_config(
     )
 
 
+def qwen3_config(
+    vocab_size: int,
+    dim: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: Optional[int],
+    ffn_dim: int,
+    *,
+    head_dim: int = 128,
+    rope_theta: float = 1e6,
+    norm_eps: float = 1e-6,
+    attention_bias: bool = False,
+    **llama_kwargs: Any,
+) -> Any:
+    """A Qwen3-style CausalLM config: `llama_config` plus a per-head RMSNorm of q and k
+    over head_dim (weights [head_dim], before RoPE, eps `norm_eps`) and an explicit
+    `head_dim` (Qwen3 uses 128 whatever dim / num_heads is). Maps to HF
+    `Qwen3ForCausalLM` (see the README's Qwen3 rows).
+
+    attention_bias: biases on q/k/v and o (HF `attention_bias`). Remaining keyword
+    arguments (rope_scaling, tie_embeddings, stack, dtype, ...) go to `llama_config`.
+    """
+    cfg = llama_config(
+        vocab_size,
+        dim,
+        num_layers,
+        num_heads,
+        num_kv_heads,
+        ffn_dim,
+        head_dim=head_dim,
+        rope_theta=rope_theta,
+        norm_eps=norm_eps,
+        attention_bias=attention_bias,
+        **llama_kwargs,
+    )
+    layer = cfg.decoder.transformer.layer
+    layer.self_attention.qk_norm = RMSNorm.default_config().set(eps=norm_eps)
+    return cfg
+
+
 def mixtral_config(
     vocab_size: int,
     dim: int,
