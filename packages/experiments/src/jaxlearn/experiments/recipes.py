@@ -1,7 +1,7 @@
 """Named experiments: one function per recipe returning a complete `Trainer.Config`.
 
 Model shapes follow the published architectures (Llama 2: arXiv:2307.09288; Llama 3:
-arXiv:2407.21783; Mixtral: arXiv:2401.04088). Every recipe carries mesh rules for CPU, TPU
+arXiv:2407.21783; Mixtral: arXiv:2401.04088; Qwen3: arXiv:2505.09388). Every recipe carries mesh rules for CPU, TPU
 (v4/v5e/v5p/v6e), GPU (H100/H200/B200) and Trainium2; `--mesh_selector` picks one.
 """
 
@@ -14,7 +14,7 @@ from jaxlearn.experiments.common import (
     small_model_mesh_rules,
     trainer_config,
 )
-from jaxlearn.layers import llama_config, use_moe
+from jaxlearn.layers import llama_config, qwen3_config, use_moe
 from jaxlearn.runtime.bundled import BundledSource
 from jaxlearn.runtime.input_pipeline import Input
 from jaxlearn.runtime.trainer import Trainer
@@ -103,6 +103,14 @@ def mixtral_8x7b() -> Trainer.Config:
                   gpu_microbatches=2)
 
 
+def qwen3_8b() -> Trainer.Config:
+    """Qwen3 8B: 36 layers, d=4096, 32 heads / 8 KV heads of head_dim 128 with q/k RMSNorm,
+    FFN 12288, vocab 151936, RoPE theta 1e6, untied head, seq 4096."""
+    model = qwen3_config(151936, 4096, 36, 32, 8, 12288, head_dim=128, rope_theta=1e6,
+                         dtype="bfloat16")
+    return _large(model, seq_len=4096, global_batch=1024, max_step=500_000, lr=3e-4)
+
+
 EXPERIMENTS = {
     "tiny-llama": tiny_llama,
     "tiny-moe": tiny_moe,
@@ -110,6 +118,7 @@ EXPERIMENTS = {
     "llama2-70b": llama2_70b,
     "llama3-8b": llama3_8b,
     "mixtral-8x7b": mixtral_8x7b,
+    "qwen3-8b": qwen3_8b,
 }
 DEFAULT_EXPERIMENT = "tiny-llama"
 

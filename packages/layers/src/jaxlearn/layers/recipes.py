@@ -124,7 +124,7 @@ def qwen3_config(
         **llama_kwargs,
     )
     layer = cfg.decoder.transformer.layer
-    layer.self_attention.qk_norm = RMSNorm.default_config().set(eps=norm_eps)
+    layer.self_attention.qk_norm = RMSNorm.default_config().set(eps=norm_eps, axis_name=None)
     return cfg
 
 

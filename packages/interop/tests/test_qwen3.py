@@ -1,0 +1,211 @@
+"""Qwen3 (per-head q/k RMSNorm, explicit head_dim): tiny random transformers checkpoints
+(fixtures/make_qwen3_fixtures.py, run offline with torch) give the logits of transformers
+and its greedy tokens through the paged, continuously batched Engine; export -> import is
+the identity; transformers loads our exports (recorded); a GGUF file named by llama.cpp's
+own tensor map (`gguf.get_tensor_name_map`) holds the same model."""
+
+import dataclasses
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from jaxlearn.inference import Engine
+from jaxlearn.interop import (
+    ParameterMismatchError,
+    UnsupportedModelError,
+    architecture_from_config,
+    export_hf,
+    load_gguf,
+    load_hf,
+    load_pretrained,
+)
+from jaxlearn.layers import RMSNorm, qwen3_config
+from jaxlearn.module import functional
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures"
+VARIANTS = ["qwen3", "qwen3_tied"]
+
+
+def reference(name):
+    return np.load(FIXTURES / f"hf_{name}" / "reference.npz", allow_pickle=False)
+
+
+def logits(loaded, ids):
+    model = loaded.model()
+    fn = jax.jit(
+        lambda p, x: functional(
+            model, None, p, ({"input_ids": x},), method="logits", is_training=False
+        )[0]
+    )
+    return np.asarray(fn(loaded.params, jnp.asarray(ids)))
+
+
+@pytest.mark.parametrize("stack", ["scan", "loop"])
+@pytest.mark.parametrize("name", VARIANTS)
+def test_logits_match_transformers(name, stack):
+    loaded = load_pretrained(FIXTURES / f"hf_{name}", stack=stack)
+    ref = reference(name)
+    err = np.max(np.abs(logits(loaded, ref["input_ids"]) - ref["logits"]))
+    assert err <= 1e-4, err
+    assert np.abs(ref["logits"]).max() > 1.0  # not a trivial comparison
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_greedy_tokens_through_the_paged_engine_match_transformers(name):
+    """Both prompts batched, 4-token pages and 4-token prefill chunks (the 5-token prompt
+    takes two chunks; the 17 tokens span five pages, past the window of 5)."""
+    loaded = load_hf(FIXTURES / f"hf_{name}")
+    ref = reference(name)
+    assert float(ref["greedy_margin"]) > 1e-3  # no near-ties in the reference
+    engine = (
+        Engine.default_config()
+        .set(max_seq_len=32, max_batch=2, page_size=4, prefill_chunk=4, decode_burst=4)
+        .instantiate(model_cfg=loaded.config, params=loaded.params, tokenizer=None)
+    )
+    new = ref["greedy_ids"].shape[1]
+    prompts = [[int(t) for t in row] for row in ref["prompt_ids"]]
+    results = engine.generate(prompts, max_new_tokens=new, temperature=0.0, ignore_eos=True)
+    np.testing.assert_array_equal([r.tokens for r in results], ref["greedy_ids"])
+
+
+def test_architecture_and_params_are_read():
+    loaded = load_hf(FIXTURES / "hf_qwen3", stack="loop")
+    arch = loaded.architecture
+    assert arch.family == "qwen3" and arch.qk_norm
+    assert (arch.dim, arch.num_heads, arch.num_kv_heads, arch.head_dim) == (32, 4, 2, 16)
+    assert arch.sliding_windows == (None, 5, 5) and not arch.tie_embeddings
+    layer = loaded.params["decoder"]["transformer"]["layer1"]["self_attention"]
+    assert layer["q_norm"]["scale"].shape == (16,) and layer["k_norm"]["scale"].shape == (16,)
+    assert layer["q_proj"].shape == (32, 4, 16)
+    original = load_file(str(FIXTURES / "hf_qwen3" / "model.safetensors"))
+    np.testing.assert_array_equal(
+        layer["k_norm"]["scale"], original["model.layers.1.self_attn.k_norm.weight"]
+    )
+    tied = load_hf(FIXTURES / "hf_qwen3_tied")
+    attention = tied.config.decoder.transformer.layer.self_attention
+    assert tied.architecture.tie_embeddings and tied.config.decoder.lm_head is None
+    assert attention.qkv_bias and attention.output_bias and attention.qk_norm.eps == 1e-6
+    assert attention.num_kv_heads == 1 and attention.head_dim == 12
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_export_then_load_gives_identical_params(name, tmp_path):
+    loaded = load_hf(FIXTURES / f"hf_{name}")
+    out = export_hf(
+        tmp_path / "export",
+        loaded.config,
+        loaded.params,
+        bos_token_id=loaded.bos_token_id,
+        eos_token_ids=loaded.eos_token_ids,
+        max_position_embeddings=loaded.architecture.max_position_embeddings,
+    )
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3ForCausalLM"] and cfg["model_type"] == "qwen3"
+    again = load_hf(out)
+    assert again.architecture == loaded.architecture
+    jax.tree.map(np.testing.assert_array_equal, again.params, loaded.params)
+    original = load_file(str(FIXTURES / f"hf_{name}" / "model.safetensors"))
+    exported = load_file(str(out / "model.safetensors"))
+    assert sorted(exported) == sorted(original)
+    for tensor, value in original.items():
+        np.testing.assert_array_equal(exported[tensor], value, err_msg=tensor)
+
+
+def test_transformers_loads_our_exports_with_same_logits():
+    """Recorded by make_qwen3_fixtures.py --stage export: transformers loaded each
+    directory export_hf wrote (fixture round trips, fresh `qwen3_config` models)."""
+    check = json.loads((FIXTURES / "qwen3_export_check.json").read_text())["cases"]
+    expected = {f"roundtrip_{n}" for n in VARIANTS} | {"native_qwen3", "native_qwen3_tied_bias"}
+    assert set(check) == expected
+    for case, result in check.items():
+        assert result["hf_class"] == "Qwen3ForCausalLM", case
+        assert result["max_abs_logit_error"] <= 1e-4, (case, result)
+        assert result["logit_scale"] > 1.0, case
+
+
+def test_qwen3_config_is_read_back_and_bad_variants_are_refused():
+    cfg = qwen3_config(64, 32, 2, 4, 2, 48, head_dim=16, tie_embeddings=True)
+    arch = architecture_from_config(cfg)
+    assert arch.family == "qwen3" and arch.head_dim == 16 and arch.norm_eps == 1e-6
+    eps = cfg.clone()
+    eps.decoder.transformer.layer.self_attention.qk_norm.eps = 1e-5
+    with pytest.raises(UnsupportedModelError, match=r"self_attention\.qk_norm\.eps"):
+        architecture_from_config(eps)
+    offset = cfg.clone()
+    offset.decoder.transformer.layer.self_attention.qk_norm = RMSNorm.default_config().set(
+        scale_offset=1.0
+    )
+    with pytest.raises(UnsupportedModelError, match=r"self_attention\.qk_norm"):
+        architecture_from_config(offset)
+    biased = cfg.clone()
+    biased.decoder.transformer.layer.self_attention.qkv_bias = True
+    with pytest.raises(UnsupportedModelError, match="Qwen3 biases"):
+        architecture_from_config(biased)
+
+
+# ---- GGUF --------------------------------------------------------------------------------
+
+
+def write_qwen3_gguf(path, name, *, drop=()):
+    """The fixture as an F32 `qwen3` GGUF: tensor names from llama.cpp's own HF -> GGUF
+    map, hyperparameters as llama.cpp's converter writes them."""
+    gguf = pytest.importorskip("gguf")
+    hf = json.loads((FIXTURES / f"hf_{name}" / "config.json").read_text())
+    state = load_file(str(FIXTURES / f"hf_{name}" / "model.safetensors"))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, hf["num_hidden_layers"])
+    w = gguf.GGUFWriter(str(path), arch="qwen3")
+    w.add_block_count(hf["num_hidden_layers"])
+    w.add_context_length(hf["max_position_embeddings"])
+    w.add_embedding_length(hf["hidden_size"])
+    w.add_feed_forward_length(hf["intermediate_size"])
+    w.add_head_count(hf["num_attention_heads"])
+    w.add_head_count_kv(hf["num_key_value_heads"])
+    w.add_key_length(hf["head_dim"])
+    w.add_value_length(hf["head_dim"])
+    w.add_rope_dimension_count(hf["head_dim"])
+    w.add_layer_norm_rms_eps(hf["rms_norm_eps"])
+    w.add_rope_freq_base(hf["rope_parameters"]["rope_theta"])
+    w.add_vocab_size(hf["vocab_size"])
+    w.add_bos_token_id(hf["bos_token_id"])
+    w.add_eos_token_id(hf["eos_token_id"])
+    for tensor, value in state.items():
+        gname = names.get_name(tensor, try_suffixes=(".weight", ".bias"))
+        assert gname is not None, tensor
+        if gname not in drop:
+            w.add_tensor(gname, np.ascontiguousarray(value, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_gguf_qwen3_holds_the_hf_checkpoint(name, tmp_path):
+    """Same hyperparameters (GGUF has no per-layer windows) and bit-identical params."""
+    gg = load_gguf(write_qwen3_gguf(tmp_path / f"{name}.gguf", name), stack="loop")
+    hf = load_hf(FIXTURES / f"hf_{name}", stack="loop")
+    assert gg.architecture.norm_eps == pytest.approx(hf.architecture.norm_eps)  # f32 in GGUF
+    want = dataclasses.replace(hf.architecture, sliding_windows=(), norm_eps=gg.architecture.norm_eps)
+    assert gg.architecture == want
+    jax.tree.map(np.testing.assert_array_equal, gg.params, hf.params)
+
+
+def test_gguf_qwen3_matches_transformers(tmp_path):
+    loaded = load_gguf(write_qwen3_gguf(tmp_path / "tied.gguf", "qwen3_tied"))
+    assert loaded.architecture.family == "qwen3" and loaded.architecture.head_dim == 12
+    assert loaded.architecture.tie_embeddings and loaded.architecture.qkv_bias
+    ref = reference("qwen3_tied")
+    err = np.max(np.abs(logits(loaded, ref["input_ids"]) - ref["logits"]))
+    assert err <= 1e-4, err
+
+
+def test_gguf_qwen3_without_k_norm_lists_the_missing_tensor(tmp_path):
+    path = write_qwen3_gguf(tmp_path / "bad.gguf", "qwen3", drop=("blk.1.attn_k_norm.weight",))
+    with pytest.raises(ParameterMismatchError, match=r"blk\.1\.attn_k_norm\.weight \(16,\)"):
+        load_gguf(path)
