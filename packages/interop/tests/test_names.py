@@ -106,7 +106,8 @@ def test_export_then_import_is_the_identity(family, fmt, alternative, data):
 
 
 def test_gguf_q_k_rows_are_permuted_only_for_llama_layout_families():
-    for family, permuted in (("llama", True), ("mixtral", True), ("qwen2", False), ("qwen3", False)):
+    layouts = (("llama", True), ("mixtral", True), ("qwen2", False), ("qwen3", False))
+    for family, permuted in layouts:
         arch = Architecture(
             family=family, vocab_size=5, dim=4, num_layers=1, num_heads=2, num_kv_heads=1,
             head_dim=4, ffn_dim=3, norm_eps=1e-5, rope_theta=1e4, qkv_bias=True,

@@ -191,7 +191,8 @@ def test_gguf_qwen3_holds_the_hf_checkpoint(name, tmp_path):
     gg = load_gguf(write_qwen3_gguf(tmp_path / f"{name}.gguf", name), stack="loop")
     hf = load_hf(FIXTURES / f"hf_{name}", stack="loop")
     assert gg.architecture.norm_eps == pytest.approx(hf.architecture.norm_eps)  # f32 in GGUF
-    want = dataclasses.replace(hf.architecture, sliding_windows=(), norm_eps=gg.architecture.norm_eps)
+    eps = gg.architecture.norm_eps
+    want = dataclasses.replace(hf.architecture, sliding_windows=(), norm_eps=eps)
     assert gg.architecture == want
     jax.tree.map(np.testing.assert_array_equal, gg.params, hf.params)
 
