@@ -31,9 +31,9 @@ from jaxlearn.layers import (
 )
 from jaxlearn.layers.moe import MixtureOfExperts
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
 # Families whose attention normalises q and k per head (RMSNorm over head_dim, eps norm_eps).
-QK_NORM_FAMILIES = ("qwen3",)
+QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
 STACKS = ("scan", "loop")
 
 
@@ -44,7 +44,11 @@ class Architecture:
     rope_scaling: None, or an HF-style dict with "rope_type" "llama3" (factor,
     low_freq_factor, high_freq_factor, original_max_position_embeddings) or "linear"
     (factor). sliding_windows: one entry per layer (None = full attention), or () when no
-    layer has a window. num_experts > 0 makes every FFN a top-k softmax MoE (Mixtral).
+    layer has a window. num_experts > 0 makes every FFN a top-k softmax MoE of experts
+    with hidden size ffn_dim (Mixtral, Qwen3-MoE), except the `dense_layers`, which have
+    a dense SwiGLU FFN of hidden size `dense_ffn_dim` (Qwen3-MoE `mlp_only_layers` /
+    `decoder_sparse_step`). normalize_top_k: divide the k routing weights by their sum
+    (Qwen3-MoE `norm_topk_prob`; Mixtral always does).
     """
 
     family: str
@@ -66,6 +70,9 @@ class Architecture:
     num_experts: int = 0
     num_experts_per_token: int = 2
     router_aux_loss_coef: float = 0.0
+    normalize_top_k: bool = True
+    dense_layers: tuple[int, ...] = ()
+    dense_ffn_dim: int = 0
     max_position_embeddings: Optional[int] = None
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple[int, ...] = ()
@@ -80,6 +87,14 @@ class Architecture:
             )
         if self.sliding_windows and all(w is None for w in self.sliding_windows):
             self.sliding_windows = ()
+        if self.dense_layers and not (self.is_moe and self.dense_ffn_dim > 0):
+            raise UnsupportedModelError(
+                f"dense_layers {self.dense_layers} need num_experts > 0 and dense_ffn_dim > 0"
+            )
+        if any(not 0 <= i < self.num_layers for i in self.dense_layers):
+            raise UnsupportedModelError(
+                f"dense_layers {self.dense_layers} outside [0, {self.num_layers})"
+            )
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedModelError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads="
@@ -116,15 +131,16 @@ def build_config(
     """A `CausalLM.Config` for `arch` (built with `llama_config`, or `qwen3_config` for
     families with q/k norms).
 
-    stack: "scan" or "loop"; layers with different sliding windows need per-layer configs,
-    so they always get a `LoopStack` (whatever `stack` says).
+    stack: "scan" or "loop"; layers with different sliding windows or FFNs (dense layers of
+    an MoE model) need per-layer configs, so they always get a `LoopStack` (whatever
+    `stack` says).
     dtype: compute dtype (e.g. "bfloat16"); param_dtype: storage dtype of the params
     (default float32).
     """
     if stack not in STACKS:
         raise ValueError(f"stack must be one of {STACKS}, got {stack!r}")
     uniform, window = arch.uniform_sliding_window()
-    if not uniform:
+    if not uniform or arch.dense_layers:
         stack = "loop"
     scaling = arch.rope_scaling
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
@@ -163,27 +179,39 @@ def build_config(
         attention.rope.frequency_scaling = LinearFrequencyScaling.default_config().set(
             factor=float(scaling["factor"])  # type: ignore[index]
         )
-    if uniform:
-        attention.sliding_window = window
-    else:
-        layers = []
-        for w in arch.sliding_windows:
-            one = layer.clone()
-            one.self_attention = one.self_attention.clone(sliding_window=w)
-            layers.append(one)
-        cfg.decoder.transformer.layers = layers
     if arch.is_moe:
         cfg = replace_config(cfg, FeedForward, _experts_config(arch, moe_dropless_method))
+    if uniform and not arch.dense_layers:
+        cfg.decoder.transformer.layer.self_attention.sliding_window = window
+    else:
+        layer = cfg.decoder.transformer.layer
+        cfg.decoder.transformer.layers = [
+            _layer_config(arch, layer, i) for i in range(arch.num_layers)
+        ]
     return cfg
 
 
+def _layer_config(arch: Architecture, layer: Any, i: int) -> Any:
+    """Layer i of a stack whose layers differ: its window, and a dense SwiGLU FFN if it is
+    one of the `dense_layers` of an MoE model."""
+    one = layer.clone()
+    window = arch.sliding_windows[i] if arch.sliding_windows else None
+    one.self_attention = one.self_attention.clone(sliding_window=window)
+    if i in arch.dense_layers:
+        one.feed_forward = FeedForward.default_config().set(
+            hidden_dim=arch.dense_ffn_dim, activation=("silu", "linear"), use_bias=False
+        )
+    return one
+
+
 def _experts_config(arch: Architecture, dropless_method: str) -> Any:
-    """The Mixtral MoE (top-k softmax, renormalised, dropless) that replaces every FFN."""
+    """The Mixtral / Qwen3-MoE MoE (top-k softmax, renormalised if `normalize_top_k`,
+    dropless) that replaces every FFN."""
     return MixtureOfExperts.default_config().set(
         num_experts=arch.num_experts,
         num_experts_per_token=arch.num_experts_per_token,
         router_scores="softmax",
-        normalize_top_k_weights=True,
+        normalize_top_k_weights=arch.normalize_top_k,
         capacity_factor=None,
         dropless_method=dropless_method,
         # HF's load_balancing_loss_func is num_experts_per_token times ours.
@@ -212,7 +240,7 @@ def architecture_from_config(cfg: Any, *, max_position_embeddings: Optional[int]
     """Reads an `Architecture` from a `CausalLM.Config` (as built by `llama_config`, possibly
     with MoE / bias / sliding-window / fused-projection changes). Raises
     `UnsupportedModelError` naming the config path of anything an HF
-    Llama/Mistral/Qwen2/Qwen3/Mixtral checkpoint cannot express."""
+    Llama/Mistral/Qwen2/Qwen3/Mixtral/Qwen3-MoE checkpoint cannot express."""
     dec = cfg.decoder
     if dec.emb.scale_by_sqrt_dim:
         raise _bad("model.decoder.emb.scale_by_sqrt_dim", "HF Llama does not scale embeddings")
@@ -224,9 +252,11 @@ def architecture_from_config(cfg: Any, *, max_position_embeddings: Optional[int]
     eps = _norm_eps("model.decoder.output_norm", dec.output_norm)
     windows: list[Optional[int]] = []
     first: Optional[dict[str, Any]] = None
+    ffns = []
     for i, lc in enumerate(layer_configs(t)):
         where = f"model.decoder.transformer.layers[{i}]"
         this = _layer_settings(where, lc, dec.dim, eps)
+        ffns.append(_ffn_settings(f"{where}.feed_forward", lc.feed_forward))
         if first is None:
             first = this
         elif this != first:
@@ -234,6 +264,7 @@ def architecture_from_config(cfg: Any, *, max_position_embeddings: Optional[int]
             raise _bad(where, f"layers differ from layer 0 in {diff}; HF needs uniform layers")
         windows.append(lc.self_attention.sliding_window)
     assert first is not None
+    first.update(_ffn_pattern(ffns))
     family = _family(first, windows)
     del first["qk_norm"]  # implied by the family
     return Architecture(
@@ -256,7 +287,8 @@ def _norm_eps(path: str, norm: Any) -> float:
 
 
 def _layer_settings(where: str, lc: Any, dim: int, eps: float) -> dict[str, Any]:
-    """The `Architecture` fields one TransformerLayer config sets (all but the window)."""
+    """The `Architecture` fields one TransformerLayer config sets (all but the window and
+    the FFN)."""
     if not _is(lc, TransformerLayer):
         raise _bad(where, f"unknown layer {lc.klass}")
     if _norm_eps(f"{where}.norm", lc.norm) != eps:
@@ -287,7 +319,6 @@ def _layer_settings(where: str, lc: Any, dim: int, eps: float) -> dict[str, Any]
         qkv_bias=bool(a.qkv_bias),
         output_bias=bool(a.output_bias),
         qk_norm=qk_norm,
-        **_ffn_settings(f"{where}.feed_forward", lc.feed_forward),
     )
 
 
@@ -307,13 +338,14 @@ def _ffn_settings(where: str, f: Any) -> dict[str, Any]:
     if _is(f, MixtureOfExperts):
         if tuple(f.activation) != ("silu", "linear"):
             raise _bad(f"{where}.activation", "Mixtral experts are SwiGLU")
-        if f.router_scores != "softmax" or not f.normalize_top_k_weights:
-            raise _bad(where, "Mixtral routing is softmax + top-k renorm")
+        if f.router_scores != "softmax":
+            raise _bad(f"{where}.router_scores", "HF MoE routers are softmax + top-k")
         return dict(
             ffn_dim=f.hidden_dim,
             num_experts=f.num_experts,
             num_experts_per_token=f.num_experts_per_token,
             router_aux_loss_coef=f.load_balance_loss_weight / f.num_experts_per_token,
+            normalize_top_k=bool(f.normalize_top_k_weights),
             mlp_bias=False,
         )
     if _is(f, FeedForward):
@@ -323,6 +355,28 @@ def _ffn_settings(where: str, f: Any) -> dict[str, Any]:
     raise _bad(where, f"unknown feed-forward {f.klass}")
 
 
+def _ffn_pattern(ffns: list[dict[str, Any]]) -> dict[str, Any]:
+    """The FFN fields of `Architecture` from each layer's `_ffn_settings`: one FFN for all
+    layers, or experts in some and one dense FFN in the others (`dense_layers`)."""
+    groups: dict[bool, dict[str, Any]] = {}
+    for i, f in enumerate(ffns):
+        first = groups.setdefault(bool(f["num_experts"]), f)
+        if f != first:
+            diff = sorted(k for k in f if f[k] != first[k])
+            kind = "MoE" if f["num_experts"] else "dense"
+            raise _bad(
+                f"model.decoder.transformer.layers[{i}].feed_forward",
+                f"differs from the first {kind} FFN in {diff}; HF needs one of each",
+            )
+    if not (True in groups and False in groups):
+        return dict(next(iter(groups.values())))
+    dense = groups[False]
+    if dense["mlp_bias"]:
+        raise UnsupportedModelError("cannot export: the dense layers of an MoE have no biases")
+    dense_layers = tuple(i for i, f in enumerate(ffns) if not f["num_experts"])
+    return dict(groups[True], dense_layers=dense_layers, dense_ffn_dim=dense["ffn_dim"])
+
+
 def _family(layer: dict[str, Any], windows: list[Optional[int]]) -> str:
     """The HF model class that can express these settings."""
     sliding = any(w is not None for w in windows)
@@ -330,6 +384,11 @@ def _family(layer: dict[str, Any], windows: list[Optional[int]]) -> str:
     if layer["qk_norm"]:
         return _qwen3_family(layer, windows)
     if layer["num_experts"]:
+        if layer.get("dense_layers") or not layer["normalize_top_k"]:
+            raise UnsupportedModelError(
+                "cannot export: Mixtral has no dense layers and renormalises its top-k "
+                "weights (both need q/k norms: Qwen3-MoE)"
+            )
         if layer["qkv_bias"] or layer["output_bias"]:
             raise UnsupportedModelError("cannot export: Mixtral has no attention biases")
         if not uniform:
@@ -363,12 +422,15 @@ def _check_qwen_windows(name: str, windows: list[Optional[int]]) -> None:
 
 
 def _qwen3_family(layer: dict[str, Any], windows: list[Optional[int]]) -> str:
-    """The Qwen3 class for a layer with q/k norms (attention biases on q/k/v and o or none)."""
+    """The Qwen3 / Qwen3-MoE class for a layer with q/k norms (attention biases on q/k/v
+    and o, or none)."""
     if layer["qkv_bias"] != layer["output_bias"]:
         raise UnsupportedModelError("cannot export: Qwen3 biases are on q/k/v and o together")
     if layer["mlp_bias"]:
         raise UnsupportedModelError("cannot export: Qwen3 has no MLP biases")
     if layer["num_experts"]:
-        raise UnsupportedModelError("cannot export: q/k norms with experts (Qwen3-MoE)")
+        if any(w != windows[0] for w in windows):
+            raise UnsupportedModelError("cannot export: Qwen3-MoE needs one sliding window")
+        return "qwen3_moe"
     _check_qwen_windows("Qwen3", windows)
     return "qwen3"

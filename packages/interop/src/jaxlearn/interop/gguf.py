@@ -8,7 +8,8 @@ K-quants and the IQ types that the package implements), then cast to the param d
 
 Architectures: `llama` (Llama 1/2/3, Mistral and Mixtral as llama.cpp converts them, and
 SmolLM), `qwen2` (q/k/v biases), `qwen3` (`attn_q_norm` / `attn_k_norm`, explicit
-`attention.key_length`), `mistral`-named files with the llama layout. llama.cpp
+`attention.key_length`), `qwen3moe` (qwen3 attention, every FFN top-k experts of width
+`expert_feed_forward_length`), `mistral`-named files with the llama layout. llama.cpp
 permutes the rows of the q/k projections of `llama` files for its interleaved RoPE
 (`convert_hf_to_gguf.LlamaModel.permute`); `unpermute_qk` undoes it so the weights match the
 HF rotate-half layout that jaxlearn's RoPE uses. qwen2 and qwen3 files are not permuted. Tensor
@@ -53,7 +54,13 @@ except ImportError:  # pragma: no cover - depends on the environment
     _gguf = None
 
 Nested = dict[str, Any]
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe")
+# general.architecture -> the family of a file (with experts, without).
+_FAMILY = {
+    "qwen2": ("mixtral", "qwen2"),
+    "qwen3": ("mixtral", "qwen3"),
+    "qwen3moe": ("qwen3_moe", "qwen3"),
+}
 
 
 def _require_gguf() -> Any:
@@ -153,7 +160,7 @@ def _llama3_scaling_from_factors(
 
 
 def architecture_from_gguf(f: GGUFFile) -> Architecture:
-    """Reads the hyperparameters of a llama/qwen2/qwen3 GGUF file."""
+    """Reads the hyperparameters of a llama/qwen2/qwen3/qwen3moe GGUF file."""
     arch_name = f.require("general.architecture")
     if arch_name not in ARCHITECTURES:
         raise UnsupportedModelError(
@@ -197,7 +204,7 @@ def architecture_from_gguf(f: GGUFFile) -> Architecture:
     held = held_features(FAMILIES["llama"], "gguf", f.tensors)  # biases, untied head
     eos = [f.get("tokenizer.ggml.eos_token_id")]
     eos += [f.get("tokenizer.ggml.eot_token_id"), f.get("tokenizer.ggml.eom_token_id")]
-    family = "mixtral" if experts else (arch_name if arch_name in ("qwen2", "qwen3") else "llama")
+    family = _FAMILY.get(arch_name, ("mixtral", "llama"))[0 if experts else 1]
     if window is not None and family == "llama":
         family = "mistral"
     return Architecture(
@@ -219,6 +226,7 @@ def architecture_from_gguf(f: GGUFFile) -> Architecture:
         sliding_windows=(int(window),) * layers if window is not None else (),
         num_experts=experts,
         num_experts_per_token=int(key("expert_used_count", 2) or 2),
+        normalize_top_k=bool(key("expert_weights_norm", True)),  # llama.cpp's default
         max_position_embeddings=key("context_length"),
         bos_token_id=f.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos if i is not None)),

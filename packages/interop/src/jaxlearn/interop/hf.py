@@ -7,7 +7,10 @@
 Supported `model_type`s: llama (incl. Llama-3.1 RoPE scaling, attention/MLP biases),
 mistral (sliding window), qwen2 (q/k/v biases, per-layer sliding windows via
 `layer_types` / `use_sliding_window` + `max_window_layers`), qwen3 (per-head q/k RMSNorm,
-explicit head_dim, optional q/k/v/o biases, windows as qwen2), mixtral (top-k softmax MoE;
+explicit head_dim, optional q/k/v/o biases, windows as qwen2), qwen3_moe (qwen3 attention,
+top-k softmax experts with `norm_topk_prob`, dense layers from `mlp_only_layers` /
+`decoder_sparse_step`, `use_sliding_window` windows every layer; hub layout
+`mlp.experts.N.{gate,up,down}_proj`), mixtral (top-k softmax MoE;
 both the hub layout `block_sparse_moe.experts.N.w1/w2/w3` and the fused
 `mlp.experts.gate_up_proj/down_proj` layout of transformers 5). Tensors are read with
 `safetensors` into numpy (no torch, no pickle), single-file or sharded
@@ -117,10 +120,10 @@ def architecture_from_hf(hf: dict[str, Any], *, where: str = "config.json") -> A
         n_windows: tuple[Optional[int], ...] = ()
         window = hf.get("sliding_window")
         layer_types = hf.get("layer_types")
-        if model_type in ("qwen2", "qwen3"):
+        if model_type in ("qwen2", "qwen3", "qwen3_moe"):
             if not hf.get("use_sliding_window", False):
                 window = None
-            if layer_types is None:
+            if layer_types is None and model_type != "qwen3_moe":
                 k = int(hf.get("max_window_layers", layers))
                 layer_types = [
                     "sliding_attention" if window is not None and i >= k else "full_attention"
@@ -131,9 +134,11 @@ def architecture_from_hf(hf: dict[str, Any], *, where: str = "config.json") -> A
                 int(window) if t == "sliding_attention" and window is not None else None
                 for t in layer_types
             )
-        elif model_type in ("mistral", "mixtral") and window is not None:
+        elif model_type in ("mistral", "mixtral", "qwen3_moe") and window is not None:
             n_windows = (int(window),) * layers
         bias = bool(hf.get("attention_bias", False))
+        qwen_moe = model_type == "qwen3_moe"
+        moe = qwen_moe or model_type == "mixtral"
         return Architecture(
             family=model_type,
             vocab_size=int(hf["vocab_size"]),
@@ -142,24 +147,42 @@ def architecture_from_hf(hf: dict[str, Any], *, where: str = "config.json") -> A
             num_heads=heads,
             num_kv_heads=kv,
             head_dim=int(hf.get("head_dim") or dim // heads),
-            ffn_dim=int(hf["intermediate_size"]),
+            ffn_dim=int(hf["moe_intermediate_size" if qwen_moe else "intermediate_size"]),
             norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=scaling,
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=True if model_type == "qwen2" else bias,
-            output_bias=bias if model_type in ("llama", "qwen3") else False,
+            output_bias=bias if model_type in ("llama", "qwen3", "qwen3_moe") else False,
             mlp_bias=bool(hf.get("mlp_bias", False)) if model_type == "llama" else False,
             sliding_windows=n_windows,
-            num_experts=int(hf.get("num_local_experts", 0)) if model_type == "mixtral" else 0,
+            num_experts=int(hf.get("num_local_experts", hf.get("num_experts", 0))) if moe else 0,
             num_experts_per_token=int(hf.get("num_experts_per_tok", 2)),
             router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)),
             max_position_embeddings=hf.get("max_position_embeddings"),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=_ids(hf.get("eos_token_id")),
+            **(_qwen3_moe_layers(hf, layers) if qwen_moe else {}),
         )
     except KeyError as e:
         raise InteropError(f"{where}: missing field {e.args[0]!r}") from None
+
+
+def _qwen3_moe_layers(hf: dict[str, Any], layers: int) -> dict[str, Any]:
+    """The dense-layer and routing fields of a Qwen3-MoE config.json: dense FFNs
+    (`intermediate_size`) in `mlp_only_layers` and in the layers `decoder_sparse_step`
+    skips (experts have `moe_intermediate_size`), `norm_topk_prob`."""
+    experts = int(hf.get("num_local_experts", hf.get("num_experts", 0)))
+    step = int(hf.get("decoder_sparse_step", 1))
+    only = {int(i) for i in hf.get("mlp_only_layers") or ()}
+    dense = tuple(
+        i for i in range(layers) if i in only or not (experts > 0 and (i + 1) % step == 0)
+    )
+    return dict(
+        dense_layers=dense,
+        dense_ffn_dim=int(hf["intermediate_size"]) if dense else 0,
+        normalize_top_k=bool(hf.get("norm_topk_prob", False)),
+    )
 
 
 def hf_config_dict(arch: Architecture, *, dtype: str = "float32") -> dict[str, Any]:
@@ -211,6 +234,21 @@ def hf_config_dict(arch: Architecture, *, dtype: str = "float32") -> dict[str, A
             ]
         if arch.family == "qwen3":
             out["attention_bias"] = arch.qkv_bias
+    elif arch.family == "qwen3_moe":  # one window for every layer, or none
+        out.update(
+            use_sliding_window=bool(windows),
+            sliding_window=windows[0] if windows else None,
+            attention_bias=arch.qkv_bias,
+            intermediate_size=arch.dense_ffn_dim or arch.ffn_dim,
+            moe_intermediate_size=arch.ffn_dim,
+            num_experts=arch.num_experts,
+            num_experts_per_tok=arch.num_experts_per_token,
+            norm_topk_prob=arch.normalize_top_k,
+            decoder_sparse_step=1,
+            mlp_only_layers=list(arch.dense_layers),
+            router_aux_loss_coef=arch.router_aux_loss_coef,
+            output_router_logits=False,
+        )
     elif arch.family == "mixtral":
         out["sliding_window"] = windows[0] if windows else None
         out["num_local_experts"] = arch.num_experts

@@ -22,7 +22,7 @@ from jaxlearn.layers.embedding import Embedding
 from jaxlearn.layers.ffn import ACTIVATIONS, FeedForward, get_activation
 from jaxlearn.layers.norm import LayerNorm, RMSNorm
 from jaxlearn.layers.pipeline import PipelineStack, pipeline_config, use_pipeline
-from jaxlearn.layers.recipes import llama_config, mixtral_config, qwen3_config
+from jaxlearn.layers.recipes import llama_config, mixtral_config, qwen3_config, qwen3_moe_config
 from jaxlearn.layers.rope import (
     FrequencyScaling,
     LinearFrequencyScaling,
@@ -69,4 +69,5 @@ __all__ = [
     "matmul",
     "mixtral_config",
     "qwen3_config",
+    "qwen3_moe_config",
 ]
