@@ -1,8 +1,10 @@
-"""Qwen3 (per-head q/k RMSNorm, explicit head_dim): tiny random transformers checkpoints
+"""Qwen3 (per-head q/k RMSNorm, explicit head_dim) and Qwen3-MoE (experts with or without
+top-k renormalisation, dense layers): tiny random transformers checkpoints
 (fixtures/make_qwen3_fixtures.py, run offline with torch) give the logits of transformers
 and its greedy tokens through the paged, continuously batched Engine; export -> import is
-the identity; transformers loads our exports (recorded); a GGUF file named by llama.cpp's
-own tensor map (`gguf.get_tensor_name_map`) holds the same model."""
+the identity; transformers loads our exports (recorded); a `qwen3` GGUF file named by
+llama.cpp's own tensor map (`gguf.get_tensor_name_map`) holds the same model, a
+`qwen3moe` one loads back what was written."""
 
 import dataclasses
 import json
@@ -24,11 +26,13 @@ from jaxlearn.interop import (
     load_hf,
     load_pretrained,
 )
-from jaxlearn.layers import RMSNorm, qwen3_config
+from jaxlearn.layers import RMSNorm, qwen3_config, qwen3_moe_config
 from jaxlearn.module import functional
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
-VARIANTS = ["qwen3", "qwen3_tied"]
+DENSE = ["qwen3", "qwen3_tied"]
+MOE = ["qwen3_moe", "qwen3_moe_step"]  # dense layers: always a LoopStack
+VARIANTS = DENSE + MOE
 
 
 def reference(name):
@@ -45,8 +49,9 @@ def logits(loaded, ids):
     return np.asarray(fn(loaded.params, jnp.asarray(ids)))
 
 
-@pytest.mark.parametrize("stack", ["scan", "loop"])
-@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize(
+    "name,stack", [(n, s) for n in DENSE for s in ("scan", "loop")] + [(n, "loop") for n in MOE]
+)
 def test_logits_match_transformers(name, stack):
     loaded = load_pretrained(FIXTURES / f"hf_{name}", stack=stack)
     ref = reference(name)
@@ -120,10 +125,11 @@ def test_transformers_loads_our_exports_with_same_logits():
     """Recorded by make_qwen3_fixtures.py --stage export: transformers loaded each
     directory export_hf wrote (fixture round trips, fresh `qwen3_config` models)."""
     check = json.loads((FIXTURES / "qwen3_export_check.json").read_text())["cases"]
-    expected = {f"roundtrip_{n}" for n in VARIANTS} | {"native_qwen3", "native_qwen3_tied_bias"}
-    assert set(check) == expected
+    natives = {"native_qwen3", "native_qwen3_tied_bias", "native_qwen3_moe"}
+    assert set(check) == {f"roundtrip_{n}" for n in VARIANTS} | natives
     for case, result in check.items():
-        assert result["hf_class"] == "Qwen3ForCausalLM", case
+        want = "Qwen3MoeForCausalLM" if "moe" in case else "Qwen3ForCausalLM"
+        assert result["hf_class"] == want, case
         assert result["max_abs_logit_error"] <= 1e-4, (case, result)
         assert result["logit_scale"] > 1.0, case
 
@@ -146,6 +152,35 @@ def test_qwen3_config_is_read_back_and_bad_variants_are_refused():
     biased.decoder.transformer.layer.self_attention.qkv_bias = True
     with pytest.raises(UnsupportedModelError, match="Qwen3 biases"):
         architecture_from_config(biased)
+
+
+def test_qwen3_moe_architecture_dense_layers_and_routing():
+    moe = load_hf(FIXTURES / "hf_qwen3_moe")
+    arch = moe.architecture
+    assert arch.family == "qwen3_moe" and arch.normalize_top_k and arch.num_experts == 8
+    assert (arch.ffn_dim, arch.dense_layers, arch.dense_ffn_dim) == (16, (1,), 48)
+    assert arch.sliding_windows == (5, 5, 5)  # Qwen3-MoE windows every layer
+    layers = moe.config.decoder.transformer.layers
+    assert [lc.feed_forward.klass.__name__ for lc in layers] == [
+        "MixtureOfExperts", "FeedForward", "MixtureOfExperts"
+    ]  # fmt: skip
+    t = moe.params["decoder"]["transformer"]
+    assert t["layer0"]["feed_forward"]["wi_0"].shape == (8, 32, 16)
+    assert t["layer1"]["feed_forward"]["wi_0"].shape == (32, 48)
+    step = load_hf(FIXTURES / "hf_qwen3_moe_step").architecture
+    assert step.dense_layers == (0,) and not step.normalize_top_k  # decoder_sparse_step 2
+    assert step.num_experts_per_token == 2 and step.tie_embeddings
+    # A recipe config reads back to the same architecture; Mixtral cannot hold it.
+    cfg = qwen3_moe_config(
+        64, 32, 3, 4, 2, 16, 8, 3, head_dim=16, dense_layers=[1], dense_ffn_dim=48
+    )
+    back = architecture_from_config(cfg)
+    assert (back.family, back.dense_layers, back.dense_ffn_dim) == ("qwen3_moe", (1,), 48)
+    plain = cfg.clone()
+    for lc in plain.decoder.transformer.layers:
+        lc.self_attention.qk_norm = None
+    with pytest.raises(UnsupportedModelError, match="Mixtral has no dense layers"):
+        architecture_from_config(plain)
 
 
 # ---- GGUF --------------------------------------------------------------------------------
@@ -185,7 +220,7 @@ def write_qwen3_gguf(path, name, *, drop=()):
     return path
 
 
-@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("name", DENSE)
 def test_gguf_qwen3_holds_the_hf_checkpoint(name, tmp_path):
     """Same hyperparameters (GGUF has no per-layer windows) and bit-identical params."""
     gg = load_gguf(write_qwen3_gguf(tmp_path / f"{name}.gguf", name), stack="loop")
@@ -210,3 +245,50 @@ def test_gguf_qwen3_without_k_norm_lists_the_missing_tensor(tmp_path):
     path = write_qwen3_gguf(tmp_path / "bad.gguf", "qwen3", drop=("blk.1.attn_k_norm.weight",))
     with pytest.raises(ParameterMismatchError, match=r"blk\.1\.attn_k_norm\.weight \(16,\)"):
         load_gguf(path)
+
+
+def test_gguf_qwen3moe_loads_back_what_was_written(tmp_path):
+    """llama.cpp's qwen3moe has experts in every layer; tensors in its layout from
+    `gguf_params_to_tensors`, metadata as its converter writes it."""
+    gguf = pytest.importorskip("gguf")
+    from jaxlearn.interop.gguf import gguf_params_to_tensors
+
+    cfg = qwen3_moe_config(64, 32, 2, 4, 2, 16, 4, 2, head_dim=16, stack="scan")
+    model = cfg.instantiate()
+    params = model.initialize_parameters_recursively(jax.random.key(3))
+    params = jax.tree.map(lambda x: np.asarray(x) + 0.05, params)  # non-trivial norms
+    w = gguf.GGUFWriter(str(tmp_path / "moe.gguf"), arch="qwen3moe")
+    w.add_block_count(2)
+    w.add_context_length(64)
+    w.add_embedding_length(32)
+    w.add_feed_forward_length(48)
+    w.add_expert_feed_forward_length(16)
+    w.add_expert_count(4)
+    w.add_expert_used_count(2)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_key_length(16)
+    w.add_value_length(16)
+    w.add_rope_dimension_count(16)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(1e6)
+    w.add_vocab_size(64)
+    for tensor, value in gguf_params_to_tensors(cfg, params).items():
+        w.add_tensor(tensor, np.ascontiguousarray(value, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    loaded = load_gguf(tmp_path / "moe.gguf")
+    arch = loaded.architecture
+    assert (arch.family, arch.num_experts, arch.ffn_dim, arch.dense_layers) == (
+        "qwen3_moe", 4, 16, ()
+    )  # fmt: skip
+    assert arch.normalize_top_k  # llama.cpp renormalises qwen3moe's top-k weights
+    jax.tree.map(np.testing.assert_array_equal, loaded.params, params)
+    ids = np.arange(12, dtype=np.int32).reshape(2, 6)
+    want = functional(
+        model, None, params, ({"input_ids": jnp.asarray(ids)},), method="logits",
+        is_training=False,
+    )[0]  # fmt: skip
+    np.testing.assert_allclose(logits(loaded, ids), np.asarray(want), rtol=1e-6, atol=1e-6)
