@@ -110,7 +110,9 @@ def test_export_then_load_gives_identical_params(name, tmp_path):
         max_position_embeddings=loaded.architecture.max_position_embeddings,
     )
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["architectures"] == ["Qwen3ForCausalLM"] and cfg["model_type"] == "qwen3"
+    family = "qwen3_moe" if name in MOE else "qwen3"
+    hf_class = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[family]
+    assert cfg["architectures"] == [hf_class] and cfg["model_type"] == family
     again = load_hf(out)
     assert again.architecture == loaded.architecture
     jax.tree.map(np.testing.assert_array_equal, again.params, loaded.params)

@@ -209,7 +209,7 @@ def qwen3_moe_config(
     cfg = qwen3_config(vocab_size, dim, num_layers, num_heads, num_kv_heads, ffn_dim,
                        **qwen3_kwargs)  # fmt: skip
     layer = cfg.decoder.transformer.layer
-    dense_ffn = layer.feed_forward.clone(hidden_dim=dense_ffn_dim)
+    dense_ffn = layer.feed_forward
     layer.feed_forward = MixtureOfExperts.default_config().set(
         hidden_dim=ffn_dim,
         activation=("silu", "linear"),
@@ -222,6 +222,6 @@ def qwen3_moe_config(
     if dense:
         layers = [layer.clone() for _ in range(num_layers)]
         for i in dense:
-            layers[i].feed_forward = dense_ffn
+            layers[i].feed_forward = dense_ffn.clone(hidden_dim=dense_ffn_dim)
         cfg.decoder.transformer.layers = layers
     return cfg
