@@ -15,7 +15,7 @@ from jaxlearn.experiments.common import (
     small_model_mesh_rules,
     trainer_config,
 )
-from jaxlearn.layers import llama_config, qwen3_config, use_moe
+from jaxlearn.layers import llama_config, qwen3_config, qwen3_moe_config, use_moe
 from jaxlearn.runtime.bundled import BundledSource
 from jaxlearn.runtime.input_pipeline import Input
 from jaxlearn.runtime.trainer import Trainer
@@ -112,6 +112,15 @@ def qwen3_8b() -> Trainer.Config:
     return _large(model, seq_len=4096, global_batch=1024, max_step=500_000, lr=3e-4)
 
 
+def qwen3_30b_a3b() -> Trainer.Config:
+    """Qwen3-30B-A3B: 48 layers, d=2048, 32 heads / 4 KV heads of head_dim 128 with q/k
+    RMSNorm, 128 experts of FFN 768, top-8 renormalised, vocab 151936, RoPE theta 1e6."""
+    model = qwen3_moe_config(151936, 2048, 48, 32, 4, 768, 128, 8, head_dim=128,
+                             rope_theta=1e6, dtype="bfloat16")
+    return _large(model, seq_len=4096, global_batch=1024, max_step=500_000, lr=3e-4,
+                  gpu_microbatches=2)
+
+
 EXPERIMENTS = {
     "tiny-llama": tiny_llama,
     "tiny-moe": tiny_moe,
@@ -120,6 +129,7 @@ EXPERIMENTS = {
     "llama3-8b": llama3_8b,
     "mixtral-8x7b": mixtral_8x7b,
     "qwen3-8b": qwen3_8b,
+    "qwen3-30b-a3b": qwen3_30b_a3b,
 }
 DEFAULT_EXPERIMENT = "tiny-llama"
 
