@@ -14,7 +14,7 @@ import sys
 import time
 from typing import Any, Callable
 
-# The ~60M Llama of issue 11 (and shared/notes/jax-cpu-perf.md "SMALL"): 58.07M params.
+# The ~60M Llama of the benchmark targets: 58.07M params.
 LLAMA: dict[str, Any] = dict(
     vocab=32000, dim=512, layers=8, heads=8, kv_heads=8, ffn=1376, seq=256, batch=4,
     rope_theta=10000.0, norm_eps=1e-5,

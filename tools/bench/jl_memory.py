@@ -30,7 +30,7 @@ def llama_fsdp(n: int, dtype: str) -> dict:
     jax.config.update("jax_num_cpu_devices", n)
     from jl_train import build_trainer, random_batch
 
-    from jaxlearn.aot.compile import _memory, state_breakdown, state_bytes_per_device
+    from jaxlearn.aot.report import memory_figures, state_breakdown, state_bytes_per_device
     from jaxlearn.mesh import mesh_shape_from_axes
 
     c = model_cfg("llama")
@@ -41,7 +41,7 @@ def llama_fsdp(n: int, dtype: str) -> dict:
     abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=trainer.batch_sharding)
                 for k, v in batch.items()}
     compiled = trainer.compile_train_step(abstract)
-    mem = _memory(compiled)
+    mem = memory_figures(compiled)
     state = trainer.abstract_state()
     return {"n": n, "batch": c["batch"], "argument_bytes": mem["argument"],
             "temp_bytes": mem["temp"], "output_bytes": mem["output"],
@@ -71,9 +71,9 @@ def main() -> None:
         batch = trainer.global_batch(random_batch(c))
         abstract = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), batch)
-        from jaxlearn.aot.compile import _memory
+        from jaxlearn.aot.report import memory_figures
 
-        mem = _memory(trainer.compile_train_step(abstract))
+        mem = memory_figures(trainer.compile_train_step(abstract))
         emit(bench="memory", part="remat", framework="jaxlearn", dtype=args.dtype,
              remat=args.remat, stack=args.stack, temp_bytes=mem["temp"],
              argument_bytes=mem["argument"],

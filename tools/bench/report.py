@@ -255,9 +255,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         md.append("### Decode (greedy, prompt 128, 64 new tokens; per token = "
                   "(t(1+64) − t(1)) / 64)\n")
         md.append("jaxlearn: the inference `Engine` (continuous-batching scheduler, paged KV "
-                  "cache, batched prefill, fused 8-step decode bursts). torch: HF `generate` (dynamic KV "
-                  "cache). bf16 = bf16 weights and compute on both sides. The bandwidth "
-                  "share is (matmul weight bytes + KV window bytes) / measured read "
+                  "cache, batched prefill, fused 8-step decode bursts). torch: HF `generate` "
+                  "(dynamic KV cache). bf16 = bf16 weights and compute on both sides. The "
+                  "bandwidth share is (matmul weight bytes + KV window bytes) / measured read "
                   "bandwidth / step time.\n")
         md.append(table(["dtype", "batch", "jaxlearn prefill ms", "HF prefill ms",
                          "jaxlearn ms/token", "HF ms/token", "jaxlearn/HF tok/s",
@@ -368,7 +368,7 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     # ---- targets + plots ----------------------------------------------------------------
     if targets:
-        md.insert(2, "### Targets (issue 11)\n\n" + table(
+        md.insert(2, "### Targets\n\n" + table(
             ["target", "goal", "measured", "status"], targets) + "\n")
     notes = HERE / "analysis.md"
     if notes.exists():  # Hand-written: why targets are missed, profiles, fixes.

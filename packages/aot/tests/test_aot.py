@@ -11,15 +11,9 @@ import json
 import pytest
 from aot_toys import matmul_flops_per_step, mlp_trainer_config
 
-from jaxlearn.aot.compile import (
-    AOTError,
-    aot_compile,
-    format_report,
-    resolve_target,
-    target_mesh_shape,
-    tpu_topology_name,
-)
+from jaxlearn.aot.compile import AOTError, aot_compile, format_report, resolve_target
 from jaxlearn.aot.hlo import analyze_hlo, shape_bytes
+from jaxlearn.aot.target import target_mesh_shape, tpu_topology_name
 
 
 def test_report_on_8_devices_memory_flops_collectives():

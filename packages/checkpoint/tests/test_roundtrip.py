@@ -12,6 +12,7 @@ import tensorstore as ts
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from jaxlearn.checkpoint import (
+    CheckpointCorruptionError,
     Checkpointer,
     CheckpointError,
     CheckpointStructureError,
@@ -182,6 +183,33 @@ def test_metadata_round_trip(make_checkpointer, iter_state):
     assert md.arrays["x"].shape == (4,) and md.arrays["x"].dtype == "float32"
     assert md.process_count == 1
     assert ckpt.read_metadata(4, process_index=3).data_iterator_state is None
+
+
+def test_extra_files_written_and_covered_by_the_manifest(make_checkpointer):
+    ckpt = make_checkpointer()
+    record = b'{"experiment": "tiny-llama"}\n'
+    ckpt.save(2, {"x": jnp.arange(3.0)}, extra_files={"run.json": record})
+    ckpt.wait_until_finished()
+    step_dir = ckpt.directory / "step_00000002"
+    assert (step_dir / "run.json").read_bytes() == record
+    files = json.loads((step_dir / "manifest.json").read_text())["files"]
+    assert files["run.json"]["sha256"] is not None
+    (step_dir / "run.json").write_bytes(record.replace(b"tiny", b"huge"))  # Same size.
+    with pytest.raises(CheckpointCorruptionError, match="run.json"):
+        ckpt.restore(2, {"x": jax.ShapeDtypeStruct((3,), jnp.float32)})
+
+
+@pytest.mark.parametrize("files, error, message", [
+    ({"../run.json": b""}, ValueError, "plain file name"),
+    ({"config.txt": b""}, ValueError, "plain file name"),
+    ({"manifest.json": b""}, ValueError, "plain file name"),
+    ({"run.json": "text"}, TypeError, "must be bytes"),
+])
+def test_extra_files_rejects_bad_names_and_values(make_checkpointer, files, error, message):
+    ckpt = make_checkpointer()
+    with pytest.raises(error, match=message):
+        ckpt.save(1, {"x": jnp.zeros(2)}, extra_files=files)
+    assert ckpt.steps() == []
 
 
 def test_save_rejects_bad_inputs(make_checkpointer):

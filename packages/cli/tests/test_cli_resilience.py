@@ -21,12 +21,13 @@ def _files(root):
 @pytest.fixture(scope="module")
 def supervised_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("sup") / "run"
-    env = {"JAXLEARN_FAULTS": "kill@3:step", "JAX_NUM_CPU_DEVICES": "8"}
+    env = {"JAX_NUM_CPU_DEVICES": "8"}
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
         rc = main(["train", "--experiment", "tiny-llama", "--output_dir", str(out), *FAST,
                    "--set", "save_every_n_steps=2", "--set", "learner.total_steps=4",
+                   "--set", "resilience.faults=kill@3:step",
                    "--max_step", "4", "--supervise", "--restart_backoff_s", "0"])
     finally:
         for k, v in old.items():

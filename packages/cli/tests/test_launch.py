@@ -7,6 +7,9 @@ fake kubelet starts with the manifest's command and env (annotations resolved as
 downward API does, JOB_COMPLETION_INDEX as Kubernetes sets it). Both are 2 processes x 4 CPU
 devices training tiny-llama; their losses must equal one process with 8 devices, and their
 checkpoints must resume across process counts (2 -> 1 and 1 -> 2).
+
+The manifests are read back with `yaml_subset` from packages/launch/tests (on the import
+path with the package sources: `PYTHONPATH=...:packages/launch/tests`).
 """
 
 import json
@@ -21,10 +24,10 @@ import time
 from pathlib import Path
 
 import pytest
+from yaml_subset import check_yaml
 
-from jaxlearn.cli.launch_cmd import to_yaml, tpu_topology
 from jaxlearn.cli.main import main
-from jaxlearn.launch.distributed import detect_cluster
+from jaxlearn.launch.cluster import detect_cluster
 from jaxlearn.launch.local import free_port
 
 
@@ -171,78 +174,6 @@ def test_two_process_checkpoint_resumes_in_one_process(slurm_run, reference, tmp
 # ---- Kubernetes: generated JobSet -> fake kubelet -> 2 pods ---------------------------------
 
 
-def parse_yaml(text):
-    """The block-style YAML subset `to_yaml` writes (mappings, sequences, JSON-quoted or
-    plain scalars), without a YAML library."""
-    lines = [(len(raw) - len(raw.lstrip(" ")), raw.strip()) for raw in text.splitlines()
-             if raw.strip() and not raw.lstrip().startswith("#")]
-    pos = 0
-
-    def scalar(s):
-        if s.startswith('"'):
-            return json.loads(s)
-        special = {"{}": {}, "[]": [], "true": True, "false": False, "null": None}
-        if s in special:
-            return special[s]
-        for cast in (int, float):
-            try:
-                return cast(s)
-            except ValueError:
-                pass
-        return s
-
-    def split_key(s):
-        m = re.match(r'("(?:[^"\\]|\\.)*"|[^"\s][^:]*):(?: (.*))?$', s)
-        return (scalar(m.group(1)), m.group(2)) if m else None
-
-    def block(indent):
-        return seq(indent) if lines[pos][1].startswith("- ") else mapping(indent)
-
-    def mapping(indent):
-        nonlocal pos
-        out = {}
-        while pos < len(lines) and lines[pos][0] == indent and not lines[pos][1].startswith("- "):
-            key, rest = split_key(lines[pos][1])
-            pos += 1
-            out[key] = scalar(rest) if rest is not None else block(lines[pos][0])
-        return out
-
-    def seq(indent):
-        nonlocal pos
-        out = []
-        while pos < len(lines) and lines[pos][0] == indent and lines[pos][1].startswith("- "):
-            item = lines[pos][1][2:]
-            if item.startswith("- ") or split_key(item):
-                lines[pos] = (indent + 2, item)
-                out.append(block(indent + 2))
-            else:
-                out.append(scalar(item))
-                pos += 1
-        return out
-
-    return block(lines[0][0])
-
-
-def _check_yaml(text, want=None):
-    got = parse_yaml(text)
-    try:
-        import yaml  # Not a requirement; a second opinion when it is installed.
-    except ImportError:
-        pass
-    else:
-        assert yaml.safe_load(text) == got
-    if want is not None:
-        assert got == want
-    return got
-
-
-def test_yaml_round_trip():
-    tricky: dict = {"a": "yes", "b": "2", "c": "x: y", "d": 'q"uote', "e": [], "f": {}, "g": None,
-              "h": [1, [2, "3"], {"i": "true", "j": ["-m", "a b"]}], "k.l/m": "host:1",
-              "n": "1:30", "o": 1.5, "p": False, "q": "", "r": "ends:"}
-    _check_yaml(to_yaml(tricky), tricky)
-
-
 def _pods(manifest):
     rjob = manifest["spec"]["replicatedJobs"][0]
     return rjob, rjob["template"]["spec"], rjob["template"]["spec"]["template"]["spec"]
@@ -305,7 +236,7 @@ def k8s_run(tmp_path_factory, env_for_children, reference):
                  "--num_processes", "2", "--entrypoint", ENTRYPOINT, *TIMEOUTS,
                  "--output", manifest_path, "--", "train", *COMMON, "--output_dir", out,
                  "--max_step", "4"]) == 0
-    manifest = _check_yaml(Path(manifest_path).read_text())
+    manifest = check_yaml(Path(manifest_path).read_text())
     t0 = time.monotonic()
     codes, logs = _run_pods(manifest, f"127.0.0.1:{free_port()}")
     seconds = time.monotonic() - t0
@@ -390,7 +321,7 @@ def _manifest(capsys, *launch_args, selector):
                selector, "--output_dir", "/gcs/runs/x"])
     captured = capsys.readouterr()
     assert rc == 0, captured.err
-    return _check_yaml(captured.out)
+    return check_yaml(captured.out)
 
 
 def test_jobset_manifest_for_a_tpu_slice(capsys):
@@ -438,16 +369,6 @@ def test_jobset_manifest_for_a_gpu_node_pool(capsys):
     assert pod["containers"][0]["resources"] == {
         "limits": {"nvidia.com/gpu": 8}, "requests": {"cpu": "200", "memory": "1800Gi"}}
     assert "annotations" not in m["metadata"]
-
-
-@pytest.mark.parametrize("kind,chips,topology", [
-    ("tpu-v5p", 4, "2x2x1"), ("tpu-v5p", 8, "2x2x2"), ("tpu-v4", 16, "2x2x4"),
-    ("tpu-v5p", 32, "2x4x4"), ("tpu-v5p", 64, "4x4x4"), ("tpu-v5p", 128, "4x4x8"),
-    ("tpu-v5e", 1, "1x1"), ("tpu-v5e", 8, "2x4"), ("tpu-v6e", 16, "4x4"),
-    ("tpu-v6e", 256, "16x16"),
-])
-def test_tpu_topology_names(kind, chips, topology):
-    assert tpu_topology(kind, chips) == topology
 
 
 @pytest.mark.parametrize("argv,message", [

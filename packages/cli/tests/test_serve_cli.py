@@ -58,7 +58,7 @@ def test_print_config_shows_engine_and_recorded_model(run, capsys, where):
     assert _model_lines(std.out) == _model_lines(record.config_text)
     assert "model.decoder.transformer.num_layers: 1" in lines
     assert "input.tokenizer.klass: jaxlearn.text.tokenizers.ByteTokenizer" in lines
-    assert "model config from the run record: experiment 'tiny-llama'" in std.err
+    assert "model config from the run record's config text" in std.err
 
 
 def test_generate_from_run_dir_restores_the_recorded_model(run, capsys):
@@ -88,12 +88,33 @@ def test_generate_from_run_dir_restores_the_recorded_model(run, capsys):
     assert len(want.tokens) == 6 or want.finish_reason == "stop"
 
 
+def _unparsable(text):
+    """The recorded text with a field that no config has (as after a rename)."""
+    return text + "model.decoder.renamed_field: 3\n"
+
+
+@pytest.mark.parametrize("change", [dict(experiment="gone-llama"), dict(experiment=None),
+                                    dict(overrides=OVERRIDES[:1])])
+def test_recorded_text_rebuilds_the_model_whatever_the_recipes_say(run, tmp_path, capsys,
+                                                                   change):
+    """The recorded flat text is what the run trained: a removed or changed recipe, or a
+    record naming no experiment, still gives exactly the recorded model."""
+    out, record, _ = run
+    other = tmp_path / "other-run"
+    other.mkdir()
+    (other / "checkpoints").symlink_to(out / "checkpoints", target_is_directory=True)
+    dataclasses.replace(record, **change).write(other)
+    assert main(["serve", "--model", str(other), "--print_config"]) == 0
+    std = capsys.readouterr()
+    assert _model_lines(std.out) == _model_lines(record.config_text)
+    assert "model config from the run record's config text" in std.err
+
+
 @pytest.mark.parametrize("change,argv,message", [
-    (dict(experiment="gone-llama"), [], "unknown experiment 'gone-llama'"),
-    (dict(experiment=None), [], "the run record names no experiment and no experiment has"),
-    (dict(overrides=OVERRIDES[:1]), [],
-     "now builds a different model than the run recorded (model.decoder.transformer.layer."
-     "feed_forward.hidden_dim: recorded 96, now 352; 1 line(s) differ)"),
+    (dict(experiment="gone-llama", unparsable=True), [], "nor experiment 'gone-llama'"),
+    (dict(experiment=None, unparsable=True), [], "the record names no experiment"),
+    (dict(overrides=OVERRIDES[:1], unparsable=True), [],
+     "now builds a different model (model.decoder.renamed_field: only in the record"),
     ({}, ["--experiment", "tiny-moe"], "the run record of"),
     ({}, ["--set", "model.decoder.dimm=3"], "--set: "),
 ])
@@ -102,6 +123,9 @@ def test_bad_run_records_are_one_line_errors(run, tmp_path, capsys, change, argv
     other = tmp_path / "other-run"
     other.mkdir()
     (other / "checkpoints").symlink_to(out / "checkpoints", target_is_directory=True)
+    change = dict(change)
+    if change.pop("unparsable", False):
+        change["config_text"] = _unparsable(record.config_text)
     dataclasses.replace(record, **change).write(other)
     rc = main(["generate", "--model", str(other), "--prompt", "x", *SMALL, *argv])
     err = capsys.readouterr().err.strip().splitlines()
@@ -109,14 +133,16 @@ def test_bad_run_records_are_one_line_errors(run, tmp_path, capsys, change, argv
     assert message in err[0], err
 
 
-def test_record_without_experiment_takes_experiment_flag(run, tmp_path, capsys):
-    """A run built through the Python API records no experiment: --experiment names it,
-    and the rebuilt model must still match the recorded text."""
+def test_unparsable_record_falls_back_to_its_experiment(run, tmp_path, capsys):
+    """A record whose text no longer parses is rebuilt from its experiment by name, checked
+    against the recorded model lines (--experiment names it when the record does not)."""
     out, record, _ = run
     other = tmp_path / "api-run"
     other.mkdir()
     (other / "checkpoints").symlink_to(out / "checkpoints", target_is_directory=True)
-    dataclasses.replace(record, experiment=None).write(other)
+    text = _unparsable(record.config_text).replace("model.decoder.renamed_field: 3\n",
+                                                   "trainer_only_field: 3\n")
+    dataclasses.replace(record, experiment=None, config_text=text).write(other)
     argv = ["serve", "--model", str(other), "--print_config", "--experiment"]
     assert main([*argv, "tiny-llama"]) == 0
     std = capsys.readouterr()

@@ -14,16 +14,15 @@ import time
 
 import pytest
 
-from jaxlearn.launch.distributed import (
+from jaxlearn.launch.cluster import (
     ClusterConfigError,
     ClusterSpec,
-    DistributedInitError,
     detect_cluster,
     expand_hostlist,
     resolve_cluster,
-    roll_call,
 )
 from jaxlearn.launch.local import free_port, launch_local, local_process_env
+from jaxlearn.launch.rollcall import DistributedInitError, roll_call
 
 
 def _detect(env):

@@ -6,9 +6,9 @@
 Every scenario is a supervised run (jaxlearn.resilience.supervisor, backoff 0) of the
 fault-injection suite's toy job (tests/resilience_child.py: bigram model, 8 fake CPU
 devices, 12 steps, checkpoints every 3 steps, eval every 4) with faults injected through
-JAXLEARN_FAULTS, plus one job with every fault at once. A fault counts as recovered when
-the job finishes and its final parameters and optimizer state equal, bit for bit, those
-of a job that saw no fault (for a skipped non-finite step: a job that saw only that
+`--set resilience.faults=...`, plus one job with every fault at once. A fault counts as
+recovered when the job finishes and its final parameters and optimizer state equal, bit
+for bit, those of a job that saw no fault (for a skipped non-finite step: a job that saw only that
 batch; after an elastic restart: equal up to float reassociation, rtol 2e-5). Steps lost =
 steps recomputed after a restart + steps whose update was dropped. Goodput = productive
 step time / wall time (first spawn to last exit), from the jobs' goodput records; on this
@@ -64,8 +64,8 @@ ALL_AT_ONCE = ("every fault in one job",
                WATCHDOG + SDC_STOP, "nan5", None)
 
 
-def _env(faults: str) -> dict[str, str]:
-    env = dict(os.environ, JAXLEARN_FAULTS=faults, JAX_NUM_CPU_DEVICES="8")
+def _env() -> dict[str, str]:
+    env = dict(os.environ, JAX_NUM_CPU_DEVICES="8")
     env["PYTHONPATH"] = os.pathsep.join([TESTS] + env.get("PYTHONPATH", "").split(os.pathsep))
     return env
 
@@ -80,8 +80,9 @@ def _supervise(out: str, faults: str, args: list[str], devices: Optional[list[in
     from jaxlearn.resilience.supervisor import Supervisor
 
     extra = ["--set", f"max_step={max_step}"] if max_step else []
-    sup = Supervisor([*CHILD, out, *args, *extra], output_dir=out, max_restarts=10,
-                     backoff_s=0.0, env=_env(faults), log_path=out + ".log",
+    sup = Supervisor([*CHILD, out, "--set", f"resilience.faults={faults}", *args, *extra],
+                     output_dir=out, max_restarts=10,
+                     backoff_s=0.0, env=_env(), log_path=out + ".log",
                      devices_for_attempt=(lambda k: devices[min(k, len(devices) - 1)])
                      if devices else None)
     return sup.run(), sup

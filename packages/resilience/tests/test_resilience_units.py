@@ -213,8 +213,11 @@ def test_flip_bit_rejects_bad_targets():
 
 
 def test_health_checks_pass_and_name_failures(tmp_path, monkeypatch):
+    # A generous timeout for the passing run (its first call compiles, on a loaded machine);
+    # the wedged device below sleeps past a short one.
+    relaxed = health.HealthCheck.default_config().set(min_free_bytes=0, device_timeout_s=60.0)
+    report = relaxed.instantiate().run(jax.devices(), str(tmp_path))
     check = health.HealthCheck.default_config().set(min_free_bytes=0, device_timeout_s=1.0)
-    report = check.instantiate().run(jax.devices(), str(tmp_path))
     assert report.num_devices == 8 and report.free_bytes > 0
     huge = health.HealthCheck.default_config().set(min_free_bytes=2**62).instantiate()
     with pytest.raises(HealthCheckError, match="less than health.min_free_bytes"):
@@ -228,6 +231,7 @@ def test_health_checks_pass_and_name_failures(tmp_path, monkeypatch):
         if shard.device.id == 3:
             time.sleep(5)
         return real(shard)
+
 
     monkeypatch.setattr(health, "fetch_shard", wedged)
     with pytest.raises(HealthCheckError, match=r"device cpu:3 .*did not finish within 1s"):

@@ -3,7 +3,8 @@
     python resilience_child.py OUTPUT_DIR [--set path=value ...] [--elastic]
 
 Trains the toy bigram model (toy.py) with checkpoints, eval and the resilience hooks,
-resuming from OUTPUT_DIR; faults come from JAXLEARN_FAULTS; the device count from
+resuming from OUTPUT_DIR; faults come from `--set resilience.faults=SPEC`, `--elastic`
+sets `resilience.elastic`; the device count from
 JAX_NUM_CPU_DEVICES (default 8). Writes OUTPUT_DIR/final_params.npz at the end and exits
 with the status `jaxlearn train` would use (failures.py).
 """
@@ -70,8 +71,9 @@ def main(argv: Sequence[str]) -> int:
     from jaxlearn.resilience.failures import EXIT_USAGE, ResilienceError
     from jaxlearn.resilience.manager import CheckpointSaveFailed
 
-    cfg = child_config(args.output_dir, args.overrides)
-    decision = adapt_to_devices(cfg) if args.elastic else None
+    cfg = child_config(args.output_dir,
+                       [*args.overrides, *(["resilience.elastic=True"] if args.elastic else [])])
+    decision = adapt_to_devices(cfg) if cfg.resilience.elastic else None
     trainer = cfg.instantiate()
     if decision is not None:
         decision.record()

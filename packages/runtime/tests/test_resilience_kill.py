@@ -35,9 +35,8 @@ def kill_plan(seed: int, per_phase: dict[str, int]) -> list[str]:
     return out
 
 
-def _env(faults: str = "", devices: int = 8) -> dict:
-    env = dict(os.environ, JAXLEARN_FAULTS=faults, JAX_NUM_CPU_DEVICES=str(devices))
-    return env
+def _env(devices: int = 8) -> dict:
+    return dict(os.environ, JAX_NUM_CPU_DEVICES=str(devices))
 
 
 def _final(out) -> tuple[dict, dict]:
@@ -51,7 +50,6 @@ def _final(out) -> tuple[dict, dict]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The uninterrupted run, in this process (same XLA, same 8 devices)."""
-    os.environ.pop("JAXLEARN_FAULTS", None)
     out = tmp_path_factory.mktemp("reference")
     trainer = child_config(str(out)).instantiate()
     trainer.run()
@@ -62,8 +60,9 @@ def reference(tmp_path_factory):
 
 
 def _supervise(out, faults, *, restarts, devices_for_attempt=None, args=()):
-    sup = Supervisor([*CHILD, str(out), *args], output_dir=str(out), max_restarts=restarts,
-                     backoff_s=0.0, env=_env(faults), log_path=str(out) + ".log",
+    sup = Supervisor([*CHILD, str(out), "--set", f"resilience.faults={faults}", *args],
+                     output_dir=str(out), max_restarts=restarts,
+                     backoff_s=0.0, env=_env(), log_path=str(out) + ".log",
                      devices_for_attempt=devices_for_attempt)
     rc = sup.run()
     log = open(str(out) + ".log").read()

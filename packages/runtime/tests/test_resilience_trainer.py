@@ -17,9 +17,8 @@ from jaxlearn.resilience.failures import HealthCheckError, NonFiniteError, SdcEr
 from jaxlearn.resilience.manager import CheckpointSaveFailed
 
 
-def _run(out, faults="", monkeypatch=None, **overrides):
-    if monkeypatch is not None:
-        monkeypatch.setenv("JAXLEARN_FAULTS", faults)
+def _run(out, faults="", **overrides):
+    overrides["resilience.faults"] = faults
     cfg = child_config(str(out), [f"{k}={v!r}" for k, v in overrides.items()])
     trainer = cfg.instantiate()
     trainer.run()
@@ -40,7 +39,6 @@ def _assert_bit_equal(a, b):
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory):
     """Uninterrupted reference runs to 12 steps and to 2 steps."""
-    os.environ.pop("JAXLEARN_FAULTS", None)
     root = tmp_path_factory.mktemp("clean")
     return {n: _state(_run(root / str(n), max_step=n)) for n in (2, 12)}
 
@@ -48,9 +46,9 @@ def clean(tmp_path_factory):
 # ---- non-finite values ------------------------------------------------------------------------
 
 
-def test_nan_step_skipped_with_paths_reported(tmp_path, monkeypatch, clean, caplog):
+def test_nan_step_skipped_with_paths_reported(tmp_path, clean, caplog):
     with caplog.at_level(logging.WARNING, logger="jaxlearn.nonfinite"):
-        trainer = _run(tmp_path / "nan", "nan@3", monkeypatch, max_step=3, eval_every_n_steps=0)
+        trainer = _run(tmp_path / "nan", "nan@3", max_step=3, eval_every_n_steps=0)
     assert trainer.guard.nonfinite.skipped_steps == [3]
     assert "step 3: non-finite values (NaN/Inf) in the loss and the gradients of table" \
         in caplog.text and "update skipped" in caplog.text
@@ -59,27 +57,27 @@ def test_nan_step_skipped_with_paths_reported(tmp_path, monkeypatch, clean, capl
     assert trainer.guard.goodput.steps["skipped"] == 1
 
 
-def test_inf_stops_under_policy_stop(tmp_path, monkeypatch):
+def test_inf_stops_under_policy_stop(tmp_path):
     with pytest.raises(NonFiniteError, match=r"step 2: .* gradients of table.*stopping"):
-        _run(tmp_path / "inf", "inf@2", monkeypatch, **{"resilience.nonfinite": "stop"})
+        _run(tmp_path / "inf", "inf@2", **{"resilience.nonfinite": "stop"})
     # Nothing was saved from the bad step on: the newest checkpoint predates it or is absent.
     steps = Checkpointer.default_config().set(directory=str(tmp_path / "inf" / "checkpoints"))
     assert all(s < 2 for s in steps.instantiate().steps())
 
 
-def test_too_many_consecutive_nonfinite_steps_stop(tmp_path, monkeypatch):
+def test_too_many_consecutive_nonfinite_steps_stop(tmp_path):
     with pytest.raises(NonFiniteError, match="2 consecutive steps"):
-        _run(tmp_path / "many", "nan@2,nan@3,nan@4", monkeypatch,
+        _run(tmp_path / "many", "nan@2,nan@3,nan@4",
              **{"resilience.max_consecutive_nonfinite": 1})
 
 
 # ---- silent data corruption --------------------------------------------------------------------
 
 
-def test_bit_flip_detected_at_next_check_with_device_named(tmp_path, monkeypatch, caplog):
+def test_bit_flip_detected_at_next_check_with_device_named(tmp_path, caplog):
     with caplog.at_level(logging.ERROR, logger="jaxlearn.sdc"):
         with pytest.raises(SdcError, match=r"suspect device\(s\): cpu:5 \(process 0\)"):
-            _run(tmp_path / "flip", "flip@5:5", monkeypatch,
+            _run(tmp_path / "flip", "flip@5:5",
                  **{"resilience.sdc.every_n_steps": 2})
     assert "SDC replicas check at step 6" in caplog.text  # The next check after the flip.
     assert "params/table" in caplog.text
@@ -88,21 +86,21 @@ def test_bit_flip_detected_at_next_check_with_device_named(tmp_path, monkeypatch
     assert 6 not in ckpt.instantiate().steps()
 
 
-def test_bit_flip_repaired_from_majority_keeps_run_bit_exact(tmp_path, monkeypatch, clean):
+def test_bit_flip_repaired_from_majority_keeps_run_bit_exact(tmp_path, clean):
     # The flip lands just before a check: caught before it reaches any other replica.
-    trainer = _run(tmp_path / "repair", "flip@6:2", monkeypatch,
+    trainer = _run(tmp_path / "repair", "flip@6:2",
                    **{"resilience.sdc.every_n_steps": 3, "resilience.sdc.on_mismatch": "skip"})
     reports = [r for r in trainer.guard.sdc.reports if not r.ok]
     assert [(r.step, [d.id for d in r.bad_devices]) for r in reports] == [(6, [2])]
     _assert_bit_equal(_state(trainer), clean[12])
 
 
-def test_recompute_check_names_the_device(tmp_path, monkeypatch, clean):
+def test_recompute_check_names_the_device(tmp_path, clean):
     with pytest.raises(SdcError, match=r"recompute check at step 4.*cpu:3"):
-        _run(tmp_path / "re", "sdcstep@4:3", monkeypatch,
+        _run(tmp_path / "re", "sdcstep@4:3",
              **{"resilience.sdc.every_n_steps": 2, "resilience.sdc.recompute": True})
     # Clean recompute checks change nothing; a skipped bad step is dropped.
-    trainer = _run(tmp_path / "re2", "sdcstep@3:3", monkeypatch,
+    trainer = _run(tmp_path / "re2", "sdcstep@3:3",
                    **{"resilience.sdc.every_n_steps": 3, "resilience.sdc.recompute": True,
                       "resilience.sdc.on_mismatch": "skip", "max_step": 3})
     _assert_bit_equal(_state(trainer), clean[2])  # Step 3's update was dropped.
@@ -124,13 +122,13 @@ def _corrupt_newest(ckpt_dir):
     return int(steps[-1].split("_")[1])
 
 
-def test_corrupted_newest_checkpoint_falls_back_and_stays_bit_exact(tmp_path, monkeypatch,
+def test_corrupted_newest_checkpoint_falls_back_and_stays_bit_exact(tmp_path,
                                                                     clean, caplog):
     out = tmp_path / "corrupt"
-    _run(out, "", monkeypatch, max_step=9, eval_every_n_steps=0)
+    _run(out, "", max_step=9, eval_every_n_steps=0)
     assert _corrupt_newest(out / "checkpoints") == 9
     with caplog.at_level(logging.WARNING):
-        trainer = _run(out, "", monkeypatch)
+        trainer = _run(out, "")
     assert "checkpoint step 9 is unusable, falling back" in caplog.text
     assert "resumed from step 6: newer step(s) failed verification" in caplog.text
     assert (out / "checkpoints" / "step_00000009.corrupt").is_dir()  # Kept as evidence.
@@ -148,7 +146,7 @@ def test_disk_full_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setattr(ckpt_layout, "write_durable", full_disk)
     out = tmp_path / "full"
     with pytest.raises(CheckpointSaveFailed) as info:
-        _run(out, "", monkeypatch, eval_every_n_steps=0)
+        _run(out, "", eval_every_n_steps=0)
     message = str(info.value)
     assert "the disk is full" in message and "step 3 and is intact" in message
     assert "MiB free" in message
@@ -156,7 +154,7 @@ def test_disk_full_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     assert ckpt.steps() == [3]
     monkeypatch.setattr(ckpt_layout, "write_durable", real)
     # Space is back: the run resumes from step 3 and finishes.
-    trainer = _run(out, "", monkeypatch, eval_every_n_steps=0)
+    trainer = _run(out, "", eval_every_n_steps=0)
     assert int(trainer.final_state["step"]) == 12
 
 
@@ -173,14 +171,14 @@ def test_disk_full_writing_iterator_state(tmp_path, monkeypatch):
     monkeypatch.setattr(ckpt_layout, "write_durable", full_disk)
     match = r"background save .*the disk is full .*step_00000003\.tmp.*no earlier"
     with pytest.raises(CheckpointSaveFailed, match=match):
-        _run(tmp_path / "fg", "", monkeypatch, eval_every_n_steps=0)
+        _run(tmp_path / "fg", "", eval_every_n_steps=0)
     assert Checkpointer.default_config().set(
         directory=str(tmp_path / "fg" / "checkpoints")).instantiate().steps() == []
 
 
-def test_checkpoint_of_another_model_is_refused_and_nothing_written(tmp_path, monkeypatch):
+def test_checkpoint_of_another_model_is_refused_and_nothing_written(tmp_path):
     out = tmp_path / "other"
-    _run(out, "", monkeypatch, max_step=3, eval_every_n_steps=0)
+    _run(out, "", max_step=3, eval_every_n_steps=0)
     before = {p: os.path.getmtime(os.path.join(d, p)) for d, _, fs in os.walk(out) for p in fs}
     cfg = child_config(str(out), ["model.vocab_size=32", "input.vocab_size=32"])
     trainer = cfg.instantiate()
@@ -190,17 +188,17 @@ def test_checkpoint_of_another_model_is_refused_and_nothing_written(tmp_path, mo
     assert after == before
 
 
-def test_failed_health_check_stops_before_anything_is_written(tmp_path, monkeypatch):
+def test_failed_health_check_stops_before_anything_is_written(tmp_path):
     out = tmp_path / "sick"
     with pytest.raises(HealthCheckError, match="min_free_bytes"):
-        _run(out, "", monkeypatch, **{"resilience.health.min_free_bytes": 2**62})
+        _run(out, "", **{"resilience.health.min_free_bytes": 2**62})
     assert sorted(os.listdir(out)) == []
 
 
-def test_goodput_in_summaries_and_at_exit(tmp_path, monkeypatch):
+def test_goodput_in_summaries_and_at_exit(tmp_path):
     import json
 
-    trainer = _run(tmp_path / "gp", "", monkeypatch, max_step=4, eval_every_n_steps=0)
+    trainer = _run(tmp_path / "gp", "", max_step=4, eval_every_n_steps=0)
     summary = json.loads((tmp_path / "gp" / "goodput.json").read_text())
     assert summary["steps"]["step"] == 4 and summary["seconds"]["compile"] > 0
     assert summary["seconds"]["checkpoint"] > 0 and 0 < summary["goodput"] < 1

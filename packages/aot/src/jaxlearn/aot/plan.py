@@ -40,19 +40,16 @@ from typing import Any, Callable, Optional, Sequence
 
 import jax
 
-from jaxlearn.aot.compile import (
+from jaxlearn.aot.compile import aot_compile, batch_shapes, remat_settings
+from jaxlearn.aot.report import (
     DEFAULT_HBM_UTILIZATION,
     DEFAULT_MFU,
-    AOTError,
     AOTReport,
-    Target,
-    aot_compile,
-    batch_shapes,
     format_table,
     human_bytes,
     human_seconds,
-    remat_settings,
 )
+from jaxlearn.aot.target import AOTError, Target
 from jaxlearn.config import ConfigBase, visit
 from jaxlearn.mesh import (
     GradAccumulationModifier,
@@ -330,6 +327,88 @@ def _as_layout(sizes: dict[str, int], remat: str = KEEP, microbatches: int = 1) 
 # ---- search -------------------------------------------------------------------------------
 
 
+class _Search:
+    """The compiled candidates so far, within the budget of `max_candidates`."""
+
+    def __init__(self, cfg: ConfigBase, target: Target, space: _Space,
+                 remat_target: Optional[str], max_candidates: int,
+                 compile_layout: Callable[[ConfigBase], AOTReport],
+                 progress: Optional[Callable[[Candidate], None]]):
+        self.cfg = cfg
+        self.target = target
+        self.space = space
+        self.remat_target = remat_target
+        self.max_candidates = max_candidates
+        self.compile_layout = compile_layout
+        self.progress = progress
+        self.candidates: list[Candidate] = []
+        self.seen: set[Layout] = set()
+
+    def run(self, layout: Layout) -> Optional[Candidate]:
+        """Compiles `layout` unless seen or out of budget (then None)."""
+        if layout in self.seen or len(self.candidates) >= self.max_candidates:
+            return None
+        self.seen.add(layout)
+        cand = Candidate(layout)
+        try:
+            cand.report = self.compile_layout(apply_layout(self.cfg, layout, self.remat_target))
+        except (AOTError, ValueError) as e:
+            cand.error = str(e).splitlines()[0][:300]
+        self.candidates.append(cand)
+        if self.progress is not None:
+            self.progress(cand)
+        return cand
+
+    def fits(self, layout: Layout) -> bool:
+        """Whether `layout` fits, compiling it if it is new and the budget allows."""
+        c = self.run(layout)
+        if c is None:  # Already compiled, or out of budget.
+            prior = next((x for x in self.candidates if x.layout == layout), None)
+            return prior is not None and prior.fits
+        return c.fits
+
+    def baseline(self) -> None:
+        base = self.run(Layout((), baseline=True))
+        if base is not None and base.report is not None:
+            self.seen.add(_baseline_layout(self.cfg, base))
+
+    def least_sharded_fitting(self, opts: list[dict[str, int]]) -> None:
+        """Bisects `opts` (most `fsdp` first, opts[0] fits) for the last one that fits."""
+        lo, hi = 0, len(opts) - 1
+        if self.fits(_as_layout(opts[hi])):
+            return
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.fits(_as_layout(opts[mid])):
+                lo = mid
+            else:
+                hi = mid
+
+    def memory_savers(self, sizes: dict[str, int], policies: Sequence[str],
+                      microbatches: Sequence[int]) -> None:
+        """Stronger remat policies on `sizes`, then gradient accumulation with the strongest,
+        until one fits."""
+        for policy in policies:
+            if self.fits(_as_layout(sizes, policy)):
+                return
+        strongest = policies[-1] if policies else KEEP
+        for mb in microbatches:
+            if mb != 1 and self.space.batch_ok(sizes, mb) and \
+                    self.fits(_as_layout(sizes, strongest, mb)):
+                return
+
+    def remat_off(self) -> None:
+        """Remat turned off on the three best fitting layouts that rematerialise."""
+        best = sorted((c for c in self.candidates if c.fits and not c.layout.baseline),
+                      key=Candidate.sort_key)[:3]
+        for cand in best:
+            layout = cand.layout
+            current = _policy_of(apply_layout(self.cfg, layout, self.remat_target),
+                                 self.remat_target)
+            if current != "none":
+                self.run(Layout(layout.sizes, "none", layout.num_microbatches))
+
+
 def plan(
     cfg: ConfigBase,
     target: Target,
@@ -362,88 +441,52 @@ def plan(
         remat_target = find_remat_target(cfg)
     batch = {k: jax.ShapeDtypeStruct(shape, dtype)
              for k, (shape, dtype) in batch_shapes(cfg).items()}
-    global_batch = int(next(iter(batch.values())).shape[0])
-    space = _Space(cfg, target, global_batch, max_model_parallel)
+    space = _Space(cfg, target, int(next(iter(batch.values())).shape[0]), max_model_parallel)
+    search = _Search(cfg, target, space, remat_target, max_candidates,
+                     lambda c: aot_compile(c, target, mfu=mfu,
+                                           hbm_utilization=hbm_utilization, batch=batch),
+                     progress)
     groups = space.groups()
-    notes: list[str] = []
-    candidates: list[Candidate] = []
-    seen: set[Layout] = set()
-
-    def run(layout: Layout) -> Optional[Candidate]:
-        if layout in seen or len(candidates) >= max_candidates:
-            return None
-        seen.add(layout)
-        cand = Candidate(layout)
-        try:
-            cand.report = aot_compile(apply_layout(cfg, layout, remat_target), target,
-                                      mfu=mfu, hbm_utilization=hbm_utilization, batch=batch)
-        except (AOTError, ValueError) as e:
-            cand.error = str(e).splitlines()[0][:300]
-        candidates.append(cand)
-        if progress is not None:
-            progress(cand)
-        return cand
-
-    def fits(layout: Layout) -> bool:
-        c = run(layout)
-        if c is None:  # Already compiled, or out of budget.
-            prior = next((x for x in candidates if x.layout == layout), None)
-            return prior is not None and prior.fits
-        return c.fits
-
     if include_baseline:
-        base = run(Layout((), baseline=True))
-        if base is not None and base.report is not None:
-            seen.add(_baseline_layout(cfg, base))
+        search.baseline()
     # 1. The most sharded layout of each (model, expert) group.
     top = {g: _as_layout(opts[0]) for g, opts in groups.items()}
     for layout in top.values():
-        run(layout)
-    # 2. Where it fits: the least-sharded layout that still fits.
+        search.run(layout)
+    # 2. Where it fits: the least-sharded layout that still fits, and on multi-host targets
+    # fsdp over one host, data across hosts.
     for g, opts in groups.items():
-        if not fits(top[g]) or len(opts) < 2:
-            continue
-        lo, hi = 0, len(opts) - 1  # opts[lo] fits (most fsdp); find the largest index that fits.
-        if fits(_as_layout(opts[hi])):
-            lo = hi
-        else:
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                if fits(_as_layout(opts[mid])):
-                    lo = mid
-                else:
-                    hi = mid
-        if target.num_granules > 1:
-            host = next((o for o in opts if o["fsdp"] * g[0] * g[1] == space.per_granule), None)
-            if host is not None:
-                run(_as_layout(host))
+        if search.fits(top[g]) and len(opts) >= 2:
+            search.least_sharded_fitting(opts)
+            _one_host_fsdp(search, g, opts)
     # 3. Where even that does not fit: remat, then gradient accumulation.
     policies = list(remat_policies) if remat_target is not None else []
     for g, opts in groups.items():
-        if fits(top[g]):
-            continue
-        sizes = opts[0]
-        done = False
-        for policy in policies:
-            if fits(_as_layout(sizes, policy)):
-                done = True
-                break
-        strongest = policies[-1] if policies else KEEP
-        for mb in microbatches:
-            if done or mb == 1 or not space.batch_ok(sizes, mb):
-                continue
-            done = fits(_as_layout(sizes, strongest, mb))
+        if not search.fits(top[g]):
+            search.memory_savers(opts[0], policies, microbatches)
     # 4. Remat off where a fitting layout rematerialises.
     if remat_target is not None:
-        for cand in sorted((c for c in candidates if c.fits and not c.layout.baseline),
-                           key=Candidate.sort_key)[:3]:
-            layout = cand.layout
-            current = _policy_of(apply_layout(cfg, layout, remat_target), remat_target)
-            if current != "none":
-                run(Layout(layout.sizes, "none", layout.num_microbatches))
-    if len(candidates) >= max_candidates:
-        notes.append(f"stopped at max_candidates={max_candidates}; raise it to search more")
-    fitting = sorted((c for c in candidates if c.fits), key=Candidate.sort_key)
+        search.remat_off()
+    return _result(search)
+
+
+def _one_host_fsdp(search: _Search, group: tuple[int, int],
+                   opts: list[dict[str, int]]) -> None:
+    if search.target.num_granules > 1:
+        per = search.space.per_granule
+        host = next((o for o in opts if o["fsdp"] * group[0] * group[1] == per), None)
+        if host is not None:
+            search.run(_as_layout(host))
+
+
+def _result(search: _Search) -> PlanResult:
+    """The winner (fastest fitting candidate) and its mesh rule."""
+    cfg, target, remat_target = search.cfg, search.target, search.remat_target
+    notes: list[str] = []
+    if len(search.candidates) >= search.max_candidates:
+        notes.append(f"stopped at max_candidates={search.max_candidates}; raise it to "
+                     "search more")
+    fitting = sorted((c for c in search.candidates if c.fits), key=Candidate.sort_key)
     winner = fitting[0] if fitting else None
     rule = None
     if winner is not None:
@@ -454,8 +497,8 @@ def plan(
                 rule = mesh_rule_literal(target.selector, as_layout, cfg, remat_target)
         else:
             rule = mesh_rule_literal(target.selector, winner.layout, cfg, remat_target)
-    return PlanResult(target.selector, target.num_devices, candidates, winner, rule,
-                      remat_target, max_candidates, space.pruned, notes)
+    return PlanResult(target.selector, target.num_devices, search.candidates, winner, rule,
+                      remat_target, search.max_candidates, search.space.pruned, notes)
 
 
 def _baseline_layout(cfg: ConfigBase, cand: Candidate) -> Layout:

@@ -20,7 +20,7 @@ import logging
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Mapping, Optional, Union
 
 import numpy as np
 import orbax.checkpoint as ocp
@@ -123,6 +123,7 @@ class Checkpointer(Configurable):
         config_text: Optional[str] = None,
         metrics: Optional[dict[str, Any]] = None,
         snapshot: bool = True,
+        extra_files: Optional[Mapping[str, bytes]] = None,
     ) -> None:
         """Starts saving `state` as `step`.
 
@@ -139,6 +140,8 @@ class Checkpointer(Configurable):
         most one copy of this process's shards). Raises CheckpointSaveError if the
         previous background save failed, FileExistsError if `step` exists.
         `data_iterator_state` is this process's (each process writes its own).
+        `extra_files`: {plain file name: bytes} written into the step dir by process 0 next
+        to `config.txt` (e.g. the run record `run.json`), covered by the manifest's sha256s.
         """
         if self._closed:
             raise RuntimeError("Checkpointer is closed")
@@ -151,6 +154,7 @@ class Checkpointer(Configurable):
             raise ValueError(f"checkpoint step {step}: the state has no array leaves")
         specs = {p: leaf_spec(p, leaf) for p, leaf in named}
         sidecars = self._encode_sidecars(data_iterator_state, config_text)
+        sidecars.update(_extra_sidecars(extra_files))
         if multihost.process_index() == 0:
             self._root.mkdir(parents=True, exist_ok=True)
         prefix = multihost.unique_name(f"step{step}")
@@ -407,6 +411,23 @@ class Checkpointer(Configurable):
                 layout.fsync_dir(self._root)
         multihost.foreground_barrier(multihost.unique_name("quarantine"))
         return moved
+
+
+_RESERVED = {layout.MANIFEST, layout.STATE_DIR, layout.DATA_ITER_DIR, layout.CONFIG_FILE}
+
+
+def _extra_sidecars(files: Optional[Mapping[str, bytes]]) -> dict[str, bytes]:
+    """Process 0's extra step-dir files, checked: plain names, bytes, no reserved names."""
+    out: dict[str, bytes] = {}
+    for name, data in (files or {}).items():
+        if not isinstance(name, str) or not layout.is_plain_name(name) or name in _RESERVED:
+            raise ValueError(f"extra_files: {name!r} must be a plain file name other than "
+                             f"{sorted(_RESERVED)}")
+        if not isinstance(data, bytes):
+            raise TypeError(f"extra_files[{name!r}] must be bytes, got {type(data).__name__}")
+        if multihost.process_index() == 0:
+            out[name] = data
+    return out
 
 
 def _quarantine_name(path: Path) -> Path:

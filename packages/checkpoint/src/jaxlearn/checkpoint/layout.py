@@ -5,6 +5,7 @@
         state/                         orbax PyTree item (OCDBT + zarr, one sub-store per process)
         data_iterator/process_00000.bin|.txt|.json   one per process, optional
         config.txt                     the config's flat text, optional
+        run.json, ...                  extra files of process 0 (`save(extra_files=)`), optional
     <root>/step_00000200.tmp/          a save in progress (or a crashed one): ignored
     <root>/step_00000050.deleting/     retention GC in progress: ignored
 
@@ -25,6 +26,14 @@ MANIFEST = "manifest.json"
 STATE_DIR = "state"
 DATA_ITER_DIR = "data_iterator"
 CONFIG_FILE = "config.txt"
+
+_PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+
+
+def is_plain_name(name: str) -> bool:
+    """A file name with no directory part, not hidden, of safe characters."""
+    return _PLAIN_NAME.match(name) is not None and ".." not in name
+
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _TRANSIENT_RE = re.compile(r"^step_(\d+)\.(tmp|deleting)$")
@@ -139,7 +148,8 @@ class FileRecord:
 
 def inventory(step_path: Path, hash_up_to_bytes: int) -> dict[str, FileRecord]:
     """Every file below `step_path` (except the manifest) with its size; small files, the
-    data-iterator states and the config text also with their sha256."""
+    data-iterator states and the files directly in the step dir (config text, extra
+    files) also with their sha256."""
     out: dict[str, FileRecord] = {}
     for dirpath, _, files in os.walk(step_path):
         for name in files:
@@ -148,7 +158,7 @@ def inventory(step_path: Path, hash_up_to_bytes: int) -> dict[str, FileRecord]:
             if rel == MANIFEST:
                 continue
             size = full.stat().st_size
-            always = rel == CONFIG_FILE or rel.startswith(DATA_ITER_DIR + "/")
+            always = "/" not in rel or rel.startswith(DATA_ITER_DIR + "/")
             digest = sha256_file(full) if always or size <= hash_up_to_bytes else None
             out[rel] = FileRecord(size, digest)
     return dict(sorted(out.items()))

@@ -6,7 +6,7 @@
 `aot` compiles the experiment's train step for the target and prints per-device memory vs
 HBM, FLOPs, predicted step time and collectives; it exits 1 if the step does not fit.
 `plan` compiles candidate layouts and prints the fastest that fits as a mesh rule; it exits
-1 if none fits. Both exit 2 on usage errors. See jaxlearn.aot.compile / .plan.
+1 if none fits. Both exit 2 on usage errors. See jaxlearn.aot.target / .compile / .plan.
 
 Fake CPU devices must be requested before JAX initialises: the commands do that first
 thing; if JAX is already up with too few CPU devices (e.g. `main()` called from a process
@@ -97,7 +97,7 @@ def _argv(args: argparse.Namespace) -> list[str]:
 def _devices_ready(args: argparse.Namespace) -> Optional[int]:
     """Requests the target's device count as fake CPU devices; if JAX is already up with
     too few, re-runs the command in a subprocess and returns its exit status."""
-    from jaxlearn.aot.compile import ensure_cpu_devices
+    from jaxlearn.aot.target import ensure_cpu_devices
     from jaxlearn.cli.main import UsageError
     from jaxlearn.mesh import UnknownHardwareError, selector_num_devices
 
@@ -121,7 +121,7 @@ def _devices_ready(args: argparse.Namespace) -> Optional[int]:
 
 
 def _target(args: argparse.Namespace) -> Any:
-    from jaxlearn.aot.compile import AOTError, resolve_target
+    from jaxlearn.aot.target import AOTError, resolve_target
     from jaxlearn.cli.main import UsageError
 
     try:
@@ -143,7 +143,9 @@ def cmd_aot(args: argparse.Namespace) -> int:
     rc = _devices_ready(args)
     if rc is not None:
         return rc
-    from jaxlearn.aot.compile import AOTError, aot_compile, format_report
+    from jaxlearn.aot.compile import aot_compile
+    from jaxlearn.aot.report import format_report
+    from jaxlearn.aot.target import AOTError
     from jaxlearn.cli.main import UsageError, final_config
 
     target = _target(args)
@@ -164,8 +166,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     rc = _devices_ready(args)
     if rc is not None:
         return rc
-    from jaxlearn.aot.compile import AOTError
     from jaxlearn.aot.plan import format_plan, plan
+    from jaxlearn.aot.target import AOTError
     from jaxlearn.cli.main import UsageError, final_config
 
     target = _target(args)

@@ -16,32 +16,24 @@ the train command's `--mesh_selector` (e.g. `gpu-h100-8x4`: 4 nodes x 8 GPUs, on
 node; `tpu-v5p-64`: 8 TPU VMs x 4 chips). Both validate the train command (experiment, mesh
 rules, --set) first. On Slurm `srun --kill-on-bad-exit=1` and on Kubernetes the JobSet's
 failure policy stop the other processes when one fails; `jaxlearn train` in each process
-finds its place from the scheduler's variables (jaxlearn.launch.distributed).
+finds its place from the scheduler's variables (jaxlearn.launch.cluster).
+
+This module parses the flags, builds the option dataclasses and writes the files; the
+scripts and manifests come from `jaxlearn.launch.slurm` and `jaxlearn.launch.k8s`.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import math
 import os
 import re
 import shlex
-import subprocess
 import sys
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
+
+from jaxlearn.launch.job import DEFAULT_ENTRYPOINT, JobSpecError, JobTarget, job_name
 
 EXIT_DISTRIBUTED = 3
-DEFAULT_ENTRYPOINT = "python3 -m jaxlearn.cli"
-REPLICATED_JOB = "workers"
-
-# GKE node labels per catalogue kind.
-_TPU_ACCELERATOR = {"tpu-v4": "tpu-v4-podslice", "tpu-v5p": "tpu-v5p-slice",
-                    "tpu-v5e": "tpu-v5-lite-podslice", "tpu-v6e": "tpu-v6e-slice"}
-_TPU_3D = ("tpu-v4", "tpu-v5p")
-_GPU_ACCELERATOR = {"gpu-h100": "nvidia-h100-80gb", "gpu-h200": "nvidia-h200-141gb",
-                    "gpu-b200": "nvidia-b200"}
 
 
 def _usage(message: str) -> Exception:
@@ -223,66 +215,60 @@ def _local(args: argparse.Namespace) -> int:
 # ---- the train command of a cluster job ----------------------------------------------------
 
 
-class _Target:
-    """What a cluster job runs: the validated train argv and its hardware."""
+def _target(args: argparse.Namespace) -> JobTarget:
+    """The validated train command of a cluster job and its hardware."""
+    from jaxlearn.cli.main import build_parser, final_config
+    from jaxlearn.mesh import get_hardware, parse_selector
+    from jaxlearn.mesh.errors import MeshError
 
-    def __init__(self, args: argparse.Namespace):
-        from jaxlearn.cli.main import build_parser, final_config
-        from jaxlearn.mesh import get_hardware, parse_selector
-        from jaxlearn.mesh.errors import MeshError
-
-        cmd = _command(args)
-        if cmd[0] != "train":
-            raise _usage(f"launch {args.launcher} runs `train`, got {cmd[0]!r}")
-        train = build_parser().parse_args(cmd)
-        if not train.mesh_selector:
-            raise _usage(f"launch {args.launcher}: the train command needs the target's "
-                         "--mesh_selector (e.g. gpu-h100-8x4, tpu-v5p-64, cpu-8)")
-        try:
-            kind, devices = parse_selector(train.mesh_selector)
-        except MeshError as e:
-            raise _usage(str(e)) from None
-        final_config(train.experiment, train.mesh_selector, train.overrides)  # Validates.
-        self.argv = cmd
-        self.experiment: str = train.experiment
-        self.selector: str = train.mesh_selector
-        self.kind = kind
-        self.devices = devices
-        self.spec = get_hardware(kind)
-        self.name = _job_name(args.name or f"jaxlearn-{train.experiment}")
-
-    def command(self, entrypoint: str, cpu_devices: Optional[int]) -> list[str]:
-        argv = list(self.argv)
-        if cpu_devices is not None and "--num_cpu_devices" not in argv:
-            argv += ["--num_cpu_devices", str(cpu_devices)]
-        return [*shlex.split(entrypoint), *argv]
+    cmd = _command(args)
+    if cmd[0] != "train":
+        raise _usage(f"launch {args.launcher} runs `train`, got {cmd[0]!r}")
+    train = build_parser().parse_args(cmd)
+    if not train.mesh_selector:
+        raise _usage(f"launch {args.launcher}: the train command needs the target's "
+                     "--mesh_selector (e.g. gpu-h100-8x4, tpu-v5p-64, cpu-8)")
+    try:
+        kind, devices = parse_selector(train.mesh_selector)
+    except MeshError as e:
+        raise _usage(str(e)) from None
+    final_config(train.experiment, train.mesh_selector, train.overrides)  # Validates.
+    spec = get_hardware(kind)
+    try:
+        name = job_name(args.name or f"jaxlearn-{train.experiment}")
+    except JobSpecError as e:
+        raise _usage(str(e)) from None
+    return JobTarget(name=name, experiment=train.experiment, selector=train.mesh_selector,
+                     kind=kind, platform=spec.platform, devices=devices,
+                     devices_per_host=spec.devices_per_host, argv=tuple(cmd))
 
 
-def _job_name(name: str) -> str:
-    clean = re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-")
-    if not clean or len(clean) > 40:
-        raise _usage(f"--name {name!r}: need 1-40 characters of a-z, 0-9 and '-' (pod host "
-                     "names <name>-workers-J-P must stay within 63)")
-    return clean
-
-
-def _env_pairs(items: Sequence[str]) -> list[tuple[str, str]]:
+def _pairs(items: Sequence[str], flag: str, key_pattern: str = r".*"
+           ) -> tuple[tuple[str, str], ...]:
+    """Repeated `flag KEY=VALUE` values as (KEY, VALUE) pairs."""
     pairs = []
     for item in items:
         key, sep, value = item.partition("=")
-        if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
-            raise _usage(f"--env {item!r}: expected KEY=VALUE")
+        if not sep or not re.fullmatch(key_pattern, key):
+            raise _usage(f"{flag} {item!r}: expected KEY=VALUE")
         pairs.append((key, value))
-    return pairs
+    return tuple(pairs)
 
 
-def _timeouts(args: argparse.Namespace) -> list[tuple[str, str]]:
-    out = []
-    if args.initialization_timeout is not None:
-        out.append(("JAXLEARN_INITIALIZATION_TIMEOUT", f"{args.initialization_timeout:g}"))
-    if args.heartbeat_timeout is not None:
-        out.append(("JAXLEARN_HEARTBEAT_TIMEOUT", f"{args.heartbeat_timeout:g}"))
-    return out
+def _job_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The JobOptions fields every cluster launcher shares."""
+    return dict(env=_pairs(args.env, "--env", r"[A-Za-z_][A-Za-z0-9_]*"),
+                coordinator_port=args.coordinator_port,
+                initialization_timeout=args.initialization_timeout,
+                heartbeat_timeout=args.heartbeat_timeout, entrypoint=args.entrypoint)
+
+
+def _generate(make: Callable[[Any, JobTarget], str], options: Any, target: JobTarget) -> str:
+    """`make(options, target)`, its JobSpecError a usage error."""
+    try:
+        return make(options, target)
+    except JobSpecError as e:
+        raise _usage(str(e)) from None
 
 
 def _write(text: str, path: Optional[str], what: str) -> None:
@@ -298,303 +284,44 @@ def _write(text: str, path: Optional[str], what: str) -> None:
     print(f"jaxlearn launch: wrote {path}", file=sys.stderr)
 
 
-# ---- launch slurm --------------------------------------------------------------------------
-
-
-def slurm_script(args: argparse.Namespace, target: _Target) -> str:
-    """The sbatch script for `target` (see `jaxlearn launch slurm --help`)."""
-    spec = target.spec
-    ppn = args.processes_per_node or 1
-    gpus = args.gpus_per_node
-    cpu_devices: Optional[int] = None
-    if spec.platform == "gpu":
-        per_host = spec.devices_per_host or target.devices
-        gpus = gpus or min(per_host, target.devices)
-        nodes = args.nodes or math.ceil(target.devices / gpus)
-        if nodes * gpus != target.devices:
-            raise _usage(f"{target.selector} is {target.devices} GPUs, but {nodes} node(s) x "
-                         f"{gpus} GPU(s) = {nodes * gpus}")
-        if gpus % ppn:
-            raise _usage(f"--processes_per_node {ppn} does not divide {gpus} GPUs per node")
-    elif spec.platform == "cpu":
-        nodes = args.nodes or 1
-        if target.devices % (nodes * ppn):
-            raise _usage(f"{target.selector}: {target.devices} CPU devices do not split over "
-                         f"{nodes * ppn} process(es)")
-        cpu_devices = target.devices // (nodes * ppn)
-    else:  # TPU VMs or Trainium hosts scheduled by Slurm: whole hosts.
-        per_host = spec.devices_per_host or target.devices
-        nodes = args.nodes or max(1, math.ceil(target.devices / per_host))
-    lines = [
-        "#!/bin/bash",
-        f"# Generated by `jaxlearn launch slurm` on {datetime.date.today().isoformat()}: "
-        f"{target.experiment} on {target.selector} ({nodes * ppn} process(es)).",
-        f"#SBATCH --job-name={target.name}",
-        f"#SBATCH --nodes={nodes}",
-        f"#SBATCH --ntasks-per-node={ppn}",
-    ]
-    if gpus:
-        lines.append(f"#SBATCH --gpus-per-node={gpus}")
-    for flag, value in (("--cpus-per-task", args.cpus_per_task), ("--partition", args.partition),
-                        ("--account", args.account), ("--time", args.time),
-                        ("--output", args.log)):
-        if value is not None:
-            lines.append(f"#SBATCH {flag}={value}")
-    if not args.no_exclusive:
-        lines.append("#SBATCH --exclusive")
-    lines += ["", "set -euo pipefail", *args.setup]
-    env = _env_pairs(args.env) + _timeouts(args)
-    if args.coordinator_port is not None:
-        env.append(("JAXLEARN_COORDINATOR_PORT", str(args.coordinator_port)))
-    lines += [f"export {k}={shlex.quote(v)}" for k, v in env]
-    srun = ["srun", "--kill-on-bad-exit=1", f"--ntasks-per-node={ppn}"]
-    if gpus and ppn > 1:
-        srun.append(f"--gpus-per-task={gpus // ppn}")
-    command = target.command(args.entrypoint, cpu_devices)
-    lines += [
-        "",
-        "# Every task finds its rank and the coordinator (first node) from SLURM_PROCID,",
-        "# SLURM_STEP_NUM_TASKS and SLURM_STEP_NODELIST; one failed task ends the step.",
-        shlex.join(srun) + " \\",
-        "    " + shlex.join(command),
-        "",
-    ]
-    return "\n".join(lines)
+# ---- launch slurm / k8s --------------------------------------------------------------------
 
 
 def _slurm(args: argparse.Namespace) -> int:
-    target = _Target(args)
-    text = slurm_script(args, target)
+    from jaxlearn.launch import slurm
+
+    target = _target(args)
+    options = slurm.SlurmOptions(
+        **_job_options(args), nodes=args.nodes, processes_per_node=args.processes_per_node,
+        gpus_per_node=args.gpus_per_node, partition=args.partition, account=args.account,
+        time=args.time, cpus_per_task=args.cpus_per_task, exclusive=not args.no_exclusive,
+        setup=tuple(args.setup), log=args.log)
+    text = _generate(slurm.slurm_script, options, target)
     path = args.script or (f"{target.name}.sbatch" if args.submit else None)
     _write(text, path, "sbatch script")
     if not args.submit:
         return 0
     assert path is not None
     try:
-        done = subprocess.run(["sbatch", path], capture_output=True, text=True)
-    except FileNotFoundError:
-        raise _usage("--submit: sbatch is not on PATH (run this on a Slurm login node, or "
-                     f"copy {path} there)") from None
-    sys.stdout.write(done.stdout)
-    sys.stderr.write(done.stderr)
-    if done.returncode:
-        print(f"jaxlearn: error: sbatch {path} failed (exit status {done.returncode})",
-              file=sys.stderr)
-        return 1
-    return 0
-
-
-# ---- launch k8s ----------------------------------------------------------------------------
-
-
-def tpu_topology(kind: str, chips: int) -> str:
-    """GKE's name for a slice of `chips` (a power of two): 3-D for v4/v5p (2x2x1, 2x2x2,
-    2x2x4, 2x4x4, 4x4x4, ...), 2-D for v5e/v6e (1x1, 2x2, 2x4, 4x4, 4x8, ...)."""
-    k = chips.bit_length() - 1
-    if chips < 1 or 2**k != chips:
-        raise _usage(f"{chips} TPU chips is not a power of two: give --tpu_topology")
-    if kind in _TPU_3D:
-        dims = sorted(2 ** ((k + i) // 3) for i in range(3))
-        dims = [d for d in dims if d > 1] + [d for d in dims if d == 1]
-    else:
-        dims = [2 ** (k // 2), 2 ** (k - k // 2)]
-    return "x".join(str(d) for d in dims)
-
-
-def jobset_manifest(args: argparse.Namespace, target: _Target) -> dict[str, Any]:
-    """The JobSet for `target` as a dict (see `jaxlearn launch k8s --help`)."""
-    spec = target.spec
-    limits: dict[str, Any] = {}
-    node_selector: dict[str, str] = {}
-    tolerations: list[dict[str, str]] = []
-    annotations: dict[str, str] = {}
-    cpu_devices: Optional[int] = None
-    if spec.platform == "tpu":
-        per_host = min(spec.devices_per_host or target.devices, target.devices)
-        processes = target.devices // per_host
-        topology = args.tpu_topology or tpu_topology(target.kind, target.devices)
-        product = math.prod(int(d) for d in topology.split("x"))
-        if product != target.devices:
-            raise _usage(f"--tpu_topology {topology} is {product} chips; {target.selector} "
-                         f"is {target.devices}")
-        limits["google.com/tpu"] = per_host
-        node_selector["cloud.google.com/gke-tpu-accelerator"] = _TPU_ACCELERATOR[target.kind]
-        node_selector["cloud.google.com/gke-tpu-topology"] = topology
-        tolerations.append({"key": "google.com/tpu", "operator": "Exists",
-                            "effect": "NoSchedule"})
-        # One slice per node pool: no other job's pods on this slice's hosts.
-        annotations["alpha.jobset.sigs.k8s.io/exclusive-topology"] = \
-            "cloud.google.com/gke-nodepool"
-    elif spec.platform == "gpu":
-        per_host = min(spec.devices_per_host or target.devices, target.devices)
-        processes = math.ceil(target.devices / per_host)
-        limits["nvidia.com/gpu"] = per_host
-        if target.kind in _GPU_ACCELERATOR:
-            node_selector["cloud.google.com/gke-accelerator"] = _GPU_ACCELERATOR[target.kind]
-        tolerations.append({"key": "nvidia.com/gpu", "operator": "Exists",
-                            "effect": "NoSchedule"})
-    elif spec.platform == "neuron":
-        per_host = min(spec.devices_per_host or target.devices, target.devices)
-        processes = math.ceil(target.devices / per_host)
-        limits["aws.amazon.com/neuron"] = max(1, per_host // 4)  # 4 logical cores per chip.
-    else:
-        processes = args.num_processes or 1
-        if target.devices % processes:
-            raise _usage(f"{target.selector}: {target.devices} CPU devices do not split over "
-                         f"{processes} pod(s)")
-        cpu_devices = target.devices // processes
-    if args.num_processes is not None and args.num_processes != processes:
-        raise _usage(f"--num_processes {args.num_processes}: {target.selector} needs "
-                     f"{processes} pod(s)")
-    for item in args.node_selector:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise _usage(f"--node_selector {item!r}: expected KEY=VALUE")
-        node_selector[key] = value
-    name = target.name
-    port = args.coordinator_port or 8476
-    env: list[dict[str, Any]] = [
-        {"name": "JAXLEARN_COORDINATOR_ADDRESS",
-         "value": f"{name}-{REPLICATED_JOB}-0-0.{name}:{port}"},
-        {"name": "JAXLEARN_NUM_PROCESSES", "value": str(processes)},
-        {"name": "JAXLEARN_PROCESSES_PER_JOB", "value": str(processes)},
-    ]
-    for var, key in (("JOBSET_NAME", "jobset-name"),
-                     ("REPLICATED_JOB_NAME", "replicatedjob-name"),
-                     ("JOB_INDEX", "job-index"), ("JOB_GLOBAL_INDEX", "job-global-index")):
-        env.append({"name": var, "valueFrom": {"fieldRef": {
-            "fieldPath": f"metadata.annotations['jobset.sigs.k8s.io/{key}']"}}})
-    env += [{"name": k, "value": v} for k, v in _timeouts(args) + _env_pairs(args.env)]
-    requests = {k: v for k, v in (("cpu", args.cpu), ("memory", args.memory)) if v}
-    resources: dict[str, Any] = {}
-    if limits:
-        resources["limits"] = dict(limits)
-    if requests:
-        resources["requests"] = requests
-    container: dict[str, Any] = {
-        "name": "jaxlearn",
-        "image": args.image,
-        "command": target.command(args.entrypoint, cpu_devices),
-        "ports": [{"name": "coordinator", "containerPort": port}],
-        "env": env,
-    }
-    if resources:
-        container["resources"] = resources
-    pod: dict[str, Any] = {"restartPolicy": "Never"}
-    if args.service_account:
-        pod["serviceAccountName"] = args.service_account
-    if node_selector:
-        pod["nodeSelector"] = node_selector
-    if tolerations:
-        pod["tolerations"] = tolerations
-    pod["containers"] = [container]
-    metadata: dict[str, Any] = {"name": name, "labels": {
-        "app.kubernetes.io/name": "jaxlearn", "jaxlearn/experiment": _label(target.experiment),
-        "jaxlearn/mesh-selector": _label(target.selector)}}
-    if args.namespace:
-        metadata["namespace"] = args.namespace
-    if annotations:
-        metadata["annotations"] = annotations
-    return {
-        "apiVersion": "jobset.x-k8s.io/v1alpha2",
-        "kind": "JobSet",
-        "metadata": metadata,
-        "spec": {
-            # A headless Service named <subdomain> gives every pod the DNS name
-            # <jobset>-<replicatedJob>-<jobIndex>-<podIndex>.<subdomain>, published before the
-            # pods are ready so that process 0's address resolves during start-up.
-            "network": {"enableDNSHostnames": True, "subdomain": name,
-                        "publishNotReadyAddresses": True},
-            # Any failed pod fails its Job (backoffLimit 0) and so the JobSet, which stops
-            # every other pod (and restarts them all, up to maxRestarts times).
-            "failurePolicy": {"maxRestarts": args.max_restarts},
-            "replicatedJobs": [{
-                "name": REPLICATED_JOB,
-                "replicas": 1,
-                "template": {"spec": {
-                    "parallelism": processes,
-                    "completions": processes,
-                    "completionMode": "Indexed",
-                    "backoffLimit": 0,
-                    "template": {"spec": pod},
-                }},
-            }],
-        },
-    }
-
-
-def _label(value: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]", "-", value)[:63].strip("-_.")
+        return 1 if slurm.submit(path) else 0
+    except JobSpecError as e:
+        raise _usage(str(e)) from None
 
 
 def _k8s(args: argparse.Namespace) -> int:
-    target = _Target(args)
-    manifest = jobset_manifest(args, target)
-    header = (f"# Generated by `jaxlearn launch k8s` on {datetime.date.today().isoformat()}: "
-              f"{target.experiment} on {target.selector}.\n# kubectl apply -f <this file>  "
-              "(needs the JobSet controller: https://jobset.sigs.k8s.io)\n")
-    _write(header + to_yaml(manifest), args.output, "JobSet manifest")
+    from jaxlearn.launch import k8s
+
+    target = _target(args)
+    options = k8s.K8sOptions(
+        **_job_options(args), image=args.image, namespace=args.namespace,
+        num_processes=args.num_processes, tpu_topology=args.tpu_topology,
+        node_selector=_pairs(args.node_selector, "--node_selector"), cpu=args.cpu,
+        memory=args.memory, max_restarts=args.max_restarts,
+        service_account=args.service_account)
+    _write(_generate(k8s.jobset_file, options, target), args.output, "JobSet manifest")
     return 0
-
-
-# ---- a small YAML emitter (block style; strings quoted unless plainly safe) ----------------
-
-_PLAIN = re.compile(r"[A-Za-z_/][A-Za-z0-9_./:@-]*")
-_RESERVED = {"true", "false", "yes", "no", "on", "off", "null", "y", "n", "~"}
-
-
-def _scalar(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return json.dumps(value)
-    text = str(value)
-    if _PLAIN.fullmatch(text) and text.lower() not in _RESERVED and not text.endswith(":"):
-        return text
-    return json.dumps(text)  # A JSON string is a valid YAML double-quoted scalar.
-
-
-def to_yaml(obj: Any, indent: int = 0) -> str:
-    """Block-style YAML of dicts, lists and scalars; parses back (PyYAML or any YAML 1.2
-    reader) to `obj`."""
-    pad = " " * indent
-    if isinstance(obj, dict):
-        if not obj:
-            return pad + "{}\n"
-        out = []
-        for key, value in obj.items():
-            k = _scalar(str(key))
-            if isinstance(value, (dict, list)) and value:
-                out.append(f"{pad}{k}:\n")
-                out.append(to_yaml(value, indent + (2 if isinstance(value, dict) else 0)))
-            else:
-                out.append(f"{pad}{k}: {_inline(value)}\n")
-        return "".join(out)
-    if isinstance(obj, list):
-        if not obj:
-            return pad + "[]\n"
-        out = []
-        for item in obj:
-            if isinstance(item, (dict, list)) and item:
-                body = to_yaml(item, indent + 2)
-                out.append(f"{pad}- {body[indent + 2:]}")
-            else:
-                out.append(f"{pad}- {_inline(item)}\n")
-        return "".join(out)
-    return pad + _scalar(obj) + "\n"
-
-
-def _inline(value: Any) -> str:
-    if isinstance(value, dict):
-        return "{}"
-    if isinstance(value, list):
-        return "[]"
-    return _scalar(value)
 
 
 COMMANDS = {"launch": cmd_launch}
 
-__all__ = ["COMMANDS", "add_distributed_args", "add_parsers", "jobset_manifest",
-           "slurm_script", "start_distributed", "to_yaml", "tpu_topology"]
+__all__ = ["COMMANDS", "add_distributed_args", "add_parsers", "start_distributed"]

@@ -4,8 +4,13 @@
                    [--set learner.learning_rate=1e-3 ...] [--max_step N]
                    [--supervise [--max_restarts N] [--restart_backoff_s S]] [--elastic]
     jaxlearn experiments
-    jaxlearn config --experiment NAME [--mesh_selector SEL] [--set ...]
+    jaxlearn config --experiment NAME [--mesh_selector SEL] [--set ...] [train's run flags]
     jaxlearn config-diff A B        (experiment names or flat-text files)
+
+The run flags (`--output_dir`, `--max_step`, `--data`, `--profile_steps`, `--elastic`) are
+config overrides (`run_flag_overrides`), applied after `--set`, so `jaxlearn config` with
+the same flags prints exactly the config `train` runs; `train` records the experiment, the
+selector and every override in `<output_dir>/run.json` and in each checkpoint.
 
 Errors in what the user gave (unknown experiment, bad --set, bad data, unwritable output
 dir, a checkpoint in --output_dir from another model) print one line `jaxlearn: error: ...`
@@ -37,8 +42,27 @@ def _add_experiment_args(p: argparse.ArgumentParser) -> None:
                    help="hardware target, e.g. cpu-8, tpu-v5p-256, gpu-h100-8x4 "
                         "(default: detected from this machine)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
-                   help="override a config field, e.g. --set model.decoder.num_layers=4 "
-                        "(repeatable; values are Python literals)")
+                   help="override a config field, e.g. --set model.decoder.transformer.num_layers=4"
+                        " or --set learner.learning_rate=1e-3 (repeatable; values are Python "
+                        "literals; `jaxlearn config` lists every path)")
+
+
+def _add_run_args(p: argparse.ArgumentParser, *, output_dir_required: bool) -> None:
+    """The flags that stand for config fields (see `run_flag_overrides`)."""
+    p.add_argument("--output_dir", required=output_dir_required, default=None,
+                   help="checkpoints, TensorBoard, metrics (sets output_dir)")
+    p.add_argument("--max_step", type=int, default=None,
+                   help="stop after this many steps (sets max_step)")
+    p.add_argument("--data", action="append", default=[], metavar="PATH",
+                   help="train on local .txt/.jsonl files or directories instead of the "
+                        "bundled data (repeatable; sets input.source and eval_input.source)")
+    p.add_argument("--profile_steps", type=str, default=None,
+                   help="comma-separated steps to trace with the JAX profiler, e.g. 5,6,7 "
+                        "(sets profile_steps)")
+    p.add_argument("--elastic", action="store_true",
+                   help="on a device count other than the run's first, keep the global batch "
+                        "by raising learner.num_microbatches (the mesh's -1 axis adapts; "
+                        "sets resilience.elastic)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,13 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train an experiment (resumes from --output_dir)")
     _add_experiment_args(p)
-    p.add_argument("--output_dir", required=True, help="checkpoints, TensorBoard, metrics")
-    p.add_argument("--max_step", type=int, default=None, help="stop after this many steps")
-    p.add_argument("--data", action="append", default=[], metavar="PATH",
-                   help="train on local .txt/.jsonl files or directories instead of the "
-                        "bundled data (repeatable)")
-    p.add_argument("--profile_steps", type=str, default=None,
-                   help="comma-separated steps to trace with the JAX profiler, e.g. 5,6,7")
+    _add_run_args(p, output_dir_required=True)
     p.add_argument("--supervise", action="store_true",
                    help="run training in a child process and restart it (from the newest "
                         "good checkpoint) when it crashes or hangs; implies --elastic")
@@ -62,15 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --supervise: restart budget (default 3)")
     p.add_argument("--restart_backoff_s", type=float, default=10.0,
                    help="with --supervise: first restart delay, doubled each restart")
-    p.add_argument("--elastic", action="store_true",
-                   help="on a device count other than the run's first, keep the global batch "
-                        "by raising learner.num_microbatches (the mesh's -1 axis adapts)")
     launch_cmd.add_distributed_args(p)  # --coordinator_address, --num_processes, ...
 
     sub.add_parser("experiments", help="list the named experiments")
 
-    p = sub.add_parser("config", help="print an experiment's final config (flat text form)")
+    p = sub.add_parser("config", help="print an experiment's final config (flat text form), "
+                       "with the same flags as train")
     _add_experiment_args(p)
+    _add_run_args(p, output_dir_required=False)
 
     p = sub.add_parser("config-diff", help="diff two configs (experiment names or files)")
     p.add_argument("a")
@@ -86,23 +103,99 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def final_config(experiment: str, mesh_selector: Optional[str], overrides: Sequence[str]) -> Any:
-    """Recipe -> mesh rule for the selector -> --set overrides."""
+def final_config(experiment: str, mesh_selector: Optional[str], overrides: Sequence[str],
+                 *, validate: bool = True) -> Any:
+    """Recipe -> mesh rule for the selector -> `path=value` overrides -> validation (field
+    limits, `Config.validate`). `run.json`'s experiment, mesh_selector and overrides give
+    the run's config again."""
     from jaxlearn.config import ConfigError, apply_overrides
     from jaxlearn.experiments import get_experiment
-    from jaxlearn.mesh import apply_mesh_rules, current_selector
+    from jaxlearn.mesh import MeshError, apply_mesh_rules
 
     try:
         cfg: Any = get_experiment(experiment)
     except KeyError as e:
         raise UsageError(str(e.args[0])) from None
-    selector = mesh_selector or current_selector()
+    selector = resolve_selector(mesh_selector)
     try:
         cfg, _ = apply_mesh_rules(cfg, selector)
         apply_overrides(cfg, overrides)
-    except ConfigError as e:
-        raise UsageError(str(e)) from None
+        if validate:
+            cfg.validate()
+    except (ConfigError, MeshError) as e:
+        raise UsageError(_one_line(e)) from None
     return cfg
+
+
+def resolve_selector(selector: Optional[str]) -> str:
+    """`selector` checked against the hardware catalogue, or this machine's selector."""
+    from jaxlearn.mesh import HARDWARE, UnknownHardwareError, current_selector, parse_selector
+
+    if selector is None:
+        return current_selector()
+    try:
+        parse_selector(selector)
+    except UnknownHardwareError as e:
+        raise UsageError(f"--mesh_selector {selector!r} is not a known mesh selector "
+                         f"({str(e).split(';')[0]}); known kinds: {', '.join(sorted(HARDWARE))}, "
+                         "written KIND-COUNT such as cpu-8 or tpu-v5p-256") from None
+    return selector
+
+
+def run_flag_overrides(args: argparse.Namespace, cfg: Any) -> list[tuple[str, str]]:
+    """(flag, `path=value` override) for every run flag given: the one place where flags
+    become config fields. `cfg` (the config after `--set`) tells which inputs exist."""
+    out = []
+    if args.output_dir is not None:
+        out.append(("--output_dir", f"output_dir={args.output_dir!r}"))
+    if args.max_step is not None:
+        out.append(("--max_step", f"max_step={args.max_step}"))
+    if args.data:
+        for name in ("input", "eval_input"):
+            if getattr(cfg, name, None) is not None:
+                out.append(("--data", f"{name}.source=jaxlearn.runtime.data.TextFilesSource"))
+                out.append(("--data", f"{name}.source.paths={list(args.data)!r}"))
+    if args.profile_steps is not None:
+        try:
+            steps = tuple(int(s) for s in args.profile_steps.split(",") if s.strip())
+        except ValueError:
+            raise UsageError(f"--profile_steps {args.profile_steps!r}: expected comma-separated "
+                             "step numbers, e.g. 5,6,7") from None
+        out.append(("--profile_steps", f"profile_steps={steps!r}"))
+    if args.elastic:
+        out.append(("--elastic", "resilience.elastic=True"))
+    return out
+
+
+def run_config(args: argparse.Namespace) -> tuple[Any, str, list[str]]:
+    """(final config, mesh selector, every override in order) for train/config's flags."""
+    from jaxlearn.config import ConfigError, apply_override
+
+    selector = resolve_selector(args.mesh_selector)
+    cfg = final_config(args.experiment, selector, args.overrides, validate=False)
+    overrides = list(args.overrides)
+    for flag, override in run_flag_overrides(args, cfg):
+        try:
+            apply_override(cfg, override)
+        except ConfigError as e:
+            raise UsageError(f"{flag}: {_one_line(e)}") from None
+        overrides.append(override)
+    try:
+        cfg.validate()
+    except ConfigError as e:
+        raise UsageError(_one_line(e)) from None
+    return cfg, selector, overrides
+
+
+def _warn_other_hardware(selector: str) -> None:
+    """A loud line when the selector's hardware is not this machine's."""
+    from jaxlearn.mesh import detect_hardware, hardware_for_selector
+
+    target, here = hardware_for_selector(selector), detect_hardware()
+    if target.platform != here.platform:
+        print(f"jaxlearn: WARNING: --mesh_selector {selector} is a mesh for {target.kind} "
+              f"({target.platform}) hardware, but this machine has {here.kind} devices: the run "
+              f"uses that mesh's rule on {here.platform}", file=sys.stderr)
 
 
 def _check_output_dir(path: str) -> None:
@@ -141,19 +234,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.supervise:
         return _supervise(args)
     launch_cmd.start_distributed(args)  # Multi-process: join before any JAX use.
-    overrides = list(args.overrides)
-    if args.max_step is not None:
-        overrides.append(f"max_step={args.max_step}")
-    if args.profile_steps:
-        steps = tuple(int(s) for s in args.profile_steps.split(",") if s.strip())
-        overrides.append(f"profile_steps={steps!r}")
-    cfg = final_config(args.experiment, args.mesh_selector, overrides)
-    from jaxlearn.config import ConfigError
+    cfg, selector, overrides = run_config(args)
+    _warn_other_hardware(selector)
+    from jaxlearn.config import ConfigError, to_flat_text
 
     try:
-        cfg.output_dir = args.output_dir
-        if args.data:
-            _use_local_data(cfg, args.data)
         inputs = cfg.input.instantiate()
         inputs.iterator(0, 1)  # Bad data fails here, before anything is written.
     except (ConfigError, ValueError, OSError) as e:
@@ -162,15 +247,20 @@ def cmd_train(args: argparse.Namespace) -> int:
     from jaxlearn.resilience.failures import ResilienceError
     from jaxlearn.resilience.manager import CheckpointSaveFailed
     from jaxlearn.runtime.data import DataError
+    from jaxlearn.runtime.record import RunRecord
     from jaxlearn.runtime.trainer import TrainerError
 
     try:
         elastic = None
-        if args.elastic:
+        if cfg.resilience.elastic:
             from jaxlearn.resilience.elastic import adapt_to_devices
 
+            micro = cfg.learner.num_microbatches
             elastic = adapt_to_devices(cfg)
-        trainer = cfg.instantiate()
+            if cfg.learner.num_microbatches != micro:  # Recorded, so the record rebuilds it.
+                overrides.append(f"learner.num_microbatches={cfg.learner.num_microbatches}")
+        record = RunRecord(args.experiment, selector, tuple(overrides), to_flat_text(cfg))
+        trainer = cfg.instantiate(run_record=record)
     except (ConfigError, TrainerError) as e:
         raise UsageError(str(e)) from None
     _check_output_dir(args.output_dir)
@@ -189,18 +279,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     except CheckpointSaveFailed as e:
         print(f"jaxlearn: error: {_one_line(e)}", file=sys.stderr)
         return 1
-    print("jaxlearn: done. " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(last.items())),
-          file=sys.stderr)
+    from jaxlearn.runtime.summary import format_number
+
+    print("jaxlearn: done. " + ", ".join(f"{k}={format_number(v)}"
+                                         for k, v in sorted(last.items())), file=sys.stderr)
     return 0
-
-
-def _use_local_data(cfg: Any, paths: Sequence[str]) -> None:
-    from jaxlearn.runtime.data import TextFilesSource
-
-    for name in ("input", "eval_input"):
-        input_cfg = getattr(cfg, name)
-        if input_cfg is not None:
-            input_cfg.source = TextFilesSource.default_config().set(paths=list(paths))
 
 
 def cmd_experiments(args: argparse.Namespace) -> int:
@@ -215,8 +298,8 @@ def cmd_experiments(args: argparse.Namespace) -> int:
 def cmd_config(args: argparse.Namespace) -> int:
     from jaxlearn.config import to_flat_text
 
-    sys.stdout.write(to_flat_text(final_config(args.experiment, args.mesh_selector,
-                                               args.overrides)))
+    cfg, _, _ = run_config(args)
+    sys.stdout.write(to_flat_text(cfg))
     return 0
 
 

@@ -13,8 +13,9 @@ Both commands print the engine config (`engine.` lines, the flat text form) at s
 PATH is resolved by `load_model`:
 - a jaxlearn run (a training output_dir, its `checkpoints/` directory or one `step_*`
   directory): the model config is rebuilt from the run's record (`run.json`, see
-  `jaxlearn.runtime.record`): experiment + mesh selector + overrides, checked against the
-  recorded flat text on every `model.` line, then `--set` overrides on top; the
+  `jaxlearn.runtime.record`): from its recorded flat text (`jaxlearn.config.from_flat_text`),
+  or, when that text no longer parses, from its experiment + mesh selector + overrides
+  checked against the recorded `model.` lines; then `--set` overrides on top; the
   tokenizer is the recorded config's `input.tokenizer`, the params come from
   `jaxlearn.checkpoint` (Engine.from_checkpoint). A checkpoint without a record takes
   its config from `--experiment`, or else from a guess: the experiment whose model
@@ -175,38 +176,54 @@ def model_difference(recorded: str, rebuilt: str) -> Optional[str]:
 
 def config_from_record(record: Any, where: str, experiment: Optional[str],
                        overrides: Sequence[str]) -> tuple[Any, str]:
-    """(trainer config, where it came from) of a run record: `final_config` of its
-    experiment, mesh selector and overrides, checked against the recorded text on the
-    `model.` lines, with `overrides` applied after the check. A record that names no
-    experiment (a run built through the Python API) takes `experiment`, or else the
-    experiment whose model config matches its text, labelled a guess. UsageError (one
-    line) when the record's config cannot be rebuilt."""
-    from jaxlearn.cli.main import UsageError, final_config
-    from jaxlearn.config import ConfigError, apply_overrides, to_flat_text
+    """(trainer config, where it came from) of a run record, with `overrides` applied.
 
-    if record.experiment is None and experiment is None:
-        return guess_config(record.config_text, overrides, where,
-                            "the run record names no experiment")
+    The recorded flat text is what the run trained, so the config is rebuilt from it
+    (`from_flat_text`): a recipe changed or removed since does not change the model. Only
+    when the text no longer parses (a field renamed since the run) is the recorded
+    experiment rebuilt from its name, mesh selector and overrides, and then checked against
+    the recorded `model.` lines. UsageError (one line) when neither works."""
+    from jaxlearn.cli.main import UsageError
+    from jaxlearn.config import ConfigError, FlatTextError, apply_overrides, from_flat_text
+
     if record.experiment is not None and experiment not in (None, record.experiment):
         raise UsageError(f"--experiment {experiment}: the run record of {where} says the run "
                          f"is experiment {record.experiment!r}")
-    name: str = record.experiment or experiment or ""
+    described = (f"experiment {record.experiment or experiment!r}, mesh_selector "
+                 f"{record.mesh_selector}, overrides {list(record.overrides)}")
     try:
-        cfg = final_config(name, record.mesh_selector, record.overrides)
-    except UsageError as e:
-        raise UsageError(f"--model {where}: cannot rebuild the recorded experiment {name!r} "
-                         f"(mesh_selector {record.mesh_selector}, overrides "
-                         f"{list(record.overrides)}): {e}") from None
-    diff = model_difference(record.config_text, to_flat_text(cfg))
-    if diff is not None:
-        raise UsageError(f"--model {where}: experiment {name!r} now builds a different model "
-                         f"than the run recorded ({diff})")
+        cfg = from_flat_text(record.config_text, where=f"{where} (run record config_text)")
+        source = f"the run record's config text ({described})"
+    except FlatTextError as e:
+        cfg = _rebuild_experiment(record, where, experiment, str(e))
+        source = f"the run record: {described}"
     try:
         apply_overrides(cfg, overrides)
     except ConfigError as e:
         raise UsageError(f"--set: {e}") from None
-    return cfg, (f"the run record: experiment {name!r}, mesh_selector "
-                 f"{record.mesh_selector}, overrides {list(record.overrides)}")
+    return cfg, source
+
+
+def _rebuild_experiment(record: Any, where: str, experiment: Optional[str], why: str) -> Any:
+    """The recorded experiment rebuilt by name (the recorded text did not parse: `why`),
+    checked against the recorded `model.` lines."""
+    from jaxlearn.cli.main import UsageError, final_config
+    from jaxlearn.config import to_flat_text
+
+    name = record.experiment or experiment
+    if name is None:
+        raise UsageError(f"--model {where}: cannot rebuild the recorded config ({why}) and "
+                         f"the record names no experiment; pass --experiment NAME")
+    try:
+        cfg = final_config(name, record.mesh_selector, record.overrides)
+    except UsageError as e:
+        raise UsageError(f"--model {where}: cannot rebuild the recorded config ({why}) nor "
+                         f"experiment {name!r}: {e}") from None
+    diff = model_difference(record.config_text, to_flat_text(cfg))
+    if diff is not None:
+        raise UsageError(f"--model {where}: cannot rebuild the recorded config ({why}), and "
+                         f"experiment {name!r} now builds a different model ({diff})")
+    return cfg
 
 
 def guess_config(saved: str, overrides: Sequence[str], where: str,
@@ -371,7 +388,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
                          f"--prompt cannot be encoded")
     prompt: Any = args.prompt
     if args.chat:
-        prompt = chat_prompt(engine.tokenizer, [{"role": "user", "content": args.prompt}])
+        try:
+            prompt = chat_prompt(engine.tokenizer, [{"role": "user", "content": args.prompt}])
+        except ValueError as e:  # ChatTemplateError: a refused or failing template
+            raise UsageError(str(e)) from None
     t0 = time.monotonic()
     n = 0
     reason = None

@@ -10,6 +10,7 @@ from jaxlearn.config.base import (
     ConfigTypeError,
     RequiredFieldError,
     UnknownFieldError,
+    below_minimum,
     format_path,
     parse_path,
 )
@@ -29,7 +30,14 @@ from jaxlearn.config.flat import (
     to_flat_dict,
     to_flat_text,
 )
-from jaxlearn.config.overrides import OverrideError, apply_override, apply_overrides, parse_value
+from jaxlearn.config.overrides import (
+    OverrideError,
+    apply_override,
+    apply_overrides,
+    import_dotted,
+    parse_value,
+)
+from jaxlearn.config.rebuild import IMPORTABLE, FlatTextError, from_flat_text
 from jaxlearn.config.traverse import carry_over_fields, leaves, replace_config, visit
 
 __all__ = [
@@ -39,13 +47,16 @@ __all__ = [
     "ConfigError",
     "ConfigTypeError",
     "Configurable",
+    "FlatTextError",
     "FunctionConfigBase",
+    "IMPORTABLE",
     "InstantiableConfig",
     "OverrideError",
     "RequiredFieldError",
     "UnknownFieldError",
     "apply_override",
     "apply_overrides",
+    "below_minimum",
     "carry_over_fields",
     "config_for_class",
     "config_for_function",
@@ -53,6 +64,8 @@ __all__ = [
     "diff_flat_texts",
     "format_path",
     "format_value",
+    "from_flat_text",
+    "import_dotted",
     "leaves",
     "parse_path",
     "parse_value",

@@ -31,7 +31,7 @@ from jaxlearn.config.errors import (
     UnknownFieldError,
     suggest,
 )
-from jaxlearn.config.paths import format_path, parse_path, with_items
+from jaxlearn.config.paths import format_path, join_path, parse_path, with_items
 from jaxlearn.config.typecheck import is_classvar, resolve_annotation, type_matches, type_name
 
 T = TypeVar("T", bound="ConfigBase")
@@ -298,6 +298,28 @@ class ConfigBase:
         visit(self, enter, prefix=prefix)
         return missing
 
+    def _field_problems(self) -> dict[str, str]:
+        """{field: what is wrong with its value} for this config alone; subclasses whose
+        fields have limits (a positive step count) override it."""
+        return {}
+
+    def validate(self, prefix: str = "") -> None:
+        """Raises ConfigError naming every field below this config whose value is out of its
+        limits (`save_every_n_steps: must be >= 1, got 0`), each with its full path."""
+        from jaxlearn.config.traverse import visit
+
+        problems: list[str] = []
+
+        def enter(path: str, value: Any) -> bool:
+            if isinstance(value, ConfigBase):
+                for name, problem in value._field_problems().items():
+                    problems.append(f"{join_path(path, [name])}: {problem}")
+            return False
+
+        visit(self, enter, prefix=prefix)
+        if problems:
+            raise ConfigError("; ".join(problems))
+
     def check_required(self, prefix: str = "") -> None:
         """Raises RequiredFieldError listing every unset REQUIRED field with its path."""
         missing = self.missing_fields(prefix)
@@ -305,6 +327,21 @@ class ConfigBase:
             raise RequiredFieldError(
                 f"{type(self).__qualname__}: required field(s) not set: {', '.join(missing)}"
             )
+
+
+def below_minimum(cfg: ConfigBase, **minimums: float) -> dict[str, str]:
+    """{field: problem} for each named numeric field of `cfg` below its minimum (unset
+    fields and None are skipped): a building block of `_field_problems`."""
+    out: dict[str, str] = {}
+    for name, low in minimums.items():
+        value = getattr(cfg, name)
+        if value is REQUIRED or value is None:
+            continue
+        values = value if isinstance(value, (list, tuple)) else [value]
+        bad = [v for v in values if isinstance(v, (int, float)) and not v >= low]
+        if bad:
+            out[name] = f"must be >= {low}, got {value!r}"
+    return out
 
 
 def _child(node: Any, key: str | int, where: str) -> Any:
@@ -354,6 +391,7 @@ def _with_item(container: Any, key: Any, value: Any, where: str) -> Any:
 __all__ = [
     "REQUIRED",
     "ConfigBase",
+    "below_minimum",
     "ConfigError",
     "ConfigTypeError",
     "RequiredFieldError",

@@ -93,7 +93,7 @@ def diff_flat_texts(a: str, b: str, name_a: str = "a", name_b: str = "b") -> str
 def diff_configs(a: Any, b: Any) -> str:
     """Changed, added and removed paths between two configs, one per line.
 
-    ~ model.decoder.num_layers: 2 -> 4
+    ~ model.decoder.transformer.num_layers: 2 -> 4
     + model.decoder.layer.feed_forward.num_experts: 8
     - model.decoder.layer.feed_forward.hidden_dim: 1376
     """

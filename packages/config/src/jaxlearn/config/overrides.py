@@ -1,8 +1,10 @@
-"""Overrides from strings: `model.decoder.num_layers=4`.
+"""Overrides from strings: `model.decoder.transformer.num_layers=4`.
 
 Values are parsed with `ast.literal_eval` (never `eval`). A field annotated `str` takes the
 raw text when it is not a string literal; a field annotated with a class or callable takes
-a dotted import path (`pkg.module.Name`), which is imported, not evaluated. Every line of
+a dotted import path (`pkg.module.Name`), which is imported, not evaluated; a field that
+holds a config takes a Configurable class's path and gets its default config
+(`input.source=jaxlearn.runtime.data.TextFilesSource`). Every line of
 the flat text form (`to_flat_text`) is itself a valid override.
 """
 
@@ -16,7 +18,7 @@ import importlib
 import re
 import types
 import typing
-from typing import Any, Iterable, Union
+from typing import Any, Iterable, Optional, Sequence, Union
 
 from jaxlearn.config.base import (
     REQUIRED,
@@ -67,6 +69,40 @@ def _enum_member(text: str, hint: Any) -> Any:
     return _NOT_LITERAL
 
 
+def _allowed(name: str, importable: Optional[Sequence[str]]) -> bool:
+    return importable is None or any(name.startswith(p) or name == p.rstrip(".")
+                                     for p in importable)
+
+
+def import_dotted(text: str, importable: Optional[Sequence[str]] = None,
+                  where: str = "") -> Any:
+    """The object a dotted path (`pkg.module.Name`) names. With `importable` (module-name
+    prefixes such as `"jaxlearn."`), a path outside them is never imported, and an object
+    found under an allowed module but defined elsewhere (`jaxlearn.x.os.system`) is refused.
+    Raises ImportError/AttributeError for paths that do not resolve."""
+    if not _allowed(text, importable):
+        raise OverrideError(
+            f"{where}: {text!r} is outside the importable modules "
+            f"({', '.join(importable or ())}); refusing to import it"
+        )
+    obj = _import_dotted(text)
+    if importable is None:
+        return obj
+    module: Any
+    if isinstance(obj, types.ModuleType):
+        module = obj.__name__
+    elif isinstance(obj, enum.Enum):
+        module = type(obj).__module__
+    else:
+        module = getattr(obj, "__module__", None)
+    if not (isinstance(module, str) and _allowed(module + ".", importable)):
+        raise OverrideError(
+            f"{where}: {text!r} resolves to an object defined in {module!r}, outside the "
+            f"importable modules ({', '.join(importable)}); refusing it"
+        )
+    return obj
+
+
 def _import_dotted(text: str) -> Any:
     module_name, _, attr = text.rpartition(".")
     while module_name:
@@ -83,13 +119,17 @@ def _import_dotted(text: str) -> Any:
     raise ImportError(text)
 
 
-def parse_value(text: str, hint: Any = Any, where: str = "") -> Any:
+def parse_value(
+    text: str, hint: Any = Any, where: str = "", importable: Optional[Sequence[str]] = None
+) -> Any:
     """Parses the text of an override for a field annotated `hint`.
 
     In order: a Python literal (`ast.literal_eval`, never `eval`) that fits `hint`; `nan`
     and `inf` for float fields; an enum member's name for enum fields; the raw text for
     fields that accept `str`; a dotted import path for fields that hold classes, callables
-    or other objects.
+    or other objects (a Configurable class, for a field that holds configs, gives its
+    `default_config()`) (with `importable`, only under those module prefixes; see
+    `import_dotted`).
     """
     text = text.strip()
     if text == "REQUIRED":  # As the flat form prints it; quote it to mean the string.
@@ -109,11 +149,14 @@ def parse_value(text: str, hint: Any = Any, where: str = "") -> Any:
         return text
     if _DOTTED.match(text) and _accepts_objects(hint):
         try:
-            obj = _import_dotted(text)
+            obj = import_dotted(text, importable, where)
         except (ImportError, AttributeError):
             obj = _NOT_LITERAL
         if obj is not _NOT_LITERAL and type_matches(obj, hint):
             return obj
+        default = _default_config_of(obj, hint)
+        if default is not None:
+            return default
         if obj is not _NOT_LITERAL:
             value = obj
     shown = type_name(hint)
@@ -126,6 +169,16 @@ def parse_value(text: str, hint: Any = Any, where: str = "") -> Any:
 
 
 _NOT_LITERAL = object()
+
+
+def _default_config_of(obj: Any, hint: Any) -> Any:
+    """`obj.default_config()` when `obj` is a Configurable class and a field annotated `hint`
+    holds configs (`input.source=jaxlearn.runtime.data.TextFilesSource`); else None."""
+    make = getattr(obj, "default_config", None) if isinstance(obj, type) else None
+    if not callable(make):
+        return None
+    cfg = make()
+    return cfg if isinstance(cfg, ConfigBase) and type_matches(cfg, hint) else None
 
 
 def _assignment_index(override: str) -> int:

@@ -15,6 +15,7 @@ from jaxlearn.interop.arch import Architecture, architecture_from_config, build_
 from jaxlearn.interop.errors import (
     ChatTemplateError,
     InteropError,
+    MalformedFileError,
     ParameterMismatchError,
     TokenizerError,
     UnsupportedModelError,
@@ -40,6 +41,7 @@ __all__ = [
     "InteropError",
     "JaxlearnCheckpointError",
     "LoadedModel",
+    "MalformedFileError",
     "ParameterMismatchError",
     "TokenizerError",
     "UnsupportedModelError",

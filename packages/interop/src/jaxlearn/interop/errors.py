@@ -16,6 +16,12 @@ class UnsupportedModelError(InteropError):
     converter cannot represent, e.g. an unknown architecture or RoPE scaling type."""
 
 
+class MalformedFileError(InteropError):
+    """A model file (GGUF header, safetensors header, config.json) is malformed, lies
+    about its sizes or holds values out of range; the one-line message names the file and
+    the field or tensor."""
+
+
 class ParameterMismatchError(InteropError):
     """The tensors in a checkpoint do not match what the model config expects.
 

@@ -2,7 +2,9 @@
 
     loaded = load_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")      # LoadedModel
 
-Read with the `gguf` package (`GGUFReader`, memory-mapped). Every tensor is dequantised to
+The header is read and validated by `jaxlearn.interop.gguf_header` (every count, length,
+dimension and offset against the file size; the file memory-mapped read-only), then every
+size in the metadata by `jaxlearn.interop.checks`. Every tensor is dequantised to
 float32 with `gguf.quants.dequantize` (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the
 K-quants and the IQ types that the package implements), then cast to the param dtype.
 
@@ -32,11 +34,20 @@ from typing import Any, Optional
 import numpy as np
 
 from jaxlearn.interop.arch import Architecture, architecture_from_config, build_config
+from jaxlearn.interop.checks import (
+    LIMITS,
+    check_heads,
+    check_layers_present,
+    flag,
+    integer,
+    number,
+)
 from jaxlearn.interop.convert import held_features, read_tensors, write_tensors
 from jaxlearn.interop.convert import permute_qk as permute_qk  # re-exported
 from jaxlearn.interop.convert import unpermute_qk as unpermute_qk  # re-exported
 from jaxlearn.interop.errors import (
     InteropError,
+    MalformedFileError,
     TokenizerError,
     UnsupportedModelError,
 )
@@ -76,22 +87,18 @@ def _require_gguf() -> Any:
 
 
 class GGUFFile:
-    """A GGUF file: `metadata` (key -> value; token arrays included), `tensors` by name."""
+    """A GGUF file: `metadata` (key -> value; token arrays included), `tensors` by name
+    (`gguf_header.TensorInfo`). The header is validated by `gguf_header.read_header`
+    before any tensor is read."""
 
     def __init__(self, path: str | pathlib.Path):
-        g = _require_gguf()
+        _require_gguf()
+        from jaxlearn.interop.gguf_header import read_header
+
         self.path = pathlib.Path(path)
-        try:
-            self.reader = g.GGUFReader(str(self.path))
-        except Exception as e:  # the reader raises ValueError / struct errors
-            raise InteropError(f"{self.path}: not a readable GGUF file ({e})") from None
-        self.metadata: dict[str, Any] = {}
-        for key, field in self.reader.fields.items():
-            try:
-                self.metadata[key] = field.contents()
-            except Exception:  # pragma: no cover - exotic field types
-                continue
-        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.header = read_header(self.path)
+        self.metadata: dict[str, Any] = self.header.metadata
+        self.tensors = self.header.tensors
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
@@ -101,22 +108,31 @@ class GGUFFile:
             raise InteropError(f"{self.path}: metadata key {key!r} is missing")
         return self.metadata[key]
 
+    def integer(
+        self, key: str, default: Any = None, *, low: int = 1, high: int, required: bool = False
+    ) -> Any:
+        """Metadata `key` as an int in [low, high] (`default` when absent and not
+        `required`); anything else is a MalformedFileError naming the file and key."""
+        value = self.require(key) if required else self.get(key)
+        if value is None:
+            return default
+        return integer(value, str(self.path), key, low=low, high=high)
+
     def tensor(self, name: str) -> np.ndarray:
         """Dequantised float32 tensor in numpy (row-major, HF-like) shape."""
         g = _require_gguf()
         t = self.tensors[name]
-        shape = tuple(int(d) for d in reversed(t.shape))  # ggml `ne` is innermost-first
         try:
-            data = g.quants.dequantize(np.asarray(t.data), t.tensor_type)
+            data = g.quants.dequantize(self.header.data(name), t.tensor_type)
         except NotImplementedError as e:
             raise UnsupportedModelError(
                 f"{self.path}: tensor {name} has type {t.tensor_type.name}, which gguf "
                 f"{getattr(g, '__version__', '')} cannot dequantise ({e})"
             ) from None
-        return np.asarray(data, np.float32).reshape(shape)
+        return np.asarray(data, np.float32).reshape(self.shape(name))
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(int(d) for d in reversed(self.tensors[name].shape))
+        return tuple(reversed(self.tensors[name].shape))  # ggml `ne` is innermost-first
 
     def names(self) -> list[str]:
         """The tensor names (`names.Source`)."""
@@ -159,78 +175,144 @@ def _llama3_scaling_from_factors(
     )
 
 
+def _sizes(f: GGUFFile, arch: str) -> dict[str, Any]:
+    """The validated integer hyperparameters `{arch}.*` of `f` (see `checks.LIMITS`)."""
+    where = str(f.path)
+
+    def key(name: str, limit: str, default: Any = None, low: int = 1, **kw: Any) -> Any:
+        return f.integer(f"{arch}.{name}", default, low=low, high=LIMITS[limit], **kw)
+
+    dim = key("embedding_length", "dim", required=True)
+    heads = key("attention.head_count", "num_heads", required=True)
+    kv = key("attention.head_count_kv", "num_heads", heads)
+    head_dim = check_heads(
+        where,
+        dim=dim,
+        heads=heads,
+        kv_heads=kv,
+        head_dim=key("attention.key_length", "head_dim"),
+        fields=(
+            f"{arch}.embedding_length",
+            f"{arch}.attention.head_count",
+            f"{arch}.attention.head_count_kv",
+        ),
+    )
+    if key("attention.value_length", "head_dim", head_dim) != head_dim:
+        raise UnsupportedModelError(f"{f.path}: key_length != value_length")
+    rot = key("rope.dimension_count", "head_dim", head_dim)
+    if rot != head_dim:
+        raise UnsupportedModelError(f"{f.path}: partial RoPE ({rot} of {head_dim} dims)")
+    tokens = f.get("tokenizer.ggml.tokens")
+    if tokens is not None and not isinstance(tokens, list):
+        raise MalformedFileError(f"{f.path}: tokenizer.ggml.tokens is not an array")
+    vocab = key("vocab_size", "vocab_size", len(tokens) if tokens else None)
+    if vocab is None and "token_embd.weight" in f.tensors:
+        vocab = f.shape("token_embd.weight")[0]
+    if vocab is None:
+        raise MalformedFileError(f"{f.path}: no {arch}.vocab_size, token list or token_embd")
+    if tokens and vocab != len(tokens):
+        raise MalformedFileError(
+            f"{f.path}: {arch}.vocab_size = {vocab}, but tokenizer.ggml.tokens holds "
+            f"{len(tokens)} tokens"
+        )
+    experts = key("expert_count", "num_experts", 0, low=0)
+    used = key("expert_used_count", "num_experts", 2 if experts else 0, low=0)
+    if experts and not 1 <= used <= experts:
+        raise MalformedFileError(
+            f"{f.path}: {arch}.expert_used_count = {used} is not in [1, {arch}.expert_count "
+            f"= {experts}]"
+        )
+    ffn = key("expert_feed_forward_length", "ffn_dim") or key(
+        "feed_forward_length", "ffn_dim", required=True
+    )
+    return dict(
+        vocab_size=vocab,
+        dim=dim,
+        num_layers=key("block_count", "num_layers", required=True),
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=head_dim,
+        ffn_dim=ffn,
+        num_experts=experts,
+        num_experts_per_token=used or 2,
+        max_position_embeddings=key("context_length", "positions"),
+    )
+
+
+def _rope(f: GGUFFile, arch: str, head_dim: int) -> tuple[float, Optional[dict[str, Any]]]:
+    """(theta, HF-style scaling dict or None) of `f`."""
+    where = str(f.path)
+    theta = number(f.get(f"{arch}.rope.freq_base", 10000.0), where, f"{arch}.rope.freq_base")
+    scaling: Optional[dict[str, Any]] = None
+    stype = f.get(f"{arch}.rope.scaling.type")
+    if stype == "linear":
+        factor = f.get(f"{arch}.rope.scaling.factor", 1.0)
+        scaling = {"rope_type": "linear", "factor": number(factor, where, "rope.scaling.factor")}
+    elif stype not in (None, "none"):
+        raise UnsupportedModelError(f"{f.path}: RoPE scaling type {stype!r} is not supported")
+    if "rope_freqs.weight" in f.tensors:
+        n = f.tensors["rope_freqs.weight"].n_elements
+        if n != head_dim // 2:
+            raise MalformedFileError(
+                f"{f.path}: tensor rope_freqs.weight has {n} elements, expected head_dim/2 = "
+                f"{head_dim // 2}"
+            )
+        original = f.integer(f"{arch}.rope.scaling.original_context_length", high=2**40)
+        scaling = _llama3_scaling_from_factors(
+            f.tensor("rope_freqs.weight").reshape(-1), theta, head_dim, original
+        )
+    return theta, scaling
+
+
+def _token_id(f: GGUFFile, key: str) -> Optional[int]:
+    return f.integer(key, low=0, high=2**63 - 1)
+
+
 def architecture_from_gguf(f: GGUFFile) -> Architecture:
-    """Reads the hyperparameters of a llama/qwen2/qwen3/qwen3moe GGUF file."""
+    """Reads the hyperparameters of a llama/qwen2/qwen3/qwen3moe GGUF file; every size is
+    checked (MalformedFileError naming the file and key), and every layer `block_count`
+    declares must have its tensors in the file, before anything is allocated."""
     arch_name = f.require("general.architecture")
     if arch_name not in ARCHITECTURES:
         raise UnsupportedModelError(
             f"{f.path}: general.architecture {arch_name!r} is not supported ({ARCHITECTURES})"
         )
-
-    def key(name: str, default: Any = None, required: bool = False) -> Any:
-        full = f"{arch_name}.{name}"
-        return f.require(full) if required else f.get(full, default)
-
-    dim = int(key("embedding_length", required=True))
-    heads = int(key("attention.head_count", required=True))
-    kv = int(key("attention.head_count_kv", heads))
-    head_dim = int(key("attention.key_length", dim // heads))
-    if int(key("attention.value_length", head_dim)) != head_dim:
-        raise UnsupportedModelError(f"{f.path}: key_length != value_length")
-    rot = int(key("rope.dimension_count", head_dim))
-    if rot != head_dim:
-        raise UnsupportedModelError(f"{f.path}: partial RoPE ({rot} of {head_dim} dims)")
-    layers = int(key("block_count", required=True))
-    tokens = f.get("tokenizer.ggml.tokens")
-    vocab = int(key("vocab_size", len(tokens) if tokens is not None else 0))
-    if not vocab and "token_embd.weight" in f.tensors:
-        vocab = f.shape("token_embd.weight")[0]
-    theta = float(key("rope.freq_base", 10000.0))
-    scaling: Optional[dict[str, Any]] = None
-    stype = key("rope.scaling.type")
-    if stype == "linear":
-        scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor", 1.0))}
-    elif stype not in (None, "none"):
-        raise UnsupportedModelError(f"{f.path}: RoPE scaling type {stype!r} is not supported")
-    if "rope_freqs.weight" in f.tensors:
-        scaling = _llama3_scaling_from_factors(
-            f.tensor("rope_freqs.weight").reshape(-1),
-            theta,
-            head_dim,
-            key("rope.scaling.original_context_length"),
-        )
-    experts = int(key("expert_count", 0) or 0)
-    window = key("attention.sliding_window")
+    sizes = _sizes(f, arch_name)
+    theta, scaling = _rope(f, arch_name, sizes["head_dim"])
+    eps = f.get(f"{arch_name}.attention.layer_norm_rms_epsilon", 1e-5)
+    window = f.integer(f"{arch_name}.attention.sliding_window", high=LIMITS["window"])
     held = held_features(FAMILIES["llama"], "gguf", f.tensors)  # biases, untied head
-    eos = [f.get("tokenizer.ggml.eos_token_id")]
-    eos += [f.get("tokenizer.ggml.eot_token_id"), f.get("tokenizer.ggml.eom_token_id")]
-    family = _FAMILY.get(arch_name, ("mixtral", "llama"))[0 if experts else 1]
+    eos = [_token_id(f, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    family = _FAMILY.get(arch_name, ("mixtral", "llama"))[0 if sizes["num_experts"] else 1]
+    # llama.cpp renormalises the top-k weights unless the file says otherwise.
+    norm_key = f"{arch_name}.expert_weights_norm"
+    normalize = flag(f.get(norm_key), str(f.path), norm_key, default=True)
     if window is not None and family == "llama":
         family = "mistral"
-    return Architecture(
+    arch = Architecture(
         family=family,
-        vocab_size=vocab,
-        dim=dim,
-        num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=kv,
-        head_dim=head_dim,
-        ffn_dim=int(key("expert_feed_forward_length", 0) or key("feed_forward_length", 0)),
-        norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        norm_eps=number(eps, str(f.path), f"{arch_name}.attention.layer_norm_rms_epsilon"),
         rope_theta=theta,
         rope_scaling=scaling,
         tie_embeddings="untied" not in held,
         qkv_bias="qkv_bias" in held,
         output_bias="output_bias" in held,
         mlp_bias="mlp_bias" in held,
-        sliding_windows=(int(window),) * layers if window is not None else (),
-        num_experts=experts,
-        num_experts_per_token=int(key("expert_used_count", 2) or 2),
-        normalize_top_k=bool(key("expert_weights_norm", True)),  # llama.cpp's default
-        max_position_embeddings=key("context_length"),
-        bos_token_id=f.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos if i is not None)),
+        sliding_windows=(window,) * sizes["num_layers"] if window is not None else (),
+        normalize_top_k=normalize,
+        bos_token_id=_token_id(f, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(dict.fromkeys(i for i in eos if i is not None)),
+        **sizes,
     )
+    check_layers_present(
+        arch,
+        "gguf",
+        f.tensors,
+        where=str(f.path),
+        field=f"{arch_name}.block_count",
+        source="the file",
+    )
+    return arch
 
 
 # ---- tensors --------------------------------------------------------------------------------
@@ -324,7 +406,7 @@ def load_gguf(
         chat_template=chat,
         eos_token_ids=arch.eos_token_ids,
         bos_token_id=arch.bos_token_id,
-        pad_token_id=f.get("tokenizer.ggml.padding_token_id"),
+        pad_token_id=_token_id(f, "tokenizer.ggml.padding_token_id"),
         architecture=arch,
         format="gguf",
         source=str(f.path),

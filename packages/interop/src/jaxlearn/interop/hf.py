@@ -33,14 +33,15 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jaxlearn.interop.arch import Architecture, architecture_from_config, build_config
+from jaxlearn.interop.checks import check_layers_present
 from jaxlearn.interop.convert import read_tensors, write_tensors
 from jaxlearn.interop.errors import (
     InteropError,
+    MalformedFileError,
     TokenizerError,
-    UnsupportedModelError,
 )
+from jaxlearn.interop.hf_config import HF_CLASSES, architecture_from_hf, read_json
 from jaxlearn.interop.model import LoadedModel
-from jaxlearn.interop.names import FAMILIES
 from jaxlearn.interop.tree import assemble_params, layer_layouts, split_params, stack_kind
 from jaxlearn.text import errors as text_errors
 from jaxlearn.text import hf_files
@@ -48,141 +49,9 @@ from jaxlearn.text.chat import ChatTemplate
 
 Nested = dict[str, Any]
 INDEX_FILE = "model.safetensors.index.json"
-HF_CLASSES = {name: fam.hf_class for name, fam in FAMILIES.items()}
 
 
 # ---- config.json -----------------------------------------------------------------------------
-
-
-def read_json(path: pathlib.Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise InteropError(f"{path}: not found") from None
-    except json.JSONDecodeError as e:
-        raise InteropError(f"{path}: invalid JSON ({e})") from None
-
-
-def _ids(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, (list, tuple)):
-        return tuple(int(v) for v in value)
-    return (int(value),)
-
-
-def _rope(hf: dict[str, Any], where: str) -> tuple[float, Optional[dict[str, Any]]]:
-    """(theta, scaling dict or None) from transformers 5 `rope_parameters` or the older
-    top-level `rope_theta` + `rope_scaling`."""
-    params = hf.get("rope_parameters")
-    if isinstance(params, dict) and "full_attention" in params:  # per-layer-type form
-        params = params["full_attention"]
-    if isinstance(params, dict):
-        theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-        scaling: Optional[dict[str, Any]] = dict(params)
-    else:
-        theta = float(hf.get("rope_theta", 10000.0))
-        scaling = dict(hf["rope_scaling"]) if hf.get("rope_scaling") else None
-    if scaling is not None:
-        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-        scaling.pop("rope_theta", None)
-        scaling.pop("type", None)
-        scaling["rope_type"] = rope_type
-        if rope_type == "default":
-            scaling = None
-        elif rope_type not in ("llama3", "linear"):
-            raise UnsupportedModelError(
-                f"{where}: RoPE scaling {rope_type!r} is not supported (llama3, linear)"
-            )
-    if float(hf.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise UnsupportedModelError(f"{where}: partial_rotary_factor != 1 is not supported")
-    return theta, scaling
-
-
-def architecture_from_hf(hf: dict[str, Any], *, where: str = "config.json") -> Architecture:
-    """Reads an HF `config.json` dict (Llama / Mistral / Qwen2 / Qwen3 / Mixtral)."""
-    model_type = hf.get("model_type")
-    if model_type not in HF_CLASSES:
-        archs = hf.get("architectures") or []
-        raise UnsupportedModelError(
-            f"{where}: model_type {model_type!r} ({archs}) is not supported; "
-            f"supported: {sorted(HF_CLASSES)}"
-        )
-    act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
-    if act != "silu":
-        raise UnsupportedModelError(f"{where}: hidden_act {act!r} (only silu/SwiGLU)")
-    try:
-        dim = int(hf["hidden_size"])
-        heads = int(hf["num_attention_heads"])
-        kv = int(hf.get("num_key_value_heads") or heads)
-        layers = int(hf["num_hidden_layers"])
-        theta, scaling = _rope(hf, where)
-        n_windows: tuple[Optional[int], ...] = ()
-        window = hf.get("sliding_window")
-        layer_types = hf.get("layer_types")
-        if model_type in ("qwen2", "qwen3", "qwen3_moe"):
-            if not hf.get("use_sliding_window", False):
-                window = None
-            if layer_types is None and model_type != "qwen3_moe":
-                k = int(hf.get("max_window_layers", layers))
-                layer_types = [
-                    "sliding_attention" if window is not None and i >= k else "full_attention"
-                    for i in range(layers)
-                ]
-        if layer_types is not None and model_type in ("qwen2", "qwen3", "llama"):
-            n_windows = tuple(
-                int(window) if t == "sliding_attention" and window is not None else None
-                for t in layer_types
-            )
-        elif model_type in ("mistral", "mixtral", "qwen3_moe") and window is not None:
-            n_windows = (int(window),) * layers
-        bias = bool(hf.get("attention_bias", False))
-        qwen_moe = model_type == "qwen3_moe"
-        moe = qwen_moe or model_type == "mixtral"
-        return Architecture(
-            family=model_type,
-            vocab_size=int(hf["vocab_size"]),
-            dim=dim,
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=kv,
-            head_dim=int(hf.get("head_dim") or dim // heads),
-            ffn_dim=int(hf["moe_intermediate_size" if qwen_moe else "intermediate_size"]),
-            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=True if model_type == "qwen2" else bias,
-            output_bias=bias if model_type in ("llama", "qwen3", "qwen3_moe") else False,
-            mlp_bias=bool(hf.get("mlp_bias", False)) if model_type == "llama" else False,
-            sliding_windows=n_windows,
-            num_experts=int(hf.get("num_local_experts", hf.get("num_experts", 0))) if moe else 0,
-            num_experts_per_token=int(hf.get("num_experts_per_tok", 2)),
-            router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.0)),
-            max_position_embeddings=hf.get("max_position_embeddings"),
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=_ids(hf.get("eos_token_id")),
-            **(_qwen3_moe_layers(hf, layers) if qwen_moe else {}),
-        )
-    except KeyError as e:
-        raise InteropError(f"{where}: missing field {e.args[0]!r}") from None
-
-
-def _qwen3_moe_layers(hf: dict[str, Any], layers: int) -> dict[str, Any]:
-    """The dense-layer and routing fields of a Qwen3-MoE config.json: dense FFNs
-    (`intermediate_size`) in `mlp_only_layers` and in the layers `decoder_sparse_step`
-    skips (experts have `moe_intermediate_size`), `norm_topk_prob`."""
-    experts = int(hf.get("num_local_experts", hf.get("num_experts", 0)))
-    step = int(hf.get("decoder_sparse_step", 1))
-    only = {int(i) for i in hf.get("mlp_only_layers") or ()}
-    dense = tuple(
-        i for i in range(layers) if i in only or not (experts > 0 and (i + 1) % step == 0)
-    )
-    return dict(
-        dense_layers=dense,
-        dense_ffn_dim=int(hf["intermediate_size"]) if dense else 0,
-        normalize_top_k=bool(hf.get("norm_topk_prob", False)),
-    )
 
 
 def hf_config_dict(arch: Architecture, *, dtype: str = "float32") -> dict[str, Any]:
@@ -264,7 +133,12 @@ def hf_config_dict(arch: Architecture, *, dtype: str = "float32") -> dict[str, A
 
 class SafetensorsReader:
     """Name -> numpy tensor over the *.safetensors files of a directory (sharded via
-    `model.safetensors.index.json`, or every *.safetensors file)."""
+    `model.safetensors.index.json`, or every *.safetensors file).
+
+    The `safetensors` library checks each header against its file (header length, dtypes,
+    shapes, offsets that cover the data exactly); its errors become one-line
+    MalformedFileErrors naming the file. Index shards must be plain files of `directory`.
+    """
 
     def __init__(self, directory: pathlib.Path):
         self.directory = directory
@@ -274,26 +148,36 @@ class SafetensorsReader:
         if index.exists():
             weight_map = read_json(index).get("weight_map")
             if not isinstance(weight_map, dict):
-                raise InteropError(f"{index}: no 'weight_map' object")
+                raise MalformedFileError(f"{index}: no 'weight_map' object")
             for name, file in weight_map.items():
-                path = directory / file
-                if not path.exists():
-                    raise InteropError(f"{index}: shard {file!r} (for {name}) is missing")
-                self._where[name] = path
+                self._where[name] = self._shard(index, name, file)
         else:
-            files = sorted(directory.glob("*.safetensors"))
+            files = sorted(p for p in directory.glob("*.safetensors") if p.is_file())
             if not files:
                 raise InteropError(f"{directory}: no *.safetensors files (and no {INDEX_FILE})")
             for path in files:
                 for name in self._open(path).keys():
                     self._where[name] = path
 
+    def _shard(self, index: pathlib.Path, name: str, file: Any) -> pathlib.Path:
+        """The checked path of the shard that the index says holds tensor `name`."""
+        if not isinstance(file, str) or pathlib.PurePath(file).name != file or file in ("", ".."):
+            raise MalformedFileError(
+                f"{index}: weight_map[{name!r}] = {file!r} is not a file name in {self.directory}"
+            )
+        path = self.directory / file
+        if not path.is_file():
+            raise InteropError(f"{index}: shard {file!r} (for {name}) is missing")
+        return path
+
     def _open(self, path: pathlib.Path) -> Any:
         if path not in self._handles:
             try:
                 self._handles[path] = safe_open(str(path), framework="numpy")
             except Exception as e:  # safetensors raises its own error types
-                raise InteropError(f"{path}: not a readable safetensors file ({e})") from None
+                raise MalformedFileError(
+                    f"{path}: not a readable safetensors file ({_one_line(e)})"
+                ) from None
         return self._handles[path]
 
     def names(self) -> list[str]:
@@ -303,13 +187,37 @@ class SafetensorsReader:
         return name in self._where
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._open(self._where[name]).get_slice(name).get_shape())
+        try:
+            return tuple(self._open(self._where[name]).get_slice(name).get_shape())
+        except InteropError:
+            raise
+        except Exception as e:  # e.g. the index names a tensor its shard does not hold
+            raise MalformedFileError(
+                f"{self._where[name]}: tensor {name}: {_one_line(e)}"
+            ) from None
 
     def read(self, name: str) -> np.ndarray:
-        return np.asarray(self._open(self._where[name]).get_tensor(name))
+        try:
+            return np.asarray(self._open(self._where[name]).get_tensor(name))
+        except InteropError:
+            raise
+        except Exception as e:
+            raise MalformedFileError(
+                f"{self._where[name]}: tensor {name}: {_one_line(e)}"
+            ) from None
 
 
-def load_hf_params(directory: str | pathlib.Path, arch: Architecture, model: Any) -> Nested:
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split())
+
+
+def load_hf_params(
+    directory: str | pathlib.Path,
+    arch: Architecture,
+    model: Any,
+    *,
+    reader: Optional[SafetensorsReader] = None,
+) -> Nested:
     """Reads the safetensors of `directory` into `model`'s params (numpy, spec dtypes),
     through the name table of `arch.family`.
 
@@ -320,7 +228,7 @@ def load_hf_params(directory: str | pathlib.Path, arch: Architecture, model: Any
     top, layers, names = read_tensors(
         arch,
         "hf",
-        SafetensorsReader(directory),
+        reader or SafetensorsReader(directory),
         where=str(directory),
         layouts=layer_layouts(model),
         stacked=stack_kind(model) == "scan",
@@ -364,6 +272,15 @@ def load_hf(
         raise InteropError(f"{directory}: not a directory")
     hf = read_json(directory / "config.json")
     arch = architecture_from_hf(hf, where=str(directory / "config.json"))
+    reader = SafetensorsReader(directory)
+    check_layers_present(
+        arch,
+        "hf",
+        reader.names(),
+        where=str(directory / "config.json"),
+        field="num_hidden_layers",
+        source=f"the safetensors of {directory}",
+    )
     config = build_config(
         arch,
         stack=stack,
@@ -373,7 +290,7 @@ def load_hf(
         moe_dropless_method=moe_dropless_method,
     )
     model = config.instantiate()
-    params = load_hf_params(directory, arch, model)
+    params = load_hf_params(directory, arch, model, reader=reader)
     tokenizer, chat, info = load_hf_tokenizer(directory)
     eos = tuple(dict.fromkeys(arch.eos_token_ids + info["eos_token_ids"]))
     pad = hf.get("pad_token_id")

@@ -11,8 +11,9 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
-from jaxlearn.interop.errors import InteropError
+from jaxlearn.interop.errors import InteropError, MalformedFileError
 from jaxlearn.interop.model import LoadedModel
+from jaxlearn.text import errors as text_errors
 
 
 class JaxlearnCheckpointError(InteropError):
@@ -34,8 +35,27 @@ def load_pretrained(path: str | pathlib.Path, **kwargs: Any) -> LoadedModel:
 
     kwargs go to `load_hf` / `load_gguf` (stack, dtype, param_dtype,
     attention_implementation, moe_dropless_method).
+
+    Files are untrusted: headers, sizes and layer tensors are validated before anything is
+    allocated (`gguf_header`, `checks`, `hf_config`), and every failure is an
+    InteropError whose message names the file (a `jaxlearn.text` error, whose message
+    names the file and key, becomes a MalformedFileError with that message). A
+    value error that a malformed file provokes deeper in the stack (numpy, tokenizers)
+    becomes a one-line `MalformedFileError` naming `path`.
     """
     p = pathlib.Path(path)
+    try:
+        return _load(p, **kwargs)
+    except InteropError:
+        raise
+    except text_errors.TextError as e:
+        raise MalformedFileError(" ".join(str(e).split())) from None
+    except (ValueError, TypeError, KeyError, IndexError, OverflowError, UnicodeError) as e:
+        what = " ".join(str(e).split())[:500]
+        raise MalformedFileError(f"{p}: cannot be loaded ({type(e).__name__}: {what})") from None
+
+
+def _load(p: pathlib.Path, **kwargs: Any) -> LoadedModel:
     if p.is_file():
         if p.suffix.lower() == ".gguf":
             from jaxlearn.interop.gguf import load_gguf

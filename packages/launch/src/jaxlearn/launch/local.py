@@ -16,13 +16,9 @@ import threading
 import time
 from typing import IO, Callable, Mapping, Optional, Sequence
 
-from jaxlearn.launch.distributed import (
-    JOINED_RE,
-    SCHEDULER_VARS,
-    ClusterConfigError,
-    format_ids,
-    listen,
-)
+from jaxlearn.launch.cluster import SCHEDULER_VARS, ClusterConfigError
+from jaxlearn.launch.distributed import JOINED_RE
+from jaxlearn.launch.rollcall import format_ids, listen
 
 ENV_STYLES = ("jaxlearn", "slurm", "k8s", "ompi")
 
@@ -145,53 +141,19 @@ def launch_local(
     """
     if num_processes < 1:
         raise ClusterConfigError(f"num_processes must be >= 1, got {num_processes}")
-    out = stdout or sys.stdout
     err = stderr or sys.stderr
-    lock = threading.Lock()
     port = port or free_port()
-    width = len(str(num_processes - 1))
     children: list[_Child] = []
     t0 = time.monotonic()
-
-    def pump(child: _Child, stream: IO[bytes], sink: IO[str], watch: bool) -> None:
-        for raw in iter(stream.readline, b""):
-            line = raw.decode("utf-8", "replace").rstrip("\r\n")
-            if watch and not child.joined and JOINED_RE.search(line):
-                child.joined = True
-            with lock:
-                sink.write(f"{child.prefix}{line}\n")
-                sink.flush()
-        stream.close()
-
     try:
         for i in range(num_processes):
             argv = list(command(i) if callable(command) else command)
             child_env = local_process_env(i, num_processes, port,
                                           devices_per_process=devices_per_process,
                                           style=style, base=env)
-            proc = subprocess.Popen(argv, env=child_env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                    start_new_session=True)
-            child = _Child(i, proc, f"[{i:>{width}}] ")
-            children.append(child)
-            assert proc.stdout is not None and proc.stderr is not None
-            for stream, sink, watch in ((proc.stdout, out, False), (proc.stderr, err, True)):
-                t = threading.Thread(target=pump, args=(child, stream, sink, watch),
-                                     daemon=True)
-                t.start()
-                child.threads.append(t)
-        failed: Optional[_Child] = None
-        while failed is None and any(c.proc.poll() is None for c in children):
-            for c in children:
-                code = c.proc.poll()
-                if code is not None and code != 0:
-                    failed = c
-                    break
-            else:
-                time.sleep(poll_interval)
-        if failed is None:
-            bad = [c for c in children if c.proc.returncode]
-            failed = bad[0] if bad else None
+            children.append(_start(i, num_processes, argv, child_env, stdout or sys.stdout,
+                                   err))
+        failed = _first_failure(children, poll_interval)
     except KeyboardInterrupt:
         _stop(children, kill_grace)
         _drain(children)
@@ -204,10 +166,58 @@ def launch_local(
     if failed is not None:
         _stop([c for c in children if c is not failed], kill_grace)
     _drain(children)
-    seconds = time.monotonic() - t0
+    return _report(children, failed, time.monotonic() - t0, err)
+
+
+_output_lock = threading.Lock()  # One line at a time from all the pumps.
+
+
+def _start(process_id: int, num_processes: int, argv: list[str], env: dict[str, str],
+           out: IO[str], err: IO[str]) -> _Child:
+    """Process `process_id` in its own session, its stdout and stderr pumped line by line
+    into `out` and `err` with its `[i] ` prefix; its stderr is watched for the join line."""
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    width = len(str(num_processes - 1))
+    child = _Child(process_id, proc, f"[{process_id:>{width}}] ")
+    assert proc.stdout is not None and proc.stderr is not None
+    for stream, sink, watch in ((proc.stdout, out, False), (proc.stderr, err, True)):
+        t = threading.Thread(target=_pump, args=(child, stream, sink, watch), daemon=True)
+        t.start()
+        child.threads.append(t)
+    return child
+
+
+def _pump(child: _Child, stream: IO[bytes], sink: IO[str], watch: bool) -> None:
+    for raw in iter(stream.readline, b""):
+        line = raw.decode("utf-8", "replace").rstrip("\r\n")
+        if watch and not child.joined and JOINED_RE.search(line):
+            child.joined = True
+        with _output_lock:
+            sink.write(f"{child.prefix}{line}\n")
+            sink.flush()
+    stream.close()
+
+
+def _first_failure(children: Sequence[_Child], poll_interval: float) -> Optional[_Child]:
+    """Waits until one child fails (returned at once) or all have exited (the first that
+    failed, or None)."""
+    while any(c.proc.poll() is None for c in children):
+        for c in children:
+            code = c.proc.poll()
+            if code is not None and code != 0:
+                return c
+        time.sleep(poll_interval)
+    bad = [c for c in children if c.proc.returncode]
+    return bad[0] if bad else None
+
+
+def _report(children: Sequence[_Child], failed: Optional[_Child], seconds: float,
+            err: IO[str]) -> LaunchResult:
+    """The one-line verdict, written to `err`, and the result it summarises."""
     outcomes = _outcomes(children)
     if failed is None:
-        msg = f"jaxlearn launch: all {num_processes} processes finished ({seconds:.1f}s)"
+        msg = f"jaxlearn launch: all {len(children)} processes finished ({seconds:.1f}s)"
         err.write(msg + "\n")
         return LaunchResult(0, outcomes, None, msg, seconds)
     code = failed.proc.returncode
@@ -215,7 +225,7 @@ def launch_local(
     parts = [f"process {failed.process_id} failed ({_status(code)}"
              f"{'' if failed.joined else ', before joining'}) after {seconds:.1f}s"]
     never = [c.process_id for c in children if not c.joined and c is not failed]
-    if never and num_processes > 1:
+    if never and len(children) > 1:
         parts.append(f"never joined: {format_ids(never)}")
     stopped = [c.process_id for c in children if c.stopped]
     if stopped:

@@ -1,7 +1,7 @@
 """Dense matmuls: `dense()`, the injectable `DotGeneral`, the bf16-friendly custom-VJP
 `matmul`/`einsum`, and the `Linear` module.
 
-CPU lessons built in (see shared/notes/jax-cpu-perf.md):
+CPU lessons built in:
 - activations are flattened to [tokens, in] around every dense matmul (3-D dW contractions
   make XLA materialise big transposes);
 - every dot accumulates in f32 (`preferred_element_type`), operands stay in the compute

@@ -285,16 +285,8 @@ class PipelineStack(BaseStack):
                 f"num_microbatches={m_count}"
             )
         mb = batch // m_count
-
-        def to_micro(a: Optional[Array]) -> Optional[Array]:
-            # [batch, ...] -> [M, batch / M, ...]; microbatch m = rows m, m + M, ... so a
-            # batch sharding stays on the per-microbatch batch axis.
-            if a is None:
-                return None
-            return jnp.swapaxes(a.reshape(mb, m_count, *a.shape[1:]), 0, 1)
-
-        pos_mb, seg_mb = to_micro(positions), to_micro(segment_ids)
-        buf = with_logical_constraint(to_micro(x), _MICRO_AXES)  # type: ignore[arg-type]
+        pos_mb, seg_mb = _to_micro(positions, m_count), _to_micro(segment_ids, m_count)
+        buf = with_logical_constraint(_to_micro(x, m_count), _MICRO_AXES)  # type: ignore[arg-type]
         params = self.parameters.get("layer", {})
         keys = self._layer_keys(ctx)
         stage_keys = None if keys is None else to_stage_layout(keys, s_count, r_count)
@@ -308,20 +300,6 @@ class PipelineStack(BaseStack):
         def stage_fn(state: Any, skeys: Any, h: Array, pos: Any, seg: Any) -> tuple:
             (h, _, _), _, oc = self._scan(step, state, skeys, (h, pos, seg), None, k_count)
             return h, oc
-
-        def select(tree: Any, r: Array) -> Any:
-            # [S, R * K, ...] -> the repeat r[s] of each stage: [S, K, ...].
-            if r_count == 1:
-                return tree
-
-            def one(a: Any) -> Any:
-                def pick(a_s: Any, r_s: Array) -> Any:
-                    split = a_s.reshape(r_count, k_count, *a_s.shape[1:])
-                    return lax.dynamic_index_in_dim(split, r_s, 0, keepdims=False)
-
-                return jax.vmap(pick)(a, r)
-
-            return jax.tree.map(one, tree)
 
         stage_ids = jnp.arange(s_count)
         units = m_count * r_count
@@ -337,11 +315,12 @@ class PipelineStack(BaseStack):
             h = with_logical_constraint(h, _STAGE_AXES)
             pos = None if pos_mb is None else pos_mb[m]
             seg = None if seg_mb is None else seg_mb[m]
-            skeys = select(stage_keys, r)
+            skeys = _select_repeat(stage_keys, r, r_count, k_count)
             if skeys is not None and m_count > 1:  # Layer keys differ per microbatch.
                 fold = jax.vmap(jax.random.fold_in, in_axes=(0, None))
                 skeys = jax.vmap(fold)(skeys, m)
-            out, oc = jax.vmap(stage_fn)(select(params, r), skeys, h, pos, seg)
+            out, oc = jax.vmap(stage_fn)(_select_repeat(params, r, r_count, k_count), skeys,
+                                         h, pos, seg)
             out = with_logical_constraint(out, _STAGE_AXES)
             # The last stage hands its microbatch back to the buffer (stage 0 takes it up
             # again on the next repeat; after the last repeat it is the output).
@@ -414,6 +393,29 @@ class PipelineStack(BaseStack):
 
         x, cache = self._scan_all(step, x, cache)
         return cache, x
+
+
+def _to_micro(a: Optional[Array], num_microbatches: int) -> Optional[Array]:
+    """[batch, ...] -> [M, batch / M, ...]; microbatch m = rows m, m + M, ... so that a batch
+    sharding stays on the per-microbatch batch axis."""
+    if a is None:
+        return None
+    return jnp.swapaxes(a.reshape(-1, num_microbatches, *a.shape[1:]), 0, 1)
+
+
+def _select_repeat(tree: Any, r: Array, num_repeats: int, layers_per_repeat: int) -> Any:
+    """Leaves [S, R * K, ...] -> the repeat r[s] of each stage s: [S, K, ...] (r: [S])."""
+    if num_repeats == 1:
+        return tree
+
+    def one(a: Any) -> Any:
+        def pick(a_s: Any, r_s: Array) -> Any:
+            split = a_s.reshape(num_repeats, layers_per_repeat, *a_s.shape[1:])
+            return lax.dynamic_index_in_dim(split, r_s, 0, keepdims=False)
+
+        return jax.vmap(pick)(a, r)
+
+    return jax.tree.map(one, tree)
 
 
 def _per_layer_means(

@@ -76,7 +76,7 @@ def _out_dtype(x: jax.Array, w: jax.Array) -> Any:
 def _straight_through_grads(x: jax.Array, w: jax.Array, g: jax.Array) -> tuple:
     """dx = g wᵀ, dw = xᵀ g of the unquantised matmul, in the input dtype (f32 accumulate).
 
-    Uses the dot forms that XLA:CPU keeps in bf16 (see shared/notes/jax-cpu-perf.md §5).
+    Uses the dot forms that XLA:CPU keeps in bf16.
     """
     dt = x.dtype
     g = g.astype(dt)

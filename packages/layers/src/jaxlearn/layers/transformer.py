@@ -4,7 +4,7 @@
   config with `input_dim` and `forward(x [batch, seq, embed])`, so MoE drops in.
 - `LoopStack`: a Python loop over per-layer children `layer0..layerN-1` (params per layer);
   `layers` may list heterogeneous layer configs (e.g. alternating dense / MoE). Fastest
-  CPU steps (see shared/notes/jax-cpu-perf.md).
+  CPU steps.
 - `ScanStack`: one child `layer` whose params are stacked [layers, ...] and run by
   `lax.scan` (compiles like one layer), rematerialised by the layer's `remat_spec`.
 

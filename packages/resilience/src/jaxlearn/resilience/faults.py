@@ -1,6 +1,7 @@
-"""Fault injection for resilience tests: a plan read from `JAXLEARN_FAULTS`.
+"""Fault injection for resilience tests: a plan read from the config field
+`resilience.faults` (a comma-separated spec; empty: no faults).
 
-    JAXLEARN_FAULTS="kill@7:save+30,hang@5,nan@3,flip@6:2,sdcstep@4:1"
+    jaxlearn train ... --set resilience.faults=kill@7:save+30,hang@5,nan@3,flip@6:2
 
 Transient faults (all but nan/inf) fire at most once per output directory (a marker file
 under `<output_dir>/faults_fired/` is written, durably, just before one fires), so a run
@@ -21,7 +22,7 @@ each time its step runs, as real bad data would be on a replay:
     enospc@N           the checkpoint save of step N finds the disk full (its durable
                        writes raise OSError(ENOSPC))
 
-Unset, the plan is empty and every hook is a dictionary lookup. Not for production use.
+Empty, the plan is empty and every hook is a dictionary lookup. Not for production use.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import numpy as np
 
 log = logging.getLogger("jaxlearn.faults")
 
-ENV = "JAXLEARN_FAULTS"
+FIELD = "resilience.faults"
 _SPEC = re.compile(r"^(?P<kind>[a-z]+)@(?P<step>\d+)(?::(?P<arg>[^+:]+))?(?::(?P<path>[^+]+))?"
                    r"(?:\+(?P<ms>\d+(?:\.\d*)?))?$")
 KINDS = {"kill", "hang", "crash", "nan", "inf", "flip", "sdcstep", "enospc"}
@@ -50,7 +51,7 @@ PERSISTENT = {"nan", "inf"}  # Bad data: bad again when the step is replayed.
 
 
 class FaultSpecError(ValueError):
-    """A malformed JAXLEARN_FAULTS entry."""
+    """A malformed `resilience.faults` entry."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,14 +75,14 @@ def parse(spec: str) -> list[Fault]:
             continue
         m = _SPEC.match(token)
         if not m or m["kind"] not in KINDS:
-            raise FaultSpecError(f"{ENV}: cannot parse {token!r} (kinds: {sorted(KINDS)}, "
+            raise FaultSpecError(f"{FIELD}: cannot parse {token!r} (kinds: {sorted(KINDS)}, "
                                  "form KIND@STEP[:ARG[:PATH]][+MS])")
         fault = Fault(m["kind"], int(m["step"]), m["arg"], m["path"],
                       float(m["ms"] or 0.0), token)
         if fault.kind == "kill" and fault.arg not in PHASES:
-            raise FaultSpecError(f"{ENV}: {token!r}: kill needs a phase, one of {sorted(PHASES)}")
+            raise FaultSpecError(f"{FIELD}: {token!r}: kill needs a phase, one of {sorted(PHASES)}")
         if fault.kind in ("flip", "sdcstep") and (fault.arg is None or not fault.arg.isdigit()):
-            raise FaultSpecError(f"{ENV}: {token!r}: {fault.kind} needs a device id")
+            raise FaultSpecError(f"{FIELD}: {token!r}: {fault.kind} needs a device id")
         out.append(fault)
     return out
 
@@ -96,8 +97,9 @@ class FaultPlan:
         self._kill_pending = False
 
     @classmethod
-    def from_env(cls, output_dir: Optional[str]) -> "FaultPlan":
-        return cls(parse(os.environ.get(ENV, "")), output_dir)
+    def from_spec(cls, spec: str, output_dir: Optional[str]) -> "FaultPlan":
+        """The plan of a `resilience.faults` spec (raises FaultSpecError if malformed)."""
+        return cls(parse(spec), output_dir)
 
     def __bool__(self) -> bool:
         return bool(self.faults)
@@ -232,4 +234,4 @@ def _kill_self() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-__all__ = ["ENV", "Fault", "FaultPlan", "FaultSpecError", "parse"]
+__all__ = ["FIELD", "Fault", "FaultPlan", "FaultSpecError", "parse"]

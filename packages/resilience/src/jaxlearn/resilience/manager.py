@@ -25,8 +25,10 @@ from typing import Any, Callable, Iterator, Literal, Optional, Sequence
 import jax
 
 from jaxlearn.checkpoint import CheckpointSaveError
-from jaxlearn.config import ConfigError, Configurable
-from jaxlearn.resilience.faults import FaultPlan
+from jaxlearn.config import ConfigError, Configurable, below_minimum
+from jaxlearn.resilience.faults import FIELD as FAULTS_FIELD
+from jaxlearn.resilience.faults import FaultPlan, FaultSpecError
+from jaxlearn.resilience.faults import parse as parse_faults
 from jaxlearn.resilience.goodput import GoodputRecorder
 from jaxlearn.resilience.health import HealthCheck, describe_free_space
 from jaxlearn.resilience.nonfinite import NonFiniteMonitor
@@ -53,6 +55,21 @@ class Resilience(Configurable):
         max_consecutive_nonfinite: int = 10
         # Goodput records under <output_dir>/goodput (process 0); flushed this often.
         goodput_flush_every_s: float = 30.0
+        # On a device count other than the run's first, keep the global batch by raising
+        # learner.num_microbatches (`jaxlearn train --elastic`; see elastic.py).
+        elastic: bool = False
+        # Injected faults for resilience tests, e.g. "kill@3:step,nan@5" (see faults.py;
+        # each transient fault fires once per output directory). Empty: none.
+        faults: str = ""
+
+        def _field_problems(self) -> dict[str, str]:
+            problems = below_minimum(self, max_consecutive_nonfinite=0,
+                                     goodput_flush_every_s=0)
+            try:
+                parse_faults(self.faults)
+            except FaultSpecError as e:
+                problems["faults"] = str(e).removeprefix(f"{FAULTS_FIELD}: ")
+            return problems
 
     def __init__(self, cfg: "Resilience.Config", *, output_dir: str, is_main: bool = True,
                  param_paths: Sequence[str] = ()):
@@ -68,7 +85,7 @@ class Resilience(Configurable):
                                           max_consecutive=cfg.max_consecutive_nonfinite)
         self.goodput = GoodputRecorder(output_dir, enabled=is_main,
                                        flush_every_s=cfg.goodput_flush_every_s)
-        self.faults = FaultPlan.from_env(output_dir)
+        self.faults = FaultPlan.from_spec(cfg.faults, output_dir)
         self._checked_at: Optional[int] = None
         self._dropped: Optional[int] = None  # A step whose update SDC `skip` dropped.
         self._copy: Optional[Callable[[Any], Any]] = None

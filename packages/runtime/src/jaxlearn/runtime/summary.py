@@ -1,11 +1,15 @@
 """Where training metrics go: TensorBoard, a JSON-lines file, and a terminal progress line.
 
+Numbers on the terminal are plain (`11.6k tok/s`, `loss 2.346`, `MFU 31% of cpu bf16 peak
+...`), never in exponent form; log records and other lines never land on the progress line.
+
 Only process 0 writes (files and terminal); other processes get a no-op writer.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
@@ -43,7 +47,10 @@ class SummaryWriter(Configurable):
         max_step: int,
         enabled: bool = True,
         stream: Optional[TextIO] = None,
+        mfu_peak: Optional[str] = None,
     ):
+        """`mfu_peak`: what MFU is measured against, printed after it on the progress line
+        (e.g. `cpu bf16 peak 1.2 TFLOP/s per device (catalogue)`)."""
         super().__init__(cfg)
         self._enabled = enabled
         self._max_step = max_step
@@ -52,6 +59,9 @@ class SummaryWriter(Configurable):
         self._jsonl: Optional[TextIO] = None
         self._t0 = time.monotonic()
         self._first_step: Optional[int] = None
+        self._mfu_peak = mfu_peak
+        self._dangling = False  # A progress line without its newline is on the terminal.
+        self._filtered: list[logging.Handler] = []
         if not enabled:
             return
         if cfg.tensorboard:
@@ -76,7 +86,8 @@ class SummaryWriter(Configurable):
         return scalars
 
     def progress(self, step: int, scalars: dict[str, float]) -> None:
-        """A one-line status with ETA (rewritten in place on a terminal)."""
+        """One status line with ETA. On a terminal it is rewritten in place, and ended with
+        a newline before any log record or other line is written, so none lands on it."""
         if not (self._enabled and self.config.progress):
             return
         if self._first_step is None:
@@ -84,19 +95,50 @@ class SummaryWriter(Configurable):
         done = step - self._first_step
         elapsed = time.monotonic() - self._t0
         eta = elapsed / done * (self._max_step - step) if done > 0 else math.nan
-        frac = step / max(self._max_step, 1)
-        bar = "#" * int(20 * frac) + "-" * (20 - int(20 * frac))
-        parts = [f"step {step}/{self._max_step} [{bar}]"]
-        for key in ("loss", "eval_loss", "grad_norm", "tokens_per_sec", "mfu"):
-            if key in scalars:
-                parts.append(f"{key} {scalars[key]:.4g}")
-        parts.append(f"ETA {_fmt_time(eta)}")
-        line = "  ".join(parts)
+        line = progress_line(step, self._max_step, scalars, eta, self._mfu_peak)
         if self._stream.isatty():
             self._stream.write("\r" + line[:200].ljust(120))
+            self._start_dangling()
         else:
             self._stream.write(line + "\n")
         self._stream.flush()
+
+    def info(self, line: str) -> None:
+        """A whole line on the terminal (process 0; after ending any progress line)."""
+        if not self._enabled:
+            return
+        self._end_line()
+        self._stream.write(line + "\n")
+        self._stream.flush()
+
+    def evaluation(self, step: int, metrics: dict[str, float]) -> None:
+        """The eval line: `eval at step 100: loss 2.501, perplexity 12.19`."""
+        parts = [f"{k} {format_number(metrics[k])}" for k in ("loss", "perplexity")
+                 if k in metrics]
+        if parts:
+            self.info(f"eval at step {step}: " + ", ".join(parts))
+
+    def _start_dangling(self) -> None:
+        if self._dangling:
+            return
+        self._dangling = True
+        self._filtered = [h for h in logging.getLogger().handlers if self not in h.filters]
+        for handler in self._filtered:
+            handler.addFilter(self)
+
+    def _end_line(self) -> None:
+        if self._dangling:
+            self._dangling = False
+            self._stream.write("\n")
+            self._stream.flush()
+        for handler in self._filtered:
+            handler.removeFilter(self)
+        self._filtered = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """A logging filter on the root handlers while a progress line is open: ends it."""
+        self._end_line()
+        return True
 
     def close(self) -> None:
         if self._tb is not None:
@@ -105,8 +147,72 @@ class SummaryWriter(Configurable):
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
-        if self._enabled and self.config.progress and self._stream.isatty():
-            self._stream.write("\n")
+        self._end_line()
+
+
+def progress_line(step: int, max_step: int, scalars: dict[str, float], eta_s: float,
+                  mfu_peak: Optional[str] = None) -> str:
+    """`step 12/100 [##---] loss 2.346  grad_norm 0.5123  11.6k tok/s  MFU 31% of ...  ETA
+    1:02` from the scalars present (loss, eval_loss, perplexity, grad_norm,
+    tokens_per_sec, mfu)."""
+    frac = step / max(max_step, 1)
+    filled = min(20, int(20 * frac))
+    parts = [f"step {step}/{max_step} [{'#' * filled}{'-' * (20 - filled)}]"]
+    for key, label in (("loss", "loss"), ("eval_loss", "eval loss"),
+                       ("eval_perplexity", "eval ppl"), ("grad_norm", "grad_norm")):
+        if key in scalars:
+            parts.append(f"{label} {format_number(scalars[key])}")
+    if "tokens_per_sec" in scalars:
+        parts.append(f"{format_number(scalars['tokens_per_sec'])} tok/s")
+    if "mfu" in scalars:
+        parts.append(f"MFU {format_percent(scalars['mfu'])}"
+                     + (f" of {mfu_peak}" if mfu_peak else ""))
+    parts.append(f"ETA {_fmt_time(eta_s)}")
+    return "  ".join(parts)
+
+
+_SUFFIXES = ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k"))
+
+
+def format_number(value: float) -> str:
+    """Plain, short numbers for a terminal (never `1.161e+04`): 11610 -> `11.6k`,
+    1161.4 -> `1,161`, 2.34567 -> `2.346`, 0.00015 -> `0.00015`, 3.2e9 -> `3.2B`."""
+    if not math.isfinite(value):
+        return str(value)
+    size = abs(value)
+    if size >= 1e4:
+        for scale, suffix in _SUFFIXES:
+            if size >= scale:
+                scaled = value / scale
+                if abs(scaled) >= 1000 and suffix == "T":
+                    return f"{scaled:,.0f}T"
+                return f"{scaled:.3g}{suffix}"
+    if size >= 1:
+        return f"{value:,.4g}" if size < 1e3 else f"{value:,.0f}"
+    if value == 0:
+        return "0"
+    decimals = min(12, 3 - math.floor(math.log10(size)))
+    return f"{value:.{decimals}f}".rstrip("0").rstrip(".") or "0"
+
+
+def format_percent(fraction: float) -> str:
+    """0.314 -> `31%`, 0.0314 -> `3.1%`, 0.00031 -> `0.031%`."""
+    if not math.isfinite(fraction):
+        return str(fraction)
+    pct = 100 * fraction
+    if abs(pct) >= 10:
+        return f"{pct:.0f}%"
+    if abs(pct) >= 1:
+        return f"{pct:.1f}%"
+    return f"{format_number(float(f'{pct:.2g}'))}%"  # Two significant digits.
+
+
+def format_flops(flops: float) -> str:
+    """1.2e12 -> `1.2 TFLOP`, 7.4e6 -> `7.4 MFLOP` (append `/s` or `/token` as needed)."""
+    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(flops) >= scale:
+            return f"{flops / scale:.3g} {prefix}FLOP"
+    return f"{flops:.3g} FLOP"
 
 
 def _fmt_time(seconds: float) -> str:

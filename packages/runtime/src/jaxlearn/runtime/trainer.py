@@ -25,7 +25,13 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxlearn.config import REQUIRED, Configurable, InstantiableConfig, to_flat_text
+from jaxlearn.config import (
+    REQUIRED,
+    Configurable,
+    InstantiableConfig,
+    below_minimum,
+    to_flat_text,
+)
 from jaxlearn.mesh import (
     MeshFieldsConfig,
     logical_to_partition_spec,
@@ -36,7 +42,15 @@ from jaxlearn.module import Module, functional, is_spec, logical_sharding
 from jaxlearn.resilience import nonfinite
 from jaxlearn.resilience.manager import Resilience
 from jaxlearn.runtime.learner import Learner, ema_update
-from jaxlearn.runtime.summary import SummaryWriter
+from jaxlearn.runtime.record import RECORD_FILE, RunRecord
+from jaxlearn.runtime.summary import SummaryWriter, format_flops, format_number
+from jaxlearn.runtime.trainer_support import (
+    Run,
+    devices_for,
+    dict_keys,
+    merge_updates,
+    merged_iterator_state,
+)
 
 log = logging.getLogger("jaxlearn.trainer")
 
@@ -74,13 +88,34 @@ class Trainer(Configurable):
         # Watchdog, health checks, SDC and non-finite policies, goodput (resilience.py).
         resilience: Resilience.Config = Resilience.default_config()
 
-    def __init__(self, cfg: "Trainer.Config", *, devices: Optional[Sequence[Any]] = None):
+        def _field_problems(self) -> dict[str, str]:
+            problems = below_minimum(self, max_step=1, log_every_n_steps=1,
+                                     save_every_n_steps=1, eval_every_n_steps=0,
+                                     eval_batches=1, profile_steps=1)
+            if self.peak_flops_per_device is not None and not self.peak_flops_per_device > 0:
+                problems["peak_flops_per_device"] = (
+                    f"must be > 0 or None, got {self.peak_flops_per_device!r}")
+            return problems
+
+    def __init__(self, cfg: "Trainer.Config", *, devices: Optional[Sequence[Any]] = None,
+                 run_record: Optional[RunRecord] = None):
         """`devices`: what the mesh is built from (default: this process's view of
-        `jax.devices()`); e.g. mock TPU topology devices or fake CPU devices for AOT."""
+        `jax.devices()`); e.g. mock TPU topology devices or fake CPU devices for AOT.
+        `run_record`: what built this run (experiment, selector, overrides), written as
+        `run.json` into the output dir and every checkpoint; its `config_text` must be this
+        config's flat text. Default: a record naming no experiment."""
         super().__init__(cfg)
         cfg = self.config
+        cfg.validate()
+        text = to_flat_text(cfg)
+        if run_record is None:
+            run_record = RunRecord(None, cfg.mesh_selector, (), text)
+        elif run_record.config_text != text:
+            raise TrainerError("run_record.config_text is not this trainer's config (build the "
+                               "record from the final config, after every override)")
+        self.run_record: RunRecord = run_record
         if devices is None:
-            devices = _devices_for(cfg.mesh_shape)
+            devices = devices_for(cfg.mesh_shape)
         self.mesh: Mesh = mesh_from_config(cfg, devices)
         self.model: Module = cfg.model.clone(name="model").instantiate()
         self.learner: Learner = cfg.learner.instantiate(total_steps=cfg.max_step)
@@ -101,6 +136,7 @@ class Trainer(Configurable):
         self._keep_compile_error: Optional[BaseException] = None
         self._eval_step: Any = None
         self.compiled_flops: Optional[float] = None
+        self.mfu_peak = self._peak()
 
     # ---- sharding -------------------------------------------------------------------------
 
@@ -157,10 +193,10 @@ class Trainer(Configurable):
             self.param_specs, is_leaf=is_spec
         )[0]:
             sharding = self._sharding(spec.mesh_axes, spec.shape)
-            by_path[_dict_keys(keypath)] = (tuple(spec.shape), sharding)
+            by_path[dict_keys(keypath)] = (tuple(spec.shape), sharding)
 
         def opt_leaf(keypath: Any, leaf: Any) -> NamedSharding:
-            names = _dict_keys(keypath)
+            names = dict_keys(keypath)
             for start in range(len(names)):
                 hit = by_path.get(names[start:])
                 if hit is not None and hit[0] == tuple(leaf.shape):
@@ -237,7 +273,7 @@ class Trainer(Configurable):
         def update(old: dict[str, Any]) -> dict[str, Any]:
             updates, opt_state = self.tx.update(grads, old["opt_state"], old["params"])
             params = optax.apply_updates(old["params"], updates)
-            new = {"params": _merge_updates(params, state_updates), "opt_state": opt_state}
+            new = {"params": merge_updates(params, state_updates), "opt_state": opt_state}
             if "ema" in old:
                 new["ema"] = ema_update(old["ema"], new["params"],
                                         self.learner.config.ema_decay)
@@ -292,7 +328,7 @@ class Trainer(Configurable):
             for k, v in local.items()
         }
 
-    # ---- the loop -------------------------------------------------------------------------
+    # ---- the loop: setup, restore, steps, finish ------------------------------------------
 
     def run(self) -> dict[str, float]:
         """Trains to `max_step` (resuming from the newest good checkpoint); returns the
@@ -300,113 +336,160 @@ class Trainer(Configurable):
         cfg = self.config
         os.makedirs(cfg.output_dir, exist_ok=True)
         is_main = jax.process_index() == 0
-        guard = self.guard = cfg.resilience.instantiate(
+        run = Run(is_main, cfg.resilience.instantiate(
             output_dir=cfg.output_dir, is_main=is_main,
-            param_paths=nonfinite.leaf_paths(self.param_specs, is_leaf=is_spec))
-        writer: Any = None
-        checkpointer: Any = None
-        last: dict[str, float] = {}
-        profiling = False
+            param_paths=nonfinite.leaf_paths(self.param_specs, is_leaf=is_spec)))
+        self.guard = run.guard
         try:
-            guard.start(list(self.mesh.devices.flat))
-            inputs = cfg.input.instantiate()
-            data = inputs.iterator(jax.process_index(), jax.process_count())
-            checkpointer = (
-                cfg.checkpointer.clone(directory=os.path.join(cfg.output_dir, "checkpoints"))
-                .instantiate()
-                if cfg.checkpointer is not None
-                else None
-            )
-            with guard.span("restore"):
-                state, start = self._restore_or_init(checkpointer, data)
-            writer = cfg.summary_writer.instantiate(
-                output_dir=cfg.output_dir, max_step=cfg.max_step, enabled=is_main
-            )
-            if is_main:
-                with open(os.path.join(cfg.output_dir, "config.txt"), "w") as f:
-                    f.write(to_flat_text(cfg))
-            step = start
-            keep_input = False  # The previous step's state is being saved: do not donate it.
-            tokens_per_step = None
-            t_last, steps_since = time.monotonic(), 0
-            guard.loop_started(start)
-            while step < cfg.max_step:
-                if cfg.profile_steps and step == min(cfg.profile_steps) and is_main:
-                    jax.profiler.start_trace(os.path.join(cfg.output_dir, "profile"),
-                                             create_perfetto_trace=True)
-                    profiling = True
-                with guard.span("data"):
-                    local = guard.before_step(step + 1, next(data))
-                    batch = self.global_batch(local)
-                if self._train_step is None:
-                    with guard.span("compile"):
-                        self._train_step = self._compile(batch)
-                        if checkpointer is not None:
-                            self._start_keep_compile(batch)
-                    t_last = time.monotonic()
-                tokens_per_step = int(np.prod(batch["input_ids"].shape))
-                step_fn = self._train_step
-                if keep_input:
-                    with guard.span("compile"):
-                        step_fn = self._keep_step_fn(batch)
-                    keep_input = False
-                with jax.set_mesh(self.mesh):
-                    state, summaries = guard.train_step(step_fn, state, batch, step + 1)
-                step += 1
-                steps_since += 1
-                state, summaries = guard.after_step(step, state, summaries)
-                if profiling and step > max(cfg.profile_steps):
-                    jax.block_until_ready(state)
-                    jax.profiler.stop_trace()
-                    profiling = False
-                if step % cfg.log_every_n_steps == 0 or step == cfg.max_step or step == 1:
-                    scalars = {k: float(v) for k, v in jax.device_get(summaries).items()}
-                    dt = (time.monotonic() - t_last) / steps_since
-                    t_last, steps_since = time.monotonic(), 0
-                    scalars["step_time"] = dt
-                    scalars["tokens_per_sec"] = tokens_per_step / dt
-                    mfu = self._mfu(dt)
-                    if mfu is not None:
-                        scalars["mfu"] = mfu
-                    last = writer.write(step, scalars)
-                    writer.progress(step, last)
-                    guard.log(step, last, writer)
-                if cfg.eval_input is not None and cfg.eval_every_n_steps and (
-                    step % cfg.eval_every_n_steps == 0 or step == cfg.max_step
-                ):
-                    with guard.span("eval", step=step, wait_for=state):
-                        ev = self.evaluate(state["params"])
-                    writer.write(step, ev, prefix="eval")
-                    last.update({f"eval_{k}": v for k, v in ev.items()})
-                if checkpointer is not None and (
-                    step % cfg.save_every_n_steps == 0 or step == cfg.max_step
-                ):
-                    # snapshot=False: the next step does not donate `state`, so the
-                    # checkpointer copies it to host in the background.
-                    state = guard.save(checkpointer, step, state,
-                                       data_iterator_state=data.get_state(),
-                                       config_text=to_flat_text(cfg), metrics=last,
-                                       snapshot=False)
-                    keep_input = True
-            guard.finish()
-            if checkpointer is not None:
-                checkpointer, pending = None, checkpointer
-                guard.finish_saves(pending)
+            self._setup(run)
+            self._start_outputs(run)
+            run.guard.loop_started(run.step)
+            while run.step < cfg.max_step:
+                self._train_step_once(run)
+                self._after_step(run)
+            self._finish(run)
         finally:
-            if profiling:
-                jax.profiler.stop_trace()
-            if checkpointer is not None:  # An error is in flight: do not mask it.
-                try:
-                    checkpointer.wait_until_finished()
-                    checkpointer.close()
-                except Exception as e:
-                    log.error("while stopping on an error, the last checkpoint save failed "
-                              "too: %s", e)
-            if writer is not None:
-                writer.close()
-            guard.close()
-        self.final_state = state
-        return last
+            self._close(run)
+        self.final_state = run.state
+        return run.last
+
+    def _setup(self, run: Run) -> None:
+        """Health checks and watchdog, the input iterator, the checkpointer, and the restored
+        (or freshly initialized) state."""
+        cfg = self.config
+        run.guard.start(list(self.mesh.devices.flat))
+        run.data = cfg.input.instantiate().iterator(jax.process_index(), jax.process_count())
+        if cfg.checkpointer is not None:
+            directory = os.path.join(cfg.output_dir, "checkpoints")
+            run.checkpointer = cfg.checkpointer.clone(directory=directory).instantiate()
+        with run.guard.span("restore"):
+            run.state, run.step = self._restore_or_init(run.checkpointer, run.data)
+
+    def _start_outputs(self, run: Run) -> None:
+        """The summary writer, `config.txt` and `run.json` (process 0), the start lines."""
+        cfg = self.config
+        peak = self.mfu_peak
+        run.writer = cfg.summary_writer.instantiate(
+            output_dir=cfg.output_dir, max_step=cfg.max_step, enabled=run.is_main,
+            mfu_peak=None if peak is None else peak[1])
+        if run.is_main:
+            with open(os.path.join(cfg.output_dir, "config.txt"), "w") as f:
+                f.write(self.run_record.config_text)
+            self.run_record.write(cfg.output_dir)
+        count = self.parameter_count()
+        run.writer.info(f"model: {count:,} parameters ({format_number(count)})"
+                        + (f", from step {run.step}" if run.step else ""))
+
+    def _train_step_once(self, run: Run) -> None:
+        """One step: profiler start/stop, the batch, compilation (first step), the update."""
+        cfg, guard = self.config, run.guard
+        if cfg.profile_steps and run.step == min(cfg.profile_steps) and run.is_main:
+            jax.profiler.start_trace(os.path.join(cfg.output_dir, "profile"),
+                                     create_perfetto_trace=True)
+            run.profiling = True
+        with guard.span("data"):
+            local = guard.before_step(run.step + 1, next(run.data))
+            batch = self.global_batch(local)
+        run.tokens_per_step = int(np.prod(batch["input_ids"].shape))
+        if self._train_step is None:
+            with guard.span("compile"):
+                self._train_step = self._compile(batch)
+                first_save = (run.step // cfg.save_every_n_steps + 1) * cfg.save_every_n_steps
+                if run.checkpointer is not None and first_save < cfg.max_step:
+                    self._start_keep_compile(batch)  # Needed after the first save.
+            run.t_last = time.monotonic()
+            self._report_flops(run)
+        step_fn = self._train_step
+        if run.keep_input:  # The previous step's state is being saved: do not donate it.
+            with guard.span("compile"):
+                step_fn = self._keep_step_fn(batch)
+            run.keep_input = False
+        with jax.set_mesh(self.mesh):
+            run.state, summaries = guard.train_step(step_fn, run.state, batch, run.step + 1)
+        run.step += 1
+        run.steps_since += 1
+        run.state, run.summaries = guard.after_step(run.step, run.state, summaries)
+        if run.profiling and run.step > max(cfg.profile_steps):
+            jax.block_until_ready(run.state)
+            jax.profiler.stop_trace()
+            run.profiling = False
+
+    def _after_step(self, run: Run) -> None:
+        """Logging, evaluation and checkpointing, each when due at `run.step`."""
+        cfg, step, writer = self.config, run.step, run.writer
+        if step % cfg.log_every_n_steps == 0 or step == cfg.max_step or step == 1:
+            scalars = {k: float(v) for k, v in jax.device_get(run.summaries).items()}
+            dt = (time.monotonic() - run.t_last) / max(run.steps_since, 1)
+            run.t_last, run.steps_since = time.monotonic(), 0
+            scalars["step_time"] = dt
+            scalars["tokens_per_sec"] = run.tokens_per_step / dt
+            mfu = self._mfu(dt)
+            if mfu is not None:
+                scalars["mfu"] = mfu
+            run.last = writer.write(step, scalars)
+            writer.progress(step, run.last)
+            run.guard.log(step, run.last, writer)
+        if cfg.eval_input is not None and cfg.eval_every_n_steps and (
+            step % cfg.eval_every_n_steps == 0 or step == cfg.max_step
+        ):
+            with run.guard.span("eval", step=step, wait_for=run.state):
+                ev = self.evaluate(run.state["params"])
+            writer.write(step, ev, prefix="eval")
+            writer.evaluation(step, ev)
+            run.last.update({f"eval_{k}": v for k, v in ev.items()})
+        if run.checkpointer is not None and (
+            step % cfg.save_every_n_steps == 0 or step == cfg.max_step
+        ):
+            # snapshot=False: the next step does not donate `state`, so the checkpointer
+            # copies it to host in the background.
+            run.state = run.guard.save(
+                run.checkpointer, step, run.state, data_iterator_state=run.data.get_state(),
+                config_text=self.run_record.config_text, metrics=run.last, snapshot=False,
+                extra_files={RECORD_FILE: self.run_record.to_json().encode()})
+            run.keep_input = True
+
+    def _finish(self, run: Run) -> None:
+        """A normal end: the last non-finite flags, then the last commit."""
+        run.guard.finish()
+        if run.checkpointer is not None:
+            run.checkpointer, pending = None, run.checkpointer
+            run.guard.finish_saves(pending)
+
+    def _close(self, run: Run) -> None:
+        """Always runs: stops the profiler, the checkpointer (on an error in flight, without
+        masking it), the writer and the resilience hooks."""
+        if run.profiling:
+            jax.profiler.stop_trace()
+        if run.checkpointer is not None:  # An error is in flight: do not mask it.
+            try:
+                run.checkpointer.wait_until_finished()
+                run.checkpointer.close()
+            except Exception as e:
+                log.error("while stopping on an error, the last checkpoint save failed "
+                          "too: %s", e)
+        if run.writer is not None:
+            run.writer.close()
+        if self._keep_compile is not None:  # No compilation outlives the run.
+            self._keep_compile.join()
+        run.guard.close()
+
+    def parameter_count(self) -> int:
+        """Number of model parameters (scalars), from the parameter specs."""
+        sizes = [int(np.prod(s.shape)) for s in jax.tree.leaves(self.param_specs,
+                                                                  is_leaf=is_spec)]
+        return int(sum(sizes))
+
+    def _report_flops(self, run: Run) -> None:
+        """The start line about compute: FLOPs per token of the compiled step, and the peak
+        MFU is measured against."""
+        if not self.compiled_flops or not run.tokens_per_step:
+            return
+        per_token = self.compiled_flops * self.mesh.devices.size / run.tokens_per_step
+        peak = self.mfu_peak
+        run.writer.info(
+            f"train step: {format_flops(per_token)}/token (compiled forward, backward and "
+            f"update; {format_flops(self.compiled_flops)} per device per step)"
+            + (f"; MFU is measured against {peak[1]}" if peak else ""))
 
     def _compile(self, batch: Any) -> Any:
         abstract = jax.tree.map(
@@ -451,18 +534,27 @@ class Trainer(Configurable):
                 from error
         return self._keep_step
 
-    def _mfu(self, step_time: float) -> Optional[float]:
+    def _peak(self) -> Optional[tuple[float, str]]:
+        """(peak FLOP/s per device, what it is) for MFU: the config's, else the hardware
+        catalogue's bf16 peak for this mesh's devices; None when neither is known."""
         peak = self.config.peak_flops_per_device
-        if peak is None:
-            try:
-                from jaxlearn.mesh import detect_hardware
+        if peak is not None:
+            return peak, f"peak_flops_per_device {format_flops(peak)}/s (config)"
+        try:
+            from jaxlearn.mesh import detect_hardware
 
-                peak = detect_hardware().peak_bf16_flops
-            except Exception:
-                return None
-        if not self.compiled_flops or not peak:
+            spec = detect_hardware(list(self.mesh.devices.flat))
+        except Exception:
             return None
-        return self.compiled_flops / step_time / peak
+        return spec.peak_bf16_flops, (f"{spec.kind} bf16 peak "
+                                      f"{format_flops(spec.peak_bf16_flops)}/s per device "
+                                      "(catalogue)")
+
+    def _mfu(self, step_time: float) -> Optional[float]:
+        """Model FLOPs utilization of one step against `mfu_peak` (per device)."""
+        if not self.compiled_flops or self.mfu_peak is None or not self.mfu_peak[0]:
+            return None
+        return self.compiled_flops / step_time / self.mfu_peak[0]
 
     def evaluate(self, params: Any) -> dict[str, float]:
         """Mean loss/metrics over `eval_batches` batches of `eval_input`, and perplexity."""
@@ -488,7 +580,7 @@ class Trainer(Configurable):
                 meta = checkpointer.read_metadata(step, process_index=jax.process_index())
                 iterator_state = meta.data_iterator_state
                 if meta.process_count != jax.process_count():
-                    iterator_state = _merged_iterator_state(checkpointer, step, meta.process_count)
+                    iterator_state = merged_iterator_state(checkpointer, step, meta.process_count)
                 if iterator_state is not None:
                     data.set_state(iterator_state)
                 # Newer step dirs failed verification: move them aside so that those
@@ -502,46 +594,3 @@ class Trainer(Configurable):
                     log.info("resumed from step %d", step)
                 return state, int(step)
         return self.init_state(), 0
-
-
-def _merged_iterator_state(checkpointer: Any, step: int, saved_processes: int) -> Any:
-    """The input states of all `saved_processes` of `step`, merged so that this process
-    count can resume them (elastic restart with fewer or more hosts)."""
-    from jaxlearn.runtime.input_pipeline import merge_states
-
-    states = [checkpointer.read_metadata(step, process_index=i).data_iterator_state
-              for i in range(saved_processes)]
-    if any(s is None for s in states):
-        return None
-    log.warning("step %d was saved by %d process(es), resuming on %d: merging their input "
-                "states", step, saved_processes, jax.process_count())
-    return merge_states(states)
-
-
-def _dict_keys(keypath: Any) -> tuple[str, ...]:
-    """The dict-key names along a pytree key path (attribute/index entries dropped)."""
-    return tuple(str(k.key) for k in keypath if isinstance(k, jax.tree_util.DictKey))
-
-
-def _devices_for(mesh_shape: Any) -> Optional[list]:
-    """A fully specified flat shape smaller than the device count uses the first devices
-    (e.g. a single-device reference run on a multi-device host)."""
-    if isinstance(mesh_shape, tuple) and all(d > 0 for d in mesh_shape):
-        n = int(np.prod(mesh_shape))
-        if n < jax.device_count() and jax.process_count() == 1:
-            return jax.devices()[:n]
-    return None
-
-
-def _merge_updates(params: Any, updates: Any) -> Any:
-    """Overwrites params with non-empty state updates of the same path (e.g. batch stats)."""
-    if not isinstance(updates, dict) or not updates:
-        return params
-    out = dict(params)
-    for k, v in updates.items():
-        if isinstance(v, dict):
-            if v and k in out and isinstance(out[k], dict):
-                out[k] = _merge_updates(out[k], v)
-        elif k in out:
-            out[k] = v
-    return out

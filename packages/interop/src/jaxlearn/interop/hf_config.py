@@ -1,0 +1,229 @@
+"""HF `config.json` -> `Architecture`, every value checked before a config is built.
+
+    hf = read_json(directory / "config.json")            # bounded size, one-line errors
+    arch = architecture_from_hf(hf, where=".../config.json")
+
+Sizes are integers in the ranges of `checks.LIMITS` (hidden_size 0, vocab_size 10**12,
+"4096" as a string, NaN are refused naming config.json and the field);
+num_attention_heads must divide hidden_size unless `head_dim` is given, and
+num_key_value_heads must divide num_attention_heads. Whether the weights hold the layers
+that `num_hidden_layers` declares is checked by `hf.load_hf` against the safetensors
+headers (`checks.check_layers_present`).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any, Optional
+
+from jaxlearn.interop.arch import Architecture
+from jaxlearn.interop.checks import (
+    LIMITS,
+    check_heads,
+    flag,
+    integer,
+    number,
+    optional_integer,
+)
+from jaxlearn.interop.errors import InteropError, MalformedFileError, UnsupportedModelError
+from jaxlearn.interop.names import FAMILIES
+
+HF_CLASSES = {name: fam.hf_class for name, fam in FAMILIES.items()}
+MAX_JSON_BYTES = 64 * 2**20  # config.json and index files are kilobytes
+
+
+def read_json(path: pathlib.Path, *, max_bytes: int = MAX_JSON_BYTES) -> Any:
+    """The parsed JSON of `path` (at most `max_bytes`; one-line InteropError otherwise)."""
+    try:
+        if path.exists() and not path.is_file():  # a FIFO or device would block or never end
+            raise MalformedFileError(f"{path}: not a regular file")
+        size = path.stat().st_size
+        if size > max_bytes:
+            raise MalformedFileError(f"{path}: {size} bytes, more than the {max_bytes} allowed")
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        raise InteropError(f"{path}: not found") from None
+    except OSError as e:
+        raise InteropError(f"{path}: cannot be read ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise MalformedFileError(f"{path}: not UTF-8 ({e.reason} at byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise MalformedFileError(f"{path}: invalid JSON ({e})") from None
+    except RecursionError:
+        raise MalformedFileError(f"{path}: JSON nested too deeply") from None
+
+
+def _ids(value: Any, where: str, field: str) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    values = value if isinstance(value, list) else [value]
+    return tuple(integer(v, where, field, low=0, high=2**63 - 1) for v in values)
+
+
+def _scaling(scaling: dict[str, Any], where: str) -> Optional[dict[str, Any]]:
+    """A checked HF-style scaling dict ("rope_type" llama3 / linear) or None (default)."""
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    out = {k: v for k, v in scaling.items() if k not in ("rope_theta", "type")}
+    out["rope_type"] = rope_type
+    if rope_type == "default":
+        return None
+    if rope_type not in ("llama3", "linear"):
+        raise UnsupportedModelError(
+            f"{where}: RoPE scaling {rope_type!r} is not supported (llama3, linear)"
+        )
+    fields = ["factor"]
+    if rope_type == "llama3":
+        fields += ["low_freq_factor", "high_freq_factor"]
+        out["original_max_position_embeddings"] = integer(
+            out.get("original_max_position_embeddings"),
+            where,
+            "rope_scaling.original_max_position_embeddings",
+            high=LIMITS["positions"],
+        )
+    for k in fields:
+        out[k] = number(out.get(k), where, f"rope_scaling.{k}")
+    return out
+
+
+def _rope(hf: dict[str, Any], where: str) -> tuple[float, Optional[dict[str, Any]]]:
+    """(theta, scaling dict or None) from transformers 5 `rope_parameters` or the older
+    top-level `rope_theta` + `rope_scaling`."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:  # per-layer-type form
+        params = params["full_attention"]
+    scaling: Any = params if isinstance(params, dict) else hf.get("rope_scaling")
+    theta = hf.get("rope_theta", 10000.0)
+    if isinstance(params, dict):
+        theta = params.get("rope_theta", theta)
+    if scaling is not None and not isinstance(scaling, dict):
+        raise MalformedFileError(f"{where}: rope_scaling = {scaling!r} is not an object")
+    partial = number(hf.get("partial_rotary_factor", 1.0), where, "partial_rotary_factor")
+    if partial != 1.0:
+        raise UnsupportedModelError(f"{where}: partial_rotary_factor != 1 is not supported")
+    return number(theta, where, "rope_theta"), _scaling(scaling, where) if scaling else None
+
+
+def _windows(
+    hf: dict[str, Any], where: str, model_type: str, layers: int
+) -> tuple[Optional[int], ...]:
+    """Per-layer sliding windows (None: full attention), or () when no layer has one."""
+    window = optional_integer(hf.get("sliding_window"), where, "sliding_window", high=2**40)
+    layer_types = hf.get("layer_types")
+    if model_type in ("qwen2", "qwen3", "qwen3_moe"):
+        if not flag(hf.get("use_sliding_window"), where, "use_sliding_window"):
+            window = None
+    if model_type in ("qwen2", "qwen3"):
+        if layer_types is None:
+            k = integer(
+                hf.get("max_window_layers", layers), where, "max_window_layers", low=0, high=layers
+            )
+            layer_types = ["full_attention"] * k + ["sliding_attention"] * (layers - k)
+    if layer_types is not None and model_type in ("qwen2", "qwen3", "llama"):
+        if not isinstance(layer_types, list) or len(layer_types) != layers:
+            raise MalformedFileError(
+                f"{where}: layer_types is not a list of num_hidden_layers = {layers} entries"
+            )
+        return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    if model_type in ("mistral", "mixtral", "qwen3_moe") and window is not None:
+        return (window,) * layers  # Qwen3-MoE: every layer (no max_window_layers)
+    return ()
+
+
+def architecture_from_hf(hf: Any, *, where: str = "config.json") -> Architecture:
+    """Reads an HF `config.json` dict (Llama / Mistral / Qwen2 / Qwen3 / Mixtral /
+    Qwen3-MoE); every value is checked (MalformedFileError naming `where` and the field)."""
+    if not isinstance(hf, dict):
+        raise MalformedFileError(f"{where}: the top level is not a JSON object")
+    model_type = hf.get("model_type")
+    if model_type not in HF_CLASSES:
+        archs = hf.get("architectures") or []
+        raise UnsupportedModelError(
+            f"{where}: model_type {model_type!r} ({archs}) is not supported; "
+            f"supported: {sorted(HF_CLASSES)}"
+        )
+    act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
+    if act != "silu":
+        raise UnsupportedModelError(f"{where}: hidden_act {act!r} (only silu/SwiGLU)")
+
+    def size(field: str, limit: str, default: Any = None, low: int = 1) -> int:
+        value = hf.get(field, default)
+        if value is None:
+            raise MalformedFileError(f"{where}: missing field {field!r}")
+        return integer(value, where, field, low=low, high=LIMITS[limit])
+
+    dim = size("hidden_size", "dim")
+    heads = size("num_attention_heads", "num_heads")
+    kv = size("num_key_value_heads", "num_heads", hf.get("num_key_value_heads") or heads)
+    head_dim = check_heads(
+        where,
+        dim=dim,
+        heads=heads,
+        kv_heads=kv,
+        head_dim=optional_integer(hf.get("head_dim"), where, "head_dim", high=LIMITS["head_dim"]),
+        fields=("hidden_size", "num_attention_heads", "num_key_value_heads"),
+    )
+    layers = size("num_hidden_layers", "num_layers")
+    theta, scaling = _rope(hf, where)
+    qwen_moe = model_type == "qwen3_moe"
+    experts = 0
+    if model_type == "mixtral" or qwen_moe:
+        name = "num_experts" if qwen_moe and "num_local_experts" not in hf else "num_local_experts"
+        experts = size(name, "num_experts")
+    per_token = size("num_experts_per_tok", "num_experts", 2)
+    if experts and per_token > experts:
+        raise MalformedFileError(
+            f"{where}: num_experts_per_tok = {per_token} > num_local_experts = {experts}"
+        )
+    bias = flag(hf.get("attention_bias"), where, "attention_bias")
+    return Architecture(
+        family=model_type,
+        vocab_size=size("vocab_size", "vocab_size"),
+        dim=dim,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=head_dim,
+        ffn_dim=size("moe_intermediate_size" if qwen_moe else "intermediate_size", "ffn_dim"),
+        norm_eps=number(hf.get("rms_norm_eps", 1e-6), where, "rms_norm_eps"),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        tie_embeddings=flag(hf.get("tie_word_embeddings"), where, "tie_word_embeddings"),
+        qkv_bias=True if model_type == "qwen2" else bias,
+        output_bias=bias if model_type in ("llama", "qwen3", "qwen3_moe") else False,
+        mlp_bias=flag(hf.get("mlp_bias"), where, "mlp_bias") if model_type == "llama" else False,
+        sliding_windows=_windows(hf, where, model_type, layers),
+        num_experts=experts,
+        num_experts_per_token=per_token,
+        router_aux_loss_coef=number(
+            hf.get("router_aux_loss_coef", 0.0), where, "router_aux_loss_coef", positive=False
+        ),
+        max_position_embeddings=optional_integer(
+            hf.get("max_position_embeddings"), where, "max_position_embeddings", high=2**40
+        ),
+        bos_token_id=(_ids(hf.get("bos_token_id"), where, "bos_token_id") or (None,))[0],
+        eos_token_ids=_ids(hf.get("eos_token_id"), where, "eos_token_id"),
+        **(_qwen3_moe_layers(hf, where, layers) if qwen_moe else {}),
+    )
+
+
+def _qwen3_moe_layers(hf: dict[str, Any], where: str, layers: int) -> dict[str, Any]:
+    """The dense-layer and routing fields of a Qwen3-MoE config.json: dense FFNs
+    (`intermediate_size`) in `mlp_only_layers` and in the layers `decoder_sparse_step`
+    skips (experts have `moe_intermediate_size`), `norm_topk_prob`."""
+    step = integer(hf.get("decoder_sparse_step", 1), where, "decoder_sparse_step", high=layers)
+    only = hf.get("mlp_only_layers") or []
+    if not isinstance(only, list):
+        raise MalformedFileError(f"{where}: mlp_only_layers = {only!r} is not a list")
+    only_set = {integer(i, where, "mlp_only_layers", low=0, high=layers - 1) for i in only}
+    dense = tuple(i for i in range(layers) if i in only_set or (i + 1) % step)
+    ffn = 0
+    if dense:
+        ffn = integer(
+            hf.get("intermediate_size"), where, "intermediate_size", high=LIMITS["ffn_dim"]
+        )
+    return dict(
+        dense_layers=dense,
+        dense_ffn_dim=ffn,
+        normalize_top_k=flag(hf.get("norm_topk_prob"), where, "norm_topk_prob"),
+    )
