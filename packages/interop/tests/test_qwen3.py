@@ -4,7 +4,7 @@ top-k renormalisation, dense layers): tiny random transformers checkpoints
 and its greedy tokens through the paged, continuously batched Engine; export -> import is
 the identity; transformers loads our exports (recorded); a `qwen3` GGUF file named by
 llama.cpp's own tensor map (`gguf.get_tensor_name_map`) holds the same model, a
-`qwen3moe` one loads back what was written."""
+`qwen3moe` one loads back what was written; a LoRA-tuned Qwen3 merges and exports."""
 
 import dataclasses
 import json
@@ -294,3 +294,41 @@ def test_gguf_qwen3moe_loads_back_what_was_written(tmp_path):
         is_training=False,
     )[0]  # fmt: skip
     np.testing.assert_allclose(logits(loaded, ids), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+def test_lora_fine_tuned_qwen3_merges_and_exports_as_qwen3(tmp_path):
+    """A LoRA model on the Qwen3 fixture (adapters set to non-zero values, as after
+    training) merges to a plain Qwen3 config with the same logits, which exports and loads
+    back bit for bit."""
+    from jaxlearn.layers import merge_lora, use_lora
+    from jaxlearn.layers.lora import with_base_params
+
+    loaded = load_hf(FIXTURES / "hf_qwen3")
+    cfg = use_lora(loaded.config, rank=2)
+    params = cfg.instantiate().initialize_parameters_recursively(jax.random.key(0))
+    params = with_base_params(params, loaded.params)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    rng = np.random.default_rng(0)
+    params = jax.tree.unflatten(
+        treedef,
+        [
+            rng.normal(0, 0.3, x.shape).astype(np.float32) if "_lora_b" in str(p) else x
+            for p, x in flat
+        ],
+    )
+    ids = reference("qwen3")["input_ids"]
+
+    def run(config, p):
+        batch = ({"input_ids": jnp.asarray(ids)},)
+        model = config.instantiate()
+        return np.asarray(
+            functional(model, None, p, batch, method="logits", is_training=False)[0]
+        )
+
+    tuned = run(cfg, params)
+    assert np.abs(tuned - reference("qwen3")["logits"]).max() > 1e-2  # the adapters matter
+    plain, merged = merge_lora(cfg, params)
+    np.testing.assert_allclose(run(plain, merged), tuned, rtol=0, atol=1e-4)  # f32 sums
+    again = load_hf(export_hf(tmp_path / "tuned", plain, merged))
+    assert again.architecture.family == "qwen3" and again.architecture.sliding_windows
+    jax.tree.map(np.testing.assert_array_equal, again.params, jax.tree.map(np.asarray, merged))
