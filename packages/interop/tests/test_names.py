@@ -56,12 +56,16 @@ def random_canonical(arch, seed):
 @st.composite
 def architectures(draw, family):
     kv = draw(st.integers(1, 3))
-    moe = family == "mixtral"
+    moe = family in ("mixtral", "qwen3_moe")
+    layers = draw(st.integers(1, 3))
+    dense = ()  # Qwen3-MoE: some layers with a dense FFN of another width
+    if family == "qwen3_moe":
+        dense = tuple(i for i in range(layers) if draw(st.booleans()))
     return Architecture(
         family=family,
         vocab_size=draw(st.integers(3, 11)),
         dim=draw(st.integers(2, 9)),
-        num_layers=draw(st.integers(1, 3)),
+        num_layers=layers,
         num_heads=kv * draw(st.integers(1, 3)),
         num_kv_heads=kv,
         head_dim=2 * draw(st.integers(1, 3)),  # llama.cpp's q/k permutation pairs rows
@@ -73,6 +77,8 @@ def architectures(draw, family):
         output_bias=draw(st.booleans()),
         mlp_bias=False if moe else draw(st.booleans()),
         num_experts=draw(st.integers(1, 4)) if moe else 0,
+        dense_layers=dense,
+        dense_ffn_dim=draw(st.integers(1, 7)) if dense else 0,
     )
 
 
@@ -106,7 +112,8 @@ def test_export_then_import_is_the_identity(family, fmt, alternative, data):
 
 
 def test_gguf_q_k_rows_are_permuted_only_for_llama_layout_families():
-    for family, permuted in (("llama", True), ("mixtral", True), ("qwen2", False)):
+    layouts = (("llama", True), ("mixtral", True), ("qwen2", False), ("qwen3", False))
+    for family, permuted in layouts:
         arch = Architecture(
             family=family, vocab_size=5, dim=4, num_layers=1, num_heads=2, num_kv_heads=1,
             head_dim=4, ffn_dim=3, norm_eps=1e-5, rope_theta=1e4, qkv_bias=True,
@@ -174,7 +181,8 @@ def test_export_refuses_params_the_table_does_not_list():
 
 
 @pytest.mark.parametrize(
-    "family,stack", [("llama", "scan"), ("qwen2", "loop"), ("mixtral", "scan")]
+    "family,stack",
+    [("llama", "scan"), ("qwen2", "loop"), ("mixtral", "scan"), ("qwen3_moe", "loop")],
 )
 def test_fused_projection_models_export_and_import_through_the_table(family, stack, tmp_path):
     """A serving model with fused q/k/v (and, for dense FFNs, gate/up) projections exports
@@ -185,7 +193,9 @@ def test_fused_projection_models_export_and_import_through_the_table(family, sta
     transformer = fused_params["decoder"]["transformer"]
     layer0 = transformer.get("layer", transformer.get("layer0"))
     assert "qkv_proj" in layer0["self_attention"]
-    assert ("wi_fused" in layer0["feed_forward"]) == (family != "mixtral")
+    assert ("wi_fused" in layer0["feed_forward"]) == (family not in ("mixtral", "qwen3_moe"))
+    if family == "qwen3_moe":  # layer 1 is dense (width 48; the experts' is 16)
+        assert transformer["layer1"]["feed_forward"]["wi_fused"].shape == (32, 96)
     out = export_hf(tmp_path / "fused", fused_cfg, fused_params)
     with safe_open(str(FIXTURES / f"hf_{family}" / "model.safetensors"), "numpy") as original:
         with safe_open(str(out / "model.safetensors"), "numpy") as exported:

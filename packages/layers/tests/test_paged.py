@@ -1,7 +1,7 @@
 """Paged KV cache: page gather/scatter vs a numpy reference (hypothesis, bf16 bit-exact),
 out-of-table positions land on page 0 only, and paged decoding through CausalLM gives the
-logits of the contiguous cache (scan / loop / MoE stacks, scattered pages, ragged rows),
-plus `logits_index`."""
+logits of the contiguous cache (scan / loop / MoE / Qwen3 q/k-norm stacks, scattered
+pages, ragged rows), plus `logits_index`."""
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jaxlearn.layers import llama_config, mixtral_config, paged
+from jaxlearn.layers import llama_config, mixtral_config, paged, qwen3_config
 from jaxlearn.module import functional
 
 VOCAB, DIM, PS = 32, 16, 4
@@ -68,9 +68,11 @@ def test_positions_past_the_table_write_page_zero_only():
     assert out[0].sum() >= 1 and out[[1, 2, 3]].sum() == 0  # Row 1: both past the end.
 
 
-def tiny(stack, moe=False, sliding_window=None):
+def tiny(stack, moe=False, sliding_window=None, qwen3=False):
     if moe:
         return mixtral_config(VOCAB, DIM, 2, 4, 2, 24, 4, 2, stack=stack, rope_theta=100.0)
+    if qwen3:  # q/k RMSNorm, head_dim 8 != DIM / 4 heads
+        return qwen3_config(VOCAB, DIM, 2, 4, 2, 24, head_dim=8, stack=stack, rope_theta=100.0)
     cfg = llama_config(VOCAB, DIM, 2, 4, 2, 24, stack=stack, rope_theta=100.0)
     if sliding_window is not None:
         cfg.decoder.transformer.layer.self_attention.sliding_window = sliding_window
@@ -88,7 +90,13 @@ def _contiguous(model, params, chunks, lengths):
 
 @pytest.mark.parametrize(
     "stack,kw",
-    [("scan", {}), ("loop", {}), ("scan", {"moe": True}), ("scan", {"sliding_window": 3})],
+    [
+        ("scan", {}),
+        ("loop", {}),
+        ("scan", {"moe": True}),
+        ("scan", {"sliding_window": 3}),
+        ("loop", {"qwen3": True}),
+    ],
 )
 def test_paged_decode_equals_contiguous_cache(stack, kw):
     model = tiny(stack, **kw).instantiate()

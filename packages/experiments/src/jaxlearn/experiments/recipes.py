@@ -1,8 +1,9 @@
 """Named experiments: one function per recipe returning a complete `Trainer.Config`.
 
 Model shapes follow the published architectures (Llama 2: arXiv:2307.09288; Llama 3:
-arXiv:2407.21783; Mixtral: arXiv:2401.04088). Every recipe carries mesh rules for CPU, TPU
-(v4/v5e/v5p/v6e), GPU (H100/H200/B200) and Trainium2; `--mesh_selector` picks one.
+arXiv:2407.21783; Mixtral: arXiv:2401.04088; Qwen3: arXiv:2505.09388). Every recipe
+carries mesh rules for CPU, TPU (v4/v5e/v5p/v6e), GPU (H100/H200/B200) and Trainium2;
+`--mesh_selector` picks one.
 """
 
 from __future__ import annotations
@@ -15,7 +16,14 @@ from jaxlearn.experiments.common import (
     small_model_mesh_rules,
     trainer_config,
 )
-from jaxlearn.layers import ADAPTERS, llama_config, use_lora, use_moe
+from jaxlearn.layers import (
+    ADAPTERS,
+    llama_config,
+    qwen3_config,
+    qwen3_moe_config,
+    use_lora,
+    use_moe,
+)
 from jaxlearn.mesh import SetFieldsModifier
 from jaxlearn.runtime.bundled import BundledSource
 from jaxlearn.runtime.input_pipeline import Input
@@ -106,6 +114,23 @@ def mixtral_8x7b() -> Trainer.Config:
                   gpu_microbatches=2)
 
 
+def qwen3_8b() -> Trainer.Config:
+    """Qwen3 8B: 36 layers, d=4096, 32 heads / 8 KV heads of head_dim 128 with q/k RMSNorm,
+    FFN 12288, vocab 151936, RoPE theta 1e6, untied head, seq 4096."""
+    model = qwen3_config(151936, 4096, 36, 32, 8, 12288, head_dim=128, rope_theta=1e6,
+                         dtype="bfloat16")
+    return _large(model, seq_len=4096, global_batch=1024, max_step=500_000, lr=3e-4)
+
+
+def qwen3_30b_a3b() -> Trainer.Config:
+    """Qwen3-30B-A3B: 48 layers, d=2048, 32 heads / 4 KV heads of head_dim 128 with q/k
+    RMSNorm, 128 experts of FFN 768, top-8 renormalised, vocab 151936, RoPE theta 1e6."""
+    model = qwen3_moe_config(151936, 2048, 48, 32, 4, 768, 128, 8, head_dim=128,
+                             rope_theta=1e6, dtype="bfloat16")
+    return _large(model, seq_len=4096, global_batch=1024, max_step=500_000, lr=3e-4,
+                  gpu_microbatches=2)
+
+
 def _smollm2_135m() -> Any:
     """SmolLM2-135M's shape (30 layers, d=576, 9/3 heads, FFN 1536, vocab 49152, tied):
     what `finetune` trains without --init_from, which replaces it by the pretrained one."""
@@ -165,6 +190,8 @@ EXPERIMENTS = {
     "llama2-70b": llama2_70b,
     "llama3-8b": llama3_8b,
     "mixtral-8x7b": mixtral_8x7b,
+    "qwen3-8b": qwen3_8b,
+    "qwen3-30b-a3b": qwen3_30b_a3b,
     "finetune": finetune,
     "lora": lora,
 }

@@ -1,10 +1,11 @@
 """`Architecture`: the hyperparameters of a Llama-family decoder, independent of the file
 format they come from (HF config.json, GGUF metadata) or go to (HF export).
 
-`build_config(arch)` turns one into a `CausalLM.Config` with `llama_config` (plus a
-dense-FFN -> MoE replacement for Mixtral, per-attention biases for Qwen2 and per-layer
-sliding windows); `architecture_from_config(cfg)` reads one back from a `CausalLM.Config`
-and raises `UnsupportedModelError` for anything the HF Llama/Mistral/Qwen2/Mixtral classes
+`build_config(arch)` turns one into a `CausalLM.Config` with `llama_config` (`qwen3_config`
+for Qwen3: per-head q/k RMSNorm; plus a dense-FFN -> MoE replacement for Mixtral,
+per-attention biases for Qwen2 and per-layer sliding windows);
+`architecture_from_config(cfg)` reads one back from a `CausalLM.Config` and raises
+`UnsupportedModelError` for anything the HF Llama/Mistral/Qwen2/Qwen3/Mixtral classes
 cannot express.
 """
 
@@ -26,10 +27,13 @@ from jaxlearn.layers import (
     ScanStack,
     TransformerLayer,
     llama_config,
+    qwen3_config,
 )
 from jaxlearn.layers.moe import MixtureOfExperts
 
-FAMILIES = ("llama", "mistral", "qwen2", "mixtral")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+# Families whose attention normalises q and k per head (RMSNorm over head_dim, eps norm_eps).
+QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
 STACKS = ("scan", "loop")
 
 
@@ -40,7 +44,11 @@ class Architecture:
     rope_scaling: None, or an HF-style dict with "rope_type" "llama3" (factor,
     low_freq_factor, high_freq_factor, original_max_position_embeddings) or "linear"
     (factor). sliding_windows: one entry per layer (None = full attention), or () when no
-    layer has a window. num_experts > 0 makes every FFN a top-k softmax MoE (Mixtral).
+    layer has a window. num_experts > 0 makes every FFN a top-k softmax MoE of experts
+    with hidden size ffn_dim (Mixtral, Qwen3-MoE), except the `dense_layers`, which have
+    a dense SwiGLU FFN of hidden size `dense_ffn_dim` (Qwen3-MoE `mlp_only_layers` /
+    `decoder_sparse_step`). normalize_top_k: divide the k routing weights by their sum
+    (Qwen3-MoE `norm_topk_prob`; Mixtral always does).
     """
 
     family: str
@@ -62,6 +70,9 @@ class Architecture:
     num_experts: int = 0
     num_experts_per_token: int = 2
     router_aux_loss_coef: float = 0.0
+    normalize_top_k: bool = True
+    dense_layers: tuple[int, ...] = ()
+    dense_ffn_dim: int = 0
     max_position_embeddings: Optional[int] = None
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple[int, ...] = ()
@@ -76,6 +87,14 @@ class Architecture:
             )
         if self.sliding_windows and all(w is None for w in self.sliding_windows):
             self.sliding_windows = ()
+        if self.dense_layers and not (self.is_moe and self.dense_ffn_dim > 0):
+            raise UnsupportedModelError(
+                f"dense_layers {self.dense_layers} need num_experts > 0 and dense_ffn_dim > 0"
+            )
+        if any(not 0 <= i < self.num_layers for i in self.dense_layers):
+            raise UnsupportedModelError(
+                f"dense_layers {self.dense_layers} outside [0, {self.num_layers})"
+            )
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedModelError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads="
@@ -85,6 +104,11 @@ class Architecture:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def qk_norm(self) -> bool:
+        """Per-head RMSNorm of q and k before RoPE (Qwen3)."""
+        return self.family in QK_NORM_FAMILIES
 
     def uniform_sliding_window(self) -> tuple[bool, Optional[int]]:
         """(True, window) when every layer has the same window (None = none)."""
@@ -104,17 +128,19 @@ def build_config(
     moe_dropless_method: str = "ragged_dot",
     name: str = "model",
 ) -> Any:
-    """A `CausalLM.Config` for `arch` (built with `llama_config`).
+    """A `CausalLM.Config` for `arch` (built with `llama_config`, or `qwen3_config` for
+    families with q/k norms).
 
-    stack: "scan" or "loop"; layers with different sliding windows need per-layer configs,
-    so they always get a `LoopStack` (whatever `stack` says).
+    stack: "scan" or "loop"; layers with different sliding windows or FFNs (dense layers of
+    an MoE model) need per-layer configs, so they always get a `LoopStack` (whatever
+    `stack` says).
     dtype: compute dtype (e.g. "bfloat16"); param_dtype: storage dtype of the params
     (default float32).
     """
     if stack not in STACKS:
         raise ValueError(f"stack must be one of {STACKS}, got {stack!r}")
     uniform, window = arch.uniform_sliding_window()
-    if not uniform:
+    if not uniform or arch.dense_layers:
         stack = "loop"
     scaling = arch.rope_scaling
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
@@ -124,7 +150,8 @@ def build_config(
         )
     if arch.is_moe and arch.mlp_bias:
         raise UnsupportedModelError("MoE experts with MLP biases are not supported")
-    cfg = llama_config(
+    recipe = qwen3_config if arch.qk_norm else llama_config
+    cfg = recipe(
         vocab_size=arch.vocab_size,
         dim=arch.dim,
         num_layers=arch.num_layers,
@@ -152,27 +179,39 @@ def build_config(
         attention.rope.frequency_scaling = LinearFrequencyScaling.default_config().set(
             factor=float(scaling["factor"])  # type: ignore[index]
         )
-    if uniform:
-        attention.sliding_window = window
-    else:
-        layers = []
-        for w in arch.sliding_windows:
-            one = layer.clone()
-            one.self_attention = one.self_attention.clone(sliding_window=w)
-            layers.append(one)
-        cfg.decoder.transformer.layers = layers
     if arch.is_moe:
         cfg = replace_config(cfg, FeedForward, _experts_config(arch, moe_dropless_method))
+    if uniform and not arch.dense_layers:
+        cfg.decoder.transformer.layer.self_attention.sliding_window = window
+    else:
+        layer = cfg.decoder.transformer.layer
+        cfg.decoder.transformer.layers = [
+            _layer_config(arch, layer, i) for i in range(arch.num_layers)
+        ]
     return cfg
 
 
+def _layer_config(arch: Architecture, layer: Any, i: int) -> Any:
+    """Layer i of a stack whose layers differ: its window, and a dense SwiGLU FFN if it is
+    one of the `dense_layers` of an MoE model."""
+    one = layer.clone()
+    window = arch.sliding_windows[i] if arch.sliding_windows else None
+    one.self_attention = one.self_attention.clone(sliding_window=window)
+    if i in arch.dense_layers:
+        one.feed_forward = FeedForward.default_config().set(
+            hidden_dim=arch.dense_ffn_dim, activation=("silu", "linear"), use_bias=False
+        )
+    return one
+
+
 def _experts_config(arch: Architecture, dropless_method: str) -> Any:
-    """The Mixtral MoE (top-k softmax, renormalised, dropless) that replaces every FFN."""
+    """The Mixtral / Qwen3-MoE MoE (top-k softmax, renormalised if `normalize_top_k`,
+    dropless) that replaces every FFN."""
     return MixtureOfExperts.default_config().set(
         num_experts=arch.num_experts,
         num_experts_per_token=arch.num_experts_per_token,
         router_scores="softmax",
-        normalize_top_k_weights=True,
+        normalize_top_k_weights=arch.normalize_top_k,
         capacity_factor=None,
         dropless_method=dropless_method,
         # HF's load_balancing_loss_func is num_experts_per_token times ours.
@@ -201,7 +240,7 @@ def architecture_from_config(cfg: Any, *, max_position_embeddings: Optional[int]
     """Reads an `Architecture` from a `CausalLM.Config` (as built by `llama_config`, possibly
     with MoE / bias / sliding-window / fused-projection changes). Raises
     `UnsupportedModelError` naming the config path of anything an HF
-    Llama/Mistral/Qwen2/Mixtral checkpoint cannot express."""
+    Llama/Mistral/Qwen2/Qwen3/Mixtral/Qwen3-MoE checkpoint cannot express."""
     dec = cfg.decoder
     if dec.emb.scale_by_sqrt_dim:
         raise _bad("model.decoder.emb.scale_by_sqrt_dim", "HF Llama does not scale embeddings")
@@ -213,9 +252,11 @@ def architecture_from_config(cfg: Any, *, max_position_embeddings: Optional[int]
     eps = _norm_eps("model.decoder.output_norm", dec.output_norm)
     windows: list[Optional[int]] = []
     first: Optional[dict[str, Any]] = None
+    ffns = []
     for i, lc in enumerate(layer_configs(t)):
         where = f"model.decoder.transformer.layers[{i}]"
         this = _layer_settings(where, lc, dec.dim, eps)
+        ffns.append(_ffn_settings(f"{where}.feed_forward", lc.feed_forward))
         if first is None:
             first = this
         elif this != first:
@@ -223,8 +264,11 @@ def architecture_from_config(cfg: Any, *, max_position_embeddings: Optional[int]
             raise _bad(where, f"layers differ from layer 0 in {diff}; HF needs uniform layers")
         windows.append(lc.self_attention.sliding_window)
     assert first is not None
+    first.update(_ffn_pattern(ffns))
+    family = _family(first, windows)
+    del first["qk_norm"]  # implied by the family
     return Architecture(
-        family=_family(first, windows),
+        family=family,
         vocab_size=dec.vocab_size,
         dim=dec.dim,
         num_layers=len(windows),
@@ -243,7 +287,8 @@ def _norm_eps(path: str, norm: Any) -> float:
 
 
 def _layer_settings(where: str, lc: Any, dim: int, eps: float) -> dict[str, Any]:
-    """The `Architecture` fields one TransformerLayer config sets (all but the window)."""
+    """The `Architecture` fields one TransformerLayer config sets (all but the window and
+    the FFN)."""
     if not _is(lc, TransformerLayer):
         raise _bad(where, f"unknown layer {lc.klass}")
     if _norm_eps(f"{where}.norm", lc.norm) != eps:
@@ -251,8 +296,10 @@ def _layer_settings(where: str, lc: Any, dim: int, eps: float) -> dict[str, Any]
     a = lc.self_attention
     if not _is(a, Attention):
         raise _bad(f"{where}.self_attention", f"unknown attention {a.klass}")
+    qk_norm = a.qk_norm is not None
+    if qk_norm and _norm_eps(f"{where}.self_attention.qk_norm", a.qk_norm) != eps:
+        raise _bad(f"{where}.self_attention.qk_norm.eps", "HF Qwen3 uses rms_norm_eps")
     for field, ok in (
-        ("qk_norm", a.qk_norm is None),
         ("logit_soft_cap", a.logit_soft_cap is None),
         ("causal", a.causal),
         ("rope", a.rope is not None and a.rope.rotary_fraction == 1.0),
@@ -271,7 +318,7 @@ def _layer_settings(where: str, lc: Any, dim: int, eps: float) -> dict[str, Any]
         rope_scaling=_rope_scaling(f"{where}.self_attention.rope", a.rope.frequency_scaling),
         qkv_bias=bool(a.qkv_bias),
         output_bias=bool(a.output_bias),
-        **_ffn_settings(f"{where}.feed_forward", lc.feed_forward),
+        qk_norm=qk_norm,
     )
 
 
@@ -291,13 +338,14 @@ def _ffn_settings(where: str, f: Any) -> dict[str, Any]:
     if _is(f, MixtureOfExperts):
         if tuple(f.activation) != ("silu", "linear"):
             raise _bad(f"{where}.activation", "Mixtral experts are SwiGLU")
-        if f.router_scores != "softmax" or not f.normalize_top_k_weights:
-            raise _bad(where, "Mixtral routing is softmax + top-k renorm")
+        if f.router_scores != "softmax":
+            raise _bad(f"{where}.router_scores", "HF MoE routers are softmax + top-k")
         return dict(
             ffn_dim=f.hidden_dim,
             num_experts=f.num_experts,
             num_experts_per_token=f.num_experts_per_token,
             router_aux_loss_coef=f.load_balance_loss_weight / f.num_experts_per_token,
+            normalize_top_k=bool(f.normalize_top_k_weights),
             mlp_bias=False,
         )
     if _is(f, FeedForward):
@@ -307,11 +355,40 @@ def _ffn_settings(where: str, f: Any) -> dict[str, Any]:
     raise _bad(where, f"unknown feed-forward {f.klass}")
 
 
+def _ffn_pattern(ffns: list[dict[str, Any]]) -> dict[str, Any]:
+    """The FFN fields of `Architecture` from each layer's `_ffn_settings`: one FFN for all
+    layers, or experts in some and one dense FFN in the others (`dense_layers`)."""
+    groups: dict[bool, dict[str, Any]] = {}
+    for i, f in enumerate(ffns):
+        first = groups.setdefault(bool(f["num_experts"]), f)
+        if f != first:
+            diff = sorted(k for k in f if f[k] != first[k])
+            kind = "MoE" if f["num_experts"] else "dense"
+            raise _bad(
+                f"model.decoder.transformer.layers[{i}].feed_forward",
+                f"differs from the first {kind} FFN in {diff}; HF needs one of each",
+            )
+    if not (True in groups and False in groups):
+        return dict(next(iter(groups.values())))
+    dense = groups[False]
+    if dense["mlp_bias"]:
+        raise UnsupportedModelError("cannot export: the dense layers of an MoE have no biases")
+    dense_layers = tuple(i for i, f in enumerate(ffns) if not f["num_experts"])
+    return dict(groups[True], dense_layers=dense_layers, dense_ffn_dim=dense["ffn_dim"])
+
+
 def _family(layer: dict[str, Any], windows: list[Optional[int]]) -> str:
     """The HF model class that can express these settings."""
     sliding = any(w is not None for w in windows)
     uniform = all(w == windows[0] for w in windows)
+    if layer["qk_norm"]:
+        return _qwen3_family(layer, windows)
     if layer["num_experts"]:
+        if layer.get("dense_layers") or not layer["normalize_top_k"]:
+            raise UnsupportedModelError(
+                "cannot export: Mixtral has no dense layers and renormalises its top-k "
+                "weights (both need q/k norms: Qwen3-MoE)"
+            )
         if layer["qkv_bias"] or layer["output_bias"]:
             raise UnsupportedModelError("cannot export: Mixtral has no attention biases")
         if not uniform:
@@ -320,13 +397,7 @@ def _family(layer: dict[str, Any], windows: list[Optional[int]]) -> str:
     if layer["qkv_bias"] and not layer["output_bias"]:
         if layer["mlp_bias"]:
             raise UnsupportedModelError("cannot export: Qwen2 has no MLP biases")
-        if sliding:
-            # Qwen2: full attention for layers < max_window_layers, the window after.
-            k = next(i for i, w in enumerate(windows) if w is not None)
-            if any(w is not None for w in windows[:k]) or any(w != windows[k] for w in windows[k:]):
-                raise UnsupportedModelError(
-                    "cannot export: Qwen2 windows must be full attention then one window"
-                )
+        _check_qwen_windows("Qwen2", windows)
         return "qwen2"
     if layer["qkv_bias"] != layer["output_bias"]:
         raise UnsupportedModelError("cannot export: output bias without q/k/v biases")
@@ -337,3 +408,29 @@ def _family(layer: dict[str, Any], windows: list[Optional[int]]) -> str:
             raise UnsupportedModelError("cannot export: Mistral has no biases")
         return "mistral"
     return "llama"
+
+
+def _check_qwen_windows(name: str, windows: list[Optional[int]]) -> None:
+    """Qwen2/Qwen3: full attention for layers < max_window_layers, one window after."""
+    if all(w is None for w in windows):
+        return
+    k = next(i for i, w in enumerate(windows) if w is not None)
+    if any(w is not None for w in windows[:k]) or any(w != windows[k] for w in windows[k:]):
+        raise UnsupportedModelError(
+            f"cannot export: {name} windows must be full attention then one window"
+        )
+
+
+def _qwen3_family(layer: dict[str, Any], windows: list[Optional[int]]) -> str:
+    """The Qwen3 / Qwen3-MoE class for a layer with q/k norms (attention biases on q/k/v
+    and o, or none)."""
+    if layer["qkv_bias"] != layer["output_bias"]:
+        raise UnsupportedModelError("cannot export: Qwen3 biases are on q/k/v and o together")
+    if layer["mlp_bias"]:
+        raise UnsupportedModelError("cannot export: Qwen3 has no MLP biases")
+    if layer["num_experts"]:
+        if any(w != windows[0] for w in windows):
+            raise UnsupportedModelError("cannot export: Qwen3-MoE needs one sliding window")
+        return "qwen3_moe"
+    _check_qwen_windows("Qwen3", windows)
+    return "qwen3"

@@ -86,12 +86,12 @@ def plan(
     (clipped to the row's last)."""
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
-    fam, on, experts = family(arch), features(arch), arch.num_experts
-    rows = [r for r in fam.rows if not r.when or r.when in on]
+    fam, experts = family(arch), arch.num_experts
     out = []
     for layer in [None, *range(arch.num_layers)]:
-        for row in rows:
-            if row.per_layer != (layer is not None):
+        on = features(arch, layer)
+        for row in fam.rows:
+            if row.per_layer != (layer is not None) or (row.when and row.when not in on):
                 continue
             options = row.names(fmt)
             if not options:
@@ -234,9 +234,13 @@ def fuse(layer: Nested, layout: frozenset[str]) -> None:
             put_path(layer, key_of(f.path), joined)
 
 
-def unfuse(layer: Nested, d: dict[str, int]) -> None:
-    """In place: every fused parameter in `layer` -> its unfused parts."""
-    shapes = {r.path: r.shape for fam in FAMILIES.values() for r in fam.rows}
+def unfuse(layer: Nested, d: dict[str, int], rows: Sequence[Row] = ()) -> None:
+    """In place: every fused parameter in `layer` -> its unfused parts, sized by `rows`
+    (the rows of this layer; default: every family's, first wins)."""
+    shapes: dict[str, str] = {r.path: r.shape for r in rows}
+    for fam in FAMILIES.values():
+        for r in fam.rows:
+            shapes.setdefault(r.path, r.shape)
     for f in FUSIONS:
         if has_path(layer, key_of(f.path)):
             value = pop_path(layer, key_of(f.path))
@@ -305,9 +309,10 @@ def write_tensors(
     parameters are split first; `alternative` picks a row's other names (see `plan`)."""
     d, permuted = dims(arch), fmt == "gguf" and family(arch).gguf_permutes_qk
     unfused = []
-    for layer in layers:
+    for i, layer in enumerate(layers):
         layer = copy_dicts(layer)
-        unfuse(layer, d)
+        on = features(arch, i)
+        unfuse(layer, d, [r for r in family(arch).rows if not r.when or r.when in on])
         unfused.append(layer)
     out: dict[str, np.ndarray] = {}
     blocks: dict[str, dict[int, np.ndarray]] = {}

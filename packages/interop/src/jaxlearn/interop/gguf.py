@@ -9,10 +9,12 @@ float32 with `gguf.quants.dequantize` (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q
 K-quants and the IQ types that the package implements), then cast to the param dtype.
 
 Architectures: `llama` (Llama 1/2/3, Mistral and Mixtral as llama.cpp converts them, and
-SmolLM), `qwen2` (q/k/v biases), `mistral`-named files with the llama layout. llama.cpp
+SmolLM), `qwen2` (q/k/v biases), `qwen3` (`attn_q_norm` / `attn_k_norm`, explicit
+`attention.key_length`), `qwen3moe` (qwen3 attention, every FFN top-k experts of width
+`expert_feed_forward_length`), `mistral`-named files with the llama layout. llama.cpp
 permutes the rows of the q/k projections of `llama` files for its interleaved RoPE
 (`convert_hf_to_gguf.LlamaModel.permute`); `unpermute_qk` undoes it so the weights match the
-HF rotate-half layout that jaxlearn's RoPE uses. qwen2 files are not permuted. Tensor
+HF rotate-half layout that jaxlearn's RoPE uses. qwen2 and qwen3 files are not permuted. Tensor
 names, shapes and transforms come from the name table in `jaxlearn.interop.names`.
 
 Llama-3.1 RoPE scaling is stored by llama.cpp as a `rope_freqs.weight` tensor of per-
@@ -32,7 +34,14 @@ from typing import Any, Optional
 import numpy as np
 
 from jaxlearn.interop.arch import Architecture, architecture_from_config, build_config
-from jaxlearn.interop.checks import LIMITS, check_heads, check_layers_present, integer, number
+from jaxlearn.interop.checks import (
+    LIMITS,
+    check_heads,
+    check_layers_present,
+    flag,
+    integer,
+    number,
+)
 from jaxlearn.interop.convert import held_features, read_tensors, write_tensors
 from jaxlearn.interop.convert import permute_qk as permute_qk  # re-exported
 from jaxlearn.interop.convert import unpermute_qk as unpermute_qk  # re-exported
@@ -56,7 +65,13 @@ except ImportError:  # pragma: no cover - depends on the environment
     _gguf = None
 
 Nested = dict[str, Any]
-ARCHITECTURES = ("llama", "mistral", "qwen2")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe")
+# general.architecture -> the family of a file (with experts, without).
+_FAMILY = {
+    "qwen2": ("mixtral", "qwen2"),
+    "qwen3": ("mixtral", "qwen3"),
+    "qwen3moe": ("qwen3_moe", "qwen3"),
+}
 
 
 def _require_gguf() -> Any:
@@ -254,9 +269,9 @@ def _token_id(f: GGUFFile, key: str) -> Optional[int]:
 
 
 def architecture_from_gguf(f: GGUFFile) -> Architecture:
-    """Reads the hyperparameters of a llama/qwen2 GGUF file; every size is checked
-    (MalformedFileError naming the file and key), and every layer `block_count` declares
-    must have its tensors in the file, before anything is allocated."""
+    """Reads the hyperparameters of a llama/qwen2/qwen3/qwen3moe GGUF file; every size is
+    checked (MalformedFileError naming the file and key), and every layer `block_count`
+    declares must have its tensors in the file, before anything is allocated."""
     arch_name = f.require("general.architecture")
     if arch_name not in ARCHITECTURES:
         raise UnsupportedModelError(
@@ -268,7 +283,10 @@ def architecture_from_gguf(f: GGUFFile) -> Architecture:
     window = f.integer(f"{arch_name}.attention.sliding_window", high=LIMITS["window"])
     held = held_features(FAMILIES["llama"], "gguf", f.tensors)  # biases, untied head
     eos = [_token_id(f, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
-    family = "mixtral" if sizes["num_experts"] else ("qwen2" if arch_name == "qwen2" else "llama")
+    family = _FAMILY.get(arch_name, ("mixtral", "llama"))[0 if sizes["num_experts"] else 1]
+    # llama.cpp renormalises the top-k weights unless the file says otherwise.
+    norm_key = f"{arch_name}.expert_weights_norm"
+    normalize = flag(f.get(norm_key), str(f.path), norm_key, default=True)
     if window is not None and family == "llama":
         family = "mistral"
     arch = Architecture(
@@ -281,6 +299,7 @@ def architecture_from_gguf(f: GGUFFile) -> Architecture:
         output_bias="output_bias" in held,
         mlp_bias="mlp_bias" in held,
         sliding_windows=(window,) * sizes["num_layers"] if window is not None else (),
+        normalize_top_k=normalize,
         bos_token_id=_token_id(f, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(i for i in eos if i is not None)),
         **sizes,

@@ -6,7 +6,11 @@
 
 Supported `model_type`s: llama (incl. Llama-3.1 RoPE scaling, attention/MLP biases),
 mistral (sliding window), qwen2 (q/k/v biases, per-layer sliding windows via
-`layer_types` / `use_sliding_window` + `max_window_layers`), mixtral (top-k softmax MoE;
+`layer_types` / `use_sliding_window` + `max_window_layers`), qwen3 (per-head q/k RMSNorm,
+explicit head_dim, optional q/k/v/o biases, windows as qwen2), qwen3_moe (qwen3 attention,
+top-k softmax experts with `norm_topk_prob`, dense layers from `mlp_only_layers` /
+`decoder_sparse_step`, `use_sliding_window` windows every layer; hub layout
+`mlp.experts.N.{gate,up,down}_proj`), mixtral (top-k softmax MoE;
 both the hub layout `block_sparse_moe.experts.N.w1/w2/w3` and the fused
 `mlp.experts.gate_up_proj/down_proj` layout of transformers 5). Tensors are read with
 `safetensors` into numpy (no torch, no pickle), single-file or sharded
@@ -89,7 +93,7 @@ def hf_config_dict(arch: Architecture, *, dtype: str = "float32") -> dict[str, A
         out["mlp_bias"] = arch.mlp_bias
     elif arch.family == "mistral":
         out["sliding_window"] = windows[0] if windows else None
-    elif arch.family == "qwen2":
+    elif arch.family in ("qwen2", "qwen3"):
         sliding = [i for i, w in enumerate(windows) if w is not None]
         out["use_sliding_window"] = bool(sliding)
         out["sliding_window"] = windows[sliding[0]] if sliding else None
@@ -98,6 +102,23 @@ def hf_config_dict(arch: Architecture, *, dtype: str = "float32") -> dict[str, A
             out["layer_types"] = [
                 "sliding_attention" if w is not None else "full_attention" for w in windows
             ]
+        if arch.family == "qwen3":
+            out["attention_bias"] = arch.qkv_bias
+    elif arch.family == "qwen3_moe":  # one window for every layer, or none
+        out.update(
+            use_sliding_window=bool(windows),
+            sliding_window=windows[0] if windows else None,
+            attention_bias=arch.qkv_bias,
+            intermediate_size=arch.dense_ffn_dim or arch.ffn_dim,
+            moe_intermediate_size=arch.ffn_dim,
+            num_experts=arch.num_experts,
+            num_experts_per_tok=arch.num_experts_per_token,
+            norm_topk_prob=arch.normalize_top_k,
+            decoder_sparse_step=1,
+            mlp_only_layers=list(arch.dense_layers),
+            router_aux_loss_coef=arch.router_aux_loss_coef,
+            output_router_logits=False,
+        )
     elif arch.family == "mixtral":
         out["sliding_window"] = windows[0] if windows else None
         out["num_local_experts"] = arch.num_experts
@@ -318,10 +339,10 @@ def export_hf(
     ids not given come from the chat template's token texts, then the tokenizer.
     dtype: "float32", "bfloat16" or "float16".
 
-    Raises UnsupportedModelError if the config has features HF Llama/Mistral/Qwen2/Mixtral
-    cannot express (the message names the config path), ParameterMismatchError for params
-    that do not match the config, TokenizerError for a tokenizer larger than the model's
-    vocab.
+    Raises UnsupportedModelError if the config has features HF
+    Llama/Mistral/Qwen2/Qwen3/Mixtral/Qwen3-MoE cannot express (the message names the
+    config path), ParameterMismatchError for params that do not match the config,
+    TokenizerError for a tokenizer larger than the model's vocab.
     """
     from jaxlearn.text.tokenizer_export import (
         export_tokenizer,

@@ -110,28 +110,29 @@ def _windows(
     """Per-layer sliding windows (None: full attention), or () when no layer has one."""
     window = optional_integer(hf.get("sliding_window"), where, "sliding_window", high=2**40)
     layer_types = hf.get("layer_types")
-    if model_type == "qwen2":
+    if model_type in ("qwen2", "qwen3", "qwen3_moe"):
         if not flag(hf.get("use_sliding_window"), where, "use_sliding_window"):
             window = None
+    if model_type in ("qwen2", "qwen3"):
         if layer_types is None:
             k = integer(
                 hf.get("max_window_layers", layers), where, "max_window_layers", low=0, high=layers
             )
             layer_types = ["full_attention"] * k + ["sliding_attention"] * (layers - k)
-    if layer_types is not None and model_type in ("qwen2", "llama"):
+    if layer_types is not None and model_type in ("qwen2", "qwen3", "llama"):
         if not isinstance(layer_types, list) or len(layer_types) != layers:
             raise MalformedFileError(
                 f"{where}: layer_types is not a list of num_hidden_layers = {layers} entries"
             )
         return tuple(window if t == "sliding_attention" else None for t in layer_types)
-    if model_type in ("mistral", "mixtral") and window is not None:
-        return (window,) * layers
+    if model_type in ("mistral", "mixtral", "qwen3_moe") and window is not None:
+        return (window,) * layers  # Qwen3-MoE: every layer (no max_window_layers)
     return ()
 
 
 def architecture_from_hf(hf: Any, *, where: str = "config.json") -> Architecture:
-    """Reads an HF `config.json` dict (Llama / Mistral / Qwen2 / Mixtral); every value is
-    checked (MalformedFileError naming `where` and the field)."""
+    """Reads an HF `config.json` dict (Llama / Mistral / Qwen2 / Qwen3 / Mixtral /
+    Qwen3-MoE); every value is checked (MalformedFileError naming `where` and the field)."""
     if not isinstance(hf, dict):
         raise MalformedFileError(f"{where}: the top level is not a JSON object")
     model_type = hf.get("model_type")
@@ -164,7 +165,11 @@ def architecture_from_hf(hf: Any, *, where: str = "config.json") -> Architecture
     )
     layers = size("num_hidden_layers", "num_layers")
     theta, scaling = _rope(hf, where)
-    experts = size("num_local_experts", "num_experts") if model_type == "mixtral" else 0
+    qwen_moe = model_type == "qwen3_moe"
+    experts = 0
+    if model_type == "mixtral" or qwen_moe:
+        name = "num_experts" if qwen_moe and "num_local_experts" not in hf else "num_local_experts"
+        experts = size(name, "num_experts")
     per_token = size("num_experts_per_tok", "num_experts", 2)
     if experts and per_token > experts:
         raise MalformedFileError(
@@ -179,13 +184,13 @@ def architecture_from_hf(hf: Any, *, where: str = "config.json") -> Architecture
         num_heads=heads,
         num_kv_heads=kv,
         head_dim=head_dim,
-        ffn_dim=size("intermediate_size", "ffn_dim"),
+        ffn_dim=size("moe_intermediate_size" if qwen_moe else "intermediate_size", "ffn_dim"),
         norm_eps=number(hf.get("rms_norm_eps", 1e-6), where, "rms_norm_eps"),
         rope_theta=theta,
         rope_scaling=scaling,
         tie_embeddings=flag(hf.get("tie_word_embeddings"), where, "tie_word_embeddings"),
         qkv_bias=True if model_type == "qwen2" else bias,
-        output_bias=bias if model_type == "llama" else False,
+        output_bias=bias if model_type in ("llama", "qwen3", "qwen3_moe") else False,
         mlp_bias=flag(hf.get("mlp_bias"), where, "mlp_bias") if model_type == "llama" else False,
         sliding_windows=_windows(hf, where, model_type, layers),
         num_experts=experts,
@@ -198,4 +203,27 @@ def architecture_from_hf(hf: Any, *, where: str = "config.json") -> Architecture
         ),
         bos_token_id=(_ids(hf.get("bos_token_id"), where, "bos_token_id") or (None,))[0],
         eos_token_ids=_ids(hf.get("eos_token_id"), where, "eos_token_id"),
+        **(_qwen3_moe_layers(hf, where, layers) if qwen_moe else {}),
+    )
+
+
+def _qwen3_moe_layers(hf: dict[str, Any], where: str, layers: int) -> dict[str, Any]:
+    """The dense-layer and routing fields of a Qwen3-MoE config.json: dense FFNs
+    (`intermediate_size`) in `mlp_only_layers` and in the layers `decoder_sparse_step`
+    skips (experts have `moe_intermediate_size`), `norm_topk_prob`."""
+    step = integer(hf.get("decoder_sparse_step", 1), where, "decoder_sparse_step", high=layers)
+    only = hf.get("mlp_only_layers") or []
+    if not isinstance(only, list):
+        raise MalformedFileError(f"{where}: mlp_only_layers = {only!r} is not a list")
+    only_set = {integer(i, where, "mlp_only_layers", low=0, high=layers - 1) for i in only}
+    dense = tuple(i for i in range(layers) if i in only_set or (i + 1) % step)
+    ffn = 0
+    if dense:
+        ffn = integer(
+            hf.get("intermediate_size"), where, "intermediate_size", high=LIMITS["ffn_dim"]
+        )
+    return dict(
+        dense_layers=dense,
+        dense_ffn_dim=ffn,
+        normalize_top_k=flag(hf.get("norm_topk_prob"), where, "norm_topk_prob"),
     )

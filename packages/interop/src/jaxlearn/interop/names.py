@@ -11,13 +11,15 @@ shape, and `hf` / `gguf` the file tensors that hold it, each a `Name`:
 
 reads: the file tensor has shape [H*D, E] (HF `nn.Linear` [out, in]); swap the last two
 axes and reshape to the jaxlearn shape [E, H, D]. Export runs the same steps backwards.
-Shapes use the symbols of `dims` (E embed, H heads, K kv heads, D head dim, F ffn hidden,
-X experts, V vocab); `{j}` in a template is one tensor per expert, stacked on a leading
+Shapes use the symbols of `dims` (E embed, H heads, K kv heads, D head dim, F ffn hidden
+(of each expert in MoE models), G ffn hidden of the dense layers of an MoE model, X
+experts, V vocab); `{j}` in a template is one tensor per expert, stacked on a leading
 axis in jaxlearn; `permute` ("H"/"K") marks q/k rows that llama.cpp permutes per head for
 its interleaved RoPE (undone for families whose GGUF layout permutes); `part=(p, n)`
 means the file tensor holds n equal row blocks (axis -2) and this parameter is block p.
 A row may list several names for a format: export writes the first, import reads
-whichever the file holds. `when` names the architecture feature the row needs.
+whichever the file holds. `when` names the architecture feature the row needs (per layer
+for `sparse` / `dense_ffn`: the MoE and dense FFN layers of a Qwen3-MoE model).
 
 `FUSIONS` are jaxlearn-side fused parameters (configs with `fused_qkv` / `fused_gate`):
 import concatenates the unfused rows into them, export splits them back.
@@ -164,6 +166,15 @@ ATTENTION_ROWS = (
            _hf("post_attention_layernorm.weight", "E"),
            _gg("ffn_norm.weight", "E")),
 )  # fmt: skip
+# Qwen3: per-head RMSNorm scales of q and k (applied before RoPE).
+QK_NORM_ROWS = (
+    _layer("self_attention.q_norm.scale", "D",
+           _hf("self_attn.q_norm.weight", "D"),
+           _gg("attn_q_norm.weight", "D")),
+    _layer("self_attention.k_norm.scale", "D",
+           _hf("self_attn.k_norm.weight", "D"),
+           _gg("attn_k_norm.weight", "D")),
+)  # fmt: skip
 DENSE_FFN_ROWS = (
     _layer("feed_forward.wi_0", "E F", _hf("mlp.gate_proj.weight", "F E", T),
            _gg("ffn_gate.weight", "F E", T)),
@@ -203,6 +214,47 @@ MOE_FFN_ROWS = (
 )  # fmt: skip
 
 
+# Qwen3-MoE: per-expert SwiGLU tensors named like the dense MLP (hub layout, written), the
+# fused transformers-5 layout (read); llama.cpp's `qwen3moe` names are Mixtral's.
+_QWEN3_MOE_ROWS = (
+    Row(_LAYER + "feed_forward.router", "E X",
+        (_hf("mlp.gate.weight", "X E", T),),
+        (_gg("ffn_gate_inp.weight", "X E", T),), "sparse"),
+    Row(_LAYER + "feed_forward.wi_0", "X E F",
+        (_hf("mlp.experts.{j}.gate_proj.weight", "F E", T),
+         _hf("mlp.experts.gate_up_proj", "X 2*F E", T, part=(0, 2))),
+        (_gg("ffn_gate_exps.weight", "X F E", T),), "sparse"),
+    Row(_LAYER + "feed_forward.wi_1", "X E F",
+        (_hf("mlp.experts.{j}.up_proj.weight", "F E", T),
+         _hf("mlp.experts.gate_up_proj", "X 2*F E", T, part=(1, 2))),
+        (_gg("ffn_up_exps.weight", "X F E", T),), "sparse"),
+    Row(_LAYER + "feed_forward.wo", "X F E",
+        (_hf("mlp.experts.{j}.down_proj.weight", "E F", T),
+         _hf("mlp.experts.down_proj", "X E F", T)),
+        (_gg("ffn_down_exps.weight", "X E F", T),), "sparse"),
+)  # fmt: skip
+
+
+def _dense_rows_of_moe_model(rows: Sequence[Row]) -> tuple[Row, ...]:
+    """The bias-free dense FFN rows for the dense layers of an MoE model: width G, feature
+    `dense_ffn`."""
+
+    def g(name: Name) -> Name:
+        return dataclasses.replace(name, shape=name.shape.replace("F", "G"))
+
+    return tuple(
+        dataclasses.replace(
+            r, shape=r.shape.replace("F", "G"), hf=tuple(map(g, r.hf)),
+            gguf=tuple(map(g, r.gguf)), when="dense_ffn",
+        )
+        for r in rows
+        if not r.when
+    )  # fmt: skip
+
+
+QWEN3_MOE_FFN_ROWS = _QWEN3_MOE_ROWS + _dense_rows_of_moe_model(DENSE_FFN_ROWS)
+
+
 def _fusion(fused: str, parts: Sequence[str], axis: int, when: str) -> Fusion:
     return Fusion(_LAYER + fused, tuple(_LAYER + p for p in parts), axis, when)
 
@@ -225,7 +277,14 @@ FAMILIES: dict[str, Family] = {
         Family("llama", "LlamaForCausalLM", True, _DENSE),
         Family("mistral", "MistralForCausalLM", True, _DENSE),
         Family("qwen2", "Qwen2ForCausalLM", False, _DENSE),
+        Family("qwen3", "Qwen3ForCausalLM", False, _DENSE + QK_NORM_ROWS),
         Family("mixtral", "MixtralForCausalLM", True, _MOE),
+        Family(
+            "qwen3_moe",
+            "Qwen3MoeForCausalLM",
+            False,
+            TOP_ROWS + ATTENTION_ROWS + QK_NORM_ROWS + QWEN3_MOE_FFN_ROWS,
+        ),
     )
 }
 
@@ -241,6 +300,7 @@ def dims(arch: Architecture) -> dict[str, int]:
         "K": arch.num_kv_heads,
         "D": arch.head_dim,
         "F": arch.ffn_dim,
+        "G": arch.dense_ffn_dim,
         "X": arch.num_experts,
         "V": arch.vocab_size,
     }
@@ -257,13 +317,17 @@ def shape_of(spec: str, d: dict[str, int]) -> tuple[int, ...]:
     return tuple(out)
 
 
-def features(arch: Architecture) -> frozenset[str]:
-    """The `Row.when` features that `arch` has."""
+def features(arch: Architecture, layer: Optional[int] = None) -> frozenset[str]:
+    """The `Row.when` features that `arch` has (at `layer`: also `sparse` for an MoE
+    layer, `dense_ffn` for a dense layer of an MoE model)."""
+    dense = layer in arch.dense_layers
     on = {
         "untied": not arch.tie_embeddings,
         "qkv_bias": arch.qkv_bias,
         "output_bias": arch.output_bias,
         "mlp_bias": arch.mlp_bias,
+        "sparse": arch.is_moe and layer is not None and not dense,
+        "dense_ffn": arch.is_moe and dense,
     }
     return frozenset(k for k, v in on.items() if v)
 

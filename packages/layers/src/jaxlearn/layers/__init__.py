@@ -30,7 +30,7 @@ from jaxlearn.layers.lora import (
 )
 from jaxlearn.layers.norm import LayerNorm, RMSNorm
 from jaxlearn.layers.pipeline import PipelineStack, pipeline_config, use_pipeline
-from jaxlearn.layers.recipes import llama_config, mixtral_config
+from jaxlearn.layers.recipes import llama_config, mixtral_config, qwen3_config, qwen3_moe_config
 from jaxlearn.layers.rope import (
     FrequencyScaling,
     LinearFrequencyScaling,
@@ -82,4 +82,6 @@ __all__ = [
     "make_mask",
     "matmul",
     "mixtral_config",
+    "qwen3_config",
+    "qwen3_moe_config",
 ]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from jaxlearn.layers.attention import Attention
 from jaxlearn.layers.causal_lm import CausalLM
@@ -88,6 +88,46 @@ def llama_config(
     )
 
 
+def qwen3_config(
+    vocab_size: int,
+    dim: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: Optional[int],
+    ffn_dim: int,
+    *,
+    head_dim: int = 128,
+    rope_theta: float = 1e6,
+    norm_eps: float = 1e-6,
+    attention_bias: bool = False,
+    **llama_kwargs: Any,
+) -> Any:
+    """A Qwen3-style CausalLM config: `llama_config` plus a per-head RMSNorm of q and k
+    over head_dim (weights [head_dim], before RoPE, eps `norm_eps`) and an explicit
+    `head_dim` (Qwen3 uses 128 whatever dim / num_heads is). Maps to HF
+    `Qwen3ForCausalLM` (see the README's Qwen3 rows).
+
+    attention_bias: biases on q/k/v and o (HF `attention_bias`). Remaining keyword
+    arguments (rope_scaling, tie_embeddings, stack, dtype, ...) go to `llama_config`.
+    """
+    cfg = llama_config(
+        vocab_size,
+        dim,
+        num_layers,
+        num_heads,
+        num_kv_heads,
+        ffn_dim,
+        head_dim=head_dim,
+        rope_theta=rope_theta,
+        norm_eps=norm_eps,
+        attention_bias=attention_bias,
+        **llama_kwargs,
+    )
+    layer = cfg.decoder.transformer.layer
+    layer.self_attention.qk_norm = RMSNorm.default_config().set(eps=norm_eps, axis_name=None)
+    return cfg
+
+
 def mixtral_config(
     vocab_size: int,
     dim: int,
@@ -131,4 +171,57 @@ def mixtral_config(
         load_balance_loss_weight=load_balance_loss_weight,
         router_z_loss_weight=router_z_loss_weight,
     )
+    return cfg
+
+
+def qwen3_moe_config(
+    vocab_size: int,
+    dim: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: Optional[int],
+    ffn_dim: int,
+    num_experts: int,
+    num_experts_per_token: int = 8,
+    *,
+    normalize_top_k_weights: bool = True,
+    dense_layers: Sequence[int] = (),
+    dense_ffn_dim: Optional[int] = None,
+    capacity_factor: Optional[float] = None,
+    load_balance_loss_weight: float = 0.001,
+    **qwen3_kwargs: Any,
+) -> Any:
+    """A Qwen3-MoE CausalLM config: `qwen3_config` with each FFN a top-k softmax
+    `MixtureOfExperts` of `num_experts` experts of hidden size `ffn_dim`, except
+    `dense_layers` (HF `mlp_only_layers`), which keep a dense SwiGLU FFN of hidden size
+    `dense_ffn_dim` (then the stack is a `LoopStack` of per-layer configs).
+    normalize_top_k_weights: HF `norm_topk_prob`. Remaining keyword arguments go to
+    `qwen3_config`. Maps to HF `Qwen3MoeForCausalLM`."""
+    from jaxlearn.layers.moe import MixtureOfExperts  # Imported lazily (own file, own owner).
+
+    dense = sorted(set(int(i) for i in dense_layers))
+    if any(not 0 <= i < num_layers for i in dense):
+        raise ValueError(f"qwen3_moe_config: dense_layers {dense} outside [0, {num_layers})")
+    if dense and not dense_ffn_dim:
+        raise ValueError("qwen3_moe_config: dense_layers need dense_ffn_dim")
+    if dense:
+        qwen3_kwargs["stack"] = "loop"
+    cfg = qwen3_config(vocab_size, dim, num_layers, num_heads, num_kv_heads, ffn_dim,
+                       **qwen3_kwargs)  # fmt: skip
+    layer = cfg.decoder.transformer.layer
+    dense_ffn = layer.feed_forward
+    layer.feed_forward = MixtureOfExperts.default_config().set(
+        hidden_dim=ffn_dim,
+        activation=("silu", "linear"),
+        num_experts=num_experts,
+        num_experts_per_token=num_experts_per_token,
+        normalize_top_k_weights=normalize_top_k_weights,
+        capacity_factor=capacity_factor,
+        load_balance_loss_weight=load_balance_loss_weight,
+    )
+    if dense:
+        layers = [layer.clone() for _ in range(num_layers)]
+        for i in dense:
+            layers[i].feed_forward = dense_ffn.clone(hidden_dim=dense_ffn_dim)
+        cfg.decoder.transformer.layers = layers
     return cfg
