@@ -178,3 +178,19 @@ def test_bad_engine_settings_are_one_line_errors(run, capsys, argv, message):
     assert main(["serve", "--model", str(out), "--print_config", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+def test_fine_tuning_run_serves_with_the_chat_template_it_trained_on():
+    """A run whose input rendered chats (the `finetune` recipe's SFTInput, ChatML, byte
+    tokenizer) serves chat prompts rendered by that template; a plain-text run has none."""
+    from jaxlearn.cli.serve_cmd import run_tokenizer
+    from jaxlearn.text.chat import ChatTemplate
+
+    cfg = final_config("finetune", "cpu-8", [])
+    tokenizer = run_tokenizer(cfg)
+    messages = [{"role": "user", "content": "Where is the Glowpine's switch?"}]
+    want = ChatTemplate(cfg.input.chat_template).render(messages, add_generation_prompt=True)
+    assert tokenizer.apply_chat_template(messages) == tokenizer.encode(want)
+    assert tokenizer.decode(tokenizer.apply_chat_template(messages)).endswith(
+        "<|im_start|>assistant\n")
+    assert run_tokenizer(final_config("tiny-llama", "cpu-8", [])).chat_template is None
