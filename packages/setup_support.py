@@ -72,6 +72,6 @@ def install_requires(project_dir: pathlib.Path,
 
 def setup(project_dir: pathlib.Path) -> None:
     """setuptools.setup for the project in project_dir (metadata from its pyproject.toml)."""
-    import setuptools
+    import setuptools  # type: ignore[import-untyped]  # no stubs in the lockfile
 
     setuptools.setup(install_requires=install_requires(project_dir))
