@@ -2,9 +2,12 @@
 
 The Slurm job is the generated sbatch script, submitted to a fake `sbatch` that runs it with
 a fake `srun`, which starts the tasks on this machine with Slurm's real variables (`launch
-local --emulate slurm`). The Kubernetes job is the generated JobSet manifest, whose pods a
-fake kubelet starts with the manifest's command and env (annotations resolved as the
-downward API does, JOB_COMPLETION_INDEX as Kubernetes sets it). Both are 2 processes x 4 CPU
+local --emulate slurm`); and, where `sbatch`/`srun` exist and a cluster of 2 or more nodes
+answers `sinfo` (e.g. Debian's slurm-wlm with two slurmd on this host; SLURM_CONF set), the
+same script submitted unmodified to that real Slurm (skipped, with the reason, otherwise).
+The Kubernetes job is the generated JobSet manifest, whose pods a fake kubelet starts with
+the manifest's command and env (annotations resolved as the downward API does,
+JOB_COMPLETION_INDEX as Kubernetes sets it). Both are 2 processes x 4 CPU
 devices training tiny-llama; their losses must equal one process with 8 devices, and their
 checkpoints must resume across process counts (2 -> 1 and 1 -> 2).
 
@@ -24,6 +27,7 @@ import time
 from pathlib import Path
 
 import pytest
+from jobset_schema import check_jobset
 from yaml_subset import check_yaml
 
 from jaxlearn.cli.main import main
@@ -56,6 +60,16 @@ def _losses(out_dir):
 def _assert_same_losses(got, want, steps):
     for s in steps:
         assert got[s] == pytest.approx(want[s], rel=1e-5, abs=1e-6), (s, got, want)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fit_cache(tmp_path_factory):
+    """The launch fit check's cache, fresh for this module (its figures are computed once
+    per config here, then read back)."""
+    with pytest.MonkeyPatch.context() as mp:
+        path = tmp_path_factory.mktemp("fit-cache")
+        mp.setenv("JAXLEARN_FIT_CACHE", str(path))
+        yield path
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +109,14 @@ open(script + ".rc", "w").write(str(rc))
 print("Submitted batch job 4242")
 """
 
+FAKE_SCONTROL = """#!/bin/sh
+# Fake scontrol: this machine is the allocation's only node.
+case "$2" in
+  hostnames) echo localhost ;;
+  node) echo "NodeName=localhost Arch=x86_64 NodeAddr=127.0.0.1 NodeHostName=localhost" ;;
+esac
+"""
+
 FAKE_SRUN = """#!{python}
 # Fake srun: one step of SLURM_NNODES x ntasks-per-node tasks, all on this machine, each
 # with the variables slurmstepd would give it; --kill-on-bad-exit as launch local does.
@@ -112,26 +134,28 @@ os.execv(sys.executable, [sys.executable, "-m", "jaxlearn.cli", "launch", "local
 
 
 @pytest.fixture(scope="module")
-def fake_slurm(tmp_path_factory, env_for_children):
+def fake_slurm(tmp_path_factory):
+    """A directory with the fake sbatch, srun and scontrol (put on PATH only while used)."""
     bin_dir = tmp_path_factory.mktemp("slurm-bin")
-    for name, text in (("sbatch", FAKE_SBATCH), ("srun", FAKE_SRUN)):
+    for name, text in (("sbatch", FAKE_SBATCH), ("srun", FAKE_SRUN),
+                       ("scontrol", FAKE_SCONTROL)):
         path = bin_dir / name
-        path.write_text(text.format(python=sys.executable))
+        path.write_text(text.format(python=sys.executable) if "{python}" in text else text)
         path.chmod(0o755)
-    env_for_children.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     return bin_dir
 
 
 @pytest.fixture(scope="module")
-def slurm_run(tmp_path_factory, fake_slurm, reference):
+def slurm_run(tmp_path_factory, fake_slurm, env_for_children, reference):
     """`jaxlearn launch slurm --nodes 2 --submit` of the first 2 of the 4 steps."""
     work = tmp_path_factory.mktemp("slurm")
     out, script = str(work / "run"), str(work / "job.sbatch")
     t0 = time.monotonic()
-    rc = main(["launch", "slurm", "--nodes", "2", "--no_exclusive", "--entrypoint", ENTRYPOINT,
-               "--initialization_timeout", "90", "--heartbeat_timeout", "90",
-               "--script", script, "--submit", "--",
-               "train", *COMMON, "--output_dir", out, "--max_step", "2"])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PATH", f"{fake_slurm}{os.pathsep}{os.environ['PATH']}")
+        rc = main(["launch", "slurm", "--nodes", "2", "--no_exclusive", "--entrypoint",
+                   ENTRYPOINT, *TIMEOUTS, "--script", script, "--submit", "--",
+                   "train", *COMMON, "--output_dir", out, "--max_step", "2"])
     seconds = time.monotonic() - t0
     log = Path(script + ".out").read_text() if os.path.exists(script + ".out") else ""
     assert rc == 0 and Path(script + ".rc").read_text() == "0", log[-4000:]
@@ -169,6 +193,103 @@ def test_two_process_checkpoint_resumes_in_one_process(slurm_run, reference, tmp
     shutil.copytree(slurm_run["out"], out)
     assert main(["train", *COMMON, "--output_dir", out, "--max_step", "4"]) == 0
     _assert_same_losses(_losses(out), reference, [3, 4])
+
+
+# ---- a real Slurm: the generated script, unmodified, under sbatch/srun ----------------------
+
+CHECKOUT = Path(__file__).resolve().parents[3]
+
+
+def _real_slurm_missing():
+    """Why no real Slurm can run the job here (None: one can)."""
+    for tool in ("sbatch", "srun", "sinfo", "scontrol"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not on PATH (no Slurm client tools)"
+    try:
+        done = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True,
+                              text=True, timeout=20)
+    except subprocess.TimeoutExpired:
+        return "sinfo did not answer within 20s"
+    if done.returncode:
+        return f"no Slurm cluster answers sinfo: {done.stderr.strip()[-200:]} (is SLURM_CONF set?)"
+    usable = {line.split()[0] for line in done.stdout.splitlines()
+              if re.match(r"\S+ (idle|mixed|allocated|completing)", line)}
+    if len(usable) < 2:
+        return f"the Slurm cluster has {len(usable)} usable node(s), the job needs 2"
+    return None
+
+
+@pytest.fixture(scope="module")
+def real_slurm_run(tmp_path_factory, env_for_children, reference):
+    """`jaxlearn launch slurm --nodes 2 --submit --wait` of the first 2 of the 4 steps on a
+    real Slurm, with the default entrypoint and log; the work directory (this host's
+    tmp) must be visible to the nodes, as it is for slurmd daemons on this host."""
+    missing = _real_slurm_missing()
+    if missing:
+        pytest.skip(f"no real Slurm: {missing}")
+    work = tmp_path_factory.mktemp("real-slurm")
+    out, script = str(work / "run"), str(work / "job.sbatch")
+    t0 = time.monotonic()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(work)  # The log's default place: the directory sbatch runs in.
+        mp.delenv("JAXLEARN_ENTRYPOINT", raising=False)
+        rc = main(["launch", "slurm", "--nodes", "2", "--no_exclusive", "--time", "20:00",
+                   *TIMEOUTS, "--script", script, "--submit", "--wait", "--",
+                   "train", *COMMON, "--output_dir", out, "--max_step", "2"])
+    seconds = time.monotonic() - t0
+    logs = sorted(work.glob("slurm-jaxlearn-tiny-llama-*.out"))
+    log = logs[0].read_text() if logs else ""
+    assert rc == 0 and len(logs) == 1, (rc, logs, log[-4000:])
+    print(f"real Slurm job (2 nodes x 4 devices, 2 steps): {seconds:.1f}s")
+    job_id = int(re.search(r"-(\d+)\.out$", logs[0].name).group(1))
+    return {"out": out, "log": log, "script": Path(script).read_text(), "job_id": job_id}
+
+
+def test_real_slurm_runs_the_generated_script(real_slurm_run, reference):
+    script, log = real_slurm_run["script"], real_slurm_run["log"]
+    srun = shlex.split(script[script.index("\nsrun "):].replace("\\\n", " "))
+    assert srun[:2] == ["srun", "--label"]
+    assert srun[4] == str(CHECKOUT / "tools" / "jaxlearn")  # The jaxlearn the test runs.
+    # Every line labelled with its rank; both ranks name the same coordinator, at the port
+    # derived from the job id.
+    joined = re.findall(r"^(\d+): jaxlearn: process (\d+) of 2 joined \(slurm, coordinator "
+                        r"(\S+):(\d+)[,)]", log, re.M)
+    assert sorted((r, p) for r, p, _, _ in joined) == [("0", "0"), ("1", "1")], log[-4000:]
+    assert len({(h, p) for _, _, h, p in joined}) == 1
+    assert int(joined[0][3]) == real_slurm_run["job_id"] % 4096 + 61440
+    for i in (0, 1):
+        assert f"\n{i}: jaxlearn: training tiny-llama on 8 device(s)" in log
+    losses = _losses(real_slurm_run["out"])
+    assert sorted(losses) == [1, 2]
+    _assert_same_losses(losses, reference, [1, 2])
+    step = Path(real_slurm_run["out"]) / "checkpoints" / "step_00000002" / "state"
+    assert (step / "ocdbt.process_0").is_dir() and (step / "ocdbt.process_1").is_dir()
+
+
+def test_real_slurm_checkpoint_resumes_in_one_process(real_slurm_run, reference, tmp_path):
+    out = str(tmp_path / "resumed")
+    shutil.copytree(real_slurm_run["out"], out)
+    assert main(["train", *COMMON, "--output_dir", out, "--max_step", "4"]) == 0
+    _assert_same_losses(_losses(out), reference, [3, 4])
+
+
+def test_tools_jaxlearn_first_use_creates_the_venv_once(tmp_path):
+    """Two nodes' first uses of the checkout's tools/jaxlearn at once, on a shared home:
+    one creates the venv (under the lock), the other waits and then uses it."""
+    reqs = tmp_path / "requirements.txt"
+    reqs.write_text("# nothing to install: the venv itself is what is created\n")
+    venv = tmp_path / "shared-home" / "venv"
+    env = dict(os.environ, JAXLEARN_VENV=str(venv), JAXLEARN_REQUIREMENTS=str(reqs))
+    argv = [str(CHECKOUT / "tools" / "jaxlearn"), "python", "-c",
+            "import sys; print(sys.prefix)"]
+    procs = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    results = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], results
+    assert [out.strip() for out, _ in results] == [str(venv)] * 2
+    created = sum(err.count("first run: creating") for _, err in results)
+    assert created == 1, results
+    assert (venv / ".ok").is_file()
 
 
 # ---- Kubernetes: generated JobSet -> fake kubelet -> 2 pods ---------------------------------
@@ -236,7 +357,7 @@ def k8s_run(tmp_path_factory, env_for_children, reference):
                  "--num_processes", "2", "--entrypoint", ENTRYPOINT, *TIMEOUTS,
                  "--output", manifest_path, "--", "train", *COMMON, "--output_dir", out,
                  "--max_step", "4"]) == 0
-    manifest = check_yaml(Path(manifest_path).read_text())
+    manifest = check_jobset(check_yaml(Path(manifest_path).read_text()))
     t0 = time.monotonic()
     codes, logs = _run_pods(manifest, f"127.0.0.1:{free_port()}")
     seconds = time.monotonic() - t0
@@ -275,14 +396,15 @@ def test_sbatch_script_for_a_gpu_cluster(capsys, tmp_path):
         "--setup", "source /opt/venv/bin/activate", "--initialization_timeout", "600")
     assert options == {"job-name": "jaxlearn-tiny-llama", "nodes": "4", "ntasks-per-node": "1",
                        "gpus-per-node": "8", "partition": "a3", "time": "2:00:00",
-                       "exclusive": ""}
+                       "output": "slurm-%x-%j.out", "exclusive": ""}
     assert "\nsource /opt/venv/bin/activate\n" in script
     assert "\nexport NCCL_DEBUG=WARN\n" in script
     assert "\nexport JAXLEARN_INITIALIZATION_TIMEOUT=600\n" in script
-    assert srun[:3] == ["srun", "--kill-on-bad-exit=1", "--ntasks-per-node=1"]
-    assert srun[3:] == ["python3", "-m", "jaxlearn.cli", "train", "--experiment", "tiny-llama",
-                        "--mesh_selector", "gpu-h100-8x4", "--output_dir", "/shared/runs/x",
-                        "--set", "max_step=100"]
+    assert srun[:4] == ["srun", "--label", "--kill-on-bad-exit=1", "--ntasks-per-node=1"]
+    # The jaxlearn this test runs (the checkout's), by absolute path.
+    assert srun[4:] == [str(CHECKOUT / "tools" / "jaxlearn"), "train", "--experiment",
+                        "tiny-llama", "--mesh_selector", "gpu-h100-8x4", "--output_dir",
+                        "/shared/runs/x", "--set", "max_step=100"]
     path = tmp_path / "job.sbatch"
     path.write_text(script)
     assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
@@ -309,6 +431,13 @@ def test_sbatch_submit(capsys, tmp_path, monkeypatch):
     assert "Submitted batch job 99" in capsys.readouterr().out
     assert record.read_text().strip() == "exp1.sbatch"
     assert "#SBATCH --nodes=2" in (tmp_path / "exp1.sbatch").read_text()
+    # --log's directory exists before sbatch runs (sbatch does not create it); --wait.
+    assert main(["launch", "slurm", "--submit", "--wait", "--name", "exp2", "--log",
+                 "logs/a/%x-%j.out", "--", "train", "--experiment", "tiny-llama",
+                 "--mesh_selector", "gpu-h100-8x2", "--output_dir", "o"]) == 0
+    assert (tmp_path / "logs" / "a").is_dir()
+    assert record.read_text().strip() == "--wait exp2.sbatch"
+    assert "#SBATCH --output=logs/a/%x-%j.out" in (tmp_path / "exp2.sbatch").read_text()
     monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
     assert main(["launch", "slurm", "--submit", "--", "train", "--experiment", "tiny-llama",
                  "--mesh_selector", "gpu-h100-8x2", "--output_dir", "o"]) == 2
@@ -321,7 +450,7 @@ def _manifest(capsys, *launch_args, selector):
                selector, "--output_dir", "/gcs/runs/x"])
     captured = capsys.readouterr()
     assert rc == 0, captured.err
-    return check_yaml(captured.out)
+    return check_jobset(check_yaml(captured.out))
 
 
 def test_jobset_manifest_for_a_tpu_slice(capsys):
@@ -371,6 +500,32 @@ def test_jobset_manifest_for_a_gpu_node_pool(capsys):
     assert "annotations" not in m["metadata"]
 
 
+def test_readme_k8s_example_runs_as_written(tmp_path):
+    """The top-level README's `launch k8s` line, word for word (plus --output)."""
+    line = next(line for line in (CHECKOUT / "README.md").read_text().splitlines()
+                if line.startswith("tools/jaxlearn launch k8s"))
+    argv = shlex.split(line.split("#")[0])[1:]
+    out = tmp_path / "jobset.yaml"
+    assert main([*argv[:2], "--output", str(out), *argv[2:]]) == 0
+    m = check_jobset(check_yaml(out.read_text()))
+    _, job, pod = _pods(m)
+    assert job["parallelism"] == 32  # tpu-v5p-256: 128 chips, 4 per host.
+    assert pod["containers"][0]["command"][-2:] == ["--output_dir", "gs://..."]
+    assert m["spec"]["failurePolicy"]["maxRestarts"] == 3
+
+
+def test_jobset_mounts_shared_storage(capsys):
+    m = _manifest(capsys, "--pvc", "runs:/runs", "--volume",
+                  "gcsfuse.csi.storage.gke.io:/gcs:bucketName=b,mountOptions=implicit-dirs",
+                  selector="gpu-h100-8x2")
+    _, _, pod = _pods(m)
+    assert pod["volumes"][:2] == [
+        {"name": "shared-0", "persistentVolumeClaim": {"claimName": "runs"}},
+        {"name": "shared-1", "csi": {"driver": "gcsfuse.csi.storage.gke.io", "volumeAttributes":
+                                     {"bucketName": "b", "mountOptions": "implicit-dirs"}}}]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in pod["containers"][0]["volumeMounts"]
+
+
 @pytest.mark.parametrize("argv,message", [
     (["slurm", "--", "train", "--experiment", "tiny-llama", "--output_dir", "o"],
      "needs the target's --mesh_selector"),
@@ -383,12 +538,71 @@ def test_jobset_manifest_for_a_gpu_node_pool(capsys):
     (["k8s", "--image", "i", "--name", "x" * 41, "--", "train", "--experiment", "tiny-llama",
       "--mesh_selector", "cpu-8", "--output_dir", "o"], "1-40 characters"),
     (["k8s", "--image", "i", "--", "serve"], "runs `train`"),
+    (["k8s", "--image", "i", "--pvc", "runs", "--", "train", "--experiment", "tiny-llama",
+      "--mesh_selector", "cpu-8", "--output_dir", "o"], "expected CLAIM:MOUNT"),
+    (["k8s", "--image", "i", "--volume", "gcsfuse.csi.storage.gke.io:/gcs:bucketName", "--",
+      "train", "--experiment", "tiny-llama", "--mesh_selector", "cpu-8", "--output_dir", "o"],
+     "expected KEY=VALUE"),
     (["local", "--num_processes", "2"], "give the command after --"),
 ])
 def test_launch_usage_errors_are_one_line(capsys, argv, message):
     assert main(["launch", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("jaxlearn: error:") and message in err[0], err
+
+
+# ---- does the recipe fit its target? --------------------------------------------------------
+
+
+def test_launch_checks_that_a_tiny_recipe_fits(capsys, fit_cache):
+    assert main(["launch", "k8s", "--image", "i", "--", "train", "--experiment", "tiny-llama",
+                 "--mesh_selector", "cpu-8", "--output_dir", "o"]) == 0
+    err = capsys.readouterr().err
+    m = re.search(r"tiny-llama on cpu-8 fits: at least (\S+) (\S+) per device \(state .*"
+                  r"gradients .*activations kept for the backward pass .*\) of 15.20 GiB "
+                  r"usable \(0.95 x 16.00 GiB HBM\)", err)
+    assert m and m.group(2) in ("KiB", "MiB"), err
+    assert len(list(fit_cache.glob("*.json"))) >= 1
+
+
+def test_launch_aot_check_uses_the_compiled_step(capsys):
+    """--aot_check: `jaxlearn aot`'s compiled requirement instead of the floor."""
+    assert main(["launch", "k8s", "--image", "i", "--aot_check", "--", "train", "--experiment",
+                 "tiny-llama", "--mesh_selector", "cpu-8", "--output_dir", "o"]) == 0
+    err = capsys.readouterr().err
+    assert re.search(r"tiny-llama on cpu-8 fits: the compiled step needs \S+ \S+ per device "
+                     r"\(temporaries .*, arguments .*\) of 15.20 GiB usable", err), err
+
+
+def test_launch_refuses_a_recipe_that_does_not_fit(capsys, tmp_path):
+    """llama2-7b at global batch 1024 x 4096 tokens over 32 H100s: 32 sequences per GPU
+    keep more activations than any HBM holds; refused in one line, --force warns and
+    writes, --no_fit_check does not look."""
+    train = ["--", "train", "--experiment", "llama2-7b", "--mesh_selector", "gpu-h100-8x4",
+             "--output_dir", "/shared/runs/7b"]
+    script = tmp_path / "job.sbatch"
+    t0 = time.monotonic()
+    assert main(["launch", "slurm", "--script", str(script), *train]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("jaxlearn: error: llama2-7b on gpu-h100-8x4 "
+                                                "does not fit: at least "), err
+    required = float(re.search(r"at least ([\d.]+) GiB per device", err[0]).group(1))
+    assert required > 300 and "of 76.00 GiB usable (0.95 x 80.00 GiB HBM)" in err[0]
+    assert "--force" in err[0] and "jaxlearn plan" in err[0] and not script.exists()
+    print(f"fit check of llama2-7b@gpu-h100-8x4: {time.monotonic() - t0:.1f}s")
+    t0 = time.monotonic()
+    assert main(["launch", "slurm", "--force", "--script", str(script), *train]) == 0
+    assert time.monotonic() - t0 < 20  # Cached.
+    err = capsys.readouterr().err
+    assert "WARNING (--force): llama2-7b on gpu-h100-8x4 does not fit" in err
+    assert script.is_file()
+    assert main(["launch", "slurm", "--no_fit_check", *train]) == 0
+    assert "fit" not in capsys.readouterr().err
+    # The same recipe with 1 sequence per GPU and no saved matmul outputs: under the floor.
+    assert main(["launch", "slurm", "--script", str(script), *train,
+                 "--set", "input.global_batch_size=32", "--set",
+                 "model.decoder.transformer.layer.remat_spec.policy=nothing_saveable"]) == 0
+    assert "llama2-7b on gpu-h100-8x4 fits: at least" in capsys.readouterr().err
 
 
 # ---- failures -------------------------------------------------------------------------------

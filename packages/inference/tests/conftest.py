@@ -15,6 +15,34 @@ settings.register_profile("jaxlearn", deadline=None, max_examples=20, derandomiz
 settings.load_profile("jaxlearn")
 
 
+# ---- HTTP helpers ----------------------------------------------------------------------
+
+import http.client  # noqa: E402
+import json  # noqa: E402
+
+
+def call(srv, method, path, body=None, *, raw=None, headers=None, timeout=120):
+    host, port = srv.address
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    conn.request(method, path, body=data, headers={"Content-Type": "application/json",
+                                                    **(headers or {})})
+    resp = conn.getresponse()
+    out = resp.read()
+    conn.close()
+    return resp.status, out, resp
+
+
+def sse_events(payload: bytes) -> list:
+    events = []
+    for block in payload.decode().split("\n\n"):
+        if block.startswith("data: "):
+            data = block[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+
 # ---- shared tiny models (vocab 64, dim 32, 2 layers) -----------------------------------
 
 import numpy as np  # noqa: E402

@@ -44,7 +44,7 @@ def test_chunked_batched_prefill_into_pages_equals_full_prefill(engine, cfg, par
             bucket=16,
             sampling={k: v * len(rows) for k, v in greedy.items()},
         )
-        for i, c, t in zip(rows, chunks, out):
+        for i, c, t in zip(rows, chunks, out["tok"]):
             starts[i] += len(c)
             toks[i] = int(t)
     model, params = engine.model, engine.runner.params

@@ -166,7 +166,7 @@ def test_repetition_penalty_hf_rule():
 @pytest.mark.parametrize(
     "field,value",
     [("temperature", -0.1), ("temperature", float("nan")), ("temperature", 1e9),
-     ("top_p", 0.0), ("top_p", 1.5), ("repetition_penalty", 0.0), ("max_new_tokens", 0),
+     ("top_p", 0.0), ("top_p", 1.5), ("repetition_penalty", 0.0), ("max_new_tokens", -1),
      ("max_new_tokens", 1.5), ("top_k", 2.0), ("seed", "x"), ("temperature", True),
      ("stop", ("",))],
 )
@@ -199,3 +199,36 @@ def test_argmax_and_draws_equal_jax_reference(seed, levels):
     noise = jax.vmap(lambda k: jax.random.gumbel(k, (50,), jnp.float32))(keys)
     want = jax.vmap(jax.random.categorical)(keys, logits)
     np.testing.assert_array_equal(argmax(logits + noise), want)
+
+
+def test_presence_frequency_and_bias_match_openai_formula():
+    from jaxlearn.inference.penalties import apply_penalties, pack
+
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(3, 10)).astype(np.float32)
+    counts = rng.integers(0, 3, size=(3, 10)).astype(np.int32)
+    params = [SamplingParams(presence_penalty=0.5, frequency_penalty=-0.25,
+                             logit_bias=((1, 3.0), (7, -100.0))),
+              SamplingParams(),
+              SamplingParams(frequency_penalty=2.0)]
+    pen = pack(params, 4, vocab=10)
+    assert pen is not None and pen["bias_ids"].shape == (4, 8)
+    got = np.asarray(apply_penalties(jnp.asarray(logits), jnp.asarray(counts),
+                                     {k: jnp.asarray(v[:3]) for k, v in pen.items()}))
+    want = logits.copy()
+    for b, p in enumerate(params):
+        want[b] -= p.frequency_penalty * counts[b] + p.presence_penalty * (counts[b] > 0)
+        for t, v in p.logit_bias:
+            want[b, t] += v
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert pack([SamplingParams(), SamplingParams(repetition_penalty=1.2)], 2, 10) is None
+
+
+@pytest.mark.parametrize("field,value", [
+    ("presence_penalty", 2.5), ("frequency_penalty", float("nan")),
+    ("logit_bias", ((1, 101.0),)), ("logit_bias", ((-1, 1.0),)), ("logit_bias", ((1,),)),
+    ("logprobs", 21), ("logprobs", True), ("prompt_logprobs", -1),
+])
+def test_invalid_penalty_and_logprob_params(field, value):
+    with pytest.raises(RequestError, match=field):
+        SamplingParams(**{field: value})

@@ -1,7 +1,6 @@
 """HTTP server: OpenAI endpoints, SSE streaming, concurrent clients, disconnect frees the
 slot, 429 under overload, and a hypothesis fuzz over request bodies with zero 5xx."""
 
-import http.client
 import json
 import socket
 import threading
@@ -9,7 +8,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import ALPHABET
+from conftest import ALPHABET, call, sse_events
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -21,27 +20,6 @@ def server(engine):
     srv = InferenceServer(engine, port=0).start()
     yield srv
     srv.shutdown()
-
-
-def call(srv, method, path, body=None, *, raw=None, headers=None, timeout=120):
-    host, port = srv.address
-    conn = http.client.HTTPConnection(host, port, timeout=timeout)
-    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-    conn.request(method, path, body=data, headers={"Content-Type": "application/json",
-                                                    **(headers or {})})
-    resp = conn.getresponse()
-    out = resp.read()
-    conn.close()
-    return resp.status, out, resp
-
-
-def sse_events(payload: bytes) -> list:
-    events = []
-    for block in payload.decode().split("\n\n"):
-        if block.startswith("data: "):
-            data = block[len("data: "):]
-            events.append(data if data == "[DONE]" else json.loads(data))
-    return events
 
 
 def wait_until(cond, timeout=30.0):
@@ -185,11 +163,29 @@ def test_overload_gets_429(server, engine):
     ({"prompt": "a", "temperature": 1e308}, "temperature"),
     ({"prompt": "a", "top_p": 0}, "top_p"),
     ({"prompt": "a", "top_k": 10**9}, "top_k"),
-    ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "a", "max_tokens": -1}, "max_tokens"),
     ({"prompt": "a", "max_tokens": 64}, "max_tokens"),
     ({"prompt": "a" * 80}, "prompt"),
     ({"prompt": [3, 4, 999]}, "prompt"),
-    ({"prompt": "a", "n": 2}, "n"),
+    ({"prompt": "a", "n": 0}, "n"),
+    ({"prompt": "a", "n": 17}, "n"),
+    ({"prompt": "a", "n": 2, "best_of": 1}, "best_of"),
+    ({"prompt": "a", "best_of": 3, "stream": True}, "best_of"),
+    ({"prompt": "a", "logprobs": 21}, "logprobs"),
+    ({"prompt": "a", "logprobs": True}, "logprobs"),
+    ({"prompt": "a", "echo": "yes"}, "echo"),
+    ({"prompt": "a", "logit_bias": {"64": 1}}, "logit_bias"),
+    ({"prompt": "a", "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"prompt": "a", "logit_bias": {"x": 1}}, "logit_bias"),
+    ({"prompt": "a", "logit_bias": [1]}, "logit_bias"),
+    ({"prompt": "a", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"prompt": "a", "frequency_penalty": -3}, "frequency_penalty"),
+    ({"prompt": "a", "suffix": "z"}, "suffix"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [[]]}, "prompt"),
+    ({"prompt": [3, "a"]}, "prompt"),
+    ({"prompt": ["a", "b" * 80]}, "prompt"),
+    ({"prompt": ["a"] * 65}, "prompt"),
     ({"prompt": "a", "stop": [""]}, "stop"),
     ({"prompt": "a", "frobnicate": 1}, "frobnicate"),
     ({"prompt": "a", "stream": "yes"}, "stream"),
@@ -197,6 +193,25 @@ def test_overload_gets_429(server, engine):
 ])
 def test_bad_requests_are_400(server, body, param):
     status, out, _ = call(server, "POST", "/v1/completions", body)
+    assert status == 400, out
+    err = json.loads(out)["error"]
+    assert err["param"] == param and err["message"]
+
+
+_HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": _HI, "echo": True}, "echo"),
+    ({"messages": _HI, "logprobs": 2}, "logprobs"),
+    ({"messages": _HI, "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": _HI, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"messages": _HI, "max_tokens": 0}, "max_tokens"),
+    ({"messages": _HI, "max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"messages": _HI, "prompt": "a"}, "prompt"),
+])
+def test_bad_chat_requests_are_400(server, body, param):
+    status, out, _ = call(server, "POST", "/v1/chat/completions", body)
     assert status == 400, out
     err = json.loads(out)["error"]
     assert err["param"] == param and err["message"]
@@ -233,7 +248,10 @@ _scalars = st.one_of(
 _values = st.recursive(_scalars, lambda c: st.one_of(
     st.lists(c, max_size=4), st.dictionaries(st.text(max_size=8), c, max_size=4)), max_leaves=8)
 _good = {
-    "prompt": st.one_of(st.text(max_size=30), st.lists(st.integers(-2, 70), max_size=8)),
+    "prompt": st.one_of(st.text(max_size=30), st.lists(st.integers(-2, 70), max_size=8),
+                        st.lists(st.one_of(st.text(max_size=8),
+                                           st.lists(st.integers(-2, 70), max_size=4)),
+                                 max_size=3)),
     "messages": st.lists(st.fixed_dictionaries(
         {"role": st.sampled_from(["user", "system", "assistant", "bot"]),
          "content": st.one_of(st.text(max_size=20), _values)}), max_size=3),
@@ -245,7 +263,18 @@ _good = {
     "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=3), _values),
     "stream": st.one_of(st.booleans(), _values),
     "repetition_penalty": st.one_of(st.floats(-1, 12), _values),
-    "n": _values, "logprobs": _values, "stop_token_ids": _values, "ignore_eos": _values,
+    "n": st.one_of(st.integers(-1, 3), _values), "best_of": st.one_of(st.integers(0, 4), _values),
+    "logprobs": st.one_of(st.integers(-1, 22), st.booleans(), _values),
+    "top_logprobs": st.one_of(st.integers(-1, 22), _values),
+    "echo": st.one_of(st.booleans(), _values),
+    "logit_bias": st.one_of(st.dictionaries(st.integers(-1, 70).map(str),
+                                            st.floats(-120, 120), max_size=3), _values),
+    "presence_penalty": st.one_of(st.floats(-3, 3), _values),
+    "frequency_penalty": st.one_of(st.floats(-3, 3), _values),
+    "stream_options": st.one_of(st.fixed_dictionaries({"include_usage": st.booleans()}),
+                                _values),
+    "max_completion_tokens": st.one_of(st.integers(-1, 70), _values),
+    "stop_token_ids": _values, "ignore_eos": _values,
     "model": st.one_of(st.just("tiny"), _values),
 }
 _bodies = st.one_of(

@@ -280,12 +280,13 @@ def _tiny_tokenizer():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
+    # At most 96 ids (the qwen2 fixture's vocab): the alphabet is the corpus' characters.
     trainer = trainers.BpeTrainer(
-        vocab_size=300,
+        vocab_size=96,
         special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tok.train_from_iterator(["hello world, user assistant system"] * 20, trainer)
+    corpus = ["hello world, user assistant system\nYou are a helpful assistant."] * 20
+    tok.train_from_iterator(corpus, trainer)
     return tok
 
 

@@ -94,8 +94,10 @@ def train(loss_fn: Any, params: Any, steps: int = 4) -> tuple[list[Any], list[An
 
 
 def assert_trees_close(a: Any, b: Any) -> None:
+    # atol covers float32 reassociation in small gradient entries (seen: 1.4e-7 on 1.8e-3,
+    # depending on how XLA:CPU splits the matmuls); entries ~0.1 are held to rtol 2e-6.
     assert tree_paths(a) == tree_paths(b)
-    jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, rtol=2e-6, atol=1e-7), a, b)
+    jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, rtol=2e-6, atol=1e-6), a, b)
 
 
 def test_module_model_matches_pure_jax_reference() -> None:

@@ -1,12 +1,15 @@
 """A toy training run as a child process, for the fault-injection tests and the report.
 
     python resilience_child.py OUTPUT_DIR [--set path=value ...] [--elastic]
+                               [--distributed PORT PROCESS_ID NUM_PROCESSES]
 
 Trains the toy bigram model (toy.py) with checkpoints, eval and the resilience hooks,
 resuming from OUTPUT_DIR; faults come from `--set resilience.faults=SPEC`, `--elastic`
 sets `resilience.elastic`; the device count from
-JAX_NUM_CPU_DEVICES (default 8). Writes OUTPUT_DIR/final_params.npz at the end and exits
-with the status `jaxlearn train` would use (failures.py).
+JAX_NUM_CPU_DEVICES (default 8; per process with `--distributed`, which joins a
+jax.distributed job on 127.0.0.1:PORT with gloo CPU collectives). Writes
+OUTPUT_DIR/final_params.npz at the end (process 0) and exits with the status `jaxlearn
+train` would use (failures.py).
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("output_dir")
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--elastic", action="store_true")
+    parser.add_argument("--distributed", nargs=3, type=int, default=None,
+                        metavar=("PORT", "PROCESS_ID", "NUM_PROCESSES"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s: %(message)s")
@@ -64,11 +69,17 @@ def main(argv: Sequence[str]) -> int:
     jax.config.update("jax_compilation_cache_dir",
                       os.environ.get("JAXLEARN_COMPILATION_CACHE") or "/tmp/jaxlearn-jax-cache")
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    if args.distributed:
+        port, process_id, num_processes = args.distributed
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}",
+                                   num_processes=num_processes, process_id=process_id,
+                                   initialization_timeout=120, heartbeat_timeout_seconds=60)
     import numpy as np
 
     from jaxlearn.checkpoint import CheckpointStructureError
     from jaxlearn.resilience.elastic import adapt_to_devices
-    from jaxlearn.resilience.failures import EXIT_USAGE, ResilienceError
+    from jaxlearn.resilience.failures import EXIT_USAGE, Preempted, ResilienceError
     from jaxlearn.resilience.manager import CheckpointSaveFailed
 
     cfg = child_config(args.output_dir,
@@ -82,6 +93,9 @@ def main(argv: Sequence[str]) -> int:
           flush=True)
     try:
         trainer.run()
+    except Preempted as e:
+        print(f"child: stopped: {e}", file=sys.stderr)
+        return e.exit_code
     except ResilienceError as e:
         print(f"child: error: {e}", file=sys.stderr)
         return e.exit_code
@@ -92,6 +106,8 @@ def main(argv: Sequence[str]) -> int:
         print(f"child: error: {e}", file=sys.stderr)
         return 1
     state = trainer.final_state
+    if jax.process_index() != 0:
+        return 0
     np.savez(os.path.join(args.output_dir, "final_params.npz"),
              **flat_params({"params": state["params"], "opt_state": state["opt_state"]}))
     return 0

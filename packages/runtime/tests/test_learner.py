@@ -94,3 +94,42 @@ def test_bad_settings_raise():
 def test_ema_update():
     ema, p = {"a": jnp.zeros(3)}, {"a": jnp.ones(3)}
     np.testing.assert_allclose(ema_update(ema, p, 0.9)["a"], 0.1 * np.ones(3), rtol=1e-6)
+
+
+def _nbytes(tree):
+    return sum(x.nbytes for x in jax.tree.leaves(tree))
+
+
+def test_trainable_subset_has_no_state_for_the_rest():
+    """Only `w` trains: it moves exactly as clipped AdamW on `w` alone would (clipping sees
+    only its gradient), `norm` stays bit-identical, and the optimizer state holds Adam's
+    two moments of `w` plus scalar step counts, nothing for `norm`."""
+    learner = _learner(schedule="constant", max_grad_norm=0.1, weight_decay=0.1,
+                       trainable=r"w")
+    tx = learner.optimizer(SPECS)
+    params = _params()
+    state = tx.init(params)
+    vectors = [x for x in jax.tree.leaves(state) if x.ndim > 0]
+    scalars = [x for x in jax.tree.leaves(state) if x.ndim == 0]
+    assert _nbytes(vectors) == 2 * params["w"].nbytes
+    assert _nbytes(state) == 2 * params["w"].nbytes + _nbytes(scalars)
+    assert len(scalars) <= 3  # Adam's count and the schedule's count.
+    ref_tx = optax.chain(optax.clip_by_global_norm(0.1),
+                         optax.adamw(3e-4, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1))
+    ref, ref_state = params["w"], ref_tx.init(params["w"])
+    for i in range(5):
+        grads = jax.tree.map(lambda p: jnp.sin(p * (i + 1)), params)
+        updates, state = tx.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        ref_updates, ref_state = ref_tx.update(grads["w"], ref_state, ref)
+        ref = optax.apply_updates(ref, ref_updates)
+    np.testing.assert_array_equal(params["norm"]["scale"], _params()["norm"]["scale"])
+    np.testing.assert_allclose(params["w"], ref, rtol=1e-6, atol=1e-7)
+    assert not np.array_equal(params["w"], _params()["w"])
+
+
+def test_trainable_errors_name_the_field():
+    with pytest.raises(ConfigError, match="learner.trainable: bad regex"):
+        _learner(trainable="(")
+    with pytest.raises(ConfigError, match="learner.trainable: 'nope' matches no parameter"):
+        _learner(trainable="nope").optimizer(SPECS)

@@ -98,7 +98,10 @@ def test_sigkill_at_random_points_resumes_bit_exact(tmp_path, reference, seed):
 
 def test_hang_watchdog_fires_supervisor_restarts(tmp_path, reference):
     out = tmp_path / "hang"
-    timeout = 2.0
+    # Long enough that no real step of the toy job takes it on a loaded 2-core machine
+    # (the restarted attempt must not be taken for a hang), short next to the fault's
+    # forever.
+    timeout = 8.0
     sup, log = _supervise(out, "hang@5", restarts=2, args=[
         "--set", f"resilience.watchdog.timeout_s={timeout}",
         "--set", "resilience.watchdog.first_step_timeout_s=300.0",

@@ -2,6 +2,7 @@
 eval lines, and the start lines of a real (toy) run."""
 
 import io
+import json
 import logging
 import re
 
@@ -92,3 +93,40 @@ def test_start_lines_and_eval_lines_of_a_run(tmp_path, capsys):
     assert "MFU is measured against peak_flops_per_device 1 TFLOP/s (config)" in err
     assert re.search(r"eval at step 2: loss [\d.]+, perplexity [\d.]+\n", err), err
     assert "e+0" not in err and "e-0" not in err
+
+
+def _events(path):
+    """The Event protos of one TensorBoard event file (TFRecord framing)."""
+    import struct
+
+    from tensorboardX.proto.event_pb2 import Event
+
+    data, out, pos = path.read_bytes(), [], 0
+    while pos < len(data):
+        (n,) = struct.unpack("<Q", data[pos:pos + 8])
+        out.append(Event.FromString(data[pos + 12:pos + 12 + n]))
+        pos += 12 + n + 4
+    return out
+
+
+def test_resume_purges_redone_steps_from_jsonl_and_tensorboard(tmp_path):
+    from tensorboardX.proto.event_pb2 import SessionLog
+
+    cfg = SummaryWriter.default_config().set(progress=False)
+    first = cfg.instantiate(output_dir=str(tmp_path), max_step=5)
+    for step in range(1, 6):
+        first.write(step, {"loss": float(step)})
+    first.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "split": "tr')  # Torn by a kill mid-write.
+    resumed = cfg.instantiate(output_dir=str(tmp_path), max_step=5, resumed_at=3)
+    for step in (4, 5):
+        resumed.write(step, {"loss": 10.0 + step})
+    resumed.close()
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 3.0),
+                                                       (4, 14.0), (5, 15.0)]
+    files = sorted((tmp_path / "tensorboard").iterdir(), key=lambda p: p.stat().st_mtime)
+    starts = [e.step for e in _events(files[-1])
+              if e.HasField("session_log") and e.session_log.status == SessionLog.START]
+    assert starts == [4]  # Readers drop the first file's events from step 4 on.

@@ -14,8 +14,12 @@ Anything after `--` that is not a jaxlearn command runs as given (`-- python scr
 `slurm` writes an sbatch script and `k8s` a JobSet manifest (YAML) for the hardware named by
 the train command's `--mesh_selector` (e.g. `gpu-h100-8x4`: 4 nodes x 8 GPUs, one process per
 node; `tpu-v5p-64`: 8 TPU VMs x 4 chips). Both validate the train command (experiment, mesh
-rules, --set) first. On Slurm `srun --kill-on-bad-exit=1` and on Kubernetes the JobSet's
-failure policy stop the other processes when one fails; `jaxlearn train` in each process
+rules, --set) first, then check that the recipe fits the target's memory
+(`jaxlearn.cli.launch_fit`): over the floor is a usage error (exit 2, one line) unless
+`--force` (a loud warning) or `--no_fit_check`. The Slurm script runs the jaxlearn this
+command runs, by absolute path (`jaxlearn.launch.job.same_jaxlearn`). On Slurm
+`srun --kill-on-bad-exit=1` and on Kubernetes the JobSet's failure policy stop the other
+processes when one fails; `jaxlearn train` in each process
 finds its place from the scheduler's variables (jaxlearn.launch.cluster).
 
 This module parses the flags, builds the option dataclasses and writes the files; the
@@ -31,7 +35,13 @@ import shlex
 import sys
 from typing import Any, Callable, Optional, Sequence
 
-from jaxlearn.launch.job import DEFAULT_ENTRYPOINT, JobSpecError, JobTarget, job_name
+from jaxlearn.launch.job import (
+    DEFAULT_ENTRYPOINT,
+    JobSpecError,
+    JobTarget,
+    job_name,
+    same_jaxlearn,
+)
 
 EXIT_DISTRIBUTED = 3
 
@@ -124,10 +134,14 @@ def add_parsers(sub: Any) -> None:
     q.add_argument("--setup", action="append", default=[], metavar="SHELL",
                    help="a line run before srun, e.g. 'source ~/venv/bin/activate'")
     q.add_argument("--log", default=None,
-                   help="sbatch --output (default: slurm-%%x-%%j.out in the submit directory)")
+                   help="the job's output, every line labelled with its rank (sbatch "
+                        "--output; relative to the directory sbatch runs in; %%x job name, "
+                        "%%j job id; default: slurm-%%x-%%j.out)")
     q.add_argument("--script", default=None,
                    help="write the script here (default: stdout; with --submit, NAME.sbatch)")
     q.add_argument("--submit", action="store_true", help="submit it with sbatch")
+    q.add_argument("--wait", action="store_true",
+                   help="with --submit: return when the job ends, with its exit status")
     _add_command(q)
 
     q = where.add_parser("k8s", help="write a Kubernetes JobSet manifest (YAML)")
@@ -142,8 +156,16 @@ def add_parsers(sub: Any) -> None:
                    help="extra/overriding pod nodeSelector entries (repeatable)")
     q.add_argument("--cpu", default=None, help="CPU request per pod, e.g. 8")
     q.add_argument("--memory", default=None, help="memory request per pod, e.g. 64Gi")
-    q.add_argument("--max_restarts", type=int, default=0,
-                   help="JobSet restarts of the whole set after a failure")
+    q.add_argument("--max_restarts", type=int, default=3,
+                   help="JobSet restarts of the whole set after a failure, each resuming "
+                        "from the last checkpoint (preemptions do not count; default 3)")
+    q.add_argument("--pvc", action="append", default=[], metavar="CLAIM:MOUNT",
+                   help="mount PersistentVolumeClaim CLAIM at MOUNT in every pod, e.g. "
+                        "shared-runs:/runs (repeatable)")
+    q.add_argument("--volume", action="append", default=[],
+                   metavar="DRIVER:MOUNT[:KEY=VALUE,...]",
+                   help="mount a CSI volume at MOUNT in every pod, e.g. "
+                        "gcsfuse.csi.storage.gke.io:/gcs:bucketName=my-bucket (repeatable)")
     q.add_argument("--service_account", default=None)
     q.add_argument("--output", default=None, help="write the manifest here (default: stdout)")
     _add_command(q)
@@ -159,8 +181,21 @@ def _add_cluster_args(q: argparse.ArgumentParser) -> None:
                    help="seconds for all processes to join (default 300)")
     q.add_argument("--heartbeat_timeout", type=float, default=None,
                    help="seconds of silence after which a process is dead (default 100)")
-    q.add_argument("--entrypoint", default=DEFAULT_ENTRYPOINT,
-                   help="how the cluster runs jaxlearn (default: %(default)s)")
+    g = q.add_argument_group(
+        "fit check", "Before writing the job: does the recipe fit the target's accelerator "
+        "memory? Default: a floor (exact sharded state + gradients + the activations the "
+        "backward pass keeps, no compile; cached); refuses (exit 2) when it does not fit.")
+    g.add_argument("--aot_check", action="store_true",
+                   help="check the compiled train step instead (jaxlearn aot; minutes for "
+                        "a 7B model on a CPU; cached)")
+    g.add_argument("--force", action="store_true",
+                   help="write (and submit) the job even when it does not fit, warning")
+    g.add_argument("--no_fit_check", action="store_true", help="skip the check")
+    q.add_argument("--entrypoint", default=None,
+                   help="how the cluster runs jaxlearn (default: Slurm, whose nodes share "
+                        "this filesystem: the jaxlearn you ran, by absolute path - an "
+                        "installed `jaxlearn` script or the checkout's tools/jaxlearn; "
+                        f"Kubernetes: `{DEFAULT_ENTRYPOINT}` in the image)")
 
 
 def _add_command(q: argparse.ArgumentParser) -> None:
@@ -215,8 +250,9 @@ def _local(args: argparse.Namespace) -> int:
 # ---- the train command of a cluster job ----------------------------------------------------
 
 
-def _target(args: argparse.Namespace) -> JobTarget:
-    """The validated train command of a cluster job and its hardware."""
+def _target(args: argparse.Namespace) -> tuple[JobTarget, argparse.Namespace]:
+    """The validated train command of a cluster job and its hardware; the parsed train
+    command."""
     from jaxlearn.cli.main import build_parser, final_config
     from jaxlearn.mesh import get_hardware, parse_selector
     from jaxlearn.mesh.errors import MeshError
@@ -240,7 +276,32 @@ def _target(args: argparse.Namespace) -> JobTarget:
         raise _usage(str(e)) from None
     return JobTarget(name=name, experiment=train.experiment, selector=train.mesh_selector,
                      kind=kind, platform=spec.platform, devices=devices,
-                     devices_per_host=spec.devices_per_host, argv=tuple(cmd))
+                     devices_per_host=spec.devices_per_host, argv=tuple(cmd)), train
+
+
+def _fit_check(args: argparse.Namespace, train: argparse.Namespace) -> None:
+    """Refuses a recipe that does not fit its target (a usage error), or with --force
+    warns; a check that cannot run is a warning."""
+    from jaxlearn.cli.launch_fit import check_fit
+
+    if args.no_fit_check:
+        return
+    where = f"{train.experiment} on {train.mesh_selector}"
+    verdict = check_fit(train.experiment, train.mesh_selector, train.overrides,
+                        aot=args.aot_check)
+    if verdict.fits:
+        print(f"jaxlearn launch: {where} fits: {verdict.describe()}", file=sys.stderr)
+        return
+    if verdict.fits is None:
+        print(f"jaxlearn launch: warning: {where}: {verdict.describe()}", file=sys.stderr)
+        return
+    message = (f"{where} does not fit: {verdict.describe()}; find a layout that fits with "
+               f"`jaxlearn plan --experiment {train.experiment} --mesh_selector "
+               f"{train.mesh_selector}`, or pass --force (warn and go on) or --no_fit_check")
+    if not args.force:
+        raise _usage(message)
+    bar = "!" * 78
+    print(f"{bar}\njaxlearn launch: WARNING (--force): {message}\n{bar}", file=sys.stderr)
 
 
 def _pairs(items: Sequence[str], flag: str, key_pattern: str = r".*"
@@ -255,12 +316,24 @@ def _pairs(items: Sequence[str], flag: str, key_pattern: str = r".*"
     return tuple(pairs)
 
 
-def _job_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The JobOptions fields every cluster launcher shares."""
+def _job_options(args: argparse.Namespace, entrypoint: str) -> dict[str, Any]:
+    """The JobOptions fields every cluster launcher shares (`entrypoint`: the default)."""
     return dict(env=_pairs(args.env, "--env", r"[A-Za-z_][A-Za-z0-9_]*"),
                 coordinator_port=args.coordinator_port,
                 initialization_timeout=args.initialization_timeout,
-                heartbeat_timeout=args.heartbeat_timeout, entrypoint=args.entrypoint)
+                heartbeat_timeout=args.heartbeat_timeout,
+                entrypoint=args.entrypoint or entrypoint)
+
+
+def _this_jaxlearn() -> str:
+    """The jaxlearn this process runs, as a node on the same filesystem runs it."""
+    import jaxlearn.cli
+
+    # packages/cli/src/jaxlearn/cli/__init__.py -> the checkout, when run from one.
+    checkout = os.path.abspath(os.path.join(os.path.dirname(jaxlearn.cli.__file__),
+                                            *[os.pardir] * 5))
+    return same_jaxlearn(sys.argv[0] if sys.argv else "", os.environ, sys.executable,
+                         checkout)
 
 
 def _generate(make: Callable[[Any, JobTarget], str], options: Any, target: JobTarget) -> str:
@@ -290,35 +363,72 @@ def _write(text: str, path: Optional[str], what: str) -> None:
 def _slurm(args: argparse.Namespace) -> int:
     from jaxlearn.launch import slurm
 
-    target = _target(args)
+    target, train = _target(args)
     options = slurm.SlurmOptions(
-        **_job_options(args), nodes=args.nodes, processes_per_node=args.processes_per_node,
+        **_job_options(args, _this_jaxlearn()), nodes=args.nodes,
+        processes_per_node=args.processes_per_node,
         gpus_per_node=args.gpus_per_node, partition=args.partition, account=args.account,
         time=args.time, cpus_per_task=args.cpus_per_task, exclusive=not args.no_exclusive,
-        setup=tuple(args.setup), log=args.log)
+        setup=tuple(args.setup), log=args.log or slurm.DEFAULT_LOG)
     text = _generate(slurm.slurm_script, options, target)
+    _fit_check(args, train)
     path = args.script or (f"{target.name}.sbatch" if args.submit else None)
     _write(text, path, "sbatch script")
     if not args.submit:
         return 0
     assert path is not None
+    _log_directory(options.log)
     try:
-        return 1 if slurm.submit(path) else 0
+        return 1 if slurm.submit(path, wait=args.wait) else 0
     except JobSpecError as e:
         raise _usage(str(e)) from None
+
+
+def _volumes(args: argparse.Namespace) -> tuple[Any, ...]:
+    """--pvc CLAIM:MOUNT and --volume DRIVER:MOUNT[:KEY=VALUE,...] as k8s.Volume values."""
+    from jaxlearn.launch.k8s import Volume
+
+    volumes = []
+    for item in args.pvc:
+        claim, sep, mount = item.partition(":")
+        if not (claim and sep and mount):
+            raise _usage(f"--pvc {item!r}: expected CLAIM:MOUNT, e.g. shared-runs:/runs")
+        volumes.append(Volume(mount=mount, claim=claim))
+    for item in args.volume:
+        driver, _, rest = item.partition(":")
+        mount, _, attrs = rest.partition(":")
+        if not (driver and mount):
+            raise _usage(f"--volume {item!r}: expected DRIVER:MOUNT[:KEY=VALUE,...], e.g. "
+                         "gcsfuse.csi.storage.gke.io:/gcs:bucketName=my-bucket")
+        pairs = _pairs([a for a in attrs.split(",") if a], f"--volume {item}")
+        volumes.append(Volume(mount=mount, driver=driver, attributes=pairs))
+    return tuple(volumes)
+
+
+def _log_directory(log: str) -> None:
+    """Creates the directory of the job's log (sbatch does not, and the job then fails
+    with no output at all); left alone when it depends on the job (%j, ...)."""
+    parent = os.path.dirname(log)
+    if parent and "%" not in parent:
+        try:
+            os.makedirs(parent, exist_ok=True)
+        except OSError as e:
+            raise _usage(f"--log {log}: cannot create {parent} ({e.strerror})") from None
 
 
 def _k8s(args: argparse.Namespace) -> int:
     from jaxlearn.launch import k8s
 
-    target = _target(args)
+    target, train = _target(args)
     options = k8s.K8sOptions(
-        **_job_options(args), image=args.image, namespace=args.namespace,
+        **_job_options(args, DEFAULT_ENTRYPOINT), image=args.image, namespace=args.namespace,
         num_processes=args.num_processes, tpu_topology=args.tpu_topology,
         node_selector=_pairs(args.node_selector, "--node_selector"), cpu=args.cpu,
         memory=args.memory, max_restarts=args.max_restarts,
-        service_account=args.service_account)
-    _write(_generate(k8s.jobset_file, options, target), args.output, "JobSet manifest")
+        service_account=args.service_account, volumes=_volumes(args))
+    text = _generate(k8s.jobset_file, options, target)
+    _fit_check(args, train)
+    _write(text, args.output, "JobSet manifest")
     return 0
 
 

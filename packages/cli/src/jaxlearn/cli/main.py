@@ -1,5 +1,7 @@
 """The `jaxlearn` command.
 
+    jaxlearn train --experiment finetune --init_from MODEL_DIR_OR.gguf --data chat.jsonl
+                   --output_dir runs/ft
     jaxlearn train --experiment tiny-llama --output_dir runs/tiny [--mesh_selector cpu-8]
                    [--set learner.learning_rate=1e-3 ...] [--max_step N]
                    [--supervise [--max_restarts N] [--restart_backoff_s S]] [--elastic]
@@ -10,13 +12,18 @@
 The run flags (`--output_dir`, `--max_step`, `--data`, `--profile_steps`, `--elastic`) are
 config overrides (`run_flag_overrides`), applied after `--set`, so `jaxlearn config` with
 the same flags prints exactly the config `train` runs; `train` records the experiment, the
-selector and every override in `<output_dir>/run.json` and in each checkpoint.
+selector, every override and the `--init_from` path (`base_model`) in
+`<output_dir>/run.json` and in each checkpoint. `--init_from` sets the model, tokenizer and
+chat template fields from the pretrained model before the mesh rules (`cli.init_from`).
 
 Errors in what the user gave (unknown experiment, bad --set, bad data, unwritable output
 dir, a checkpoint in --output_dir from another model) print one line `jaxlearn: error: ...`
 and exit with status 2; nothing is written. Detected faults exit with their own status
 (42 hang, 43 silent data corruption, 44 non-finite values, 45 health check; see
-jaxlearn.resilience.failures), which `--supervise` uses to restart the run.
+jaxlearn.resilience.failures), which `--supervise` uses to restart the run. SIGTERM or
+SIGINT saves and commits the current step, prints one `jaxlearn: preemption: ...` line and
+exits 46 (47: the grace period `resilience.preemption.grace_s` ran out before the commit; a
+second signal exits at once with 143/130); a rerun resumes from the newest committed step.
 """
 
 from __future__ import annotations
@@ -59,6 +66,11 @@ def _add_run_args(p: argparse.ArgumentParser, *, output_dir_required: bool) -> N
     p.add_argument("--profile_steps", type=str, default=None,
                    help="comma-separated steps to trace with the JAX profiler, e.g. 5,6,7 "
                         "(sets profile_steps)")
+    p.add_argument("--init_from", default=None, metavar="PATH",
+                   help="start from a pretrained model: an HF model directory, a GGUF file or "
+                        "a jaxlearn run; its architecture, tokenizer and chat template become "
+                        "the model and input fields, its weights the first params (sets "
+                        "init_from; a run with checkpoints resumes them instead)")
     p.add_argument("--elastic", action="store_true",
                    help="on a device count other than the run's first, keep the global batch "
                         "by raising learner.num_microbatches (the mesh's -1 axis adapts; "
@@ -104,10 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def final_config(experiment: str, mesh_selector: Optional[str], overrides: Sequence[str],
-                 *, validate: bool = True) -> Any:
-    """Recipe -> mesh rule for the selector -> `path=value` overrides -> validation (field
-    limits, `Config.validate`). `run.json`'s experiment, mesh_selector and overrides give
-    the run's config again."""
+                 *, validate: bool = True, init_from: Optional[str] = None) -> Any:
+    """Recipe -> `--init_from` model (`cli.init_from`) -> mesh rule for the selector ->
+    `path=value` overrides -> validation (field limits, `Config.validate`). `run.json`'s
+    experiment, mesh_selector, overrides and base_model give the run's config again."""
+    from jaxlearn.cli.init_from import InitFromUsageError, apply_init_from
     from jaxlearn.config import ConfigError, apply_overrides
     from jaxlearn.experiments import get_experiment
     from jaxlearn.mesh import MeshError, apply_mesh_rules
@@ -116,6 +129,10 @@ def final_config(experiment: str, mesh_selector: Optional[str], overrides: Seque
         cfg: Any = get_experiment(experiment)
     except KeyError as e:
         raise UsageError(str(e.args[0])) from None
+    try:
+        cfg = apply_init_from(cfg, init_from)
+    except InitFromUsageError as e:
+        raise UsageError(str(e)) from None
     selector = resolve_selector(mesh_selector)
     try:
         cfg, _ = apply_mesh_rules(cfg, selector)
@@ -152,9 +169,12 @@ def run_flag_overrides(args: argparse.Namespace, cfg: Any) -> list[tuple[str, st
         out.append(("--max_step", f"max_step={args.max_step}"))
     if args.data:
         for name in ("input", "eval_input"):
-            if getattr(cfg, name, None) is not None:
+            inp = getattr(cfg, name, None)
+            if inp is None:
+                continue
+            if not _is_sft_source(inp.source):  # SFT rows stay SFT rows: only the paths
                 out.append(("--data", f"{name}.source=jaxlearn.runtime.data.TextFilesSource"))
-                out.append(("--data", f"{name}.source.paths={list(args.data)!r}"))
+            out.append(("--data", f"{name}.source.paths={list(args.data)!r}"))
     if args.profile_steps is not None:
         try:
             steps = tuple(int(s) for s in args.profile_steps.split(",") if s.strip())
@@ -167,12 +187,20 @@ def run_flag_overrides(args: argparse.Namespace, cfg: Any) -> list[tuple[str, st
     return out
 
 
+def _is_sft_source(source: Any) -> bool:
+    from jaxlearn.runtime.sft import SFTSource
+
+    klass = getattr(source, "klass", None)
+    return isinstance(klass, type) and issubclass(klass, SFTSource)
+
+
 def run_config(args: argparse.Namespace) -> tuple[Any, str, list[str]]:
     """(final config, mesh selector, every override in order) for train/config's flags."""
     from jaxlearn.config import ConfigError, apply_override
 
     selector = resolve_selector(args.mesh_selector)
-    cfg = final_config(args.experiment, selector, args.overrides, validate=False)
+    cfg = final_config(args.experiment, selector, args.overrides, validate=False,
+                       init_from=args.init_from)
     overrides = list(args.overrides)
     for flag, override in run_flag_overrides(args, cfg):
         try:
@@ -244,9 +272,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError, OSError) as e:
         raise UsageError(str(e)) from None
     from jaxlearn.checkpoint import CheckpointStructureError, NoGoodCheckpointError
-    from jaxlearn.resilience.failures import ResilienceError
+    from jaxlearn.resilience.failures import Preempted, ResilienceError
     from jaxlearn.resilience.manager import CheckpointSaveFailed
     from jaxlearn.runtime.data import DataError
+    from jaxlearn.runtime.init_from import InitFromError
     from jaxlearn.runtime.record import RunRecord
     from jaxlearn.runtime.trainer import TrainerError
 
@@ -259,7 +288,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             elastic = adapt_to_devices(cfg)
             if cfg.learner.num_microbatches != micro:  # Recorded, so the record rebuilds it.
                 overrides.append(f"learner.num_microbatches={cfg.learner.num_microbatches}")
-        record = RunRecord(args.experiment, selector, tuple(overrides), to_flat_text(cfg))
+        record = RunRecord(args.experiment, selector, tuple(overrides), to_flat_text(cfg),
+                           base_model=args.init_from)
         trainer = cfg.instantiate(run_record=record)
     except (ConfigError, TrainerError) as e:
         raise UsageError(str(e)) from None
@@ -270,9 +300,14 @@ def cmd_train(args: argparse.Namespace) -> int:
           f"(mesh {dict(trainer.mesh.shape)}), output in {args.output_dir}", file=sys.stderr)
     try:
         last = trainer.run()
+    except InitFromError as e:  # The pretrained params do not fit the model.
+        raise UsageError(f"--init_from {args.init_from}: {_one_line(e)}") from None
     except (CheckpointStructureError, NoGoodCheckpointError, DataError) as e:
         # Another model's checkpoint, all checkpoints damaged, another input's state.
         raise UsageError(f"--output_dir {args.output_dir}: {_one_line(e)}") from None
+    except Preempted as e:  # SIGTERM/SIGINT: status 46 (saved) or 47; a rerun resumes.
+        print(f"jaxlearn: {_one_line(e)}", file=sys.stderr)
+        return e.exit_code
     except ResilienceError as e:
         print(f"jaxlearn: error: {_one_line(e)}", file=sys.stderr)
         return e.exit_code

@@ -215,7 +215,8 @@ def _rebuild_experiment(record: Any, where: str, experiment: Optional[str], why:
         raise UsageError(f"--model {where}: cannot rebuild the recorded config ({why}) and "
                          f"the record names no experiment; pass --experiment NAME")
     try:
-        cfg = final_config(name, record.mesh_selector, record.overrides)
+        cfg = final_config(name, record.mesh_selector, record.overrides,
+                           init_from=record.base_model)
     except UsageError as e:
         raise UsageError(f"--model {where}: cannot rebuild the recorded config ({why}) nor "
                          f"experiment {name!r}: {e}") from None

@@ -10,13 +10,16 @@ from __future__ import annotations
 from typing import Any
 
 from jaxlearn.experiments.common import (
+    chain,
     large_model_mesh_rules,
     small_model_mesh_rules,
     trainer_config,
 )
-from jaxlearn.layers import llama_config, use_moe
+from jaxlearn.layers import ADAPTERS, llama_config, use_lora, use_moe
+from jaxlearn.mesh import SetFieldsModifier
 from jaxlearn.runtime.bundled import BundledSource
 from jaxlearn.runtime.input_pipeline import Input
+from jaxlearn.runtime.sft import CHAT_EXAMPLE, SFTInput, SFTSource
 from jaxlearn.runtime.trainer import Trainer
 from jaxlearn.text.tokenizers import ByteTokenizer
 
@@ -103,6 +106,58 @@ def mixtral_8x7b() -> Trainer.Config:
                   gpu_microbatches=2)
 
 
+def _smollm2_135m() -> Any:
+    """SmolLM2-135M's shape (30 layers, d=576, 9/3 heads, FFN 1536, vocab 49152, tied):
+    what `finetune` trains without --init_from, which replaces it by the pretrained one."""
+    return llama_config(49152, 576, 30, 9, 3, 1536, rope_theta=100000.0, norm_eps=1e-5,
+                        tie_embeddings=True)
+
+
+def _sft_input(seq_len: int, global_batch_size: int) -> Any:
+    return SFTInput.default_config().set(
+        source=SFTSource.default_config().set(paths=[CHAT_EXAMPLE]),
+        tokenizer=ByteTokenizer.default_config(),
+        seq_len=seq_len,
+        global_batch_size=global_batch_size,
+        eval_fraction=0.0,
+        truncate=True,
+    )
+
+
+def finetune_mesh_rules() -> tuple[tuple[str, Any], ...]:
+    """The large-model rules (FSDP, remat per layer on accelerators) with bf16 compute on
+    accelerators; float32 on CPU, where XLA's bf16 matmuls are slower than float32."""
+    bf16 = SetFieldsModifier.default_config().set(fields={"model.dtype": "bfloat16"})
+    return tuple((pattern, rule if pattern.startswith("cpu") else chain(rule, bf16))
+                 for pattern, rule in large_model_mesh_rules())
+
+
+def finetune() -> Trainer.Config:
+    """Full fine-tune of --init_from (HF dir, GGUF, jaxlearn run) on chat JSONL (--data;
+    default: the bundled chat example): AdamW 3e-5 cosine, warmup 10, seq 512, batch 8,
+    100 steps; bf16 compute and remat on accelerators."""
+    return trainer_config(
+        _smollm2_135m(),
+        _sft_input(seq_len=512, global_batch_size=8),
+        max_step=100,
+        learning_rate=3e-5,
+        warmup_steps=10,
+        save_every_n_steps=25,
+        log_every_n_steps=5,
+        weight_decay=0.0,
+        mesh_rules=finetune_mesh_rules(),
+    )
+
+
+def lora() -> Trainer.Config:
+    """`finetune` with LoRA adapters (rank 8, alpha 16) on every attention and dense FFN
+    projection; only the adapters train (`learner.trainable`), at lr 2e-4."""
+    cfg = finetune()
+    cfg.model = use_lora(cfg.model, rank=8, alpha=16.0)
+    cfg.learner.set(trainable=ADAPTERS, learning_rate=2e-4)
+    return cfg
+
+
 EXPERIMENTS = {
     "tiny-llama": tiny_llama,
     "tiny-moe": tiny_moe,
@@ -110,6 +165,8 @@ EXPERIMENTS = {
     "llama2-70b": llama2_70b,
     "llama3-8b": llama3_8b,
     "mixtral-8x7b": mixtral_8x7b,
+    "finetune": finetune,
+    "lora": lora,
 }
 DEFAULT_EXPERIMENT = "tiny-llama"
 

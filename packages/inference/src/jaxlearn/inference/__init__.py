@@ -11,6 +11,7 @@ from jaxlearn.inference.errors import (
     QueueFullError,
     RequestError,
 )
+from jaxlearn.inference.logprobs import TokenLogprob
 from jaxlearn.inference.metrics import Metrics
 from jaxlearn.inference.pages import PageTable
 from jaxlearn.inference.runner import ModelRunner
@@ -38,6 +39,7 @@ __all__ = [
     "RequestError",
     "SamplingParams",
     "Scheduler",
+    "TokenLogprob",
     "Tokenizer",
     "as_tokenizer",
     "chat_prompt",

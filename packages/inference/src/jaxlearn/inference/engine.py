@@ -38,6 +38,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxlearn import layers
 from jaxlearn.config import REQUIRED, Configurable
 from jaxlearn.inference.errors import InferenceError, QueueFullError, RequestError
+from jaxlearn.inference.logprobs import TokenLogprob
 from jaxlearn.inference.metrics import Metrics
 from jaxlearn.inference.runner import ModelRunner, next_pow2
 from jaxlearn.inference.sampling import SamplingParams
@@ -68,7 +69,9 @@ class GenerationResult:
     tokens: generated ids (a final stop/EOS token included); text: their text, cut before
     a stop string; finish_reason: "stop" (EOS, stop token or stop string), "length"
     (max_new_tokens or max_seq_len), "cancelled" or "error"; stop_reason: the stop string
-    or token id that matched.
+    or token id that matched; logprobs (with `logprobs=k`): one `TokenLogprob` per
+    generated token; prompt_logprobs (with `prompt_logprobs=k`): one per prompt token after
+    the first (`prompt_ids[1:]`).
     """
 
     request_id: str
@@ -77,6 +80,8 @@ class GenerationResult:
     text: str
     finish_reason: str
     stop_reason: Optional[Union[str, int]] = None
+    logprobs: Optional[list[TokenLogprob]] = None
+    prompt_logprobs: Optional[list[TokenLogprob]] = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -388,8 +393,15 @@ class Engine(Configurable):
         seed: Optional[int] = None,
         stop: Stop = None,
         ignore_eos: bool = False,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        logit_bias: Optional[dict[int, float]] = None,
+        logprobs: Optional[int] = None,
+        prompt_logprobs: Optional[int] = None,
     ) -> SamplingParams:
+        """A SamplingParams (see there); logit_bias as {token id: bias}."""
         strings, ids = split_stop(stop)
+        bias = tuple(sorted((logit_bias or {}).items()))
         return SamplingParams(
             max_new_tokens=max_new_tokens,
             temperature=temperature,
@@ -400,6 +412,11 @@ class Engine(Configurable):
             stop=strings,
             stop_token_ids=ids,
             ignore_eos=ignore_eos,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            logit_bias=bias,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def request(self, prompt: Prompt, params: SamplingParams, **kw: Any) -> Request:
@@ -410,8 +427,10 @@ class Engine(Configurable):
         self, prompt: Union[Prompt, Sequence[Prompt]], **sampling: Any
     ) -> Union[GenerationResult, list[GenerationResult]]:
         """Generates for one prompt (-> GenerationResult) or a list of prompts (-> list,
-        batched continuously). `sampling`: max_new_tokens, temperature, top_k, top_p,
-        repetition_penalty, seed, stop (strings and/or token ids), ignore_eos; or
+        batched continuously). `sampling`: the arguments of `sampling_params`
+        (max_new_tokens (0: only score the prompt), temperature, top_k, top_p,
+        repetition_penalty, seed, stop (strings and/or token ids), ignore_eos, presence /
+        frequency_penalty, logit_bias, logprobs, prompt_logprobs); or
         `params=SamplingParams(...)`. With a list and an int seed, prompt i uses seed + i."""
         many = _is_prompt_list(prompt)
         prompts: list[Any] = list(prompt) if many else [prompt]
@@ -481,6 +500,9 @@ class Engine(Configurable):
             text=out.text,
             finish_reason=out.finish_reason or "error",
             stop_reason=out.stop_reason,
+            logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
+            prompt_logprobs=(list(req.prompt_logprobs)
+                             if req.params.prompt_logprobs is not None else None),
         )
 
     # ---- background loop ----------------------------------------------------------------

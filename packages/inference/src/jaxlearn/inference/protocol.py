@@ -5,12 +5,16 @@
 errors, as are values outside these ranges:
 
     temperature [0, 2]; top_p (0, 1]; top_k -1 or 0 (off) or 1..vocab;
-    repetition_penalty (0, 10]; max_tokens >= 1 (and prompt + max_tokens <= max_seq_len,
-    checked by the server); seed any 64-bit integer; n / best_of 1; stop: a string or up
-    to 16 strings of 1..256 characters; stop_token_ids: up to 16 ids.
+    repetition_penalty (0, 10]; presence_penalty / frequency_penalty [-2, 2];
+    max_tokens >= 0 for completions, >= 1 for chat (and prompt + max_tokens <=
+    max_seq_len, checked by the server); seed any 64-bit integer; n 1..16; best_of
+    n..16 (not with stream unless equal to n); logprobs 0..20 (completions; chat:
+    true/false with top_logprobs 0..20); logit_bias up to 300 {"token id": bias in
+    [-100, 100]}; stop: a string or up to 16 strings of 1..256 characters;
+    stop_token_ids: up to 16 ids; prompt (completions): a string, a list of token ids,
+    or a list of up to 64 strings / id lists (prompts x best_of <= 256 choices).
 
-Fields accepted only at their neutral value (the feature is not implemented): n, best_of,
-echo, logprobs, top_logprobs, suffix, logit_bias, presence_penalty, frequency_penalty.
+`suffix` is accepted only as "" (not implemented).
 """
 
 from __future__ import annotations
@@ -22,10 +26,15 @@ import uuid
 from typing import Any, Mapping, Optional, Union
 
 from jaxlearn.inference.errors import RequestError
+from jaxlearn.inference.logprobs import MAX_LOGPROBS
+from jaxlearn.inference.penalties import MAX_BIAS, MAX_LOGIT_BIAS, MAX_PRESENCE_FREQUENCY
 
 MAX_STOP = 16
 MAX_STOP_LEN = 256
 MAX_MESSAGES = 256
+MAX_N = 16  # n and best_of.
+MAX_PROMPTS = 64
+MAX_CHOICES = 256  # prompts x best_of in one request.
 
 _COMMON = {
     "model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options",
@@ -37,13 +46,18 @@ CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
 ROLES = ("system", "user", "assistant", "developer", "tool")
 
 
+Prompt = Union[str, list[int]]
+
+
 @dataclasses.dataclass
 class ParsedRequest:
-    """A validated request. prompt: text or token ids (completions); messages (chat)."""
+    """A validated request. prompts: texts or token id lists (completions, one choice
+    group each); messages (chat). logprobs: None (off) or the top alternatives per token
+    (chat: top_logprobs when logprobs is true)."""
 
     kind: str  # "completion" | "chat"
     model: Optional[str]
-    prompt: Union[str, list[int], None]
+    prompts: list[Prompt]
     messages: Optional[list[dict[str, str]]]
     max_tokens: Optional[int]
     temperature: float
@@ -56,6 +70,13 @@ class ParsedRequest:
     ignore_eos: bool
     stream: bool
     include_usage: bool
+    n: int
+    best_of: int
+    presence_penalty: float
+    frequency_penalty: float
+    logit_bias: tuple[tuple[int, float], ...]
+    logprobs: Optional[int]
+    echo: bool = False
 
 
 def _err(param: str, message: str) -> RequestError:
@@ -176,6 +197,58 @@ def _messages(body: Mapping[str, Any]) -> list[dict[str, str]]:
     return out
 
 
+def _logit_bias(body: Mapping[str, Any], vocab_size: int) -> tuple[tuple[int, float], ...]:
+    v = body.get("logit_bias")
+    if v is None:
+        return ()
+    if not isinstance(v, dict):
+        raise _err("logit_bias", "must be an object mapping token ids to biases")
+    if len(v) > MAX_LOGIT_BIAS:
+        raise _err("logit_bias", f"has {len(v)} entries; at most {MAX_LOGIT_BIAS}")
+    out = []
+    for key, bias in v.items():
+        try:
+            tid = int(key)
+        except ValueError:
+            raise _err("logit_bias", f"key {key!r} is not a token id") from None
+        if not 0 <= tid < vocab_size:
+            raise _err("logit_bias", f"token id {tid} is outside [0, {vocab_size})")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not (
+                -MAX_BIAS <= float(bias) <= MAX_BIAS):
+            raise _err("logit_bias", f"bias of token {tid} must be a number in "
+                                     f"[-{MAX_BIAS:g}, {MAX_BIAS:g}], got {bias!r}")
+        out.append((tid, float(bias)))
+    return tuple(sorted(out))
+
+
+def _n_best_of(body: Mapping[str, Any], stream: bool) -> tuple[int, int]:
+    n = _integer(body, "n", 1, MAX_N) or 1
+    best_of = _integer(body, "best_of", 1, MAX_N)
+    if best_of is None:
+        return n, n
+    if best_of < n:
+        raise _err("best_of", f"{best_of} is less than n={n}")
+    if stream and best_of != n:
+        raise _err("best_of", "best_of > n cannot be streamed (the best are known at the end)")
+    return n, best_of
+
+
+def _logprobs(body: Mapping[str, Any], kind: str) -> Optional[int]:
+    if kind == "completion":
+        v = body.get("logprobs")
+        if v is False:
+            return None
+        if v is True:
+            raise _err("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] for completions")
+        return _integer(body, "logprobs", 0, MAX_LOGPROBS)
+    top = _integer(body, "top_logprobs", 0, MAX_LOGPROBS)
+    if not _flag(body, "logprobs"):
+        if top is not None:
+            raise _err("top_logprobs", "needs \"logprobs\": true")
+        return None
+    return top or 0
+
+
 def _parse(body: Any, kind: str, fields: set[str], vocab_size: int, max_seq_len: int
            ) -> dict[str, Any]:
     if not isinstance(body, dict):
@@ -186,11 +259,7 @@ def _parse(body: Any, kind: str, fields: set[str], vocab_size: int, max_seq_len:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise _err("model", "must be a string")
-    for name, ok in (("n", (1,)), ("best_of", (1,)), ("echo", (False,)),
-                     ("logprobs", (False, 0)), ("top_logprobs", (0,)), ("suffix", ("",)),
-                     ("logit_bias", ({},)), ("presence_penalty", (0, 0.0)),
-                     ("frequency_penalty", (0, 0.0))):
-        _neutral(body, name, ok)
+    _neutral(body, "suffix", ("",))
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise _err("user", "must be a string")
     opts = body.get("stream_options")
@@ -201,10 +270,13 @@ def _parse(body: Any, kind: str, fields: set[str], vocab_size: int, max_seq_len:
         include_usage = _flag(opts, "include_usage")
     top_k = _integer(body, "top_k", -1, vocab_size)
     stop, stop_ids = _stop(body, vocab_size)
+    stream = _flag(body, "stream")
+    n, best_of = _n_best_of(body, stream)
+    pf = MAX_PRESENCE_FREQUENCY
     return dict(
         kind=kind,
         model=model,
-        max_tokens=_integer(body, "max_tokens", 1, max_seq_len),
+        max_tokens=_integer(body, "max_tokens", 0 if kind == "completion" else 1, max_seq_len),
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
         top_k=0 if top_k is None or top_k < 0 else top_k,
@@ -213,30 +285,50 @@ def _parse(body: Any, kind: str, fields: set[str], vocab_size: int, max_seq_len:
         stop=stop,
         stop_token_ids=stop_ids,
         ignore_eos=_flag(body, "ignore_eos"),
-        stream=_flag(body, "stream"),
+        stream=stream,
         include_usage=include_usage,
+        n=n,
+        best_of=best_of,
+        presence_penalty=_number(body, "presence_penalty", 0.0, -pf, pf),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -pf, pf),
+        logit_bias=_logit_bias(body, vocab_size),
+        logprobs=_logprobs(body, kind),
     )
 
 
-def parse_completion(body: Any, *, vocab_size: int, max_seq_len: int) -> ParsedRequest:
-    """`/v1/completions` body -> ParsedRequest (prompt: one string or one id list)."""
-    f = _parse(body, "completion", COMPLETION_FIELDS, vocab_size, max_seq_len)
+def _prompts(body: Mapping[str, Any], vocab_size: int, max_seq_len: int) -> list[Prompt]:
+    """One string, one id list, or a list of strings / id lists."""
     p = body.get("prompt")
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-        p = p[0]  # A batch of one.
-    if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
-        raise _err("prompt", "batches of prompts are not supported; send one prompt")
-    if isinstance(p, str):
-        prompt: Union[str, list[int]] = p
-    elif isinstance(p, list):
-        prompt = _token_ids(p, "prompt", vocab_size, max_seq_len)
+    if isinstance(p, str) or (isinstance(p, list) and p and all(_is_int(t) for t in p)):
+        items: list[Any] = [p]
+    elif isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
+        items = p
     else:
-        raise _err("prompt", "must be a string or a list of token ids")
-    if not prompt:
-        raise _err("prompt", "is empty")
+        raise _err("prompt", "must be a string, a list of token ids, or a non-empty list of "
+                             "strings / token id lists")
+    if len(items) > MAX_PROMPTS:
+        raise _err("prompt", f"has {len(items)} prompts; at most {MAX_PROMPTS}")
+    out: list[Prompt] = []
+    for i, x in enumerate(items):
+        where = "prompt" if len(items) == 1 else f"prompt[{i}]"
+        if isinstance(x, list):
+            x = _token_ids(x, "prompt", vocab_size, max_seq_len)
+        if not x:
+            raise RequestError(f"'{where}': is empty", param="prompt")
+        out.append(x)
+    return out
+
+
+def parse_completion(body: Any, *, vocab_size: int, max_seq_len: int) -> ParsedRequest:
+    """`/v1/completions` body -> ParsedRequest (prompts: one or more strings / id lists)."""
+    f = _parse(body, "completion", COMPLETION_FIELDS, vocab_size, max_seq_len)
+    prompts = _prompts(body, vocab_size, max_seq_len)
+    if len(prompts) * f["best_of"] > MAX_CHOICES:
+        raise _err("prompt", f"{len(prompts)} prompts x best_of {f['best_of']} is more than "
+                             f"{MAX_CHOICES} completions")
     if f["max_tokens"] is None:
         f["max_tokens"] = 16
-    return ParsedRequest(prompt=prompt, messages=None, **f)
+    return ParsedRequest(prompts=prompts, messages=None, echo=_flag(body, "echo"), **f)
 
 
 def parse_chat(body: Any, *, vocab_size: int, max_seq_len: int) -> ParsedRequest:
@@ -246,7 +338,7 @@ def parse_chat(body: Any, *, vocab_size: int, max_seq_len: int) -> ParsedRequest
     mct = _integer(body, "max_completion_tokens", 1, max_seq_len)
     if mct is not None:
         f["max_tokens"] = mct if f["max_tokens"] is None else min(mct, f["max_tokens"])
-    return ParsedRequest(prompt=None, messages=messages, **f)
+    return ParsedRequest(prompts=[], messages=messages, **f)
 
 
 # ---- response bodies ----------------------------------------------------------------------
@@ -264,50 +356,45 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def _finish(reason: Optional[str]) -> Optional[str]:
-    # OpenAI reasons are "stop" / "length"; a cancelled / failed request reports "abort".
+def finish_reason(reason: Optional[str]) -> Optional[str]:
+    """OpenAI reasons are "stop" / "length"; a cancelled / failed request reports "abort"."""
     return reason if reason in (None, "stop", "length") else "abort"
 
 
-def response(kind: str, rid: str, model: str, text: str, finish: Optional[str],
-             use: dict[str, int]) -> dict[str, Any]:
-    """The non-streaming response object."""
-    created = int(time.time())
-    if kind == "chat":
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "finish_reason": _finish(finish),
-            "logprobs": None,
-        }
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "finish_reason": _finish(finish), "logprobs": None}
-        obj = "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": model,
-            "choices": [choice], "usage": use}
-
-
-def chunk(kind: str, rid: str, model: str, text: Optional[str], finish: Optional[str],
-          *, role: bool = False, use: Optional[dict[str, int]] = None) -> dict[str, Any]:
-    """One streaming chunk (text None and use set: the final usage-only chunk)."""
-    created = int(time.time())
-    choices: list[dict[str, Any]]
-    if text is None and use is not None:
-        choices = []
-    elif kind == "chat":
+def choice(kind: str, index: int, text: Optional[str], finish: Optional[str], *,
+           logprobs: Optional[dict[str, Any]] = None, stream: bool = False,
+           role: bool = False) -> dict[str, Any]:
+    """One entry of `choices`: completions {"text"}; chat {"message"}, or streamed
+    {"delta"} (with the role on a choice's first chunk)."""
+    out: dict[str, Any] = {"index": index}
+    if kind != "chat":
+        out["text"] = text or ""
+    elif stream:
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if text:
             delta["content"] = text
-        choices = [{"index": 0, "delta": delta, "finish_reason": _finish(finish),
-                    "logprobs": None}]
+        out["delta"] = delta
     else:
-        choices = [{"index": 0, "text": text or "", "finish_reason": _finish(finish),
-                    "logprobs": None}]
+        out["message"] = {"role": "assistant", "content": text or ""}
+    out["logprobs"] = logprobs
+    out["finish_reason"] = finish_reason(finish)
+    return out
+
+
+def response(kind: str, rid: str, model: str, choices: list[dict[str, Any]],
+             use: dict[str, int]) -> dict[str, Any]:
+    """The non-streaming response object."""
+    return {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
+            "created": int(time.time()), "model": model, "choices": choices, "usage": use}
+
+
+def chunk(kind: str, rid: str, model: str, choices: list[dict[str, Any]],
+          use: Optional[dict[str, int]] = None) -> dict[str, Any]:
+    """One streaming chunk (choices [] and use set: the final usage-only chunk)."""
     out: dict[str, Any] = {
         "id": rid,
         "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
-        "created": created,
+        "created": int(time.time()),
         "model": model,
         "choices": choices,
     }

@@ -1,12 +1,14 @@
-"""ModelRunner: the device side of the engine. It owns the params, the paged KV pool and
-the per-slot "seen tokens" mask, and runs three jit'ed programs through the `CausalLM`
-decode API (`init_paged_states`, `extend_step`, `logits`), i.e. the same layer code as
-training:
+"""ModelRunner: the device side of the engine. It owns the params, the paged KV pool, the
+per-slot "seen tokens" mask and generated-token counts, and runs three jit'ed programs
+through the `CausalLM` decode API (`init_paged_states`, `extend_step`, `logits`), i.e.
+the same layer code as training:
 
 - `prefill`: prompt chunks of several requests at once, ids [rows, bucket]; row r is
   written at positions [start[r], start[r] + bucket) of its pages and the token after its
   last valid position is sampled. Only that position's logits are computed
-  (`logits_index`): the LM head is a large share of a short chunk.
+  (`logits_index`): the LM head is a large share of a short chunk; a call scoring prompt
+  tokens (`prompt_k`, for echo + logprobs) computes every position's and returns the
+  logprobs of each next prompt id.
 - `decode`: `steps` fused decode steps (`lax.scan` over `extend_step` + sampling) for a
   compacted list of decoding rows (any slots), writing one token per row per step.
 - `logits`: a cache-free forward for `Engine.logits`.
@@ -20,11 +22,14 @@ positions past a row's pages read and write it, and the mask hides it.
 Every call works on a window of `time_len` positions per row (a power of two >= 64
 covering the longest row), so attention and the page gathers cost O(rows x live length),
 and only this call's new entries are scattered back. Programs are compiled per
-(rows, bucket, time_len) for prefill and (rows, time_len, steps, sampling mode) for
-decode; rows and buckets are powers of two.
+(rows, bucket, time_len, logprob k, prompt k) for prefill and (rows, time_len, steps,
+sampling mode, logprob k) for decode, each with and without the penalty/bias arrays
+(and per bias width); rows, buckets and k are powers of two (None: no logprobs), so
+calls of requests that use none of logprobs, penalties or bias run exactly the programs
+they ran without them.
 
-Padding rows (to reach a power of two) use slot `num_slots`, a seen-mask row nobody owns,
-and the null page table.
+Padding rows (to reach a power of two) use slot `num_slots`, a seen-mask / counts row
+nobody owns, and the null page table.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxlearn.inference.logprobs import token_logprobs
 from jaxlearn.inference.sampling import Mode, sample_tokens
 from jaxlearn.module import Module, functional, logical_sharding
 
@@ -107,19 +113,20 @@ class ModelRunner:
             self._rep: Any = rep
         else:
             self._pool_sh = self._rep = None
-        self._jit_prefill = self._jit(self._prefill, static=())
-        self._jit_decode = self._jit(self._decode, static=("steps", "mode"))
+        self._jit_prefill = self._jit(self._prefill, static=("lp_k", "prompt_k"))
+        self._jit_decode = self._jit(self._decode, static=("steps", "mode", "lp_k"))
         self._jit_logits = jax.jit(self._logits)
         self.pool: Any = None
         self.seen: Any = None
+        self.counts: Any = None
         self.reset()
 
     # ---- setup --------------------------------------------------------------------------
 
     def _jit(self, fn: Any, *, static: tuple[str, ...]) -> Any:
-        kwargs: dict[str, Any] = {"static_argnames": static, "donate_argnums": (1, 2)}
+        kwargs: dict[str, Any] = {"static_argnames": static, "donate_argnums": (1, 2, 3)}
         if self.mesh is not None:
-            kwargs["out_shardings"] = (self._pool_sh, self._rep, self._rep)
+            kwargs["out_shardings"] = (self._pool_sh, self._rep, self._rep, self._rep)
         return jax.jit(fn, **kwargs)
 
     def _traced(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -135,11 +142,14 @@ class ModelRunner:
         return states["decoder"]
 
     def reset(self) -> None:
-        """(Re)allocates an empty pool and seen-mask (drops every request's contents)."""
-        self.pool = self.seen = None  # Free the old buffers first.
+        """(Re)allocates an empty pool, seen-mask and generated-token counts (drops every
+        request's contents)."""
+        self.pool = self.seen = self.counts = None  # Free the old buffers first.
         self.pool = self._traced(jax.jit(self._init_pool, out_shardings=self._pool_sh))
-        seen = jnp.zeros((self.num_slots + 1, self.vocab_size), bool)
+        shape = (self.num_slots + 1, self.vocab_size)
+        seen, counts = jnp.zeros(shape, bool), jnp.zeros(shape, jnp.int32)
         self.seen = seen if self._rep is None else jax.device_put(seen, self._rep)
+        self.counts = counts if self._rep is None else jax.device_put(counts, self._rep)
 
     def cache_bytes(self) -> int:
         """Bytes of the KV pool (all layers, all pages)."""
@@ -176,66 +186,109 @@ class ModelRunner:
         params: Any,
         pool: Any,
         seen: Array,
+        counts: Array,
         slots: Array,
         table: Array,
         ids: Array,
         start: Array,
         n_valid: Array,
+        gen_from: Array,
+        targets: Array,
         samp: dict[str, Array],
-    ) -> tuple[Any, Array, Array]:
+        pen: Optional[dict[str, Array]],
+        *,
+        lp_k: Optional[int],
+        prompt_k: Optional[int],
+    ) -> tuple[Any, Array, Array, dict[str, Array]]:
         """ids [rows, bucket] at positions [start, start + bucket) of each row's pages
-        (table [rows, time_len / page_size]); returns the tokens [rows] sampled after
-        position start + n_valid - 1."""
+        (table [rows, time_len / page_size]); positions >= gen_from [rows] hold generated
+        tokens (they count for presence / frequency penalties). Returns {"tok": [rows]}
+        sampled after position start + n_valid - 1, with lp_k its `token_logprobs` [rows,
+        ...], with prompt_k "prompt": `token_logprobs` of targets [rows, bucket] (the next
+        id at each position) [rows, bucket, ...]: then every position's logits are
+        computed, else only the last one's (`logits_index`)."""
         last = (n_valid - 1)[:, None]
-        pool, logits = self._forward(params, pool, table, start, ids, last)  # [rows, 1, v]
-        rows, v = ids.shape[0], seen.shape[1]
-        valid = jnp.arange(ids.shape[1])[None, :] < n_valid[:, None]
-        fresh = jnp.zeros((rows, v), bool)
-        fresh = fresh.at[jnp.arange(rows)[:, None], jnp.where(valid, ids, v)].set(True, mode="drop")
+        every = prompt_k is not None
+        pool, logits = self._forward(params, pool, table, start, ids, None if every else last)
+        out: dict[str, Any] = {}
+        if every:
+            out["prompt"] = token_logprobs(logits, targets, prompt_k or 0)
+            logits = jnp.take_along_axis(logits, last[..., None], axis=1)  # [rows, 1, v]
+        rows, bucket, v = ids.shape[0], ids.shape[1], seen.shape[1]
+        r = jnp.arange(rows)[:, None]
+        valid = jnp.arange(bucket)[None, :] < n_valid[:, None]
+        fresh = jnp.zeros((rows, v), bool).at[r, jnp.where(valid, ids, v)].set(True, mode="drop")
         seen_rows = jnp.where((start == 0)[:, None], fresh, seen[slots] | fresh)
         seen = seen.at[slots].set(seen_rows)
-        tok = sample_tokens(
-            logits[:, 0], seen_rows, mode="filter", vocab_limit=self.vocab_limit, **samp
-        )
-        return pool, seen, tok
+        generated = valid & (start[:, None] + jnp.arange(bucket)[None, :] >= gen_from[:, None])
+        added = jnp.zeros((rows, v), counts.dtype).at[r, jnp.where(generated, ids, v)].add(
+            1, mode="drop")
+        count_rows = jnp.where((start == 0)[:, None], 0, counts[slots]) + added
+        counts = counts.at[slots].set(count_rows)
+        tok = sample_tokens(logits[:, 0], seen_rows, mode="filter", vocab_limit=self.vocab_limit,
+                            counts=count_rows, pen=pen, **samp)
+        out["tok"] = tok
+        if lp_k is not None:
+            out.update(token_logprobs(logits[:, 0], tok, lp_k))
+        return pool, seen, counts, out
 
     def _decode(
         self,
         params: Any,
         pool: Any,
         seen: Array,
+        counts: Array,
         slots: Array,
         table: Array,
         ids: Array,
         time_step: Array,
         active: Array,
         samp: dict[str, Array],
+        pen: Optional[dict[str, Array]],
         *,
         steps: int,
         mode: Mode,
-    ) -> tuple[Any, Array, Array]:
+        lp_k: Optional[int],
+    ) -> tuple[Any, Array, Array, dict[str, Array]]:
         """`steps` decode steps of rows (slots [rows]); ids / time_step / active [rows]:
         the last token of each row, its position, whether it is a real row. Every row's
-        time_step + steps <= the table's width x page_size. Returns tokens [steps, rows]."""
+        time_step + steps <= the table's width x page_size. Returns {"tok": [steps, rows]}
+        and with lp_k their `token_logprobs` [steps, rows, ...]. Generated-token counts
+        are gathered per step only when `pen` is given (else updated once, after)."""
         sub_seen = seen[slots]
+        sub_counts = counts[slots] if pen is not None else None
         index0 = samp.pop("index")
         r = jnp.arange(ids.shape[0])
         v = seen.shape[1]
 
-        def body(carry: Any, _: Any) -> tuple[Any, Array]:
-            pool, sub_seen, tok, t, index = carry
-            sub_seen = sub_seen.at[r, jnp.where(active, tok, v)].set(True, mode="drop")
+        def body(carry: Any, _: Any) -> tuple[Any, dict[str, Array]]:
+            pool, sub_seen, sub_counts, tok, t, index = carry
+            where = jnp.where(active, tok, v)
+            sub_seen = sub_seen.at[r, where].set(True, mode="drop")
+            if sub_counts is not None:
+                sub_counts = sub_counts.at[r, where].add(1, mode="drop")
             pool, logits = self._forward(params, pool, table, t, tok[:, None], None)
             nxt = sample_tokens(
-                logits[:, 0], sub_seen, mode=mode, vocab_limit=self.vocab_limit, index=index, **samp
+                logits[:, 0], sub_seen, mode=mode, vocab_limit=self.vocab_limit, index=index,
+                counts=sub_counts, pen=pen, **samp
             )
             nxt = jnp.where(active, nxt, tok)
+            out = {"tok": nxt}
+            if lp_k is not None:
+                out.update(token_logprobs(logits[:, 0], nxt, lp_k))
             step = active.astype(jnp.int32)
-            return (pool, sub_seen, nxt, t + step, index + step), nxt
+            return (pool, sub_seen, sub_counts, nxt, t + step, index + step), out
 
-        init = (pool, sub_seen, ids, time_step, index0)
-        (pool, sub_seen, _, _, _), toks = lax.scan(body, init, None, length=steps)
-        return pool, seen.at[slots].set(sub_seen), toks
+        init = (pool, sub_seen, sub_counts, ids, time_step, index0)
+        (pool, sub_seen, sub_counts, _, _, _), outs = lax.scan(body, init, None, length=steps)
+        if sub_counts is not None:
+            counts = counts.at[slots].set(sub_counts)
+        else:  # Each step's input token: ids, then the tokens of the steps before.
+            inputs = jnp.concatenate([ids[None], outs["tok"][:-1]], axis=0)
+            where = jnp.where(active[None, :], inputs, v)
+            counts = counts.at[jnp.broadcast_to(slots[None, :], where.shape), where].add(
+                1, mode="drop")
+        return pool, seen.at[slots].set(sub_seen), counts, outs
 
     def _logits(self, params: Any, ids: Array) -> Array:
         return _call(self.model, params, "logits", ({"input_ids": ids},))
@@ -274,34 +327,53 @@ class ModelRunner:
         tables: np.ndarray,
         bucket: int,
         sampling: dict[str, list[Any]],
-    ) -> np.ndarray:
+        gen_from: Optional[list[int]] = None,
+        targets: Optional[list[np.ndarray]] = None,
+        penalties: Optional[dict[str, np.ndarray]] = None,
+        lp_k: Optional[int] = None,
+        prompt_k: Optional[int] = None,
+    ) -> dict[str, Any]:
         """Writes chunk i (len <= bucket) at positions [starts[i], starts[i] + len) of
-        the pages in tables[i] (start 0 resets slot i's seen-mask) and returns the sampled
-        next tokens [n] (token index `sampling["index"][i]` of each request)."""
+        the pages in tables[i] (start 0 resets slot i's seen-mask and counts) and samples
+        the next token of each (token index `sampling["index"][i]`).
+        gen_from[i]: first position of generated tokens (default: none in the chunk);
+        targets[i] (len <= bucket): the id following each chunk position, scored when
+        prompt_k is not None; penalties: `penalties.pack` arrays for next_pow2(n) rows.
+        Returns host arrays cut to n rows: "tok" [n], with lp_k "lp" / "top_ids" /
+        "top_lp", with prompt_k "prompt" (the same, per position [n, bucket, ...])."""
         n = len(slots)
         rows = next_pow2(n)
         time_len = self.window(max(s + bucket for s in starts))
         ids = np.zeros((rows, bucket), np.int32)
+        tgt = np.zeros((rows, bucket), np.int32)
         n_valid = np.ones(rows, np.int32)
         for i, c in enumerate(chunks):
             if not 0 < len(c) <= bucket:
                 raise ValueError(f"prefill: a chunk of {len(c)} ids in bucket {bucket}")
             ids[i, : len(c)] = c
             n_valid[i] = len(c)
-        samp = self._row_sampling(sampling, rows)
-        self.pool, self.seen, tok = self._traced(
+            if targets is not None:
+                tgt[i, : len(targets[i])] = targets[i]
+        far = np.iinfo(np.int32).max
+        self.pool, self.seen, self.counts, out = self._traced(
             self._jit_prefill,
             self.params,
             self.pool,
             self.seen,
+            self.counts,
             self._pad(slots, rows, self.num_slots, np.int32),
             self._table(tables, rows, time_len),
             ids,
             self._pad(starts, rows, 0, np.int32),
             n_valid,
-            samp,
+            self._pad(gen_from if gen_from is not None else [far] * n, rows, far, np.int32),
+            tgt,
+            self._row_sampling(sampling, rows),
+            penalties,
+            lp_k=lp_k,
+            prompt_k=prompt_k,
         )
-        return np.asarray(tok)[:n]
+        return jax.tree.map(lambda a: np.asarray(a)[:n], out)
 
     def decode(
         self,
@@ -313,30 +385,36 @@ class ModelRunner:
         ids: list[int],
         time_step: list[int],
         sampling: dict[str, list[Any]],
-    ) -> np.ndarray:
+        penalties: Optional[dict[str, np.ndarray]] = None,
+        lp_k: Optional[int] = None,
+    ) -> dict[str, Any]:
         """`steps` decode steps for the given rows (per-row lists and `sampling` lists;
-        tables [n, pages]).
+        tables [n, pages]; penalties: `penalties.pack` arrays for next_pow2(n) rows).
         Every row's time_step + steps must be <= max_len and covered by its pages.
-        Returns tokens [steps, n] (int32, host)."""
+        Returns host arrays: "tok" [steps, n] int32, with lp_k "lp" [steps, n],
+        "top_ids" / "top_lp" [steps, n, k]."""
         n = len(slots)
         rows = next_pow2(n)
         time_len = self.window(max(time_step) + steps)
         samp = self._row_sampling(sampling, rows)
-        self.pool, self.seen, toks = self._traced(
+        self.pool, self.seen, self.counts, out = self._traced(
             self._jit_decode,
             self.params,
             self.pool,
             self.seen,
+            self.counts,
             self._pad(slots, rows, self.num_slots, np.int32),
             self._table(tables, rows, time_len),
             self._pad(ids, rows, 0, np.int32),
             self._pad(time_step, rows, 0, np.int32),
             np.arange(rows) < n,
             samp,
+            penalties,
             steps=steps,
             mode=mode,
+            lp_k=lp_k,
         )
-        return np.asarray(toks)[:, :n]
+        return jax.tree.map(lambda a: np.asarray(a)[:, :n], out)
 
     def logits(self, ids: np.ndarray) -> np.ndarray:
         """Cache-free forward: ids [b, s] -> logits [b, s, vocab] (f32, host)."""

@@ -1,4 +1,5 @@
-"""Sampling: greedy, temperature, top-k, top-p, repetition penalty, per-request seeds.
+"""Sampling: greedy, temperature, top-k, top-p, repetition / presence / frequency
+penalties, logit bias, per-request seeds.
 
 `SamplingParams` is the validated per-request setting. `sample_tokens` is the batched,
 jit-able sampler the engine runs on device after every forward pass; `filtered_logits`
@@ -7,11 +8,13 @@ exposes the distribution it samples from (for tests and for logprobs).
 Order of operations (the HF `generate` order):
   1. repetition penalty on every token seen so far (prompt + generated; HF CTRL rule:
      logit > 0 -> logit / p, else logit * p);
-  2. ids >= `vocab_limit` (model vocabulary padded past the tokenizer's) get -inf;
-  3. temperature == 0 -> argmax (greedy); else logits / temperature;
-  4. top-k (k <= 0: off), then top-p over what top-k kept (top_p >= 1: off; the most
+  2. presence / frequency penalties over the generated tokens and logit bias
+     (`penalties.py`, only in calls where some request uses them);
+  3. ids >= `vocab_limit` (model vocabulary padded past the tokenizer's) get -inf;
+  4. temperature == 0 -> argmax (greedy); else logits / temperature;
+  5. top-k (k <= 0: off), then top-p over what top-k kept (top_p >= 1: off; the most
      likely token is always kept);
-  5. one categorical draw with key `fold_in(PRNGKey(seed), generated_index)`, so a
+  6. one categorical draw with key `fold_in(PRNGKey(seed), generated_index)`, so a
      request's tokens depend only on its seed and its own history, never on which other
      requests share the batch.
 """
@@ -20,12 +23,19 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Literal, Optional, Sequence
+from typing import Callable, Literal, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 
 from jaxlearn.inference.errors import RequestError
+from jaxlearn.inference.logprobs import MAX_LOGPROBS
+from jaxlearn.inference.penalties import (
+    MAX_BIAS,
+    MAX_LOGIT_BIAS,
+    MAX_PRESENCE_FREQUENCY,
+    apply_penalties,
+)
 
 Array = jax.Array
 Mode = Literal["greedy", "sample", "filter"]
@@ -44,7 +54,8 @@ def _seed32(seed: int) -> int:
 class SamplingParams:
     """Per-request generation settings (validated in `__post_init__`).
 
-    max_new_tokens: tokens to generate at most (>= 1).
+    max_new_tokens: tokens to generate at most (>= 0; 0: prefill only, e.g. to score a
+        prompt with `prompt_logprobs`).
     temperature: 0 = greedy; else in (0, 100].
     top_k: keep the k most likely tokens (<= 0: off).
     top_p: nucleus mass in (0, 1] (1: off).
@@ -53,6 +64,14 @@ class SamplingParams:
     stop: stop strings; the text ends before the first occurrence of any of them.
     stop_token_ids: extra ids that end generation (the tokenizer's EOS always does unless
         `ignore_eos`).
+    presence_penalty, frequency_penalty: in [-2, 2] (OpenAI definitions over the
+        generated tokens, `penalties.py`).
+    logit_bias: ((token id, bias in [-100, 100]), ...), at most 300, added to the logits
+        before sampling.
+    logprobs: None, or k in [0, 20]: record each generated token's logprob and its k best
+        alternatives (`logprobs.py`: raw model distribution, f32).
+    prompt_logprobs: None, or k in [0, 20]: the same for every prompt token after the
+        first (the prefill then computes logits at every prompt position).
     """
 
     max_new_tokens: int = 16
@@ -64,6 +83,11 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
 
     def __post_init__(self) -> None:
         def bad(param: str, why: str) -> RequestError:
@@ -72,12 +96,14 @@ class SamplingParams:
 
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
             raise bad("max_new_tokens", "must be an integer")
-        if self.max_new_tokens < 1:
-            raise bad("max_new_tokens", "must be >= 1")
+        if self.max_new_tokens < 0:
+            raise bad("max_new_tokens", "must be >= 0")
         for name, lo, hi in (
             ("temperature", 0.0, MAX_TEMPERATURE),
             ("top_p", 0.0, 1.0),
             ("repetition_penalty", 0.0, MAX_REPETITION_PENALTY),
+            ("presence_penalty", -MAX_PRESENCE_FREQUENCY, MAX_PRESENCE_FREQUENCY),
+            ("frequency_penalty", -MAX_PRESENCE_FREQUENCY, MAX_PRESENCE_FREQUENCY),
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -97,6 +123,23 @@ class SamplingParams:
             raise bad("stop", "stop strings must be non-empty strings")
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be integers")
+        self._check_bias_and_logprobs(bad)
+
+    def _check_bias_and_logprobs(self, bad: Callable[[str, str], RequestError]) -> None:
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise bad("logit_bias", f"at most {MAX_LOGIT_BIAS} entries")
+        for entry in self.logit_bias:
+            if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], int)
+                    and not isinstance(entry[0], bool) and entry[0] >= 0
+                    and isinstance(entry[1], (int, float)) and not isinstance(entry[1], bool)
+                    and -MAX_BIAS <= float(entry[1]) <= MAX_BIAS):
+                raise bad("logit_bias", f"entries are (token id >= 0, bias in "
+                                        f"[-{MAX_BIAS:g}, {MAX_BIAS:g}]), got {entry!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (isinstance(k, bool) or not isinstance(k, int)
+                                  or not 0 <= k <= MAX_LOGPROBS):
+                raise bad(name, f"must be None or an integer in [0, {MAX_LOGPROBS}]")
 
     @property
     def greedy(self) -> bool:
@@ -123,11 +166,17 @@ def batch_mode(params: Sequence[SamplingParams]) -> Mode:
     return "greedy"
 
 
-def penalize(logits: Array, seen: Array, penalty: Array, vocab_limit: Optional[int]) -> Array:
-    """Steps 1-2: logits [b, v] f32, seen [b, v] bool, penalty [b] -> [b, v]."""
+def penalize(logits: Array, seen: Array, penalty: Array, vocab_limit: Optional[int],
+             counts: Optional[Array] = None, pen: Optional[dict[str, Array]] = None) -> Array:
+    """Steps 1-3: logits [b, v] f32, seen [b, v] bool, penalty [b] -> [b, v]; with `pen`
+    (`penalties.apply_penalties` arrays) and counts [b, v] also presence / frequency
+    penalties and logit bias."""
     p = penalty[:, None].astype(logits.dtype)
-    pen = jnp.where(logits > 0, logits / p, logits * p)
-    logits = jnp.where(seen & (p != 1.0), pen, logits)
+    rep = jnp.where(logits > 0, logits / p, logits * p)
+    logits = jnp.where(seen & (p != 1.0), rep, logits)
+    if pen is not None:
+        assert counts is not None, "penalties need the generated-token counts"
+        logits = apply_penalties(logits, counts, pen)
     if vocab_limit is not None and vocab_limit < logits.shape[-1]:
         ids = jnp.arange(logits.shape[-1])
         logits = jnp.where(ids[None, :] < vocab_limit, logits, -jnp.inf)
@@ -181,13 +230,16 @@ def sample_tokens(
     index: Array,
     mode: Mode,
     vocab_limit: Optional[int] = None,
+    counts: Optional[Array] = None,
+    pen: Optional[dict[str, Array]] = None,
 ) -> Array:
     """One token per row. logits [b, v] (any float), seen [b, v] bool, per-row settings
-    [b] (temperature f32, top_k i32, top_p f32, penalty f32, seeds u32, index i32).
+    [b] (temperature f32, top_k i32, top_p f32, penalty f32, seeds u32, index i32);
+    optional counts [b, v] and `pen` arrays (presence / frequency / logit bias).
     `mode` (static) picks the cheapest variant that is exact for every row:
     "greedy" (all rows greedy), "sample" (no top-k/top-p anywhere), "filter".
     Returns [b] int32."""
-    logits = penalize(logits.astype(jnp.float32), seen, penalty, vocab_limit)
+    logits = penalize(logits.astype(jnp.float32), seen, penalty, vocab_limit, counts, pen)
     greedy = argmax(logits)
     if mode == "greedy":
         return greedy

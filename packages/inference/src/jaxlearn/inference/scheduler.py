@@ -9,8 +9,10 @@ Each `step()`:
   3. prefills: the next chunk (at most `prefill_chunk` tokens) of the oldest admitted
      prompts, several requests in one call, padded to [rows, bucket] (powers of two)
      with rows x bucket <= the step's prefill budget (`prefill_chunk` tokens while others
-     decode, `4 x prefill_chunk` when nobody does). The chunk that ends a prompt also
-     samples the request's first token;
+     decode or the call scores prompt tokens, `4 x prefill_chunk` otherwise). Chunks
+     whose prompt tokens are scored (`prompt_logprobs`) go in calls of their own. The
+     chunk that ends a prompt also samples the request's first token (or ends a request
+     of max_new_tokens=0);
   4. decodes one token for every decoding request, or, when nobody is waiting or
      prefilling, a fused burst of up to `decode_burst` tokens (never more than any
      running request still may produce). Before the call every row gets the pages its
@@ -42,7 +44,9 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
+from jaxlearn.inference import penalties
 from jaxlearn.inference.errors import QueueFullError, RequestError
+from jaxlearn.inference.logprobs import TokenLogprob, static_k, unpack
 from jaxlearn.inference.metrics import Metrics
 from jaxlearn.inference.pages import PageTable
 from jaxlearn.inference.runner import ModelRunner, next_pow2
@@ -109,6 +113,11 @@ class Request:
     arrival: float = dataclasses.field(default_factory=time.monotonic)
     first_token_at: Optional[float] = None
     done_event: threading.Event = dataclasses.field(default_factory=threading.Event)
+    # With params.logprobs: one entry per generated token, appended before its delta is
+    # handed to the sink. With params.prompt_logprobs: prompt tokens 1.. (the first has
+    # no logprob), complete before the first delta.
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
 
     @property
     def done(self) -> bool:
@@ -218,12 +227,16 @@ class Scheduler:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise RequestError(f"prompt token id {bad[0]} is outside [0, {vocab})", param="prompt")
-        if len(ids) >= self.max_seq_len:
+        if len(ids) + min(params.max_new_tokens, 1) > self.max_seq_len:
             raise RequestError(
                 f"the prompt has {len(ids)} tokens but this engine serves at most "
                 f"max_seq_len={self.max_seq_len} tokens in all (prompt + at least 1 generated)",
                 param="prompt",
             )
+        bad = [t for t, _ in params.logit_bias if t >= vocab]
+        if bad:
+            raise RequestError(f"logit_bias token id {bad[0]} is outside [0, {vocab})",
+                               param="logit_bias")
         if self.tokenizer is None and params.stop:
             raise RequestError(
                 f"stop strings {list(params.stop)!r} need a tokenizer and this engine has "
@@ -325,6 +338,35 @@ class Scheduler:
     def _bucket(self, n: int) -> int:
         return min(self.prefill_chunk, max(self.min_prefill_bucket, next_pow2(n)))
 
+    def _scores(self, req: Request, chunk: Sequence[int]) -> bool:
+        """Whether `chunk` (the next one of `req`) holds prompt positions still to score."""
+        done = len(req.prompt_logprobs)
+        return (req.params.prompt_logprobs is not None and done < len(req.prompt_ids) - 1
+                and req.prefilled + len(chunk) > done)
+
+    def _prefill_batch(self, pending: list[Request]) -> tuple[list[tuple[Request, list[int]]],
+                                                              bool]:
+        """The oldest pending chunks that fit the step's prefill budget, all scoring prompt
+        tokens or none (a scoring call computes logits at every position)."""
+        decoding = any(r is not None and r.state == "decode" for r in self.slots)
+        batch: list[tuple[Request, list[int]]] = []
+        scoring = False
+        longest = 0
+        for req in pending:
+            chunk = req.context[req.prefilled : req.prefilled + self.prefill_chunk]
+            scores = self._scores(req, chunk)
+            if not batch:
+                scoring = scores
+            elif scores != scoring:
+                continue
+            budget = self.prefill_chunk * (1 if decoding or scoring else 4)
+            cost = next_pow2(len(batch) + 1) * self._bucket(max(longest, len(chunk)))
+            if batch and cost > budget:
+                break
+            batch.append((req, chunk))
+            longest = max(longest, len(chunk))
+        return batch, scoring
+
     def _prefill(self) -> bool:
         pending = sorted(
             (r for r in self.slots if r is not None and r.state == "prefill"),
@@ -332,39 +374,59 @@ class Scheduler:
         )
         if not pending:
             return False
-        decoding = any(r is not None and r.state == "decode" for r in self.slots)
-        budget = self.prefill_chunk * (1 if decoding else 4)
-        batch: list[tuple[Request, list[int]]] = []
-        longest = 0
-        for req in pending:
-            chunk = req.context[req.prefilled : req.prefilled + self.prefill_chunk]
-            cost = next_pow2(len(batch) + 1) * self._bucket(max(longest, len(chunk)))
-            if batch and cost > budget:
-                break
-            batch.append((req, chunk))
-            longest = max(longest, len(chunk))
+        batch, scoring = self._prefill_batch(pending)
         reqs = [r for r, _ in batch]
         slots = [_slot(r) for r in reqs]
-        toks = self.runner.prefill(
+        params = [r.params for r in reqs]
+        out = self.runner.prefill(
             slots=slots,
             chunks=[np.asarray(c, np.int32) for _, c in batch],
             starts=[r.prefilled for r in reqs],
             tables=self.pages.rows(slots),
-            bucket=self._bucket(longest),
+            bucket=self._bucket(max(len(c) for _, c in batch)),
             sampling=_sampling(reqs),
+            gen_from=[len(r.prompt_ids) for r in reqs],
+            targets=[np.asarray(r.context[r.prefilled + 1 : r.prefilled + len(c) + 1], np.int32)
+                     for r, c in batch] if scoring else None,
+            penalties=penalties.pack(params, next_pow2(len(reqs)), self.runner.vocab_size),
+            lp_k=static_k([p.logprobs for p in params]),
+            prompt_k=static_k([p.prompt_logprobs for p in params]) if scoring else None,
         )
-        for (req, chunk), tok in zip(batch, toks):
+        for i, (req, chunk) in enumerate(batch):
+            if scoring:
+                self._record_prompt(req, out["prompt"], i, len(chunk))
             req.prefilled += len(chunk)
             self.metrics.inc("prompt_tokens_total", len(chunk))
             if req.prefilled == len(req.context):
-                req.state = "decode"
-                if req.first_token_at is None:
-                    req.first_token_at = time.monotonic()
-                    self.metrics.observe(
-                        "time_to_first_token_seconds", req.first_token_at - req.arrival
-                    )
-                self._emit(req, int(tok))
+                self._prefilled(req, out, i)
         return True
+
+    def _record_prompt(self, req: Request, out: dict[str, Any], row: int, n: int) -> None:
+        """Appends the logprobs of the prompt ids that follow positions [prefilled,
+        prefilled + n) of `req` (row `row` of a scoring prefill call) not yet recorded."""
+        k = req.params.prompt_logprobs or 0
+        start, ids = req.prefilled, req.prompt_ids
+        for pos in range(max(start, len(req.prompt_logprobs)), min(start + n, len(ids) - 1)):
+            req.prompt_logprobs.append(unpack(out, (row, pos - start), ids[pos + 1], k))
+
+    def _prefilled(self, req: Request, out: dict[str, Any], row: int) -> None:
+        """A request's whole context is in the cache: its first (next) token, or the end
+        of a request of max_new_tokens=0."""
+        req.state = "decode"
+        if req.first_token_at is None:
+            req.first_token_at = time.monotonic()
+            self.metrics.observe("time_to_first_token_seconds", req.first_token_at - req.arrival)
+        if req.params.max_new_tokens == 0:
+            self._finish(req, req.output.finish("length"))
+            return
+        tok = int(out["tok"][row])
+        self._record(req, out, (row,), tok)
+        self._emit(req, tok)
+
+    @staticmethod
+    def _record(req: Request, out: dict[str, Any], index: tuple[int, ...], tok: int) -> None:
+        if req.params.logprobs is not None:
+            req.logprobs.append(unpack(out, index, tok, req.params.logprobs))
 
     def _room(self, req: Request) -> int:
         """Tokens `req` may still generate (its own limit and the sequence limit)."""
@@ -421,19 +483,24 @@ class Scheduler:
         if not rows:
             return True
         slots = [_slot(r) for r in rows]
-        toks = self.runner.decode(
+        params = [r.params for r in rows]
+        out = self.runner.decode(
             steps=steps,
-            mode=batch_mode([r.params for r in rows]),
+            mode=batch_mode(params),
             slots=slots,
             tables=self.pages.rows(slots),
             ids=[r.output.tokens[-1] for r in rows],
             time_step=[self._position(r) for r in rows],
             sampling=_sampling(rows),
+            penalties=penalties.pack(params, next_pow2(len(rows)), self.runner.vocab_size),
+            lp_k=static_k([p.logprobs for p in params]),
         )
+        toks = out["tok"]
         for i, r in enumerate(rows):
             for k in range(steps):
                 if r.done:
                     break
+                self._record(r, out, (k, i), int(toks[k, i]))
                 self._emit(r, int(toks[k, i]))
         return True
 

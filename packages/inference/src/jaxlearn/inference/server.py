@@ -7,8 +7,9 @@
     GET  /health                200 while the engine thread runs, else 503
     GET  /metrics               Prometheus text (engine + HTTP counters)
 
-Threads: HTTP handler threads parse and validate, then enqueue a request on the engine's
-scheduler and wait on its private queue; one engine thread (`Engine.start`) runs the
+Threads: HTTP handler threads parse and validate, then enqueue the request's engine
+requests (one per prompt and candidate: `completions.Group`) on the engine's scheduler
+and wait on their private queue; one engine thread (`Engine.start`) runs the
 scheduler loop. Every problem with a request is a 4xx with an OpenAI-style error body:
 malformed or non-object JSON, unknown fields, wrong types, out-of-range sampling values,
 prompts over max_seq_len (400), bodies over `max_body_bytes` (413), missing length (411),
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import json
 import logging
-import queue
 import select
 import socket
 import threading
@@ -31,6 +31,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Optional
 
+from jaxlearn.inference.completions import Candidate, Group
 from jaxlearn.inference.engine import Engine
 from jaxlearn.inference.errors import QueueFullError, RequestError
 from jaxlearn.inference.protocol import (
@@ -41,11 +42,8 @@ from jaxlearn.inference.protocol import (
     parse_chat,
     parse_completion,
     response,
-    usage,
 )
-from jaxlearn.inference.sampling import SamplingParams
 from jaxlearn.text.detokenize import Delta
-from jaxlearn.text.protocol import chat_prompt
 
 log = logging.getLogger(__name__)
 
@@ -285,58 +283,20 @@ class _Handler(BaseHTTPRequestHandler):
     # ---- generation -----------------------------------------------------------------
 
     def _generate(self, parsed: ParsedRequest) -> None:
-        eng = self.app.engine
-        box: "queue.Queue[Delta]" = queue.Queue()
         try:
-            if parsed.kind == "chat":
-                assert parsed.messages is not None
-                if eng.tokenizer is None:
-                    raise RequestError("chat needs a tokenizer and this engine has none: use "
-                                       "/v1/completions with a prompt of token ids",
-                                       param="messages")
-                try:
-                    prompt: Any = chat_prompt(eng.tokenizer, parsed.messages)
-                except Exception as e:  # Templates reject some conversations (roles...).
-                    raise RequestError(f"the chat template refused the messages: {e}",
-                                       param="messages") from None
-            else:
-                prompt = parsed.prompt
-            ids = eng.encode(prompt)
-            room = eng.max_seq_len - len(ids)
-            max_tokens = parsed.max_tokens if parsed.max_tokens is not None else max(room, 1)
-            if len(ids) >= eng.max_seq_len or max_tokens > room:
-                raise RequestError(
-                    f"this model's maximum context length is {eng.max_seq_len} tokens; the "
-                    f"prompt has {len(ids)} tokens and max_tokens is {max_tokens}",
-                    param="max_tokens" if len(ids) < eng.max_seq_len else "prompt",
-                )
-            params = SamplingParams(
-                max_new_tokens=max_tokens,
-                temperature=parsed.temperature,
-                top_k=parsed.top_k,
-                top_p=parsed.top_p,
-                repetition_penalty=parsed.repetition_penalty,
-                seed=parsed.seed,
-                stop=parsed.stop,
-                stop_token_ids=parsed.stop_token_ids,
-                ignore_eos=parsed.ignore_eos,
-            )
-            request = eng.scheduler.make_request(ids, params, sink=lambda _r, d: box.put(d))
+            group = Group(self.app.engine, parsed)
         except RequestError as e:
             raise _HTTPError(400, str(e), e.param) from None
-        try:
-            eng.scheduler.submit(request)
-        except QueueFullError as e:
-            raise _HTTPError(429, str(e)) from None
         rid = new_id(parsed.kind)
         try:
             if parsed.stream:
-                self._stream(parsed, rid, request, box)
+                self._stream(parsed, rid, group)
             else:
-                self._collect(parsed, rid, request, box)
+                self._collect(parsed, rid, group)
+        except QueueFullError as e:
+            raise _HTTPError(429, str(e)) from None
         finally:
-            if not request.done:
-                eng.scheduler.cancel(request)
+            group.cancel()
 
     def _client_gone(self) -> bool:
         """Whether the peer closed its end (readable with no data pending)."""
@@ -348,34 +308,28 @@ class _Handler(BaseHTTPRequestHandler):
         except (OSError, ValueError):
             return True
 
-    def _next(self, box: "queue.Queue[Delta]") -> Optional[Delta]:
-        """The next delta, or None once the client is gone."""
+    def _next(self, group: Group) -> Optional[tuple[Candidate, Delta]]:
+        """The group's next event, or None once the client is gone."""
         while True:
-            try:
-                return box.get(timeout=0.1)
-            except queue.Empty:
-                if self._client_gone():
-                    self.close_connection = True
-                    return None
+            event = group.poll(0.1)
+            if event is not None:
+                return event
+            if self._client_gone():
+                self.close_connection = True
+                return None
 
-    def _collect(self, parsed: ParsedRequest, rid: str, request: Any, box: Any) -> None:
-        text: list[str] = []
-        while True:
-            delta = self._next(box)
-            if delta is None:
+    def _collect(self, parsed: ParsedRequest, rid: str, group: Group) -> None:
+        while not group.done:
+            if self._next(group) is None:
                 return
-            text.append(delta.text)
-            if delta.finish_reason is not None:
-                break
-        if delta.finish_reason == "error":
+        if any(c.finish == "error" for c in group.candidates):
             raise _HTTPError(500, "generation failed on the device")
-        use = usage(len(request.prompt_ids), request.num_generated)
-        eng = self.app.engine
-        self._json(200, response(parsed.kind, rid, eng.model_name, "".join(text),
-                                 delta.finish_reason, use))
-
-    def _stream(self, parsed: ParsedRequest, rid: str, request: Any, box: Any) -> None:
         model = self.app.engine.model_name
+        self._json(200, response(parsed.kind, rid, model, group.choices(), group.usage()))
+
+    def _stream(self, parsed: ParsedRequest, rid: str, group: Group) -> None:
+        model = self.app.engine.model_name
+        group.submit()  # A full queue is a 429 before the stream starts.
         self.close_connection = True  # The body ends when the connection closes.
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream; charset=utf-8")
@@ -389,19 +343,14 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(f"data: {data}\n\n".encode())
             self.wfile.flush()
 
-        first = True
-        while True:
-            delta = self._next(box)
-            if delta is None:
+        while not group.done:
+            event = self._next(group)
+            if event is None:
                 return
-            if delta.text or delta.finish_reason is not None or first:
-                send(chunk(parsed.kind, rid, model, delta.text, delta.finish_reason,
-                           role=first and parsed.kind == "chat"))
-                first = False
-            if delta.finish_reason is not None:
-                break
+            part = group.stream_choice(*event)
+            if part is not None:
+                send(chunk(parsed.kind, rid, model, [part]))
         if parsed.include_usage:
-            send(chunk(parsed.kind, rid, model, None, None,
-                       use=usage(len(request.prompt_ids), request.num_generated)))
+            send(chunk(parsed.kind, rid, model, [], use=group.usage()))
         send("[DONE]")
         time.sleep(0)  # Let the final write go out before the socket closes.

@@ -5,6 +5,8 @@
     model = loaded.model()                               # CausalLM
     ids = loaded.encode_chat([{"role": "user", "content": "Hi"}])
     export_hf("out_dir", loaded.config, loaded.params, tokenizer=loaded.tokenizer)
+    export_gguf("out.gguf", loaded.config, loaded.params, tokenizer=loaded.tokenizer,
+                chat_template=loaded.chat_template, dtype="q8_0")
 
 See packages/interop/README.md.
 """
@@ -48,6 +50,7 @@ __all__ = [
     "architecture_from_config",
     "architecture_from_hf",
     "build_config",
+    "export_gguf",
     "export_hf",
     "export_pretrained",
     "greedy_generate",
@@ -65,4 +68,8 @@ def __getattr__(name: str) -> Any:
         from jaxlearn.interop.gguf import load_gguf
 
         return load_gguf
+    if name == "export_gguf":
+        from jaxlearn.interop.gguf_export import export_gguf
+
+        return export_gguf
     raise AttributeError(f"module 'jaxlearn.interop' has no attribute {name!r}")

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+import contextlib
+from typing import Iterator, Sequence
 
 from jaxlearn.text import errors as text_errors
 
@@ -61,3 +62,15 @@ class TokenizerError(InteropError, text_errors.TokenizerError):
 
 # Chat templates are rendered by jaxlearn.text; its error type is re-exported here.
 ChatTemplateError = text_errors.ChatTemplateError
+
+
+@contextlib.contextmanager
+def tokenizer_errors_as_interop() -> Iterator[None]:
+    """Re-raises a `jaxlearn.text` TokenizerError from the block as interop's
+    TokenizerError, so callers of interop catch every failure as an InteropError."""
+    try:
+        yield
+    except text_errors.TokenizerError as e:
+        if isinstance(e, InteropError):
+            raise
+        raise TokenizerError(str(e)) from None

@@ -35,6 +35,7 @@ from jaxlearn.interop.errors import (
     InteropError,
     MalformedFileError,
     TokenizerError,
+    tokenizer_errors_as_interop,
 )
 from jaxlearn.interop.hf_config import HF_CLASSES, architecture_from_hf, read_json
 from jaxlearn.interop.model import LoadedModel
@@ -303,42 +304,62 @@ def export_hf(
     chat_template: Optional[ChatTemplate] = None,
     bos_token_id: Optional[int] = None,
     eos_token_ids: Iterable[int] = (),
+    pad_token_id: Optional[int] = None,
     max_position_embeddings: Optional[int] = None,
     dtype: str = "float32",
     max_shard_bytes: Optional[int] = None,
 ) -> pathlib.Path:
     """Writes an HF model directory for a jaxlearn `CausalLM` (config + params): config.json,
-    model.safetensors (or shards + index when larger than `max_shard_bytes`),
-    generation_config.json, and tokenizer.json / tokenizer_config.json when a tokenizer is
-    given. dtype: "float32", "bfloat16" or "float16".
+    model.safetensors (or shards + index when larger than `max_shard_bytes`) and
+    generation_config.json (bos/eos/pad ids); with a tokenizer (a `tokenizers.Tokenizer`,
+    jaxlearn's `ByteTokenizer` or `HFTokenizer`) also tokenizer.json,
+    tokenizer_config.json (special tokens, `chat_template`, `model_max_length`),
+    special_tokens_map.json and chat_template.jinja, as transformers saves them. Special
+    ids not given come from the chat template's token texts, then the tokenizer.
+    dtype: "float32", "bfloat16" or "float16".
 
     Raises UnsupportedModelError if the config has features HF Llama/Mistral/Qwen2/Mixtral
-    cannot express (the message names the config path).
+    cannot express (the message names the config path), ParameterMismatchError for params
+    that do not match the config, TokenizerError for a tokenizer larger than the model's
+    vocab.
     """
+    from jaxlearn.text.tokenizer_export import (
+        export_tokenizer,
+        generation_config,
+        write_hf_tokenizer_files,
+    )
+
     out = pathlib.Path(path)
     arch = architecture_from_config(config, max_position_embeddings=max_position_embeddings)
-    arch.bos_token_id = bos_token_id
-    arch.eos_token_ids = tuple(int(i) for i in eos_token_ids)
     top, layers = split_params(config.instantiate(), params)
     tensors = write_tensors(arch, "hf", top, layers)
+    tok = None
+    if tokenizer is not None:
+        with tokenizer_errors_as_interop():
+            tok = export_tokenizer(
+                tokenizer,
+                vocab_size=arch.vocab_size,
+                chat_template=chat_template,
+                bos_token_id=bos_token_id,
+                eos_token_ids=eos_token_ids,
+                pad_token_id=pad_token_id,
+            )
+    gen = generation_config(tok, bos_token_id, tuple(eos_token_ids), pad_token_id)
+    arch.bos_token_id = gen.get("bos_token_id")
+    eos = gen.get("eos_token_id")
+    arch.eos_token_ids = tuple(eos) if isinstance(eos, list) else () if eos is None else (eos,)
     state = {k: _cast_for_export(v, dtype) for k, v in tensors.items()}
     out.mkdir(parents=True, exist_ok=True)
     _save_safetensors(out, state, max_shard_bytes)
-    (out / "config.json").write_text(json.dumps(hf_config_dict(arch, dtype=dtype), indent=2) + "\n")
-    gen: dict[str, Any] = {}
-    if bos_token_id is not None:
-        gen["bos_token_id"] = bos_token_id
-    if arch.eos_token_ids:
-        gen["eos_token_id"] = list(arch.eos_token_ids)
+    hf = hf_config_dict(arch, dtype=dtype)
+    if "pad_token_id" in gen:
+        hf["pad_token_id"] = gen["pad_token_id"]
+    (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    if tokenizer is not None:
-        tokenizer.save(str(out / "tokenizer.json"))
-        tc: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast"}
-        if chat_template is not None:
-            tc["chat_template"] = chat_template.source
-            tc["bos_token"] = chat_template.bos_token or None
-            tc["eos_token"] = chat_template.eos_token or None
-        (out / "tokenizer_config.json").write_text(json.dumps(tc, indent=2) + "\n")
+    if tok is not None:
+        write_hf_tokenizer_files(
+            out, tok, chat_template, model_max_length=hf["max_position_embeddings"]
+        )
     return out
 
 
@@ -355,6 +376,7 @@ def export_pretrained(path: str | pathlib.Path, loaded: LoadedModel, **kwargs: A
         chat_template=loaded.chat_template,
         bos_token_id=loaded.bos_token_id,
         eos_token_ids=loaded.eos_token_ids,
+        pad_token_id=loaded.pad_token_id,
         max_position_embeddings=arch.max_position_embeddings if arch is not None else None,
         **kwargs,
     )

@@ -15,9 +15,11 @@ flag) and what is wrong.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import shlex
-from typing import Optional
+import shutil
+from typing import Mapping, Optional
 
 DEFAULT_ENTRYPOINT = "python3 -m jaxlearn.cli"
 
@@ -34,6 +36,30 @@ def job_name(name: str) -> str:
         raise JobSpecError(f"--name {name!r}: need 1-40 characters of a-z, 0-9 and '-' (pod "
                            "host names <name>-workers-J-P must stay within 63)")
     return clean
+
+
+def same_jaxlearn(argv0: str, environ: Mapping[str, str], executable: str,
+                  checkout: Optional[str] = None) -> str:
+    """How a node sharing this machine's filesystem runs the `jaxlearn` this process runs:
+    shell words with absolute paths, fixed at generation time. First that applies:
+
+    1. `$JAXLEARN_ENTRYPOINT` (the checkout's `tools/jaxlearn` sets it to itself);
+    2. an installed console script: `argv0` named `jaxlearn` (looked up on PATH when bare);
+    3. the checkout's `tools/jaxlearn` (`checkout`: the source tree this code runs from);
+    4. this interpreter: `<executable> -m jaxlearn.cli`.
+    """
+    given = environ.get("JAXLEARN_ENTRYPOINT", "").strip()
+    if given:
+        return given
+    if os.path.basename(argv0) == "jaxlearn":
+        found = argv0 if os.sep in argv0 else shutil.which(argv0, path=environ.get("PATH"))
+        if found and os.path.isfile(found) and os.access(found, os.X_OK):
+            return shlex.quote(os.path.abspath(found))
+    if checkout is not None:
+        script = os.path.join(checkout, "tools", "jaxlearn")
+        if os.path.isfile(script) and os.access(script, os.X_OK):
+            return shlex.quote(os.path.abspath(script))
+    return shlex.join([os.path.abspath(executable), "-m", "jaxlearn.cli"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,4 +123,5 @@ class JobOptions:
         return out
 
 
-__all__ = ["DEFAULT_ENTRYPOINT", "JobOptions", "JobSpecError", "JobTarget", "job_name"]
+__all__ = ["DEFAULT_ENTRYPOINT", "JobOptions", "JobSpecError", "JobTarget", "job_name",
+           "same_jaxlearn"]

@@ -7,10 +7,15 @@ writes).
 One replicated job of `processes` pods (an Indexed Job, one pod per host), pod 0 the
 coordinator under its JobSet DNS name `<name>-workers-0-0.<name>`; every pod finds its
 place from JOB_COMPLETION_INDEX and the JobSet annotations (`jaxlearn.launch.cluster`).
-Any failed pod fails the JobSet, which stops the others (and restarts all of them up to
-`max_restarts` times). TPU slices get the GKE TPU node selectors and topology, GPU node
-pools the GKE accelerator label, Trainium the Neuron device resource; CPU targets split
-their devices over the pods (`--num_cpu_devices`).
+Any failed pod fails the JobSet, which stops the others and restarts all of them, up to
+`max_restarts` times; `jaxlearn train` in the new pods resumes from the last checkpoint in
+its output directory (shared storage: a PVC, a CSI volume such as GCS FUSE, or an object
+store URI). A pod evicted for preemption or maintenance (condition DisruptionTarget) fails
+its Job through the pod failure policy, and that restart does not count against
+`max_restarts`. TPU slices get the GKE TPU node selectors and topology, GPU node pools the
+GKE accelerator label and a memory-backed /dev/shm (NCCL's shared-memory transport), Trainium
+the Neuron device resource; CPU targets split their devices over the pods
+(`--num_cpu_devices`).
 """
 
 from __future__ import annotations
@@ -33,6 +38,25 @@ _TPU_ACCELERATOR = {"tpu-v4": "tpu-v4-podslice", "tpu-v5p": "tpu-v5p-slice",
 _TPU_3D = ("tpu-v4", "tpu-v5p")
 _GPU_ACCELERATOR = {"gpu-h100": "nvidia-h100-80gb", "gpu-h200": "nvidia-h200-141gb",
                     "gpu-b200": "nvidia-b200"}
+# GKE's Cloud Storage FUSE CSI driver, which needs a pod annotation to be injected.
+GCSFUSE_DRIVER = "gcsfuse.csi.storage.gke.io"
+
+
+@dataclasses.dataclass(frozen=True)
+class Volume:
+    """Shared storage mounted into every pod.
+
+    Attributes:
+        mount: the absolute path in the container, e.g. "/shared".
+        claim: a PersistentVolumeClaim's name (a `--pvc`), or None.
+        driver: a CSI driver (a `--volume`, inline ephemeral CSI volume), or None.
+        attributes: (KEY, VALUE) volumeAttributes of the CSI volume, e.g. bucketName.
+    """
+
+    mount: str
+    claim: Optional[str] = None
+    driver: Optional[str] = None
+    attributes: tuple[tuple[str, str], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -46,8 +70,10 @@ class K8sOptions(JobOptions):
         tpu_topology: GKE TPU topology, e.g. "2x2x2" (None: from the chip count).
         node_selector: (KEY, VALUE) pod nodeSelector entries, added or overriding.
         cpu, memory: per-pod resource requests, e.g. "8", "64Gi".
-        max_restarts: JobSet restarts of the whole set after a failure.
+        max_restarts: JobSet restarts of the whole set after a failure (preemptions do
+            not count); each restart resumes from the last checkpoint.
         service_account: the pods' service account.
+        volumes: shared storage mounted into every pod.
     """
 
     image: str
@@ -57,8 +83,9 @@ class K8sOptions(JobOptions):
     node_selector: tuple[tuple[str, str], ...] = ()
     cpu: Optional[str] = None
     memory: Optional[str] = None
-    max_restarts: int = 0
+    max_restarts: int = 3
     service_account: Optional[str] = None
+    volumes: tuple[Volume, ...] = ()
 
 
 def tpu_topology(kind: str, chips: int) -> str:
@@ -154,6 +181,37 @@ def _env(options: K8sOptions, target: JobTarget, processes: int, port: int
     return env
 
 
+def _volumes(options: K8sOptions, target: JobTarget
+             ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The pod's volumes and the container's mounts: the shared storage, and on GPU pods a
+    memory-backed /dev/shm (the container runtime's default is 64 MiB)."""
+    volumes: list[dict[str, Any]] = []
+    mounts: list[dict[str, Any]] = []
+    for i, v in enumerate(options.volumes):
+        flag = f"--pvc {v.claim}:{v.mount}" if v.claim else f"--volume {v.driver}:{v.mount}"
+        if not v.mount.startswith("/") or v.mount.rstrip("/") in ("", "/dev/shm"):
+            raise JobSpecError(f"{flag}: the mount must be an absolute path other than / "
+                               "and /dev/shm")
+        if any(m["mountPath"] == v.mount for m in mounts):
+            raise JobSpecError(f"{flag}: {v.mount} is mounted twice")
+        name = f"shared-{i}"
+        if v.claim:
+            if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?", v.claim):
+                raise JobSpecError(f"{flag}: {v.claim!r} is not a PersistentVolumeClaim name "
+                                   "(lower-case a-z, 0-9, '-', '.')")
+            volumes.append({"name": name, "persistentVolumeClaim": {"claimName": v.claim}})
+        else:
+            csi: dict[str, Any] = {"driver": v.driver}
+            if v.attributes:
+                csi["volumeAttributes"] = dict(v.attributes)
+            volumes.append({"name": name, "csi": csi})
+        mounts.append({"name": name, "mountPath": v.mount})
+    if target.platform == "gpu":
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    return volumes, mounts
+
+
 def _pod(options: K8sOptions, target: JobTarget, place: _Placement) -> dict[str, Any]:
     """The pod spec: one `jaxlearn` container, never restarted by the kubelet."""
     port = options.coordinator_port or DEFAULT_K8S_PORT
@@ -172,6 +230,10 @@ def _pod(options: K8sOptions, target: JobTarget, place: _Placement) -> dict[str,
     }
     if resources:
         container["resources"] = resources
+    volumes, mounts = _volumes(options, target)
+    if mounts:
+        container["volumeMounts"] = mounts
+    # Never restarted in place: a failed pod fails the JobSet, which restarts every pod.
     pod: dict[str, Any] = {"restartPolicy": "Never"}
     if options.service_account:
         pod["serviceAccountName"] = options.service_account
@@ -180,6 +242,8 @@ def _pod(options: K8sOptions, target: JobTarget, place: _Placement) -> dict[str,
     if place.tolerations:
         pod["tolerations"] = place.tolerations
     pod["containers"] = [container]
+    if volumes:
+        pod["volumes"] = volumes
     return pod
 
 
@@ -189,6 +253,8 @@ def _label(value: str) -> str:
 
 def jobset_manifest(options: K8sOptions, target: JobTarget) -> dict[str, Any]:
     """The JobSet that runs `target` with `options`, as a dict (see the module doc)."""
+    if options.max_restarts < 0:
+        raise JobSpecError(f"--max_restarts {options.max_restarts}: must be >= 0")
     place = _placement(options, target)
     name = target.name
     metadata: dict[str, Any] = {"name": name, "labels": {
@@ -209,8 +275,13 @@ def jobset_manifest(options: K8sOptions, target: JobTarget) -> dict[str, Any]:
             "network": {"enableDNSHostnames": True, "subdomain": name,
                         "publishNotReadyAddresses": True},
             # Any failed pod fails its Job (backoffLimit 0) and so the JobSet, which stops
-            # every other pod (and restarts them all, up to maxRestarts times).
-            "failurePolicy": {"maxRestarts": options.max_restarts},
+            # every other pod and restarts them all, up to maxRestarts times; a Job failed by
+            # its pod failure policy (a pod evicted for preemption or maintenance) restarts
+            # the set without counting.
+            "failurePolicy": {"maxRestarts": options.max_restarts, "rules": [{
+                "name": "preemption-restarts-do-not-count",
+                "action": "RestartJobSetAndIgnoreMaxRestarts",
+                "onJobFailureReasons": ["PodFailurePolicy"]}]},
             "replicatedJobs": [{
                 "name": REPLICATED_JOB,
                 "replicas": 1,
@@ -219,11 +290,25 @@ def jobset_manifest(options: K8sOptions, target: JobTarget) -> dict[str, Any]:
                     "completions": place.processes,
                     "completionMode": "Indexed",
                     "backoffLimit": 0,
-                    "template": {"spec": _pod(options, target, place)},
+                    "podFailurePolicy": {"rules": [{
+                        "action": "FailJob",
+                        "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]},
+                    "template": _pod_template(options, target, place),
                 }},
             }],
         },
     }
+
+
+def _pod_template(options: K8sOptions, target: JobTarget, place: _Placement
+                  ) -> dict[str, Any]:
+    """The Job's pod template (GCS FUSE volumes need the annotation that injects the
+    driver's sidecar)."""
+    template: dict[str, Any] = {}
+    if any(v.driver == GCSFUSE_DRIVER for v in options.volumes):
+        template["metadata"] = {"annotations": {"gke-gcsfuse/volumes": "true"}}
+    template["spec"] = _pod(options, target, place)
+    return template
 
 
 def jobset_file(options: K8sOptions, target: JobTarget) -> str:
@@ -291,5 +376,5 @@ def _inline(value: Any) -> str:
     return _scalar(value)
 
 
-__all__ = ["REPLICATED_JOB", "K8sOptions", "jobset_file", "jobset_manifest", "to_yaml",
-           "tpu_topology"]
+__all__ = ["GCSFUSE_DRIVER", "REPLICATED_JOB", "K8sOptions", "Volume", "jobset_file",
+           "jobset_manifest", "to_yaml", "tpu_topology"]

@@ -3,11 +3,17 @@
     text = slurm_script(SlurmOptions(partition="a3", time="4:00:00"), target)
     submit("job.sbatch")        # sbatch it; returns sbatch's exit status
 
-One `srun` step with `--kill-on-bad-exit=1`: one failed task ends the step. Every task
-finds its rank and the coordinator (first node) from SLURM_PROCID, SLURM_STEP_NUM_TASKS and
-SLURM_STEP_NODELIST (`jaxlearn.launch.cluster`). GPU targets get whole nodes of
-`devices_per_host` GPUs; CPU targets split their devices over the tasks
-(`--num_cpu_devices`); TPU VMs and Trainium hosts are whole hosts.
+One `srun --label` step with `--kill-on-bad-exit=1`: every output line starts with its
+task's rank (`0: `, `1: `, ...), and one failed task ends the step. The batch script, on
+the allocation's first node, names the coordinator (process 0, on that node) by the
+address Slurm reaches that node at: `scontrol show hostnames "$SLURM_JOB_NODELIST"` gives
+its name, `scontrol show node` its NodeAddr (the name itself where none is set); the port
+is `JobOptions.coordinator_port`, else derived from the job id as JAX does. Every task then
+finds its rank from SLURM_PROCID and SLURM_STEP_NUM_TASKS (`jaxlearn.launch.cluster`). GPU
+targets get whole nodes of `devices_per_host` GPUs; CPU targets split their devices over
+the tasks (`--num_cpu_devices`); TPU VMs and Trainium hosts are whole hosts. The job's
+output goes to `SlurmOptions.log` (default `slurm-%x-%j.out`: job name and id, relative to
+the directory sbatch runs in).
 """
 
 from __future__ import annotations
@@ -22,6 +28,20 @@ from typing import Optional
 
 from jaxlearn.launch.job import JobOptions, JobSpecError, JobTarget
 
+DEFAULT_LOG = "slurm-%x-%j.out"
+
+# The coordinator, resolved in the batch script on the allocation's first node (where
+# process 0 runs). `sed -n 1p` reads all of scontrol's output (no SIGPIPE under pipefail).
+_COORDINATOR_LINES = r"""
+# Process 0 runs on the first node: every task reaches it at the address Slurm uses
+# for that node (its NodeAddr, else its name), resolved here at run time.
+coordinator_node="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)"
+coordinator_host="$(scontrol show node -o "$coordinator_node" | tr ' ' '\n' \
+    | sed -n 's/^NodeAddr=//p' || true)"
+coordinator_port="${JAXLEARN_COORDINATOR_PORT:-$((SLURM_JOB_ID % 4096 + 61440))}"
+export JAXLEARN_COORDINATOR_ADDRESS="${coordinator_host:-$coordinator_node}:$coordinator_port"
+""".strip("\n").splitlines()
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SlurmOptions(JobOptions):
@@ -35,7 +55,8 @@ class SlurmOptions(JobOptions):
         cpus_per_task: sbatch --cpus-per-task.
         exclusive: whole nodes (sbatch --exclusive).
         setup: shell lines run before srun (e.g. activating a virtual environment).
-        log: sbatch --output.
+        log: sbatch --output: the job's output, every line labelled with its task's rank
+            (relative paths: to the directory sbatch runs in; %x job name, %j job id).
     """
 
     nodes: Optional[int] = None
@@ -47,7 +68,7 @@ class SlurmOptions(JobOptions):
     cpus_per_task: Optional[int] = None
     exclusive: bool = True
     setup: tuple[str, ...] = ()
-    log: Optional[str] = None
+    log: str = DEFAULT_LOG
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +121,7 @@ def _sbatch_lines(options: SlurmOptions, target: JobTarget, layout: _Layout) -> 
         lines.append(f"#SBATCH --gpus-per-node={layout.gpus_per_node}")
     for flag, value in (("--cpus-per-task", options.cpus_per_task),
                         ("--partition", options.partition), ("--account", options.account),
-                        ("--time", options.time), ("--output", options.log)):
+                        ("--time", options.time), ("--output", options.log or DEFAULT_LOG)):
         if value is not None:
             lines.append(f"#SBATCH {flag}={value}")
     if options.exclusive:
@@ -117,15 +138,16 @@ def slurm_script(options: SlurmOptions, target: JobTarget) -> str:
     if options.coordinator_port is not None:
         env.append(("JAXLEARN_COORDINATOR_PORT", str(options.coordinator_port)))
     lines += [f"export {k}={shlex.quote(v)}" for k, v in env]
+    lines += ["", *_COORDINATOR_LINES]
     ppn = layout.processes_per_node
-    srun = ["srun", "--kill-on-bad-exit=1", f"--ntasks-per-node={ppn}"]
+    srun = ["srun", "--label", "--kill-on-bad-exit=1", f"--ntasks-per-node={ppn}"]
     if layout.gpus_per_node and ppn > 1:
         srun.append(f"--gpus-per-task={layout.gpus_per_node // ppn}")
     command = target.command(options.entrypoint, layout.cpu_devices)
     lines += [
         "",
-        "# Every task finds its rank and the coordinator (first node) from SLURM_PROCID,",
-        "# SLURM_STEP_NUM_TASKS and SLURM_STEP_NODELIST; one failed task ends the step.",
+        "# Every task finds its rank from SLURM_PROCID and SLURM_STEP_NUM_TASKS; every output",
+        "# line starts with it (--label); one failed task ends the step.",
         shlex.join(srun) + " \\",
         "    " + shlex.join(command),
         "",
@@ -133,20 +155,23 @@ def slurm_script(options: SlurmOptions, target: JobTarget) -> str:
     return "\n".join(lines)
 
 
-def submit(path: str) -> int:
-    """Submits the script at `path` with sbatch, passing on its output; its exit status.
-    Raises JobSpecError when sbatch is not on PATH."""
+def submit(path: str, wait: bool = False) -> int:
+    """Submits the script at `path` with sbatch, passing on its output; sbatch's exit status
+    (`wait`: sbatch --wait, which returns when the job ends, with the job's status). Raises
+    JobSpecError when sbatch is not on PATH."""
+    argv = ["sbatch", "--wait", path] if wait else ["sbatch", path]
     try:
-        done = subprocess.run(["sbatch", path], capture_output=True, text=True)
+        done = subprocess.run(argv, capture_output=True, text=True)
     except FileNotFoundError:
         raise JobSpecError("--submit: sbatch is not on PATH (run this on a Slurm login node, "
                            f"or copy {path} there)") from None
     sys.stdout.write(done.stdout)
     sys.stderr.write(done.stderr)
     if done.returncode:
-        print(f"jaxlearn: error: sbatch {path} failed (exit status {done.returncode})",
+        what = "the job" if wait else f"sbatch {path}"
+        print(f"jaxlearn: error: {what} failed (exit status {done.returncode})",
               file=sys.stderr)
     return done.returncode
 
 
-__all__ = ["SlurmOptions", "slurm_script", "submit"]
+__all__ = ["DEFAULT_LOG", "SlurmOptions", "slurm_script", "submit"]

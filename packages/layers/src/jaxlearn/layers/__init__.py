@@ -1,5 +1,5 @@
 """jaxlearn.layers: embeddings, norms, linear (+int8/fp8 dots), attention (MHA/GQA/MQA,
-RoPE, masks, KV cache), FFN, MoE, transformer stacks, decoder, causal LM.
+RoPE, masks, KV cache), FFN, MoE, LoRA adapters, transformer stacks, decoder, causal LM.
 
 See packages/layers/README.md for the public API, the HF Llama mapping and the contract
 between files.
@@ -10,16 +10,24 @@ from jaxlearn.layers.causal_lm import CausalLM, cross_entropy
 from jaxlearn.layers.composition import (
     fuse_projection_params,
     fuse_projections,
+    merge_lora,
     set_norm,
     set_rope,
     use_dot,
     use_gqa,
+    use_lora,
     use_moe,
 )
 from jaxlearn.layers.decoder import Decoder
 from jaxlearn.layers.dense import DotGeneral, Linear, dense, einsum, matmul
 from jaxlearn.layers.embedding import Embedding
 from jaxlearn.layers.ffn import ACTIVATIONS, FeedForward, get_activation
+from jaxlearn.layers.lora import (
+    ADAPTERS,
+    LoraAttention,
+    LoraFeedForward,
+    with_base_params,
+)
 from jaxlearn.layers.norm import LayerNorm, RMSNorm
 from jaxlearn.layers.pipeline import PipelineStack, pipeline_config, use_pipeline
 from jaxlearn.layers.recipes import llama_config, mixtral_config
@@ -34,11 +42,17 @@ from jaxlearn.layers.transformer import BaseStack, LoopStack, ScanStack, Transfo
 __all__ = [
     "fuse_projection_params",
     "fuse_projections",
+    "merge_lora",
     "set_norm",
     "set_rope",
     "use_dot",
     "use_gqa",
+    "use_lora",
     "use_moe",
+    "ADAPTERS",
+    "LoraAttention",
+    "LoraFeedForward",
+    "with_base_params",
     "use_pipeline",
     "pipeline_config",
     "PipelineStack",

@@ -10,17 +10,28 @@ visit) and returns a new config; the input is not modified.
     cfg = set_norm(cfg, LayerNorm.default_config())           # every norm
     cfg = use_dot(cfg, Int8Dot.default_config())              # int8 dots everywhere
     cfg, params = fuse_projections(cfg, params)              # serving: fused QKV / gate
+    cfg = use_lora(cfg, rank=8, alpha=16)                    # adapters on q/k/v/o, wi*/wo
+    cfg, params = merge_lora(cfg, params)                    # fold them in: a plain model
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Optional
 
+import jax
 import jax.numpy as jnp
 
 from jaxlearn.config import ConfigBase, replace_config, visit
 from jaxlearn.layers.attention import Attention
 from jaxlearn.layers.ffn import FeedForward
+from jaxlearn.layers.lora import (
+    BASE_CLASSES,
+    DEFAULT_TARGETS,
+    LORA_CLASSES,
+    LoraMixin,
+    check_lora_settings,
+)
 from jaxlearn.layers.moe import MixtureOfExperts
 from jaxlearn.layers.norm import LayerNorm, RMSNorm
 from jaxlearn.layers.transformer import BaseStack, LoopStack
@@ -116,3 +127,99 @@ def fuse_projection_params(params: Any) -> Any:
                 [out.pop("wi_0_bias"), out.pop("wi_1_bias")], axis=-1
             )
     return out
+
+
+# ---- LoRA (layers in lora.py) ----------------------------------------------------------
+
+
+def _weight_names(cfg: Any) -> list[str]:
+    """The projection weights an Attention / FeedForward config will have."""
+    if cfg.klass is Attention:
+        return ["qkv_proj", "o_proj"] if cfg.fused_qkv else ["q_proj", "k_proj", "v_proj", "o_proj"]
+    if cfg.fused_gate:
+        return ["wi_fused", "wo"]
+    return ["wi_0", "wi_1", "wo"] if len(cfg.activation) == 2 else ["wi", "wo"]
+
+
+def use_lora(
+    cfg: Any,
+    *,
+    rank: int = 8,
+    alpha: float = 16.0,
+    targets: str = DEFAULT_TARGETS,
+    dropout: float = 0.0,
+) -> Any:
+    """Every Attention / FeedForward config with a weight whose "<config path>.<weight>"
+    fully matches `targets` becomes its LoRA subclass, adapting those weights (fields carry
+    over). Mixture-of-experts layers are not FeedForward and are never touched. Raises if
+    nothing matches."""
+    check_lora_settings("use_lora", rank, alpha, dropout)
+    pattern = re.compile(targets)
+
+    def names(path: str, c: Any) -> list[str]:
+        return [n for n in _weight_names(c) if pattern.fullmatch(f"{path}.{n}")]
+
+    matched = []
+
+    def match(path: str, c: Any) -> bool:
+        hit = "klass" in c and c.klass in LORA_CLASSES and bool(names(path, c))
+        if hit:
+            matched.append(path)
+        return hit
+
+    def swap(old: Any, path: str) -> Any:
+        return LORA_CLASSES[old.klass].default_config().set(
+            lora_rank=rank, lora_alpha=float(alpha), lora_dropout=float(dropout),
+            lora_targets=tuple(names(path, old)),
+        )
+
+    new = replace_config(cfg, match, swap, allow_no_match=True)
+    if not matched:
+        raise ValueError(
+            f"use_lora: targets {targets!r} match no weight of an Attention or FeedForward "
+            f"config (they are matched against '<config path>.<weight>', e.g. "
+            f"'decoder.transformer.layer.self_attention.q_proj')"
+        )
+    return new
+
+
+def merge_lora(cfg: Any, params: Any) -> tuple[Any, Any]:
+    """(plain config, params) with every adapter folded in, W += (alpha / rank) * A @ B
+    (in f32, stored in W's dtype), and the adapter params removed. `cfg` is the model
+    config `params` belong to; stacked params ([layers, ...]) are merged per layer."""
+    model = cfg.instantiate()
+    merged = _merge_tree(model, params)
+    plain = replace_config(
+        cfg,
+        lambda path, c: "klass" in c and c.klass in BASE_CLASSES,
+        lambda old, path: BASE_CLASSES[old.klass].default_config(),
+        allow_no_match=True,
+    )
+    return plain, merged
+
+
+def _merge_tree(module: Any, params: dict[str, Any]) -> dict[str, Any]:
+    out = dict(params)
+    if isinstance(module, LoraMixin):
+        c = module.config
+        for name in c.lora_targets:
+            keys = (name, f"{name}_lora_a", f"{name}_lora_b")
+            if any(k not in out for k in keys):
+                missing = [k for k in keys if k not in out]
+                raise ValueError(f"merge_lora: {module._where()}: params lack {missing}")
+            w, a, b = out[name], out.pop(keys[1]), out.pop(keys[2])
+            out[name] = _folded(w, a, b, module.lora_scale)
+    for child_name, child in module.children.items():
+        if child_name in out and isinstance(out[child_name], dict):
+            out[child_name] = _merge_tree(child, out[child_name])
+    return out
+
+
+def _folded(w: jax.Array, a: jax.Array, b: jax.Array, scale: float) -> jax.Array:
+    """w [*lead, *in, *out] + scale * a [*lead, *in, r] @ b [*lead, r, *out], in f32."""
+    n_lead = a.ndim + b.ndim - 2 - w.ndim  # Stacked layers: [layers, ...].
+    lead, rank = w.shape[:n_lead], a.shape[-1]
+    a2 = a.reshape(*lead, -1, rank).astype(jnp.float32)
+    b2 = b.reshape(*lead, rank, -1).astype(jnp.float32)
+    delta = jnp.matmul(a2, b2, precision=jax.lax.Precision.HIGHEST).reshape(w.shape)
+    return (w.astype(jnp.float32) + scale * delta).astype(w.dtype)

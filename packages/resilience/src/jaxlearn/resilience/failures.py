@@ -6,9 +6,15 @@ A run that stops on a detected fault exits with a distinctive status so that a s
     0   finished                     2   usage error: bad config, flags, data, checkpoint
     42  hang (watchdog)              43  silent data corruption (SDC check)
     44  non-finite loss/gradients    45  failed pre-training health check
+    46  preempted (SIGTERM/SIGINT): the current step was saved and committed; rerun resumes
+    47  preempted, but the grace period ran out before the save committed (the previous
+        committed step is intact)
+    143 / 130  a second SIGTERM / SIGINT during the preemption save: exited at once
     <0  killed by a signal (subprocess convention), 134 = SIGABRT (e.g. JAX distributed)
 
-Usage errors are not retried: a restart would fail the same way.
+Usage errors are not retried: a restart would fail the same way. Every other status,
+preemptions included, is retried by the supervisor (a restart resumes from the newest
+committed step).
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ EXIT_HANG = 42
 EXIT_SDC = 43
 EXIT_NONFINITE = 44
 EXIT_HEALTH = 45
+EXIT_PREEMPTED = 46
+EXIT_PREEMPTED_UNSAVED = 47
 
 NOT_RETRYABLE = frozenset({EXIT_USAGE})
 
@@ -49,6 +57,19 @@ class HealthCheckError(ResilienceError):
     exit_code = EXIT_HEALTH
 
 
+class Preempted(ResilienceError):
+    """SIGTERM/SIGINT ended the run at `step`: saved and committed (status 46), or with
+    `saved=False` nothing new was saved (status 47)."""
+
+    exit_code = EXIT_PREEMPTED
+
+    def __init__(self, message: str, step: int, *, saved: bool = True):
+        super().__init__(message)
+        self.step = step
+        self.saved = saved
+        self.exit_code = EXIT_PREEMPTED if saved else EXIT_PREEMPTED_UNSAVED
+
+
 def describe_exit(returncode: int) -> str:
     """A short cause for a child's exit status, e.g. 'signal SIGKILL', 'watchdog: hang'."""
     if returncode < 0:
@@ -64,6 +85,8 @@ def describe_exit(returncode: int) -> str:
         EXIT_SDC: "silent data corruption detected",
         EXIT_NONFINITE: "non-finite loss/gradients",
         EXIT_HEALTH: "health check failed",
+        EXIT_PREEMPTED: "preempted: checkpoint of the current step saved",
+        EXIT_PREEMPTED_UNSAVED: "preempted: grace period ran out before the save committed",
         128 + signal.SIGABRT: "aborted (SIGABRT; e.g. a JAX distributed runtime fatal error)",
     }
     if returncode in known:
@@ -81,11 +104,14 @@ __all__ = [
     "EXIT_HEALTH",
     "EXIT_NONFINITE",
     "EXIT_OK",
+    "EXIT_PREEMPTED",
+    "EXIT_PREEMPTED_UNSAVED",
     "EXIT_SDC",
     "EXIT_USAGE",
     "HealthCheckError",
     "NOT_RETRYABLE",
     "NonFiniteError",
+    "Preempted",
     "ResilienceError",
     "SdcError",
     "describe_exit",

@@ -21,6 +21,12 @@ each time its step runs, as real bad data would be on a replay:
                        result on device DEV (a device that computes wrongly)
     enospc@N           the checkpoint save of step N finds the disk full (its durable
                        writes raise OSError(ENOSPC))
+    sigterm@N:PHASE[:COUNT][+MS] / sigint@...
+                       send this process SIGTERM / SIGINT MS milliseconds after entering
+                       PHASE of step N (a preemption); COUNT times (default 1), 1.5 s
+                       apart (a repeat within 1 s is the same notice: preemption.py)
+    stall@N+MS         the checkpoint save of step N first sleeps MS milliseconds (a slow
+                       filesystem)
 
 Empty, the plan is empty and every hook is a dictionary lookup. Not for production use.
 """
@@ -45,7 +51,9 @@ log = logging.getLogger("jaxlearn.faults")
 FIELD = "resilience.faults"
 _SPEC = re.compile(r"^(?P<kind>[a-z]+)@(?P<step>\d+)(?::(?P<arg>[^+:]+))?(?::(?P<path>[^+]+))?"
                    r"(?:\+(?P<ms>\d+(?:\.\d*)?))?$")
-KINDS = {"kill", "hang", "crash", "nan", "inf", "flip", "sdcstep", "enospc"}
+KINDS = {"kill", "hang", "crash", "nan", "inf", "flip", "sdcstep", "enospc", "sigterm",
+         "sigint", "stall"}
+SIGNAL_KINDS = {"sigterm": signal.SIGTERM, "sigint": signal.SIGINT}
 PHASES = {"step", "save", "eval"}
 PERSISTENT = {"nan", "inf"}  # Bad data: bad again when the step is replayed.
 
@@ -79,8 +87,11 @@ def parse(spec: str) -> list[Fault]:
                                  "form KIND@STEP[:ARG[:PATH]][+MS])")
         fault = Fault(m["kind"], int(m["step"]), m["arg"], m["path"],
                       float(m["ms"] or 0.0), token)
-        if fault.kind == "kill" and fault.arg not in PHASES:
-            raise FaultSpecError(f"{FIELD}: {token!r}: kill needs a phase, one of {sorted(PHASES)}")
+        if fault.kind in ("kill", *SIGNAL_KINDS) and fault.arg not in PHASES:
+            raise FaultSpecError(f"{FIELD}: {token!r}: {fault.kind} needs a phase, one of "
+                                 f"{sorted(PHASES)}")
+        if fault.kind in SIGNAL_KINDS and fault.path is not None and not fault.path.isdigit():
+            raise FaultSpecError(f"{FIELD}: {token!r}: the signal count must be a number")
         if fault.kind in ("flip", "sdcstep") and (fault.arg is None or not fault.arg.isdigit()):
             raise FaultSpecError(f"{FIELD}: {token!r}: {fault.kind} needs a device id")
         out.append(fault)
@@ -157,8 +168,15 @@ class FaultPlan:
         return local_batch
 
     def enter_phase(self, phase: str, step: int) -> None:
-        """Kill faults for `phase` of `step` (delayed ones on a timer thread)."""
-        if not self.faults or self._kill_pending:  # One kill per process.
+        """Kill and signal faults for `phase` of `step` (delayed ones on a timer thread)."""
+        if not self.faults:
+            return
+        for kind, signum in SIGNAL_KINDS.items():
+            sent = self._take(kind, step, phase)
+            if sent is not None:
+                count = int(sent.path or 1)
+                _after(sent.delay_ms, lambda s=signum, n=count: _signal_self(s, n))
+        if self._kill_pending:  # One kill per process.
             return
         fault = self._take("kill", step, phase)
         if fault is None:
@@ -206,6 +224,14 @@ class FaultPlan:
         finally:
             layout.write_durable = real
 
+    def stall_save(self, step: int) -> None:
+        """A `stall@step+MS`: sleeps MS milliseconds (inside the save of `step`)."""
+        if not self.faults:
+            return
+        fault = self._take("stall", step)
+        if fault is not None:
+            time.sleep(fault.delay_ms / 1000.0)
+
     def corrupt_recompute(self, step: int) -> Optional[Any]:
         """A function corrupting the first result of step `step`'s recompute check."""
         if not self.faults:
@@ -232,6 +258,23 @@ _HIGH_BIT = 22
 
 def _kill_self() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _signal_self(signum: int, count: int) -> None:
+    """`count` signals: one now, the repeats 1.5 s apart on a timer thread."""
+    os.kill(os.getpid(), signum)
+    if count > 1:
+        _after(1500.0, lambda: _signal_self(signum, count - 1))
+
+
+def _after(delay_ms: float, fn: Any) -> None:
+    """`fn()` now (delay 0) or on a daemon timer thread after `delay_ms`."""
+    if delay_ms <= 0:
+        fn()
+        return
+    timer = threading.Timer(delay_ms / 1000.0, fn)
+    timer.daemon = True
+    timer.start()
 
 
 __all__ = ["FIELD", "Fault", "FaultPlan", "FaultSpecError", "parse"]

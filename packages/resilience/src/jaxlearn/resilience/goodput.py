@@ -14,6 +14,11 @@ Each process-0 attempt (one start of the trainer) records seconds per bucket:
 
 into `<output_dir>/goodput/attempt_<k>.json` (rewritten atomically every
 `flush_every_s` and at exit, so a killed attempt loses at most that much of its record).
+Each step also overwrites `attempt_<k>.step` in place (one `pwrite` of the last step done,
+no fsync; a killed process's writes survive in the page cache), so the next attempt knows
+exactly how far a killed one got: every step up to there that it computes again (from the
+newest committed checkpoint on) is `rework`, and `summarize()` counts the steps a killed
+attempt did after its last flush.
 The supervisor adds, per attempt, `lost` (wall time of an attempt that its record does not
 cover, i.e. the work since its last flush before it died) and `restart` (from one
 attempt's end to the next one's start: backoff and relaunch). `summarize()` combines them:
@@ -58,6 +63,20 @@ def _attempt_files(output_dir: str) -> list[str]:
     return sorted(glob.glob(os.path.join(output_dir, "goodput", "attempt_*.json")))
 
 
+def _progress_path(output_dir: str, attempt: int) -> str:
+    return os.path.join(output_dir, "goodput", f"attempt_{attempt:04d}.step")
+
+
+def read_progress(output_dir: str, attempt: int) -> Optional[int]:
+    """The last step attempt `attempt` finished, per its progress file (None: no file)."""
+    try:
+        with open(_progress_path(output_dir, attempt)) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
 class GoodputRecorder:
     """Per-attempt bucket timer (a no-op when `enabled` is False)."""
 
@@ -85,6 +104,8 @@ class GoodputRecorder:
         self._open_spans = 0
         self.closed = False
         self._looping = False
+        self._progress_fd: Optional[int] = None
+        self._progress_ok = enabled
 
     def _previous_high_water(self) -> int:
         high = 0
@@ -94,8 +115,12 @@ class GoodputRecorder:
                     rec = json.load(f)
             except (OSError, ValueError):
                 continue
-            if rec.get("attempt") != self.attempt and rec.get("last_step") is not None:
-                high = max(high, int(rec["last_step"]))
+            if rec.get("attempt") == self.attempt:
+                continue
+            done = read_progress(self._output_dir, int(rec["attempt"]))
+            for last in (rec.get("last_step"), done):
+                if last is not None:
+                    high = max(high, int(last))
         return high
 
     # ---- recording ----------------------------------------------------------------------------
@@ -136,6 +161,21 @@ class GoodputRecorder:
         self.last_step = step
         if self.enabled and time.monotonic() - self._last_flush >= self.flush_every_s:
             self.flush()
+        self._write_progress(step)
+
+    def _write_progress(self, step: int) -> None:
+        """The last step done, overwritten in place (fixed width: one pwrite)."""
+        if not self._progress_ok:
+            return
+        try:
+            if self._progress_fd is None:
+                os.makedirs(self._dir, exist_ok=True)
+                self._progress_fd = os.open(_progress_path(self._output_dir, self.attempt),
+                                            os.O_WRONLY | os.O_CREAT, 0o644)
+            os.pwrite(self._progress_fd, f"{step:>20d}\n".encode(), 0)
+        except OSError as e:
+            log.warning("goodput: cannot write the progress file: %s", e)
+            self._progress_ok = False
 
     def mark_skipped(self, step: int) -> None:
         """Moves one already-recorded step of `step` to the skipped bucket (the flags of
@@ -164,6 +204,7 @@ class GoodputRecorder:
             "resumed_from": self.resumed_from,
             "first_step": self.first_step,
             "last_step": self.last_step,
+            "rework_until": self._high_water,
             "closed": self.closed,
         }
 
@@ -189,6 +230,9 @@ class GoodputRecorder:
         if not self.enabled or self.closed or not self._looping:
             return None
         self.closed = True
+        if self._progress_fd is not None:
+            os.close(self._progress_fd)
+            self._progress_fd = None
         covered = sum(self.seconds.values())
         self.seconds["other"] += max(0.0, time.time() - self.spawn_time - covered)
         self.flush()
@@ -228,6 +272,8 @@ def summarize(output_dir: str) -> dict[str, Any]:
             totals[k] = totals.get(k, 0.0) + float(v)
         for k, v in rec["steps"].items():
             steps[k] = steps.get(k, 0) + int(v)
+        for k, n in _unflushed_steps(output_dir, rec).items():
+            steps[k] += n
     sup_attempts = supervisor.get("attempts", [])
     if sup_attempts:
         for i, a in enumerate(sup_attempts):
@@ -255,6 +301,19 @@ def summarize(output_dir: str) -> dict[str, Any]:
         else 0,
         "supervisor_attempts": sup_attempts,
     }
+
+
+def _unflushed_steps(output_dir: str, rec: dict[str, Any]) -> dict[str, int]:
+    """Steps an attempt finished after its last flush (it was killed), per its progress
+    file, split into rework (up to the steps done before it) and new steps; their
+    seconds are in the supervisor's `lost`."""
+    done = read_progress(output_dir, int(rec["attempt"]))
+    last = rec.get("last_step")
+    if done is None or last is None or done <= int(last):
+        return {}
+    high = int(rec.get("rework_until") or 0)
+    rework = max(0, min(done, high) - int(last))
+    return {"rework": rework, "step": done - int(last) - rework}
 
 
 def format_summary(summary: dict[str, Any]) -> str:

@@ -12,6 +12,8 @@ and calls its hooks around the loop:
     state, s = guard.after_step(step, state, s)             non-finite flags, SDC replicas,
                                                             watchdog beat, goodput
     guard.save(checkpointer, step, state, ...)              SDC before save, clear errors
+    if guard.stop_requested(step): ... guard.preempted(checkpointer, step)
+                                           SIGTERM/SIGINT (preemption.py): raises Preempted
     guard.finish(); guard.close()
 """
 
@@ -20,18 +22,20 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
-from typing import Any, Callable, Iterator, Literal, Optional, Sequence
+from typing import Any, Callable, Iterator, Literal, NoReturn, Optional, Sequence
 
 import jax
 
 from jaxlearn.checkpoint import CheckpointSaveError
 from jaxlearn.config import ConfigError, Configurable, below_minimum
+from jaxlearn.resilience.failures import EXIT_PREEMPTED, Preempted
 from jaxlearn.resilience.faults import FIELD as FAULTS_FIELD
 from jaxlearn.resilience.faults import FaultPlan, FaultSpecError
 from jaxlearn.resilience.faults import parse as parse_faults
 from jaxlearn.resilience.goodput import GoodputRecorder
 from jaxlearn.resilience.health import HealthCheck, describe_free_space
 from jaxlearn.resilience.nonfinite import NonFiniteMonitor
+from jaxlearn.resilience.preemption import Preemption, StopVote
 from jaxlearn.resilience.sdc import SdcChecker
 from jaxlearn.resilience.watchdog import Watchdog
 
@@ -49,6 +53,8 @@ class Resilience(Configurable):
         watchdog: Watchdog.Config = Watchdog.default_config()
         health: HealthCheck.Config = HealthCheck.default_config()
         sdc: SdcChecker.Config = SdcChecker.default_config()
+        # SIGTERM/SIGINT: save the current step within grace_s and exit 46 (preemption.py).
+        preemption: Preemption.Config = Preemption.default_config()
         # NaN/Inf in loss or gradients: skip the update, stop the run, or do nothing.
         nonfinite: Literal["skip", "stop", "off"] = "skip"
         # Stop after more than this many skipped steps in a row.
@@ -81,6 +87,8 @@ class Resilience(Configurable):
         self.watchdog: Watchdog = cfg.watchdog.instantiate(output_dir=output_dir)
         self.health: HealthCheck = cfg.health.instantiate()
         self.sdc: SdcChecker = cfg.sdc.instantiate()
+        self.preemption: Preemption = cfg.preemption.instantiate()
+        self._vote: Optional[StopVote] = None
         self.nonfinite = NonFiniteMonitor(cfg.nonfinite, list(param_paths),
                                           max_consecutive=cfg.max_consecutive_nonfinite)
         self.goodput = GoodputRecorder(output_dir, enabled=is_main,
@@ -93,6 +101,9 @@ class Resilience(Configurable):
     # ---- lifecycle ----------------------------------------------------------------------------
 
     def start(self, devices: Sequence[Any]) -> None:
+        """Signal handlers, watchdog, health checks; `devices`: the mesh's (all processes')."""
+        self.preemption.install()
+        self._vote = StopVote(devices)
         self.watchdog.start()
         with self.span("health"):
             self.health.run(devices, self.output_dir)
@@ -110,6 +121,7 @@ class Resilience(Configurable):
     def close(self) -> None:
         self.watchdog.stop()
         self.goodput.close()
+        self.preemption.uninstall()
 
     @contextlib.contextmanager
     def span(self, bucket: str, *, step: Optional[int] = None,
@@ -163,6 +175,33 @@ class Resilience(Configurable):
         if self.goodput.enabled:
             writer.write(step, self.goodput.scalars(), prefix="goodput")
 
+    def stop_requested(self, step: int) -> bool:
+        """At the boundary after `step`: whether every process stops here because a
+        preemption signal reached one of them (the same answer on every process)."""
+        flag = self.preemption.requested.is_set()
+        return self._vote.vote(flag) if self._vote is not None else flag
+
+    def preempted(self, checkpointer: Any, step: int) -> NoReturn:
+        """After a preemption signal, with `step` saved (or being saved) into
+        `checkpointer`: waits for the commit (the grace deadline runs meanwhile), logs one
+        line, raises Preempted (status 46). Without a checkpointer nothing is saved and
+        Preempted carries status 47."""
+        p = self.preemption
+        cause = p.signal_name or "a preemption signal to another process"
+        if checkpointer is None:
+            line = (f"preemption: {cause} at step {step}; no checkpointer is configured, so "
+                    "nothing was saved")
+            log.warning(line)
+            raise Preempted(line, step, saved=False)
+        p.saving = f"while step {step}'s checkpoint was being committed"
+        self.finish_saves(checkpointer)
+        p.disarm()
+        line = (f"preemption: {cause}: saved and committed step {step} "
+                f"{p.elapsed_s():.1f} s after the signal; exiting with status "
+                f"{EXIT_PREEMPTED} (a rerun resumes from step {step})")
+        log.warning(line)
+        raise Preempted(line, step)
+
     def _copy_fn(self) -> Callable[[Any], Any]:
         if self._copy is None:
             self._copy = lambda tree: jax.tree.map(lambda x: x.copy(), tree)
@@ -183,6 +222,7 @@ class Resilience(Configurable):
         with self.span("checkpoint", wait_for=state):
             try:
                 with self.faults.disk_full(step):
+                    self.faults.stall_save(step)
                     checkpointer.save(step, state, **kwargs)
             except Exception as e:
                 raise self._save_failure(checkpointer, step, e) from e

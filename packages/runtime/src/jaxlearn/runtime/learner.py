@@ -8,6 +8,12 @@ add_decayed_weights (scaled per parameter by its spec's `weight_decay_scale`; no
 biases default to 0) -> scale_by_learning_rate(warmup + cosine/linear schedule) ->
 per-path rules by regex (freeze, or scale the update). With uniform decay and no rules it
 is exactly `optax.adamw`.
+
+`trainable` (a path regex) trains a subset, e.g. LoRA adapters: the whole chain above
+(clipping included) runs on the matching parameters only, and the others get a zero
+update and no optimizer state (`optax.multi_transform` with `optax.set_to_zero`), so
+Adam's moments take 2x the trainable bytes, not 2x the model. A "freeze" update rule, by
+contrast, zeroes the update at the end of the chain and keeps the moments.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import jax
 import optax
 
 from jaxlearn.config import ConfigError, Configurable
-from jaxlearn.module import flatten_specs, is_spec
+from jaxlearn.module import flatten_specs
 
 
 class Learner(Configurable):
@@ -43,6 +49,9 @@ class Learner(Configurable):
         num_microbatches: int = 1
         # (path regex, "freeze" | scale) applied to updates; first full match wins.
         update_rules: list[tuple[str, Any]] = []
+        # Path regex ("decoder/.../q_proj_lora_a"): only fully matching parameters are
+        # trained and have optimizer state; None: all of them.
+        trainable: Optional[str] = None
         # Keep an exponential moving average of parameters with this decay (None: off).
         ema_decay: Optional[float] = None
 
@@ -55,6 +64,11 @@ class Learner(Configurable):
             if rule != "freeze" and not isinstance(rule, (int, float)):
                 raise ConfigError(f"learner.update_rules: rule for {pattern!r} must be "
                                   f"'freeze' or a number, got {rule!r}")
+        if cfg.trainable is not None:
+            try:
+                re.compile(cfg.trainable)
+            except re.error as e:
+                raise ConfigError(f"learner.trainable: bad regex {cfg.trainable!r}: {e}") from None
 
     def schedule(self) -> optax.Schedule:
         cfg = self.config
@@ -99,25 +113,38 @@ class Learner(Configurable):
         parts.append(optax.scale_by_learning_rate(self.schedule()))
         if cfg.update_rules:
             parts.append(_update_rules(cfg.update_rules, param_specs))
-        return optax.chain(*parts)
+        chain = optax.chain(*parts)
+        if cfg.trainable is None:
+            return chain
+        names, labels = _labels(
+            param_specs,
+            lambda path, spec: "train" if re.fullmatch(cfg.trainable, path) else "frozen",
+        )
+        if "train" not in names:
+            raise ConfigError(f"learner.trainable: {cfg.trainable!r} matches no parameter "
+                              f"(paths look like {flatten_specs(param_specs)[0][0]!r})")
+        return optax.multi_transform({"train": chain, "frozen": optax.set_to_zero()}, labels)
 
 
-def _labels(specs: Any, label_fn: Any) -> Any:
-    paths = dict(flatten_specs(specs))
-    flat, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)
-    out = []
-    for keypath, spec in flat:
-        path = "/".join(str(getattr(k, "key", k)) for k in keypath)
-        assert path in paths
-        out.append(label_fn(path, spec))
-    return jax.tree.unflatten(treedef, out)
+def _labels(specs: Any, label_fn: Any) -> tuple[set[str], Any]:
+    """(every label, labels(tree)): `label_fn(path, spec)` for each leaf of a params-like
+    tree, found by its "/"-joined path; the tree may be masked (a `trainable` subset)."""
+    by_path = dict(flatten_specs(specs))
+
+    def labels(tree: Any) -> Any:
+        def one(keypath: Any, _: Any) -> str:
+            path = "/".join(str(getattr(k, "key", k)) for k in keypath)
+            return str(label_fn(path, by_path[path]))
+
+        return jax.tree_util.tree_map_with_path(one, tree)
+
+    return {label_fn(path, spec) for path, spec in by_path.items()}, labels
 
 
 def _decay_by_spec(weight_decay: float, specs: Any) -> optax.GradientTransformation:
-    labels = _labels(specs, lambda path, spec: f"wd_{spec.weight_decay_scale!r}")
+    names, labels = _labels(specs, lambda path, spec: f"wd_{spec.weight_decay_scale!r}")
     transforms = {
-        label: optax.add_decayed_weights(weight_decay * float(label[3:]))
-        for label in set(jax.tree.leaves(labels))
+        label: optax.add_decayed_weights(weight_decay * float(label[3:])) for label in names
     }
     return optax.multi_transform(transforms, labels)
 
@@ -129,9 +156,9 @@ def _update_rules(rules: list, specs: Any) -> optax.GradientTransformation:
                 return "freeze" if rule == "freeze" else f"scale_{float(rule)!r}"
         return "keep"
 
-    labels = _labels(specs, label)
+    names, labels = _labels(specs, label)
     transforms: dict[str, optax.GradientTransformation] = {}
-    for name in set(jax.tree.leaves(labels)):
+    for name in names:
         if name == "freeze":
             transforms[name] = optax.set_to_zero()
         elif name == "keep":

@@ -4,6 +4,10 @@ Numbers on the terminal are plain (`11.6k tok/s`, `loss 2.346`, `MFU 31% of cpu 
 ...`), never in exponent form; log records and other lines never land on the progress line.
 
 Only process 0 writes (files and terminal); other processes get a no-op writer.
+
+A run resumed at step S (`resumed_at=S`) first drops every record with step > S from
+`metrics.jsonl` (rewritten atomically) and opens TensorBoard with `purge_step=S + 1`, so
+steps redone after a restart appear once.
 """
 
 from __future__ import annotations
@@ -48,9 +52,11 @@ class SummaryWriter(Configurable):
         enabled: bool = True,
         stream: Optional[TextIO] = None,
         mfu_peak: Optional[str] = None,
+        resumed_at: int = 0,
     ):
         """`mfu_peak`: what MFU is measured against, printed after it on the progress line
-        (e.g. `cpu bf16 peak 1.2 TFLOP/s per device (catalogue)`)."""
+        (e.g. `cpu bf16 peak 1.2 TFLOP/s per device (catalogue)`). `resumed_at`: the
+        restored step (0: a fresh run); later steps' records are purged."""
         super().__init__(cfg)
         self._enabled = enabled
         self._max_step = max_step
@@ -67,9 +73,13 @@ class SummaryWriter(Configurable):
         if cfg.tensorboard:
             from tensorboardX import SummaryWriter as TBWriter
 
-            self._tb = TBWriter(os.path.join(output_dir, "tensorboard"), flush_secs=10)
+            self._tb = TBWriter(os.path.join(output_dir, "tensorboard"), flush_secs=10,
+                                purge_step=resumed_at + 1 if resumed_at else None)
         if cfg.jsonl:
-            self._jsonl = open(os.path.join(output_dir, "metrics.jsonl"), "a")
+            path = os.path.join(output_dir, "metrics.jsonl")
+            if resumed_at:
+                purge_jsonl(path, resumed_at)
+            self._jsonl = open(path, "a")
 
     def write(self, step: int, metrics: dict[str, Any], prefix: str = "train") -> dict[str, float]:
         """Writes every scalar in `metrics` at `step`; returns the scalars written."""
@@ -148,6 +158,38 @@ class SummaryWriter(Configurable):
             self._jsonl.close()
             self._jsonl = None
         self._end_line()
+
+
+def purge_jsonl(path: str, last_step: int) -> int:
+    """Drops the records of `path` (a metrics.jsonl) with `step` > `last_step`, rewriting
+    it atomically (a torn last line is dropped too); returns how many were dropped."""
+    try:
+        with open(path) as f:
+            lines = f.readlines()
+    except FileNotFoundError:
+        return 0
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) \
+                and record["step"] > last_step:
+            continue
+        kept.append(line if line.endswith("\n") else line + "\n")
+    dropped = len(lines) - len(kept)
+    if dropped:
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        logging.getLogger("jaxlearn.summary").info(
+            "metrics.jsonl: dropped %d record(s) after step %d (redone on resume)",
+            dropped, last_step)
+    return dropped
 
 
 def progress_line(step: int, max_step: int, scalars: dict[str, float], eta_s: float,

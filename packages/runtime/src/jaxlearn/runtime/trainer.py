@@ -7,15 +7,15 @@ instead of blocking the loop for the copy.
 
 State = {"params", "opt_state", "prng_key", "step"} (+ "ema"), sharded per the mesh and
 the logical axis rules. The model is any `jaxlearn.module.Module` whose `forward(batch)`
-returns `(loss, metrics)`; auxiliary losses (MoE) are the model's to add. The trainer does
-not import layers: recipes put a model config into `TrainerConfig.model`.
-"""
+returns `(loss, metrics)`; auxiliary losses (MoE) are the model's to add. Recipes put a
+model config into `model` (the trainer imports no layers); `init_from` loads pretrained
+params into the param shardings (`runtime.init_from`) when there is no checkpoint yet."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-import threading
 import time
 from typing import Any, Optional, Sequence
 
@@ -45,11 +45,15 @@ from jaxlearn.runtime.learner import Learner, ema_update
 from jaxlearn.runtime.record import RECORD_FILE, RunRecord
 from jaxlearn.runtime.summary import SummaryWriter, format_flops, format_number
 from jaxlearn.runtime.trainer_support import (
+    BackgroundCompile,
     Run,
+    abstract_like,
     devices_for,
     dict_keys,
     merge_updates,
     merged_iterator_state,
+    peak_flops,
+    warn_if_schedule_changed,
 )
 
 log = logging.getLogger("jaxlearn.trainer")
@@ -87,6 +91,9 @@ class Trainer(Configurable):
         peak_flops_per_device: Optional[float] = None
         # Watchdog, health checks, SDC and non-finite policies, goodput (resilience.py).
         resilience: Resilience.Config = Resilience.default_config()
+        # The first params when output_dir has no checkpoint: a `runtime.init_from.
+        # ParamSource` config (jaxlearn run, HF dir, GGUF file); None: from `seed`.
+        init_from: Optional[InstantiableConfig] = None
 
         def _field_problems(self) -> dict[str, str]:
             problems = below_minimum(self, max_step=1, log_every_n_steps=1,
@@ -103,7 +110,7 @@ class Trainer(Configurable):
         `jax.devices()`); e.g. mock TPU topology devices or fake CPU devices for AOT.
         `run_record`: what built this run (experiment, selector, overrides), written as
         `run.json` into the output dir and every checkpoint; its `config_text` must be this
-        config's flat text. Default: a record naming no experiment."""
+        config's flat text (default: naming no experiment; `base_model`: init_from's path)."""
         super().__init__(cfg)
         cfg = self.config
         cfg.validate()
@@ -113,6 +120,8 @@ class Trainer(Configurable):
         elif run_record.config_text != text:
             raise TrainerError("run_record.config_text is not this trainer's config (build the "
                                "record from the final config, after every override)")
+        if cfg.init_from is not None and run_record.base_model is None:
+            run_record = dataclasses.replace(run_record, base_model=str(cfg.init_from.path))
         self.run_record: RunRecord = run_record
         if devices is None:
             devices = devices_for(cfg.mesh_shape)
@@ -131,12 +140,12 @@ class Trainer(Configurable):
         self.state_shardings = self._state_shardings()
         self._train_step: Any = None
         # The non-donating variant (the step after a save) and the thread compiling it.
-        self._keep_step: Any = None
-        self._keep_compile: Optional[threading.Thread] = None
-        self._keep_compile_error: Optional[BaseException] = None
+        # The non-donating step (first needed after the first save), compiled on a thread.
+        self._keep_step = BackgroundCompile(
+            lambda abstract: self.compile_train_step(abstract, donate=False))
         self._eval_step: Any = None
         self.compiled_flops: Optional[float] = None
-        self.mfu_peak = self._peak()
+        self.mfu_peak = peak_flops(cfg.peak_flops_per_device, list(self.mesh.devices.flat))
 
     # ---- sharding -------------------------------------------------------------------------
 
@@ -171,7 +180,11 @@ class Trainer(Configurable):
 
     def _init_state(self, seed_key: jax.Array) -> State:
         init_key, train_key = jax.random.split(seed_key)
-        params = self.model.initialize_parameters_recursively(init_key)
+        return self._state_from_params(
+            self.model.initialize_parameters_recursively(init_key), train_key)
+
+    def _state_from_params(self, params: Any, train_key: jax.Array) -> State:
+        """The train state around `params`: fresh optimizer state (and EMA), step 0."""
         params = jax.lax.with_sharding_constraint(params, self.param_shardings)
         state: State = {
             "params": params,
@@ -214,10 +227,20 @@ class Trainer(Configurable):
         return shardings
 
     def init_state(self) -> State:
-        """Fresh sharded state for `config.seed` (bit-identical for the same seed)."""
-        fn = jax.jit(self._init_state, out_shardings=self.state_shardings)
+        """Fresh sharded state for `config.seed` (bit-identical for the same seed); with
+        `init_from`, around its params loaded straight into the param shardings."""
+        key = jax.random.PRNGKey(self.config.seed)
         with jax.set_mesh(self.mesh):
-            return fn(jax.random.PRNGKey(self.config.seed))
+            if self.config.init_from is None:
+                return jax.jit(self._init_state, out_shardings=self.state_shardings)(key)
+            from jaxlearn.runtime.init_from import load_params
+
+            init_key, train_key = jax.random.split(key)
+            params = load_params(self.config.init_from, self.model, self.param_specs,
+                                 self.param_shardings, init_key)
+            fn = jax.jit(self._state_from_params, out_shardings=self.state_shardings,
+                         donate_argnums=(0,))  # The loaded params become the state's.
+            return fn(params, train_key)
 
     def abstract_state(self) -> State:
         """ShapeDtypeStructs with shardings: the restore target, and what AOT compiles for."""
@@ -347,6 +370,8 @@ class Trainer(Configurable):
             while run.step < cfg.max_step:
                 self._train_step_once(run)
                 self._after_step(run)
+                if run.guard.stop_requested(run.step):  # SIGTERM/SIGINT, on any process.
+                    self._stop_preempted(run)  # Raises Preempted.
             self._finish(run)
         finally:
             self._close(run)
@@ -371,7 +396,9 @@ class Trainer(Configurable):
         peak = self.mfu_peak
         run.writer = cfg.summary_writer.instantiate(
             output_dir=cfg.output_dir, max_step=cfg.max_step, enabled=run.is_main,
-            mfu_peak=None if peak is None else peak[1])
+            mfu_peak=None if peak is None else peak[1], resumed_at=run.step)
+        warn_if_schedule_changed(run.checkpointer, run.step, cfg.max_step,
+                                 self.learner.config.total_steps)
         if run.is_main:
             with open(os.path.join(cfg.output_dir, "config.txt"), "w") as f:
                 f.write(self.run_record.config_text)
@@ -396,7 +423,7 @@ class Trainer(Configurable):
                 self._train_step = self._compile(batch)
                 first_save = (run.step // cfg.save_every_n_steps + 1) * cfg.save_every_n_steps
                 if run.checkpointer is not None and first_save < cfg.max_step:
-                    self._start_keep_compile(batch)  # Needed after the first save.
+                    self._keep_step.start(abstract_like(batch))
             run.t_last = time.monotonic()
             self._report_flops(run)
         step_fn = self._train_step
@@ -440,13 +467,26 @@ class Trainer(Configurable):
         if run.checkpointer is not None and (
             step % cfg.save_every_n_steps == 0 or step == cfg.max_step
         ):
-            # snapshot=False: the next step does not donate `state`, so the checkpointer
-            # copies it to host in the background.
-            run.state = run.guard.save(
-                run.checkpointer, step, run.state, data_iterator_state=run.data.get_state(),
-                config_text=self.run_record.config_text, metrics=run.last, snapshot=False,
-                extra_files={RECORD_FILE: self.run_record.to_json().encode()})
-            run.keep_input = True
+            self._save(run)
+
+    def _save(self, run: Run) -> None:
+        """Saves `run.state` at `run.step`. snapshot=False: the next step does not donate
+        `state` (`keep_input`), so the checkpointer copies it to host in the background."""
+        run.state = run.guard.save(
+            run.checkpointer, run.step, run.state, data_iterator_state=run.data.get_state(),
+            config_text=self.run_record.config_text, metrics=run.last, snapshot=False,
+            extra_files={RECORD_FILE: self.run_record.to_json().encode()})
+        run.keep_input = True
+
+    def _stop_preempted(self, run: Run) -> None:
+        """A preemption signal reached some process: every process saves this step (unless
+        `_after_step` just did) and waits for the commit; raises Preempted (status 46)."""
+        run.guard.finish()
+        if run.checkpointer is not None and not run.keep_input:
+            run.guard.preemption.saving = f"while saving step {run.step}"
+            self._save(run)
+        run.checkpointer, pending = None, run.checkpointer
+        run.guard.preempted(pending, run.step)
 
     def _finish(self, run: Run) -> None:
         """A normal end: the last non-finite flags, then the last commit."""
@@ -469,15 +509,13 @@ class Trainer(Configurable):
                           "too: %s", e)
         if run.writer is not None:
             run.writer.close()
-        if self._keep_compile is not None:  # No compilation outlives the run.
-            self._keep_compile.join()
+        self._keep_step.join()  # No compilation outlives the run.
         run.guard.close()
 
     def parameter_count(self) -> int:
         """Number of model parameters (scalars), from the parameter specs."""
-        sizes = [int(np.prod(s.shape)) for s in jax.tree.leaves(self.param_specs,
-                                                                  is_leaf=is_spec)]
-        return int(sum(sizes))
+        leaves = jax.tree.leaves(self.param_specs, is_leaf=is_spec)
+        return int(sum(int(np.prod(s.shape)) for s in leaves))
 
     def _report_flops(self, run: Run) -> None:
         """The start line about compute: FLOPs per token of the compiled step, and the peak
@@ -492,9 +530,7 @@ class Trainer(Configurable):
             + (f"; MFU is measured against {peak[1]}" if peak else ""))
 
     def _compile(self, batch: Any) -> Any:
-        abstract = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), batch
-        )
+        abstract = abstract_like(batch)
         t0 = time.monotonic()
         compiled = self.compile_train_step(abstract)
         log.info("compiled the train step in %.1fs", time.monotonic() - t0)
@@ -504,51 +540,12 @@ class Trainer(Configurable):
         self.compiled_flops = float(cost.get("flops", 0.0)) if cost else None
         return compiled
 
-    def _start_keep_compile(self, batch: Any) -> None:
-        """Compiles the non-donating step on a thread, while the first steps run (it is
-        first needed after the first save)."""
-        abstract = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), batch
-        )
-
-        def work() -> None:
-            try:
-                self._keep_step = self.compile_train_step(abstract, donate=False)
-            except BaseException as e:  # Raised on the training thread when needed.
-                self._keep_compile_error = e
-
-        self._keep_compile = threading.Thread(target=work, name="compile-keep-step",
-                                              daemon=True)
-        self._keep_compile.start()
-
     def _keep_step_fn(self, batch: Any) -> Any:
         """The non-donating step (waits for its compilation if still running)."""
-        if self._keep_step is None and self._keep_compile is None:
-            self._start_keep_compile(batch)
-        if self._keep_compile is not None:
-            self._keep_compile.join()
-            self._keep_compile = None
-        if self._keep_compile_error is not None:
-            error, self._keep_compile_error = self._keep_compile_error, None
-            raise TrainerError(f"compiling the non-donating train step failed: {error}") \
-                from error
-        return self._keep_step
-
-    def _peak(self) -> Optional[tuple[float, str]]:
-        """(peak FLOP/s per device, what it is) for MFU: the config's, else the hardware
-        catalogue's bf16 peak for this mesh's devices; None when neither is known."""
-        peak = self.config.peak_flops_per_device
-        if peak is not None:
-            return peak, f"peak_flops_per_device {format_flops(peak)}/s (config)"
         try:
-            from jaxlearn.mesh import detect_hardware
-
-            spec = detect_hardware(list(self.mesh.devices.flat))
-        except Exception:
-            return None
-        return spec.peak_bf16_flops, (f"{spec.kind} bf16 peak "
-                                      f"{format_flops(spec.peak_bf16_flops)}/s per device "
-                                      "(catalogue)")
+            return self._keep_step.get(abstract_like(batch))
+        except Exception as e:
+            raise TrainerError(f"compiling the non-donating train step failed: {e}") from e
 
     def _mfu(self, step_time: float) -> Optional[float]:
         """Model FLOPs utilization of one step against `mfu_peak` (per device)."""

@@ -1,13 +1,15 @@
 """Pieces of the trainer that need no `Trainer` instance: what one run carries between
-its phases, pytree key paths, device choice for small meshes, state-update merging, and
-merged input states for an elastic resume."""
+its phases, pytree key paths, device choice for small meshes, state-update merging,
+merged input states for an elastic resume, the MFU peak, the schedule-length check on a
+resume, and compiling a step on a background thread."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import numpy as np
@@ -76,3 +78,103 @@ def merge_updates(params: Any, updates: Any) -> Any:
         elif k in out:
             out[k] = v
     return out
+
+
+def peak_flops(peak: Optional[float], devices: list) -> Optional[tuple[float, str]]:
+    """(peak FLOP/s per device, what it is) for MFU: `peak` (the config's), else the
+    hardware catalogue's bf16 peak for `devices`; None when neither is known."""
+    from jaxlearn.runtime.summary import format_flops
+
+    if peak is not None:
+        return peak, f"peak_flops_per_device {format_flops(peak)}/s (config)"
+    try:
+        from jaxlearn.mesh import detect_hardware
+
+        spec = detect_hardware(devices)
+    except Exception:
+        return None
+    return spec.peak_bf16_flops, (f"{spec.kind} bf16 peak "
+                                  f"{format_flops(spec.peak_bf16_flops)}/s per device "
+                                  "(catalogue)")
+
+
+def _flat_value(config_text: str, key: str) -> Optional[str]:
+    for line in config_text.splitlines():
+        name, sep, value = line.partition(": ")
+        if sep and name == key:
+            return value.strip()
+    return None
+
+
+def schedule_steps(config_text: str) -> Optional[int]:
+    """The learning-rate schedule length of the run whose flat config is `config_text`:
+    `learner.total_steps`, else `max_step` (None when the text names neither)."""
+    for key in ("learner.total_steps", "max_step"):
+        value = _flat_value(config_text, key)
+        if value is not None and value.isdigit() and int(value) > 0:
+            return int(value)
+    return None
+
+
+def warn_if_schedule_changed(checkpointer: Any, step: int, max_step: int,
+                             total_steps: Optional[int]) -> Optional[str]:
+    """On a resume from `step` (> 0): one warning (returned) when the checkpoint's run
+    had another schedule length than this one (`total_steps`, else `max_step`). The
+    schedule follows the new length from `step` on; `learner.total_steps` keeps the old."""
+    if not step or checkpointer is None:
+        return None
+    try:
+        saved = checkpointer.read_metadata(step, process_index=jax.process_index()).config_text
+    except Exception:
+        return None
+    old = schedule_steps(saved) if saved else None
+    new = total_steps or max_step
+    if old is None or old == new:
+        return None
+    line = (f"resumed at step {step} with a learning-rate schedule of {new} steps; the "
+            f"checkpoint's run scheduled {old}, so the learning rate from step {step} on "
+            f"follows the {new}-step schedule (set learner.total_steps={old} to keep the "
+            "original one)")
+    log.warning(line)
+    return line
+
+
+def abstract_like(tree: Any) -> Any:
+    """ShapeDtypeStructs (with shardings) of a tree of arrays, e.g. a global batch."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                        tree)
+
+
+class BackgroundCompile:
+    """`compile(abstract)` run on a daemon thread: `start` begins it, `get` waits for (or
+    starts and waits for) the result and re-raises the thread's error, `join` waits."""
+
+    def __init__(self, compile: Callable[[Any], Any]):
+        self._compile = compile
+        self._result: Any = None
+        self._error: Optional[BaseException] = None
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self, abstract: Any) -> None:
+        def work() -> None:
+            try:
+                self._result = self._compile(abstract)
+            except BaseException as e:  # Raised on the caller's thread by get().
+                self._error = e
+
+        self._thread = threading.Thread(target=work, name="compile-keep-step", daemon=True)
+        self._thread.start()
+
+    def join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def get(self, abstract: Any) -> Any:
+        if self._result is None and self._thread is None and self._error is None:
+            self.start(abstract)
+        self.join()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        return self._result

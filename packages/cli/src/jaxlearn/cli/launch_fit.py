@@ -1,0 +1,230 @@
+"""Does a recipe fit its target? The check `jaxlearn launch slurm|k8s` runs before it writes
+a job (jaxlearn.cli.launch_cmd; `--no_fit_check` skips it, `--force` warns and goes on).
+
+    verdict = check_fit("llama2-7b", "gpu-h100-8x4", overrides)   # Verdict
+    verdict.fits, verdict.describe()
+
+Per device, against `hbm_utilization` (0.95) x the target's HBM (jaxlearn.mesh catalogue):
+
+- the floor (default; about 20 s for a 7B model, no compile): the sharded state's exact
+  per-device bytes (params and optimizer state with the trainer's shardings, built by
+  `jaxlearn.aot.build_trainer` on a fake CPU mesh of the target's size), plus gradients
+  (one more params shard), plus the activations the backward pass keeps (`activation_bytes`:
+  from the config's layers, widths, per-device tokens and remat policy). It leaves out
+  every temporary, so a recipe over the floor cannot fit, while one under it may still not;
+- compiled (`aot=True`, `--aot_check`): `jaxlearn aot`'s per-device requirement of the
+  compiled train step (minutes for a 7B model on a CPU).
+
+Both run in a subprocess (the fake device count must be set before JAX starts) and are
+cached as JSON under $JAXLEARN_FIT_CACHE (default ~/.cache/jaxlearn/fit), keyed by the
+sha256 of the final config's flat text (output paths left out), the selector, the method
+and the JAX version. A check that cannot run is reported (fits None), never a refusal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+from typing import Any, Optional, Sequence
+
+GiB = 2**30
+HBM_UTILIZATION = 0.95
+# remat policies that keep the outputs of the layer's matmuls for the backward pass.
+_KEEPS_DOTS = re.compile(r"(checkpoint_)?dots.*")
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """What the check found (bytes per device).
+
+    Attributes:
+        method: "floor" or "aot".
+        fits: whether `required_bytes` <= `usable_bytes` (None: the check could not run).
+        required_bytes: the floor or the compiled requirement.
+        usable_bytes: hbm_utilization x HBM.
+        hbm_bytes: the target's HBM per device.
+        parts: what the floor is made of ({"state": ..., "gradients": ..., ...}).
+        error: why the check could not run.
+    """
+
+    method: str
+    fits: Optional[bool]
+    required_bytes: int = 0
+    usable_bytes: int = 0
+    hbm_bytes: int = 0
+    parts: tuple[tuple[str, int], ...] = ()
+    error: Optional[str] = None
+
+    def describe(self) -> str:
+        """'at least 376.60 GiB per device (state 9.41 GiB, ...) of 76.00 GiB usable ...'."""
+        if self.error:
+            return f"could not check the fit ({self.error})"
+        from jaxlearn.aot.report import human_bytes
+
+        what = "at least" if self.method == "floor" else "the compiled step needs"
+        parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in self.parts)
+        return (f"{what} {human_bytes(self.required_bytes)} per device"
+                + (f" ({parts})" if parts else "")
+                + f" of {human_bytes(self.usable_bytes)} usable ({HBM_UTILIZATION:g} x "
+                f"{human_bytes(self.hbm_bytes)} HBM)")
+
+
+# ---- the floor, in the subprocess ----------------------------------------------------------
+
+
+def _find(cfg: Any, field: str) -> Optional[Any]:
+    """The first (depth-first) config under `cfg` whose `field` is an int."""
+    from jaxlearn.config import ConfigBase, visit
+
+    found: list[Any] = []
+
+    def enter(path: str, value: Any) -> bool:
+        if not found and isinstance(value, ConfigBase) and field in value \
+                and isinstance(getattr(value, field), int):
+            found.append(value)
+        return bool(found)
+
+    visit(cfg, enter)
+    return found[0] if found else None
+
+
+def activation_bytes(cfg: Any, tokens: int, model_shards: int) -> int:
+    """Bytes the backward pass keeps of a transformer stack's activations, per device,
+    for `tokens` tokens per device and the heads/MLP split `model_shards` ways.
+
+    Per layer and token: the layer's input (every remat policy keeps it); with a dots
+    policy, or no remat, the matmul outputs too (q, k, v, attention output, MLP inputs and
+    output); with no remat and einsum attention, the attention weights (heads x seq). 0
+    when the config has no stack of `num_layers` layers with `self_attention`."""
+    stack = _find(cfg, "num_layers")
+    layer = getattr(stack, "layer", None)
+    attn, ffn = getattr(layer, "self_attention", None), getattr(layer, "feed_forward", None)
+    dim = getattr(_find(cfg, "dim"), "dim", None)
+    if stack is None or attn is None or ffn is None or not isinstance(dim, int):
+        return 0
+    head_dim = attn.head_dim or dim // attn.num_heads
+    q, kv = attn.num_heads * head_dim, (attn.num_kv_heads or attn.num_heads) * head_dim
+    mlp = ffn.hidden_dim * len(ffn.activation if isinstance(ffn.activation, tuple) else (1,))
+    spec = getattr(layer, "remat_spec", None)
+    policy = None if spec is None else str(getattr(spec, "policy", spec))
+    per_token = dim  # The layer's input.
+    if policy is None or _KEEPS_DOTS.fullmatch(policy):
+        per_token += (q + 2 * kv + mlp) // model_shards + 2 * dim
+    if policy is None and attn.implementation == "einsum":
+        per_token += attn.num_heads // max(1, model_shards) * cfg.input.seq_len
+    dtype_bytes = 4 if str(getattr(cfg.model, "dtype", "")) == "float32" else 2
+    return int(stack.num_layers * tokens * per_token * dtype_bytes)
+
+
+def floor(experiment: str, selector: str, overrides: Sequence[str]) -> dict[str, Any]:
+    """The floor's figures (run where JAX has the target's number of CPU devices)."""
+    from jaxlearn.aot.compile import build_trainer
+    from jaxlearn.aot.report import state_breakdown
+    from jaxlearn.aot.target import resolve_target
+    from jaxlearn.cli.main import final_config
+
+    cfg = final_config(experiment, selector, overrides)
+    target = resolve_target(selector, topology="fake")
+    trainer = build_trainer(cfg, target)
+    state = state_breakdown(trainer.abstract_state())
+    batch, seq = cfg.input.global_batch_size, cfg.input.seq_len
+    per_device_batch = trainer.batch_sharding.shard_shape((batch, seq))[0]
+    tokens = per_device_batch * seq // trainer.mesh.shape.get("seq", 1)
+    tokens //= trainer.learner.config.num_microbatches
+    parts = {"state": sum(state.values()), "gradients": state.get("params", 0),
+             "activations kept for the backward pass":
+                 activation_bytes(cfg, tokens, trainer.mesh.shape.get("model", 1))}
+    return {"required_bytes": sum(parts.values()), "hbm_bytes": target.hbm_bytes,
+            "parts": list(parts.items())}
+
+
+# ---- running and caching -------------------------------------------------------------------
+
+
+def _cache_path(experiment: str, selector: str, overrides: Sequence[str], method: str) -> str:
+    import jax
+
+    from jaxlearn.cli.main import final_config
+    from jaxlearn.config import to_flat_text
+
+    text = to_flat_text(final_config(experiment, selector, overrides))
+    text = "\n".join(line for line in text.splitlines()
+                     if not re.match(r"(output_dir|checkpointer\.directory):", line))
+    key = hashlib.sha256(f"{text}\n{selector}\n{method}\n{jax.__version__}".encode())
+    root = os.environ.get("JAXLEARN_FIT_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "jaxlearn", "fit")
+    return os.path.join(root, key.hexdigest()[:32] + ".json")
+
+
+def _run(argv: list[str], devices: int) -> dict[str, Any]:
+    """Runs `python -m <argv>` with `devices` fake CPU devices; its JSON stdout."""
+    env = dict(os.environ, JAX_NUM_CPU_DEVICES=str(devices), JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\S*", "",
+                              env.get("XLA_FLAGS", "")).strip()
+    done = subprocess.run([sys.executable, "-m", *argv], env=env, capture_output=True,
+                          text=True, check=False)
+    try:
+        return dict(json.loads(done.stdout))
+    except ValueError:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"exit status {done.returncode}: {last[-300:]}") from None
+
+
+def _measure(experiment: str, selector: str, overrides: Sequence[str], aot: bool
+             ) -> dict[str, Any]:
+    from jaxlearn.mesh import selector_num_devices
+
+    sets = [w for o in overrides for w in ("--set", o)]
+    where = ["--experiment", experiment, "--mesh_selector", selector, *sets]
+    n = selector_num_devices(selector)
+    if not aot:
+        return _run(["jaxlearn.cli.launch_fit", *where], n)
+    report = _run(["jaxlearn.cli", "aot", "--json", "--topology", "fake", *where], n)
+    step = report["steps"]["train_step"]
+    return {"required_bytes": step["required_bytes"], "hbm_bytes": step["hbm_bytes"],
+            "parts": [["temporaries", step["temp_bytes"]], ["arguments", step["argument_bytes"]]]}
+
+
+def check_fit(experiment: str, selector: str, overrides: Sequence[str], *, aot: bool = False
+              ) -> Verdict:
+    """The floor (or with `aot` the compiled figure) of the recipe on `selector`, cached."""
+    method = "aot" if aot else "floor"
+    path = _cache_path(experiment, selector, overrides, method)
+    try:
+        with open(path, encoding="utf-8") as f:
+            figures = json.load(f)
+    except (OSError, ValueError):
+        try:
+            figures = _measure(experiment, selector, overrides, aot)
+        except (RuntimeError, KeyError, OSError) as e:
+            return Verdict(method, None, error=str(e))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            json.dump(figures, f)
+        os.replace(path + ".tmp", path)
+    usable = int(HBM_UTILIZATION * figures["hbm_bytes"])
+    required = int(figures["required_bytes"])
+    return Verdict(method, required <= usable, required, usable, int(figures["hbm_bytes"]),
+                   tuple((str(k), int(v)) for k, v in figures["parts"]))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """`python -m jaxlearn.cli.launch_fit --experiment E --mesh_selector S [--set ...]`:
+    prints the floor's figures as JSON (JAX must see the target's device count)."""
+    p = argparse.ArgumentParser(prog="jaxlearn.cli.launch_fit")
+    p.add_argument("--experiment", required=True)
+    p.add_argument("--mesh_selector", required=True)
+    p.add_argument("--set", dest="overrides", action="append", default=[])
+    args = p.parse_args(argv)
+    print(json.dumps(floor(args.experiment, args.mesh_selector, args.overrides)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""Presence / frequency penalties and logit bias (the OpenAI definitions), batched.
+
+For row b and token j, with c[b, j] the times j occurs among the row's *generated*
+tokens (the prompt does not count):
+
+    logits[b, j] += bias[b, j] - frequency[b] * c[b, j] - presence[b] * (c[b, j] > 0)
+
+`bias` is sparse: each row carries up to `width` (token id, bias) pairs, padding pairs use
+id = vocab (dropped by the scatter). A batch in which no request uses any of the three
+runs none of this (the runner compiles it only into the calls that need it:
+`PenaltyArrays` is None), so requests that do not use them never pay for them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+
+MAX_LOGIT_BIAS = 300  # Entries of one request's logit_bias.
+MAX_BIAS = 100.0  # |bias| limit; +100 forces a token, -100 bans it.
+MAX_PRESENCE_FREQUENCY = 2.0  # |presence_penalty|, |frequency_penalty| limit.
+
+
+def apply_penalties(logits: Array, counts: Array, pen: dict[str, Array]) -> Array:
+    """logits [b, v] f32; counts [b, v] int (generated-token counts); pen: presence [b],
+    frequency [b] f32, bias_ids [b, width] int32, bias [b, width] f32 -> [b, v] f32."""
+    c = counts.astype(jnp.float32)
+    logits = logits - pen["frequency"][:, None] * c - pen["presence"][:, None] * (c > 0)
+    rows = jnp.arange(logits.shape[0])[:, None]
+    return logits.at[rows, pen["bias_ids"]].add(pen["bias"], mode="drop")
+
+
+def uses_penalties(params: Any) -> bool:
+    """Whether a `SamplingParams` needs the penalty/bias path."""
+    return bool(params.presence_penalty or params.frequency_penalty or params.logit_bias)
+
+
+def pack(params: Sequence[Any], rows: int, vocab: int) -> Optional[dict[str, np.ndarray]]:
+    """Per-row penalty arrays of `params` (SamplingParams) padded to `rows`, or None when
+    none of them uses a penalty or a bias. The bias width is a power of two >= 8 (one
+    compiled program per width)."""
+    if not any(uses_penalties(p) for p in params):
+        return None
+    longest = max(len(p.logit_bias) for p in params)
+    width = max(8, 1 << max(0, longest - 1).bit_length())
+    out = {
+        "presence": np.zeros(rows, np.float32),
+        "frequency": np.zeros(rows, np.float32),
+        "bias_ids": np.full((rows, width), vocab, np.int32),
+        "bias": np.zeros((rows, width), np.float32),
+    }
+    for i, p in enumerate(params):
+        out["presence"][i] = p.presence_penalty
+        out["frequency"][i] = p.frequency_penalty
+        if p.logit_bias:
+            ids, bias = zip(*p.logit_bias)
+            out["bias_ids"][i, : len(ids)] = ids
+            out["bias"][i, : len(ids)] = bias
+    return out

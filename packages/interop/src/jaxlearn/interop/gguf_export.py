@@ -1,0 +1,220 @@
+"""GGUF export: a jaxlearn `CausalLM` (config + params) and its tokenizer as one llama.cpp
+file, written with the `gguf` package's `GGUFWriter`.
+
+    export_gguf("model.gguf", config, params, tokenizer=tok, chat_template=chat, dtype="q8_0")
+
+Architectures as llama.cpp names them: Llama, Mistral and Mixtral are `llama` (Mistral
+adds `llama.attention.sliding_window`, Mixtral `llama.expert_count` /
+`expert_used_count` and stacked `ffn_*_exps` tensors), Qwen2 is `qwen2`. Tensors come
+from `gguf_params_to_tensors` (llama.cpp names and layout, q/k rows permuted for `llama`).
+Llama-3 RoPE scaling becomes the `rope_freqs.weight` divisors llama.cpp reads; linear
+scaling `rope.scaling.type/factor`.
+
+dtype: "f32", "f16", "bf16" or "q8_0" for the matrices (embeddings, projections, experts,
+output); norms, biases, the MoE router (`ffn_gate_inp`) and `rope_freqs` stay F32, as
+llama.cpp's converter keeps them. q8_0 rows whose length is not a multiple of 32 are
+written F16 (llama.cpp's fallback).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from typing import Any, Iterable, Optional
+
+import numpy as np
+
+from jaxlearn.interop.arch import Architecture, architecture_from_config
+from jaxlearn.interop.errors import (
+    InteropError,
+    UnsupportedModelError,
+    tokenizer_errors_as_interop,
+)
+from jaxlearn.interop.gguf import _require_gguf, gguf_params_to_tensors
+from jaxlearn.text.chat import ChatTemplate
+from jaxlearn.text.tokenizer_export import (
+    ExportTokenizer,
+    export_tokenizer,
+    gguf_tokenizer_metadata,
+)
+
+DTYPES = ("f32", "f16", "bf16", "q8_0")
+_KEEP_F32 = ("_norm.weight", ".bias", "ffn_gate_inp.weight", "rope_freqs.weight")
+
+
+def _arch_name(arch: Architecture) -> str:
+    """llama.cpp's `general.architecture` for `arch` (raises for what GGUF cannot hold)."""
+    uniform, _ = arch.uniform_sliding_window()
+    if not uniform:
+        raise UnsupportedModelError(
+            f"cannot export to GGUF: layers have different sliding windows "
+            f"{list(arch.sliding_windows)}; llama.cpp's {arch.family} takes one window"
+        )
+    return "qwen2" if arch.family == "qwen2" else "llama"
+
+
+def _rope_freqs(arch: Architecture) -> Optional[np.ndarray]:
+    """llama.cpp's `rope_freqs.weight` (per-frequency divisors [head_dim / 2]) for Llama-3
+    scaling, computed with jaxlearn's own `Llama3FrequencyScaling`; None otherwise."""
+    scaling = arch.rope_scaling or {}
+    if scaling.get("rope_type") != "llama3":
+        return None
+    from jaxlearn.layers import Llama3FrequencyScaling
+
+    fields = {k: v for k, v in scaling.items() if k != "rope_type"}
+    d = arch.head_dim
+    inv = 1.0 / (arch.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    scaled = Llama3FrequencyScaling.default_config().set(**fields).instantiate()(inv)
+    return np.asarray(inv / np.asarray(scaled, np.float64), np.float32)
+
+
+def _write_architecture(w: Any, arch: Architecture, context_length: int) -> None:
+    w.add_context_length(int(context_length))
+    w.add_embedding_length(arch.dim)
+    w.add_block_count(arch.num_layers)
+    w.add_feed_forward_length(arch.ffn_dim)
+    w.add_head_count(arch.num_heads)
+    w.add_head_count_kv(arch.num_kv_heads)
+    w.add_key_length(arch.head_dim)
+    w.add_value_length(arch.head_dim)
+    w.add_rope_dimension_count(arch.head_dim)
+    w.add_rope_freq_base(float(arch.rope_theta))
+    w.add_layer_norm_rms_eps(float(arch.norm_eps))
+    w.add_vocab_size(arch.vocab_size)
+    scaling = arch.rope_scaling or {}
+    if scaling.get("rope_type") == "linear":
+        w.add_rope_scaling_type(_require_gguf().RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(scaling["factor"]))
+    elif scaling.get("rope_type") == "llama3":
+        w.add_rope_scaling_orig_ctx_len(int(scaling["original_max_position_embeddings"]))
+    _, window = arch.uniform_sliding_window()
+    if window is not None:
+        w.add_sliding_window(int(window))
+    if arch.is_moe:
+        w.add_expert_count(arch.num_experts)
+        w.add_expert_used_count(arch.num_experts_per_token)
+
+
+def _write_tokenizer(
+    w: Any, tok: ExportTokenizer, chat_template: Optional[ChatTemplate], vocab_size: int
+) -> None:
+    with tokenizer_errors_as_interop():
+        meta = gguf_tokenizer_metadata(tok, vocab_size=vocab_size)
+    w.add_tokenizer_model(meta["model"])
+    if "pre" in meta:
+        w.add_tokenizer_pre(meta["pre"])
+    w.add_token_list(meta["tokens"])
+    w.add_token_types(meta["token_type"])
+    if "merges" in meta:
+        w.add_token_merges(meta["merges"])
+    if "scores" in meta:
+        w.add_token_scores(meta["scores"])
+        w.add_add_space_prefix(bool(meta["add_space_prefix"]))
+        if meta["unk"] is not None:
+            w.add_unk_token_id(meta["unk"])
+    if tok.bos is not None:
+        w.add_bos_token_id(int(tok.bos))
+    # llama.cpp holds one EOS; further end-of-generation ids go to EOT and EOM.
+    for add, i in zip((w.add_eos_token_id, w.add_eot_token_id, w.add_eom_token_id), tok.eos):
+        add(int(i))
+    if tok.pad is not None:
+        w.add_pad_token_id(int(tok.pad))
+    w.add_add_bos_token(bool(tok.add_bos and tok.bos is not None))
+    w.add_add_eos_token(False)
+    if chat_template is not None:
+        w.add_chat_template(chat_template.source)
+
+
+def _tensor_type(name: str, value: np.ndarray, dtype: str) -> str:
+    """The GGML type name `name` is stored as under `dtype`."""
+    if value.ndim < 2 or name.endswith(_KEEP_F32) or dtype == "f32":
+        return "F32"
+    if dtype == "q8_0":
+        block = _require_gguf().GGML_QUANT_SIZES[_require_gguf().GGMLQuantizationType.Q8_0][0]
+        return "Q8_0" if value.shape[-1] % block == 0 else "F16"
+    return dtype.upper()
+
+
+def _add_tensor(w: Any, name: str, value: np.ndarray, qtype: str) -> None:
+    g = _require_gguf()
+    value = np.ascontiguousarray(value, np.float32)
+    if qtype == "F32":
+        w.add_tensor(name, value)
+    elif qtype == "F16":
+        w.add_tensor(name, value.astype(np.float16))
+    else:
+        kind = g.GGMLQuantizationType[qtype]
+        w.add_tensor(name, g.quants.quantize(value, kind), raw_dtype=kind)
+
+
+_FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0"}
+
+
+def export_gguf(
+    path: str | pathlib.Path,
+    config: Any,
+    params: dict[str, Any],
+    *,
+    tokenizer: Any,
+    chat_template: Optional[ChatTemplate] = None,
+    dtype: str = "f32",
+    name: str = "jaxlearn-model",
+    bos_token_id: Optional[int] = None,
+    eos_token_ids: Iterable[int] = (),
+    pad_token_id: Optional[int] = None,
+    context_length: Optional[int] = None,
+) -> dict[str, int]:
+    """Writes a GGUF file of a jaxlearn `CausalLM` with its tokenizer and chat template.
+
+    tokenizer: a `tokenizers.Tokenizer`, or jaxlearn's `ByteTokenizer` / `HFTokenizer`
+    (see `tokenizer_export.export_tokenizer` for how special ids are chosen).
+    context_length: `{arch}.context_length` (default: the config's, else 4096).
+    Returns {GGML type name: number of tensors}. Everything is checked before the file is
+    opened; the file appears only once complete (written to `path + ".tmp"`, then renamed).
+    Raises InteropError for an unknown dtype, ParameterMismatchError for params that do not
+    match the config, UnsupportedModelError for configs GGUF cannot express and
+    TokenizerError for a tokenizer larger than the model's vocab.
+    """
+    g = _require_gguf()
+    if dtype not in DTYPES:
+        raise InteropError(f"export_gguf: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    arch = architecture_from_config(config)
+    arch_name = _arch_name(arch)
+    tensors = gguf_params_to_tensors(config, params)
+    freqs = _rope_freqs(arch)
+    if freqs is not None:
+        tensors["rope_freqs.weight"] = freqs
+    with tokenizer_errors_as_interop():
+        tok = export_tokenizer(
+            tokenizer,
+            vocab_size=arch.vocab_size,
+            chat_template=chat_template,
+            bos_token_id=bos_token_id,
+            eos_token_ids=eos_token_ids,
+            pad_token_id=pad_token_id,
+        )
+    types = {n: _tensor_type(n, v, dtype) for n, v in tensors.items()}
+    out = pathlib.Path(path)
+    tmp = out.with_name(out.name + ".tmp")
+    w = g.GGUFWriter(str(tmp), arch=arch_name)
+    try:
+        w.add_name(name)
+        w.add_file_type(int(g.LlamaFileType[_FILE_TYPES[dtype]]))
+        w.add_quantization_version(g.GGML_QUANT_VERSION)
+        _write_architecture(w, arch, context_length or arch.max_position_embeddings or 4096)
+        _write_tokenizer(w, tok, chat_template, arch.vocab_size)
+        for n, value in tensors.items():
+            _add_tensor(w, n, value, types[n])
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+    except BaseException:
+        w.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    w.close()
+    os.replace(tmp, out)
+    counts: dict[str, int] = {}
+    for t in types.values():
+        counts[t] = counts.get(t, 0) + 1
+    return counts
