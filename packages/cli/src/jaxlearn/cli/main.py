@@ -34,7 +34,7 @@ import os
 import sys
 from typing import Any, Optional, Sequence
 
-from jaxlearn.cli import aot_cmd, launch_cmd, serve_cmd
+from jaxlearn.cli import aot_cmd, export_cmd, launch_cmd, serve_cmd
 
 EXIT_USAGE = 2
 
@@ -107,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     aot_cmd.add_parsers(sub, _add_experiment_args)  # aot, plan
     serve_cmd.add_parsers(sub)  # serve, generate
+    export_cmd.add_parsers(sub)  # export
     launch_cmd.add_parsers(sub)  # launch local|slurm|k8s
 
     p = sub.add_parser("golden", help="check or regenerate golden_configs/")
@@ -385,6 +386,7 @@ COMMANDS = {
     "config-diff": cmd_config_diff,
     **aot_cmd.COMMANDS,
     **serve_cmd.COMMANDS,
+    **export_cmd.COMMANDS,
     **launch_cmd.COMMANDS,
     "golden": cmd_golden,
 }

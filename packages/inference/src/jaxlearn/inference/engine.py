@@ -312,36 +312,16 @@ class Engine(Configurable):
         the engine's mesh (`engine_cfg.mesh_shape`, whatever the training mesh was).
         engine_cfg: default `cls.default_config()`.
         """
-        from jaxlearn.checkpoint import Checkpointer, CheckpointNotFoundError
-
         engine_cfg = engine_cfg if engine_cfg is not None else cls.default_config()
-        root = Path(directory)
-        if not any(root.glob("step_*")) and (root / "checkpoints").is_dir():
-            root = root / "checkpoints"
         if getattr(model_cfg, "name", None) is REQUIRED:
             model_cfg = model_cfg.clone(name="model")
-        model = model_cfg.instantiate()
-        shapes = jax.eval_shape(model.initialize_parameters_recursively, jax.random.key(0))
         mesh = build_mesh(engine_cfg)
+        shardings = None
         if mesh is not None:
-            shardings = param_shardings(model, mesh, _axis_rules(engine_cfg))
-            shapes = jax.tree.map(
-                lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings
-            )
-        key = "ema" if use_ema else "params"
-        ckpt = Checkpointer.default_config().set(directory=str(root)).instantiate()
-        try:
-            if step is None:
-                found = ckpt.restore_latest({key: shapes}, partial=True)
-                if found is None:
-                    raise CheckpointNotFoundError(f"no checkpoint steps under {root}")
-                step, tree = found
-            else:
-                tree = ckpt.restore(step, {key: shapes}, partial=True)
-        finally:
-            ckpt.close()
-        log.info("restored %s of step %d from %s", key, step, root)
-        return cast(Engine, engine_cfg.instantiate(model_cfg=model_cfg, params=tree[key],
+            shardings = param_shardings(model_cfg.instantiate(), mesh, _axis_rules(engine_cfg))
+        params, _ = restore_params(directory, model_cfg, step=step, use_ema=use_ema,
+                                   shardings=shardings)
+        return cast(Engine, engine_cfg.instantiate(model_cfg=model_cfg, params=params,
                                                    tokenizer=tokenizer))
 
     # ---- prompts ------------------------------------------------------------------------
@@ -559,3 +539,37 @@ class _SpecFn:
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _SpecFn) and (other.rules, other.mesh) == (self.rules, self.mesh)
+
+
+def restore_params(directory: Union[str, Path], model_cfg: Any, *, step: Optional[int] = None,
+                   use_ema: bool = False, shardings: Any = None) -> tuple[Any, int]:
+    """(params, step) of a jaxlearn checkpoint: only the params (or, with use_ema, the EMA
+    params) of `step` (default: the newest step that verifies) are read, into `shardings`
+    (a tree like the params; default: the default device). `directory` is a Checkpointer
+    directory (holding `step_*/`) or a training output_dir (holding `checkpoints/`)."""
+    from jaxlearn.checkpoint import Checkpointer, CheckpointNotFoundError
+
+    root = Path(directory)
+    if not any(root.glob("step_*")) and (root / "checkpoints").is_dir():
+        root = root / "checkpoints"
+    if getattr(model_cfg, "name", None) is REQUIRED:
+        model_cfg = model_cfg.clone(name="model")
+    model = model_cfg.instantiate()
+    shapes = jax.eval_shape(model.initialize_parameters_recursively, jax.random.key(0))
+    if shardings is not None:
+        shapes = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings)
+    key = "ema" if use_ema else "params"
+    ckpt = Checkpointer.default_config().set(directory=str(root)).instantiate()
+    try:
+        if step is None:
+            found = ckpt.restore_latest({key: shapes}, partial=True)
+            if found is None:
+                raise CheckpointNotFoundError(f"no checkpoint steps under {root}")
+            step, tree = found
+        else:
+            tree = ckpt.restore(step, {key: shapes}, partial=True)
+    finally:
+        ckpt.close()
+    log.info("restored %s of step %d from %s", key, step, root)
+    return tree[key], int(step)

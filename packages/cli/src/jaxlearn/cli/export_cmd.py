@@ -1,0 +1,109 @@
+"""`jaxlearn export`: a model as an HF directory or a GGUF file.
+
+    jaxlearn export --model RUN_DIR|CKPT|HF_DIR|FILE.gguf --format hf --output DIR
+    jaxlearn export --model RUN_DIR --format gguf --output FILE.gguf [--dtype q8_0]
+
+A jaxlearn run is rebuilt from its run record like `serve` does (`serve_cmd.run_config`):
+the model config, the tokenizer the run trained with and the chat template its data was
+rendered with (`serve_cmd.run_tokenizer`); its params are read from the newest step that
+verifies (or `--step`). LoRA adapters are folded into the base weights first
+(`jaxlearn.layers.merge_lora`), so the export is a plain model of its family. An HF
+directory or GGUF file is converted (its tokenizer and template travel with it). The
+writers are `jaxlearn.interop.export_hf` / `export_gguf`; every failure is one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+GGUF_DTYPES = ("f32", "f16", "bf16", "q8_0")
+HF_DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
+
+
+def add_parsers(sub: Any) -> None:
+    """Adds the `export` subcommand to main's subparsers."""
+    p = sub.add_parser("export", help="write a model as an HF directory or a GGUF file")
+    p.add_argument("--model", required=True,
+                   help="a jaxlearn run (output_dir, checkpoints/ or step dir), an HF model "
+                        "directory or a .gguf file")
+    p.add_argument("--format", required=True, choices=("hf", "gguf"))
+    p.add_argument("--output", required=True, help="directory (hf) or file (gguf) to write")
+    p.add_argument("--dtype", default="f32", choices=GGUF_DTYPES,
+                   help="stored weight type (hf: f32/f16/bf16; gguf: also q8_0)")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+    p.add_argument("--experiment", default=None,
+                   help="the run's experiment, for checkpoints without a run record")
+    p.add_argument("--set", dest="overrides", action="append", default=[],
+                   metavar="PATH=VALUE", help="config override applied to the run's config")
+
+
+def _run_model(args: argparse.Namespace, path: Path, root: Path) -> tuple[Any, Any, Any, Any]:
+    """(model config, numpy params, tokenizer, chat template) of a jaxlearn run."""
+    import jax
+
+    from jaxlearn.cli.serve_cmd import run_config, run_tokenizer
+    from jaxlearn.inference.engine import restore_params
+    from jaxlearn.layers import merge_lora
+
+    cfg, source = run_config(path, root, args.experiment, args.overrides)
+    print(f"jaxlearn: model config from {source}", file=sys.stderr)
+    model_cfg = cfg.model.clone(name="model")
+    params, step = restore_params(root, model_cfg, step=args.step)
+    params = jax.device_get(params)
+    if any(k.endswith(("_lora_a", "_lora_b")) for k in _leaf_names(params)):
+        model_cfg, params = merge_lora(model_cfg, params)
+        print(f"jaxlearn: folded the LoRA adapters of step {step} into the base weights",
+              file=sys.stderr)
+    tokenizer = run_tokenizer(cfg)
+    template = tokenizer.chat_template if tokenizer is not None else None
+    return model_cfg, params, tokenizer, template
+
+
+def _leaf_names(tree: Any) -> list[str]:
+    if isinstance(tree, dict):
+        return [name for k, v in tree.items() for name in ([k] + _leaf_names(v))]
+    return []
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from jaxlearn.cli.main import UsageError
+    from jaxlearn.cli.serve_cmd import checkpoint_location
+    from jaxlearn.interop import InteropError, export_gguf, export_hf, load_pretrained
+
+    path = Path(args.model)
+    if not path.exists():
+        raise UsageError(f"--model {args.model}: no such file or directory")
+    if args.format == "hf" and args.dtype not in HF_DTYPES:
+        raise UsageError(f"--dtype {args.dtype}: HF export stores f32, f16 or bf16")
+    t0 = time.monotonic()
+    try:
+        location = checkpoint_location(path)
+        if location is not None:
+            root, step = location
+            if step is not None and args.step is None:
+                args.step = step
+            config, params, tokenizer, template = _run_model(args, path, root)
+        else:
+            loaded = load_pretrained(path)
+            config, params = loaded.config, loaded.params
+            tokenizer, template = loaded.text_tokenizer(), loaded.chat_template
+        if tokenizer is None:
+            raise UsageError(f"--model {args.model}: the model has no tokenizer to export")
+        if args.format == "hf":
+            export_hf(args.output, config, params, tokenizer=tokenizer, chat_template=template,
+                      dtype=HF_DTYPES[args.dtype])
+        else:
+            export_gguf(args.output, config, params, tokenizer=tokenizer,
+                        chat_template=template, dtype=args.dtype, name=path.name or "model")
+    except (InteropError, ValueError, OSError) as e:  # ValueError: config / text errors.
+        raise UsageError(f"export: {e}") from None
+    print(f"jaxlearn: wrote {args.format} {args.output} ({args.dtype}) in "
+          f"{time.monotonic() - t0:.1f}s", file=sys.stderr)
+    return 0
+
+
+COMMANDS = {"export": cmd_export}

@@ -1,0 +1,97 @@
+"""`jaxlearn export` (in-process `main([...])`): a jaxlearn run written as an HF directory
+and a GGUF file that jaxlearn's own loaders read back with the same logits, tokenizer ids
+and chat template; LoRA runs are merged first; bad requests are one-line errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxlearn.checkpoint import Checkpointer
+from jaxlearn.cli.main import final_config, main
+from jaxlearn.config import to_flat_text
+from jaxlearn.interop import load_pretrained
+from jaxlearn.layers import merge_lora
+from jaxlearn.module import functional
+from jaxlearn.runtime.record import RunRecord
+
+IDS = [[1, 72, 101, 108, 108, 111, 44, 32, 119]]
+
+
+def _logits(config, params, ids=IDS):
+    model = config.clone(name="model").instantiate()
+    out, _ = functional(model, None, params, ({"input_ids": jnp.asarray(ids)},),
+                        method="logits", is_training=False)
+    return np.asarray(out)
+
+
+def _run(directory, experiment, overrides, perturb_adapters=False):
+    """A run dir with random params (adapters made non-zero) and its run record."""
+    cfg = final_config(experiment, "cpu-8", overrides)
+    model_cfg = cfg.model.clone(name="model")
+    params = model_cfg.instantiate().initialize_parameters_recursively(jax.random.PRNGKey(3))
+    if perturb_adapters:
+        params = jax.tree_util.tree_map_with_path(
+            lambda path, x: x + 0.05 if "lora_b" in jax.tree_util.keystr(path) else x, params)
+    text = to_flat_text(cfg)
+    with Checkpointer.default_config().set(directory=str(directory / "checkpoints")) \
+            .instantiate() as c:
+        c.save(4, {"params": params, "step": np.int32(4)}, config_text=text)
+        c.wait_until_finished()
+    RunRecord(experiment, "cpu-8", tuple(overrides), text).write(directory)
+    return cfg, params
+
+
+SMALL = ["model.decoder.transformer.num_layers=1"]
+
+
+@pytest.mark.parametrize("fmt,output,dtype", [("hf", "hf", "f32"), ("gguf", "m.gguf", "f32")])
+def test_run_exports_and_loads_back_with_the_same_logits(tmp_path, fmt, output, dtype):
+    cfg, params = _run(tmp_path / "run", "tiny-llama", SMALL)
+    out = tmp_path / output
+    assert main(["export", "--model", str(tmp_path / "run"), "--format", fmt,
+                 "--output", str(out), "--dtype", dtype]) == 0
+    loaded = load_pretrained(out)
+    np.testing.assert_allclose(_logits(loaded.config, loaded.params),
+                               _logits(cfg.model, params), rtol=1e-5, atol=1e-5)
+    tok = cfg.input.tokenizer.instantiate()
+    text = "Hello, world: héllo"
+    assert loaded.text_tokenizer().encode(text) == tok.encode(text)
+
+
+def test_lora_run_is_merged_and_keeps_its_chat_template(tmp_path):
+    cfg, params = _run(tmp_path / "run", "lora", SMALL + [
+        "model.decoder.transformer.layer.self_attention.num_heads=4",
+        "model.decoder.transformer.layer.self_attention.num_kv_heads=2",
+        "model.decoder.dim=64", "model.decoder.transformer.layer.feed_forward.hidden_dim=128",
+    ], perturb_adapters=True)
+    assert main(["export", "--model", str(tmp_path / "run"), "--format", "gguf",
+                 "--output", str(tmp_path / "m.gguf")]) == 0
+    loaded = load_pretrained(tmp_path / "m.gguf")
+    merged_cfg, merged = merge_lora(cfg.model.clone(name="model"), params)
+    want = _logits(merged_cfg, merged)
+    np.testing.assert_allclose(_logits(loaded.config, loaded.params), want, rtol=1e-5,
+                               atol=1e-5)
+    assert not np.allclose(want, _logits(merged_cfg, merge_lora(
+        cfg.model.clone(name="model"), _zero_adapters(params))[1]))  # adapters mattered
+    messages = [{"role": "user", "content": "Hi"}]
+    assert loaded.chat_template.render(messages, add_generation_prompt=True) == \
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def _zero_adapters(params):
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: jnp.zeros_like(x) if "lora_b" in jax.tree_util.keystr(path) else x,
+        params)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--model", "/no/such/run", "--format", "hf", "--output", "x"], "no such file"),
+    (["--format", "hf", "--output", "x", "--dtype", "q8_0"], "HF export stores f32"),
+])
+def test_bad_exports_are_one_line_errors(tmp_path, capsys, argv, message):
+    if "--model" not in argv:
+        argv = ["--model", str(tmp_path)] + argv
+    assert main(["export", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
