@@ -102,12 +102,13 @@ def test_concurrent_clients(server, engine):
 
 @pytest.fixture()
 def slow_decode(engine):
-    """Makes every decode step take >= 50 ms, so requests stay running for a while."""
+    """Makes every decode call take >= 250 ms, so a request of 60 tokens (15 bursts of 4)
+    runs for seconds: long enough to notice its client leaving on a loaded machine."""
     runner = engine.runner
     orig = runner.decode
 
     def slow(**kw):
-        time.sleep(0.05)
+        time.sleep(0.25)
         return orig(**kw)
 
     runner.decode = slow
