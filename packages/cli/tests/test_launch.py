@@ -279,7 +279,9 @@ def test_tools_jaxlearn_first_use_creates_the_venv_once(tmp_path):
     reqs = tmp_path / "requirements.txt"
     reqs.write_text("# nothing to install: the venv itself is what is created\n")
     venv = tmp_path / "shared-home" / "venv"
-    env = dict(os.environ, JAXLEARN_VENV=str(venv), JAXLEARN_REQUIREMENTS=str(reqs))
+    # This interpreter is a Python 3.11 (a test sandbox may have no python3.11 on PATH).
+    env = dict(os.environ, JAXLEARN_VENV=str(venv), JAXLEARN_REQUIREMENTS=str(reqs),
+               JAXLEARN_PYTHON=sys.executable)
     argv = [str(CHECKOUT / "tools" / "jaxlearn"), "python", "-c",
             "import sys; print(sys.prefix)"]
     procs = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
