@@ -373,11 +373,12 @@ def test_gguf_array_claim_is_refused_before_any_allocation(tmp_path):
     numpy never sees the count (a tracemalloc peak of a few kilobytes)."""
     import tracemalloc
 
-    from jaxlearn.interop.gguf_header import read_header
+    from jaxlearn.text.errors import MalformedGGUFError
+    from jaxlearn.text.gguf_file import read_header
 
     path = raw_gguf(tmp_path / "a.gguf", [ARCH_KV, kv("x.arr", A, struct.pack("<IQ", U32, HUGE))])
     tracemalloc.start()
-    with pytest.raises(InteropError, match="x.arr"):
+    with pytest.raises(MalformedGGUFError, match="x.arr"):
         read_header(path)
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
@@ -386,7 +387,7 @@ def test_gguf_array_claim_is_refused_before_any_allocation(tmp_path):
 
 def test_header_reader_reads_what_gguf_writer_wrote(tmp_path, model):
     """The validating reader agrees with gguf's own GGUFReader on a well-formed file."""
-    from jaxlearn.interop.gguf_header import read_header
+    from jaxlearn.text.gguf_file import read_header
 
     path = model_gguf(tmp_path / "ok.gguf", model)
     ours, theirs = read_header(path), gguf.GGUFReader(str(path))

@@ -53,5 +53,23 @@ def test_token_overrides_and_errors(tmp_path):
     with pytest.raises(TokenizerError, match="missing.gguf: no such file"):
         GGUFTokenizer.default_config().set(path=str(tmp_path / "missing.gguf")).instantiate()
     (tmp_path / "bad.gguf").write_bytes(b"not a gguf file at all")
-    with pytest.raises(TokenizerError, match="bad.gguf: not a readable GGUF file"):
+    with pytest.raises(TokenizerError, match="bad.gguf: 22 bytes is too short"):
         GGUFTokenizer.default_config().set(path=str(tmp_path / "bad.gguf")).instantiate()
+
+
+def test_hostile_header_is_refused_fast_with_bounded_memory(tmp_path):
+    """A metadata array claiming 2**62 u32 elements in a 60-byte file: the tokenizer's
+    reader refuses it from the length alone (gguf's own reader would loop on it)."""
+    import struct
+    import tracemalloc
+
+    key = b"tokenizer.ggml.tokens"
+    body = b"GGUF" + struct.pack("<IQQ", 3, 0, 1)
+    body += struct.pack("<Q", len(key)) + key + struct.pack("<IIQ", 9, 4, 2**62)
+    (tmp_path / "huge.gguf").write_bytes(body)
+    tracemalloc.start()
+    with pytest.raises(TokenizerError, match="huge.gguf: .*tokenizer.ggml.tokens"):
+        GGUFTokenizer.default_config().set(path=str(tmp_path / "huge.gguf")).instantiate()
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 1 << 20, peak

@@ -2,7 +2,7 @@
 
     loaded = load_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")      # LoadedModel
 
-The header is read and validated by `jaxlearn.interop.gguf_header` (every count, length,
+The header is read and validated by `jaxlearn.text.gguf_file` (every count, length,
 dimension and offset against the file size; the file memory-mapped read-only), then every
 size in the metadata by `jaxlearn.interop.checks`. Every tensor is dequantised to
 float32 with `gguf.quants.dequantize` (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the
@@ -88,15 +88,18 @@ def _require_gguf() -> Any:
 
 class GGUFFile:
     """A GGUF file: `metadata` (key -> value; token arrays included), `tensors` by name
-    (`gguf_header.TensorInfo`). The header is validated by `gguf_header.read_header`
+    (`jaxlearn.text.gguf_file.TensorInfo`). The header is validated by `read_header`
     before any tensor is read."""
 
     def __init__(self, path: str | pathlib.Path):
         _require_gguf()
-        from jaxlearn.interop.gguf_header import read_header
+        from jaxlearn.text.gguf_file import read_header
 
         self.path = pathlib.Path(path)
-        self.header = read_header(self.path)
+        try:
+            self.header = read_header(self.path)
+        except text_errors.MalformedGGUFError as e:
+            raise MalformedFileError(str(e)) from None
         self.metadata: dict[str, Any] = self.header.metadata
         self.tensors = self.header.tensors
 

@@ -37,7 +37,7 @@ def load_pretrained(path: str | pathlib.Path, **kwargs: Any) -> LoadedModel:
     attention_implementation, moe_dropless_method).
 
     Files are untrusted: headers, sizes and layer tensors are validated before anything is
-    allocated (`gguf_header`, `checks`, `hf_config`), and every failure is an
+    allocated (`jaxlearn.text.gguf_file`, `checks`, `hf_config`), and every failure is an
     InteropError whose message names the file (a `jaxlearn.text` error, whose message
     names the file and key, becomes a MalformedFileError with that message). A
     value error that a malformed file provokes deeper in the stack (numpy, tokenizers)

@@ -15,3 +15,8 @@ class TokenizerError(TextError):
 class ChatTemplateError(TextError):
     """A chat template that does not compile, raised, failed, or was refused by the
     sandbox's limits (`jaxlearn.text.chat.ChatLimits`)."""
+
+
+class MalformedGGUFError(TextError):
+    """A GGUF file whose header is malformed or lies about its sizes (counts, lengths,
+    dims, offsets against the file size); the one-line message names the file and field."""

@@ -4,10 +4,9 @@ is just the file's path, so a run's config text rebuilds it.
     tok = GGUFTokenizer.default_config().set(path="model.gguf").instantiate()
     tok.encode("hi"), tok.bos_id, tok.eos_token_ids, tok.apply_chat_template(messages)
 
-The `tokenizer.ggml.*` metadata is read with the `gguf` package's memory-mapped reader
-(no tensor data is touched). That reader trusts the header's sizes: `--init_from` first
-validates the file with `jaxlearn.interop`'s header reader; give this class only files
-that passed such a check and rebuilt by `jaxlearn.text.gguf_vocab`. BOS, EOS (with the
+The `tokenizer.ggml.*` metadata is read by the validating header reader
+(`jaxlearn.text.gguf_file`: counts, lengths and offsets checked against the file size; no
+tensor data is touched) and rebuilt by `jaxlearn.text.gguf_vocab`. BOS, EOS (with the
 end-of-turn/message ids), pad and the chat template (`tokenizer.chat_template`, with the
 BOS/EOS token texts) come from the same metadata. It is an `HFTokenizer` in every other
 respect (encode without specials, decode, `decode_stream`).
@@ -20,32 +19,25 @@ from typing import Any, Optional
 
 from jaxlearn.config import Configurable
 from jaxlearn.text.chat import ChatTemplate
-from jaxlearn.text.errors import TokenizerError
+from jaxlearn.text.errors import MalformedGGUFError, TokenizerError
 from jaxlearn.text.gguf_vocab import tokenizer_from_gguf_metadata
 from jaxlearn.text.tokenizers import HFTokenizer
 
 
 def read_gguf_metadata(path: str) -> dict[str, Any]:
-    """The key/values of a GGUF file (token arrays included); TokenizerError naming the
-    file when it is missing or not GGUF."""
+    """The key/values of a GGUF file (token arrays included), read by the validating
+    header reader (`jaxlearn.text.gguf_file`): a hostile header costs bounded time and
+    memory. TokenizerError naming the file when it is missing or not a valid GGUF."""
     if not os.path.isfile(path):
         raise TokenizerError(f"{path}: no such file (GGUFTokenizer.path)")
     try:
-        import gguf
+        from jaxlearn.text.gguf_file import read_header
     except ImportError:
         raise TokenizerError("GGUFTokenizer needs the 'gguf' package (pip install gguf)") from None
     try:
-        reader = gguf.GGUFReader(path)
-    except Exception as e:  # the reader raises ValueError / struct errors
-        raise TokenizerError(f"{path}: not a readable GGUF file ({' '.join(str(e).split())})"
-                             ) from None
-    out: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        try:
-            out[key] = field.contents()
-        except Exception:  # exotic field types carry nothing a tokenizer reads
-            continue
-    return out
+        return dict(read_header(path).metadata)
+    except MalformedGGUFError as e:
+        raise TokenizerError(str(e)) from None
 
 
 def special_token_text(meta: dict[str, Any], key: str) -> str:

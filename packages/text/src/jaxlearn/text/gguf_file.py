@@ -37,7 +37,7 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import quant_shape_to_byte_shape
 
-from jaxlearn.interop.errors import MalformedFileError
+from jaxlearn.text.errors import MalformedGGUFError
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -98,8 +98,8 @@ class _Cursor:
     def __init__(self, buf: Any, path: pathlib.Path):
         self.buf, self.path, self.pos, self.end = buf, path, 0, len(buf)
 
-    def fail(self, what: str) -> MalformedFileError:
-        return MalformedFileError(f"{self.path}: {what}")
+    def fail(self, what: str) -> MalformedGGUFError:
+        return MalformedGGUFError(f"{self.path}: {what}")
 
     def need(self, n: int, what: str) -> None:
         if n > self.end - self.pos:
@@ -179,17 +179,17 @@ class GGUFHeader:
     def __init__(self, path: str | pathlib.Path):
         self.path = pathlib.Path(path)
         if not self.path.is_file():  # a FIFO or device would block or never end
-            raise MalformedFileError(f"{self.path}: not a regular file")
+            raise MalformedGGUFError(f"{self.path}: not a regular file")
         try:
             with open(self.path, "rb") as fh:
                 self.size = self.path.stat().st_size
                 if self.size < 24:
-                    raise MalformedFileError(
+                    raise MalformedGGUFError(
                         f"{self.path}: {self.size} bytes is too short for a GGUF header"
                     )
                 self._map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
         except OSError as e:
-            raise MalformedFileError(f"{self.path}: cannot be read ({e.strerror})") from None
+            raise MalformedGGUFError(f"{self.path}: cannot be read ({e.strerror})") from None
         cur = _Cursor(self._map, self.path)
         self.version, tensor_count, kv_count = _preamble(cur)
         self.metadata = _read_metadata(cur, kv_count)
@@ -211,7 +211,7 @@ class GGUFHeader:
 
 
 def read_header(path: str | pathlib.Path) -> GGUFHeader:
-    """The validated header of GGUF file `path` (MalformedFileError naming the field)."""
+    """The validated header of GGUF file `path` (MalformedGGUFError naming the field)."""
     return GGUFHeader(path)
 
 
