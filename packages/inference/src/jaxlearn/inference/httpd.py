@@ -237,6 +237,23 @@ class HTTPServer(ThreadingHTTPServer):
             with self._lock:
                 self._open -= 1
 
+    def shutdown_request(self, request: Any) -> None:
+        """Closes after reading what the client still sends (at most 1 s / 1 MiB), so an
+        error answered before its request was read whole reaches the client instead of
+        being lost to the reset that closing with unread data sends."""
+        try:
+            request.shutdown(socket.SHUT_WR)
+            end, left = time.monotonic() + min(1.0, self.limits.io_timeout), 1 << 20
+            while left > 0 and (t := end - time.monotonic()) > 0:
+                request.settimeout(t)
+                got = len(request.recv(min(left, 1 << 16)))
+                if not got:
+                    break
+                left -= got
+        except OSError:
+            pass
+        self.close_request(request)
+
     def _refuse(self, sock: socket.socket) -> None:
         n = self.limits.max_connections
         body = json.dumps(error_body(429, f"too many open connections (at most {n}); "
@@ -249,7 +266,7 @@ class HTTPServer(ThreadingHTTPServer):
         except OSError:
             pass
         self.count("", 429)
-        self.shutdown_request(sock)
+        super().shutdown_request(sock)  # No lingering in the accept loop.
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -271,6 +288,9 @@ class Handler(BaseHTTPRequestHandler):
         self._buffered = io.BufferedReader(self._reader, 1 << 16)
         self.rfile = self._buffered
 
+    def version_string(self) -> str:
+        return self.server_version  # No Python version in the Server header.
+
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
         log.debug("%s %s", self.address_string(), format % args)
 
@@ -284,6 +304,7 @@ class Handler(BaseHTTPRequestHandler):
         lim = self.server.limits
         self.close_connection = True
         self.command, self.path, self.request_version = "", "", "HTTP/1.1"
+        self.requestline = ""
         self.cors_origin: Optional[str] = None
         self._started = False
         self._clean = False  # Whether the request was read whole (keep-alive after errors).
@@ -319,6 +340,7 @@ class Handler(BaseHTTPRequestHandler):
         if len(raw) > MAX_REQUEST_LINE:
             raise HTTPError(414, f"request line over {MAX_REQUEST_LINE} bytes")
         line = raw.decode("latin-1").rstrip("\r\n")
+        self.requestline = line[:200]
         words = line.split()
         if not raw.endswith(b"\n") or len(words) != 3 or not words[2].startswith("HTTP/"):
             raise HTTPError(400, f"malformed request line {line[:100]!r}: expected "
