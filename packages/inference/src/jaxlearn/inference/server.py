@@ -67,8 +67,7 @@ class InferenceServer:
         limits: Optional[Limits] = None,
     ):
         self.engine = engine
-        self.limits = limits or Limits(
-            max_connections=engine.max_batch + engine.scheduler.max_queue + 16)
+        self.limits = limits or self.default_limits(engine)
         self.policy = Policy.for_bind(host, api_key=api_key, allowed_hosts=allowed_hosts,
                                       allowed_origins=allowed_origins)
         handler = type("Handler", (_Handler,), {"app": self})
@@ -76,6 +75,13 @@ class InferenceServer:
         self._thread: Optional[threading.Thread] = None
         engine.metrics.describe("http_requests_total",
                                 "HTTP requests answered, by path and status.")
+
+    @staticmethod
+    def default_limits(engine: Engine, max_connections: Optional[int] = None,
+                       **fields: Any) -> Limits:
+        """`Limits(**fields)`, max_connections by default max_batch + max_queue + 16."""
+        n = max_connections or engine.max_batch + engine.scheduler.max_queue + 16
+        return Limits(max_connections=n, **fields)
 
     def _count(self, path: str, status: int) -> None:
         self.engine.metrics.inc("http_requests_total", path=path if path in PATHS else "other",
