@@ -129,10 +129,10 @@ def test_idle_connection_is_closed_quietly(server):
 
 def test_connection_cap_answers_429_and_recovers(server):
     httpd = server.httpd
-    assert httpd._open == 0 or _wait(lambda: httpd._open == 0)
+    assert httpd.open_connections == 0 or _wait(lambda: httpd.open_connections == 0)
     held = [socket.create_connection(server.address) for _ in range(LIMITS.max_connections)]
     try:
-        assert _wait(lambda: httpd._open == LIMITS.max_connections)
+        assert _wait(lambda: httpd.open_connections == LIMITS.max_connections)
         with socket.create_connection(server.address, timeout=10) as extra:
             resp = read_all(extra)
         _, headers, _ = parse(resp)
@@ -140,7 +140,7 @@ def test_connection_cap_answers_429_and_recovers(server):
     finally:
         for s in held:
             s.close()
-    assert _wait(lambda: httpd._open == 0)
+    assert _wait(lambda: httpd.open_connections == 0)
     assert call(server, "GET", "/v1/models", headers=AUTH)[0] == 200
 
 

@@ -2,6 +2,8 @@
 
     jaxlearn serve --model PATH [--host 127.0.0.1] [--port 8000] [--max_batch 8]
                    [--engine_set decode_burst=4 ...] [--print_config]
+                   [--api_key KEY] [--allowed_hosts H,..] [--allowed_origins O,..]
+                   [--max_connections N] [--header_timeout S]
     jaxlearn generate --model PATH --prompt TEXT [--chat] [--max_new_tokens 128]
                       [--temperature 0] [--top_k 0] [--top_p 1] [--seed N]
 

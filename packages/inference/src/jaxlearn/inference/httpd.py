@@ -216,6 +216,10 @@ class HTTPServer(ThreadingHTTPServer):
         self._open, self._lock = 0, threading.Lock()
         super().__init__(address, handler)
 
+    @property
+    def open_connections(self) -> int:
+        return self._open
+
     def process_request(self, request: Any, client_address: Any) -> None:
         with self._lock:
             full = self._open >= self.limits.max_connections
