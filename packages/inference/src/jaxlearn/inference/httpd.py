@@ -404,6 +404,8 @@ class Handler(BaseHTTPRequestHandler):
     def send_body(self, status: int, body: bytes, ctype: str,
                   headers: Optional[dict[str, str]] = None) -> None:
         """The whole response in one write."""
+        if self.command == "HEAD":  # Refused with a body: the client must not reuse it.
+            self.close_connection = True
         self.send_response(status)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(body)))

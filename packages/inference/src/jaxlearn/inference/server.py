@@ -75,6 +75,8 @@ class InferenceServer:
         self._thread: Optional[threading.Thread] = None
         engine.metrics.describe("http_requests_total",
                                 "HTTP requests answered, by path and status.")
+        engine.metrics.describe("http_connections_open", "Open HTTP connections.")
+        engine.metrics.gauge("http_connections_open", lambda: self.httpd.open_connections)
 
     @staticmethod
     def default_limits(engine: Engine, max_connections: Optional[int] = None,
