@@ -194,3 +194,36 @@ def test_fine_tuning_run_serves_with_the_chat_template_it_trained_on():
     assert tokenizer.decode(tokenizer.apply_chat_template(messages)).endswith(
         "<|im_start|>assistant\n")
     assert run_tokenizer(final_config("tiny-llama", "cpu-8", [])).chat_template is None
+
+
+def test_serve_http_flags(monkeypatch):
+    """--api_key (else $JAXLEARN_API_KEY), comma lists, limits: InferenceServer's options."""
+    from jaxlearn.cli.main import build_parser
+    from jaxlearn.cli.serve_cmd import server_options
+
+    def opts(*argv):
+        return server_options(build_parser().parse_args(["serve", "--model", "m", *argv]))
+
+    monkeypatch.delenv("JAXLEARN_API_KEY", raising=False)
+    assert opts() == {"api_key": None, "allowed_hosts": [], "allowed_origins": [],
+                      "limits": {"header_timeout": 10.0}}
+    monkeypatch.setenv("JAXLEARN_API_KEY", "from-env")
+    got = opts("--allowed_hosts", "a.example, b.example", "--allowed_hosts", "c.example",
+               "--allowed_origins", "http://ui.example", "--max_connections", "9",
+               "--header_timeout", "2.5")
+    assert got == {"api_key": "from-env", "allowed_hosts": ["a.example", "b.example", "c.example"],
+                   "allowed_origins": ["http://ui.example"],
+                   "limits": {"header_timeout": 2.5, "max_connections": 9}}
+    assert opts("--api_key", "flag")["api_key"] == "flag"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--api_key", " "], "--api_key: must not be empty"),
+    (["--allowed_hosts", "a,,b"], "--allowed_hosts 'a,,b': an empty entry"),
+    (["--header_timeout", "0"], "--header_timeout=0.0: must be > 0"),
+    (["--max_connections", "0"], "--max_connections=0: must be > 0"),
+])
+def test_bad_serve_http_flags_fail_before_loading(tmp_path, capsys, argv, message):
+    assert main(["serve", "--model", str(tmp_path / "missing"), *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err

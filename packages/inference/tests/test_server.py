@@ -123,8 +123,9 @@ def test_client_disconnect_frees_slot(server, engine, slow_decode, stream):
     sock = socket.create_connection((host, port))
     body = json.dumps({"prompt": "abc", "max_tokens": 60, "ignore_eos": True,
                        "stream": stream}).encode()
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-                 b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: "
+                 + str(len(body)).encode() + b"\r\n\r\n" + body)
     assert wait_until(lambda: engine.scheduler.num_running == 1)
     if stream:
         assert sock.recv(4096).startswith(b"HTTP/1.1 200")
@@ -228,11 +229,12 @@ def test_malformed_bodies(server):
     assert call(server, "POST", "/v1/completions", raw=big)[0] == 413
     # A huge declared length is refused before any body is sent.
     with socket.create_connection(server.address) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999999"
-                     b"\r\n\r\n")
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 99999999999\r\n\r\n")
         assert sock.recv(64).startswith(b"HTTP/1.1 413")
     with socket.create_connection(server.address) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n")
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+                     b"Content-Type: application/json\r\n\r\n")
         assert sock.recv(64).startswith(b"HTTP/1.1 411")
     assert call(server, "POST", "/v1/completions", {"model": "other", "prompt": "a"})[0] == 404
     status, out, _ = call(server, "POST", "/v1/chat/completions",

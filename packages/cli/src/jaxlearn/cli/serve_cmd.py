@@ -2,6 +2,8 @@
 
     jaxlearn serve --model PATH [--host 127.0.0.1] [--port 8000] [--max_batch 8]
                    [--engine_set decode_burst=4 ...] [--print_config]
+                   [--api_key KEY] [--allowed_hosts H,..] [--allowed_origins O,..]
+                   [--max_connections N] [--header_timeout S]
     jaxlearn generate --model PATH --prompt TEXT [--chat] [--max_new_tokens 128]
                       [--temperature 0] [--top_k 0] [--top_p 1] [--seed N]
 
@@ -27,6 +29,7 @@ PATH is resolved by `load_model`:
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import time
@@ -75,6 +78,20 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--max_queue", type=int, default=None,
                    help="waiting requests before 429 (default 64)")
     p.add_argument("--served_model_name", default=None, help="the `model` name clients use")
+    p.add_argument("--api_key", default=None,
+                   help="require 'Authorization: Bearer KEY' (all paths but /health; "
+                        "default: $JAXLEARN_API_KEY, else none)")
+    p.add_argument("--allowed_hosts", action="append", default=[], metavar="HOST[,HOST]",
+                   help="Host headers to accept besides the loopback names (bound to "
+                        "loopback; otherwise any Host unless given); '*': any")
+    p.add_argument("--allowed_origins", action="append", default=[],
+                   metavar="ORIGIN[,ORIGIN]",
+                   help="browser origins allowed cross-origin (CORS; default: none), "
+                        "e.g. http://localhost:3000; '*': any")
+    p.add_argument("--max_connections", type=int, default=None,
+                   help="open connections before 429 (default max_batch + max_queue + 16)")
+    p.add_argument("--header_timeout", type=float, default=10.0,
+                   help="seconds a request's line and headers may take (default 10)")
 
     p = sub.add_parser("generate", help="generate from a prompt, streaming to stdout")
     _model_args(p)
@@ -366,6 +383,8 @@ def _engine(args: argparse.Namespace, engine_cfg: Any) -> Any:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from jaxlearn.cli.main import UsageError
+    from jaxlearn.inference.httpd import is_loopback
     from jaxlearn.inference.server import InferenceServer
 
     fields: dict[str, Any] = {}
@@ -376,13 +395,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine_cfg = engine_config(args, **fields)
     if args.print_config:
         return print_config(args, engine_cfg)
+    server_options(args)  # Bad HTTP flags fail before the model loads.
     engine = _engine(args, engine_cfg)
     t0 = time.monotonic()
     bos = engine.tokenizer.bos_id if engine.tokenizer is not None else None
     engine.generate([bos or 0, 3], max_new_tokens=2)  # Compile.
     print(f"jaxlearn: warmed up in {time.monotonic() - t0:.1f}s", file=sys.stderr)
-    server = InferenceServer(engine, args.host, args.port)
+    opts = server_options(args)
+    limits = InferenceServer.default_limits(engine, **opts.pop("limits"))
+    try:
+        server = InferenceServer(engine, args.host, args.port, limits=limits, **opts)
+    except OSError as e:
+        raise UsageError(f"--host {args.host} --port {args.port}: {e.strerror or e}") from None
     host, port = server.address
+    if server.policy.api_key is None and not is_loopback(args.host):
+        print(f"jaxlearn: warning: {args.host} is not loopback and no --api_key is set: "
+              f"anyone who can reach the port can use the model", file=sys.stderr)
     print(f"jaxlearn: serving {engine.model_name!r} on http://{host}:{port}/v1 (Ctrl-C stops)",
           file=sys.stderr)
     try:
@@ -390,6 +418,33 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         server.httpd.server_close()
     return 0
+
+
+def server_options(args: argparse.Namespace) -> dict[str, Any]:
+    """serve's HTTP flags (and $JAXLEARN_API_KEY), checked: InferenceServer's api_key,
+    allowed_hosts, allowed_origins, and `limits`: the Limits fields given."""
+    from jaxlearn.cli.main import UsageError
+    from jaxlearn.inference.httpd import Limits
+
+    key = args.api_key
+    if key is None:
+        key = os.environ.get("JAXLEARN_API_KEY") or None
+    elif not key.strip():
+        raise UsageError("--api_key: must not be empty")
+    opts: dict[str, Any] = {"api_key": key}
+    for flag in ("allowed_hosts", "allowed_origins"):
+        items = [x.strip() for v in getattr(args, flag) for x in v.split(",")]
+        if "" in items:
+            raise UsageError(f"--{flag} {','.join(getattr(args, flag))!r}: an empty entry")
+        opts[flag] = items
+    limits = {"header_timeout": args.header_timeout}
+    if args.max_connections is not None:
+        limits["max_connections"] = args.max_connections
+    try:
+        Limits(**limits)
+    except ValueError as e:  # "Limits.header_timeout=0: must be > 0"
+        raise UsageError(f"--{str(e).removeprefix('Limits.')}") from None
+    return {**opts, "limits": limits}
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

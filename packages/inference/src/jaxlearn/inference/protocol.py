@@ -404,8 +404,10 @@ def chunk(kind: str, rid: str, model: str, choices: list[dict[str, Any]],
 
 
 def error_body(status: int, message: str, param: Optional[str] = None) -> dict[str, Any]:
-    kinds = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
-             408: "timeout_error", 411: "invalid_request_error", 413: "invalid_request_error",
-             429: "rate_limit_error", 503: "service_unavailable"}
+    kinds = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+             404: "not_found_error", 408: "timeout_error", 429: "rate_limit_error",
+             501: "invalid_request_error", 503: "service_unavailable",
+             505: "invalid_request_error"}
+    kinds.update(dict.fromkeys((405, 411, 413, 414, 415, 431), "invalid_request_error"))
     return {"error": {"message": message, "type": kinds.get(status, "server_error"),
                       "param": param, "code": status}}
