@@ -1,0 +1,152 @@
+"""Phi-3 (fused qkv_proj / gate_up_proj, partial RoPE, LongRoPE, sliding window) and Llama
+with YaRN / dynamic NTK scaling: tiny random transformers checkpoints
+(fixtures/make_phi3_fixtures.py, run offline with torch) give transformers' logits within
+and past the original maximum length, Phi-3's greedy tokens through the paged Engine,
+export -> import is the identity, and transformers loads our exports (recorded)."""
+
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from jaxlearn.inference import Engine
+from jaxlearn.interop import (
+    MalformedFileError,
+    UnsupportedModelError,
+    architecture_from_config,
+    architecture_from_hf,
+    export_hf,
+    load_hf,
+)
+from jaxlearn.layers import LongRopeFrequencyScaling, phi3_config
+from jaxlearn.module import functional
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures"
+VARIANTS = ["phi3", "llama_yarn", "llama_dynamic"]
+
+
+def reference(name):
+    return np.load(FIXTURES / f"hf_{name}" / "reference.npz", allow_pickle=False)
+
+
+def logits(config, params, ids):
+    model = config.instantiate()
+    fn = jax.jit(
+        lambda p, x: functional(
+            model, None, p, ({"input_ids": x},), method="logits", is_training=False
+        )[0]
+    )
+    return np.asarray(fn(params, jnp.asarray(ids)))
+
+
+@pytest.mark.parametrize(
+    "name,stack", [("phi3", "scan"), ("phi3", "loop"), ("llama_yarn", "scan"),
+                   ("llama_dynamic", "scan")],
+)  # fmt: skip
+def test_logits_match_transformers_within_and_past_the_original_length(name, stack):
+    loaded = load_hf(FIXTURES / f"hf_{name}", stack=stack)
+    ref = reference(name)
+    for key in ("short", "long"):
+        got = logits(loaded.config, loaded.params, ref[f"{key}_ids"])
+        err = np.max(np.abs(got - ref[f"{key}_logits"]))
+        assert err <= 1e-4, (key, err)
+    assert np.abs(ref["long_logits"]).max() > 1.0
+    # The scaling matters: plain RoPE is far from transformers' long logits.
+    plain = loaded.config.clone()
+    attention = plain.decoder.transformer.layer.self_attention
+    attention.rope.frequency_scaling = None
+    err = np.abs(logits(plain, loaded.params, ref["long_ids"]) - ref["long_logits"]).max()
+    assert err > 1e-2, err
+
+
+def test_phi3_architecture_and_split_params():
+    loaded = load_hf(FIXTURES / "hf_phi3", stack="loop")
+    arch = loaded.architecture
+    assert arch.family == "phi3" and arch.rotary_fraction == 0.5
+    assert (arch.num_heads, arch.num_kv_heads, arch.head_dim) == (4, 2, 16)
+    assert arch.sliding_windows == (6, 6, 6)
+    scaling = arch.rope_scaling
+    assert scaling["rope_type"] == "longrope" and scaling["factor"] == 4.0
+    assert scaling["original_max_position_embeddings"] == 16
+    assert scaling["long_factor"] == [1.0, 2.5, 6.0, 11.0]
+    rope = loaded.config.decoder.transformer.layer.self_attention.rope
+    assert rope.rotary_fraction == 0.5 and rope.frequency_scaling.klass is LongRopeFrequencyScaling
+    original = load_file(str(FIXTURES / "hf_phi3" / "model.safetensors"))
+    qkv = original["model.layers.1.self_attn.qkv_proj.weight"]  # [(4 + 2 + 2) * 16, 64]
+    layer = loaded.params["decoder"]["transformer"]["layer1"]
+    np.testing.assert_array_equal(layer["self_attention"]["k_proj"],
+                                  qkv[64:96].T.reshape(64, 2, 16))  # fmt: skip
+    gate_up = original["model.layers.1.mlp.gate_up_proj.weight"]  # [2 * 80, 64]
+    np.testing.assert_array_equal(layer["feed_forward"]["wi_1"], gate_up[80:].T)
+
+
+def test_phi3_greedy_tokens_through_the_paged_engine_match_transformers():
+    """Short prompts batched (4-token pages and prefill chunks, past the window of 6),
+    staying within the original 16 positions; a 20-token prompt prefilled in one chunk
+    and decoded past it with the long factors."""
+    loaded = load_hf(FIXTURES / "hf_phi3")
+    ref = reference("phi3")
+    assert float(ref["greedy_margin"]) > 1e-3
+    cases = [("prompt_ids", "greedy_ids", 4), ("long_prompt_ids", "long_greedy_ids", 32)]
+    for prompt_key, want_key, chunk in cases:
+        engine = (
+            Engine.default_config()
+            .set(max_seq_len=32, max_batch=2, page_size=4, prefill_chunk=chunk, decode_burst=4)
+            .instantiate(model_cfg=loaded.config, params=loaded.params, tokenizer=None)
+        )
+        prompts = [[int(t) for t in row] for row in ref[prompt_key]]
+        new = ref[want_key].shape[1]
+        results = engine.generate(prompts, max_new_tokens=new, temperature=0.0, ignore_eos=True)
+        np.testing.assert_array_equal([r.tokens for r in results], ref[want_key])
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_export_then_load_gives_identical_params(name, tmp_path):
+    loaded = load_hf(FIXTURES / f"hf_{name}")
+    out = export_hf(tmp_path / "export", loaded.config, loaded.params,
+                    bos_token_id=loaded.bos_token_id, eos_token_ids=loaded.eos_token_ids,
+                    max_position_embeddings=loaded.architecture.max_position_embeddings)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == ("phi3" if name == "phi3" else "llama")
+    again = load_hf(out)
+    assert again.architecture == loaded.architecture
+    jax.tree.map(np.testing.assert_array_equal, again.params, loaded.params)
+    original = load_file(str(FIXTURES / f"hf_{name}" / "model.safetensors"))
+    exported = load_file(str(out / "model.safetensors"))
+    assert sorted(exported) == sorted(original)
+    for k in original:
+        np.testing.assert_array_equal(exported[k], original[k], err_msg=k)
+
+
+def test_transformers_loaded_our_exports():
+    check = json.loads((FIXTURES / "phi3_export_check.json").read_text())
+    cases = check["cases"]
+    assert sorted(cases) == ["native_phi3", *(f"roundtrip_{n}" for n in sorted(VARIANTS))]
+    for name, case in cases.items():
+        want = "Phi3ForCausalLM" if "phi3" in name else "LlamaForCausalLM"
+        assert case["hf_class"] == want, name
+        assert case["max_abs_logit_error"] <= 1e-4 and case["logit_scale"] > 1.0, name
+
+
+def test_bad_rope_configs_are_refused():
+    hf = json.loads((FIXTURES / "hf_phi3" / "config.json").read_text())
+    short = dict(hf, rope_parameters=dict(hf["rope_parameters"], short_factor=[1.0, 2.0]))
+    with pytest.raises(MalformedFileError, match="short_factor is not a list of 4 numbers"):
+        architecture_from_hf(short)
+    partial = json.loads((FIXTURES / "hf_llama_yarn" / "config.json").read_text())
+    partial["partial_rotary_factor"] = 0.5
+    with pytest.raises(UnsupportedModelError, match="partial_rotary_factor != 1 needs phi3"):
+        architecture_from_hf(partial)
+    yarn = dict(partial, partial_rotary_factor=1.0)
+    yarn["rope_parameters"] = dict(yarn["rope_parameters"], factor="4")
+    with pytest.raises(MalformedFileError, match="rope_scaling.factor = '4' is not a number"):
+        architecture_from_hf(yarn)
+    # Partial RoPE with YaRN has no HF class (Phi-3 only takes LongRoPE).
+    cfg = phi3_config(64, 32, 1, 4, 4, 48, rotary_fraction=0.5,
+                      rope_scaling={"rope_type": "yarn", "factor": 2.0})  # fmt: skip
+    with pytest.raises(UnsupportedModelError, match="need HF Phi-3"):
+        architecture_from_config(cfg)
