@@ -150,3 +150,98 @@ def test_bad_rope_configs_are_refused():
                       rope_scaling={"rope_type": "yarn", "factor": 2.0})  # fmt: skip
     with pytest.raises(UnsupportedModelError, match="need HF Phi-3"):
         architecture_from_config(cfg)
+
+
+# ---- GGUF --------------------------------------------------------------------------------
+
+
+def write_phi3_gguf_like_llama_cpp(path):
+    """The Phi-3 fixture as llama.cpp's converter writes it: names from its tensor map
+    (fused `attn_qkv`, `ffn_up`), LongRoPE as `rope_factors_long/short.weight`, the
+    original length and attention factor in `phi3.rope.scaling.*`."""
+    gguf = pytest.importorskip("gguf")
+    hf = json.loads((FIXTURES / "hf_phi3" / "config.json").read_text())
+    rope = hf["rope_parameters"]
+    state = load_file(str(FIXTURES / "hf_phi3" / "model.safetensors"))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.PHI3, hf["num_hidden_layers"])
+    w = gguf.GGUFWriter(str(path), arch="phi3")
+    w.add_block_count(3)
+    w.add_context_length(hf["max_position_embeddings"])
+    w.add_embedding_length(64)
+    w.add_feed_forward_length(80)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_rope_dimension_count(8)
+    w.add_layer_norm_rms_eps(hf["rms_norm_eps"])
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_rope_scaling_orig_ctx_len(hf["original_max_position_embeddings"])
+    w.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(4) / np.log(16))))
+    w.add_sliding_window(hf["sliding_window"])
+    w.add_vocab_size(96)
+    for tensor, value in state.items():
+        gname = names.get_name(tensor, try_suffixes=(".weight", ".bias"))
+        assert gname is not None, tensor
+        w.add_tensor(gname, np.ascontiguousarray(value, np.float32))
+    for k in ("long", "short"):
+        w.add_tensor(f"rope_factors_{k}.weight", np.asarray(rope[f"{k}_factor"], np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def write_gguf(path, config, params):
+    """A tokenizer-less GGUF of a jaxlearn model through export_gguf's own metadata and
+    tensor writers."""
+    gguf = pytest.importorskip("gguf")
+    from jaxlearn.interop.gguf import gguf_params_to_tensors
+    from jaxlearn.interop.gguf_export import _arch_name, _rope_tensors, _write_architecture
+
+    arch = architecture_from_config(config)
+    w = gguf.GGUFWriter(str(path), arch=_arch_name(arch))
+    _write_architecture(w, arch, 64)
+    tensors = gguf_params_to_tensors(config, params)
+    tensors.update(_rope_tensors(arch))
+    for name, value in tensors.items():
+        w.add_tensor(name, np.ascontiguousarray(value, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_gguf_phi3_as_llama_cpp_writes_it_matches_transformers(tmp_path):
+    from jaxlearn.interop import load_gguf
+
+    gg = load_gguf(write_phi3_gguf_like_llama_cpp(tmp_path / "phi3.gguf"), stack="loop")
+    hf = load_hf(FIXTURES / "hf_phi3", stack="loop")
+    arch = gg.architecture
+    assert arch.family == "phi3" and arch.rotary_fraction == 0.5
+    assert arch.sliding_windows == (6, 6, 6)
+    assert arch.rope_scaling["long_factor"] == hf.architecture.rope_scaling["long_factor"]
+    jax.tree.map(np.testing.assert_array_equal, gg.params, hf.params)
+    ref = reference("phi3")
+    for key in ("short", "long"):
+        err = np.abs(logits(gg.config, gg.params, ref[f"{key}_ids"]) - ref[f"{key}_logits"])
+        assert err.max() <= 1e-4, (key, err.max())
+
+
+@pytest.mark.parametrize("name", ["phi3", "llama_yarn"])
+def test_gguf_export_loads_back_with_the_same_rope(name, tmp_path):
+    from jaxlearn.interop import load_gguf
+
+    hf = load_hf(FIXTURES / f"hf_{name}", stack="loop")
+    gg = load_gguf(write_gguf(tmp_path / "m.gguf", hf.config, hf.params), stack="loop")
+    jax.tree.map(np.testing.assert_array_equal, gg.params, hf.params)
+    assert gg.architecture.rope_scaling["rope_type"] == hf.architecture.rope_scaling["rope_type"]
+    ref = reference(name)
+    err = np.abs(logits(gg.config, gg.params, ref["long_ids"]) - ref["long_logits"]).max()
+    assert err <= 1e-4, err
+
+
+def test_gguf_export_refuses_dynamic_ntk(tmp_path):
+    hf = load_hf(FIXTURES / "hf_llama_dynamic")
+    with pytest.raises(UnsupportedModelError, match="llama.cpp has no dynamic RoPE"):
+        write_gguf(tmp_path / "d.gguf", hf.config, hf.params)

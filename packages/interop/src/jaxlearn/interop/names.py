@@ -39,7 +39,10 @@ from jaxlearn.interop.errors import UnsupportedModelError
 
 FORMATS = ("hf", "gguf")
 # File tensors that carry no parameters (buffers some exporters write), by name suffix.
-IGNORED = {"hf": (".rotary_emb.inv_freq",), "gguf": ("rope_freqs.weight",)}
+IGNORED = {
+    "hf": (".rotary_emb.inv_freq",),
+    "gguf": ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"),
+}
 _LAYER = "decoder.transformer.layer{i}."
 
 
