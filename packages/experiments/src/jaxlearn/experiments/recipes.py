@@ -1,9 +1,9 @@
 """Named experiments: one function per recipe returning a complete `Trainer.Config`.
 
 Model shapes follow the published architectures (Llama 2: arXiv:2307.09288; Llama 3:
-arXiv:2407.21783; Mixtral: arXiv:2401.04088; Qwen3: arXiv:2505.09388; Phi-3: arXiv:2404.14219). Every recipe
-carries mesh rules for CPU, TPU (v4/v5e/v5p/v6e), GPU (H100/H200/B200) and Trainium2;
-`--mesh_selector` picks one.
+arXiv:2407.21783; Mixtral: arXiv:2401.04088; Qwen3: arXiv:2505.09388; Phi-3:
+arXiv:2404.14219). Every recipe carries mesh rules for CPU, TPU (v4/v5e/v5p/v6e), GPU
+(H100/H200/B200) and Trainium2; `--mesh_selector` picks one.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+
 from jaxlearn.experiments.common import (
     chain,
     large_model_mesh_rules,

@@ -147,7 +147,8 @@ def build_config(
     scaling = arch.rope_scaling
     if arch.is_moe and arch.mlp_bias:
         raise UnsupportedModelError("MoE experts with MLP biases are not supported")
-    recipe = qwen3_config if arch.qk_norm else phi3_config if arch.family == "phi3" else llama_config
+    recipe = qwen3_config if arch.qk_norm else llama_config
+    recipe = phi3_config if arch.family == "phi3" else recipe
     cfg = recipe(
         vocab_size=arch.vocab_size,
         dim=arch.dim,

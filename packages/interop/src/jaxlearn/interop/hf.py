@@ -97,13 +97,7 @@ def hf_config_dict(arch: Architecture, *, dtype: str = "float32") -> dict[str, A
     elif arch.family == "mistral":
         out["sliding_window"] = windows[0] if windows else None
     elif arch.family == "phi3":
-        out["sliding_window"] = windows[0] if windows else None
-        out["partial_rotary_factor"] = arch.rotary_fraction
-        if scaling is not None:  # Phi-3 reads its original maximum at the top level
-            out["original_max_position_embeddings"] = scaling["original_max_position_embeddings"]
-        out.update(attention_bias=False, resid_pdrop=0.0, embd_pdrop=0.0, pad_token_id=None)
-        out.setdefault("bos_token_id", None)  # Phi3Config defaults: 1 and 32000
-        out.setdefault("eos_token_id", None)
+        out.update(_phi3_fields(arch, scaling))
     elif arch.family in ("qwen2", "qwen3"):
         sliding = [i for i, w in enumerate(windows) if w is not None]
         out["use_sliding_window"] = bool(sliding)
@@ -137,6 +131,22 @@ def hf_config_dict(arch: Architecture, *, dtype: str = "float32") -> dict[str, A
         out["router_aux_loss_coef"] = arch.router_aux_loss_coef
         out["output_router_logits"] = False
         out["router_jitter_noise"] = 0.0
+    return out
+
+
+def _phi3_fields(arch: Architecture, scaling: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """Phi-3's config.json fields: one window, partial RoPE, the original maximum at the
+    top level (where Phi3Config reads it), no pad/bos/eos defaults (1, 32000)."""
+    out = dict(
+        sliding_window=arch.sliding_windows[0] if arch.sliding_windows else None,
+        partial_rotary_factor=arch.rotary_fraction,
+        attention_bias=False, resid_pdrop=0.0, embd_pdrop=0.0, pad_token_id=None,
+        bos_token_id=arch.bos_token_id,
+        eos_token_id=arch.eos_token_ids[0] if len(arch.eos_token_ids) == 1
+        else list(arch.eos_token_ids) or None,
+    )  # fmt: skip
+    if scaling is not None:
+        out["original_max_position_embeddings"] = scaling["original_max_position_embeddings"]
     return out
 
 

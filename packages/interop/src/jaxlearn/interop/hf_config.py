@@ -94,7 +94,7 @@ def _scaling(hf: dict[str, Any], scaling: dict[str, Any], where: str, rotary: in
         orig = orig or hf.get("original_max_position_embeddings")
         orig = orig or scaling.get("original_max_position_embeddings")
         orig = orig or hf.get("max_position_embeddings")
-        out["original_max_position_embeddings"] = integer(orig, where, key, high=LIMITS["positions"])
+        out[key.split(".")[1]] = integer(orig, where, key, high=LIMITS["positions"])
     factor = scaling.get("factor")
     if factor is None and rope_type in ("yarn", "longrope"):
         factor = integer(hf.get("max_position_embeddings"), where, "max_position_embeddings",
