@@ -245,3 +245,17 @@ def test_gguf_export_refuses_dynamic_ntk(tmp_path):
     hf = load_hf(FIXTURES / "hf_llama_dynamic")
     with pytest.raises(UnsupportedModelError, match="llama.cpp has no dynamic RoPE"):
         write_gguf(tmp_path / "d.gguf", hf.config, hf.params)
+
+
+@pytest.mark.parametrize("mesh_name", ["fsdp", "tp"])
+def test_sharded_load_splits_the_fused_phi3_tensors(mesh_name):
+    """Per-shard readers of the unequal q/k/v blocks of `qkv_proj` and the gate/up halves
+    of `gate_up_proj` give load_hf's params bit for bit."""
+    from test_sharded_load import MESHES, assert_bit_equal, config_for, make_mesh, shardings_for
+
+    from jaxlearn.interop.sharded import load_sharded
+
+    directory = FIXTURES / "hf_phi3"
+    model = config_for(directory, stack="scan").instantiate()
+    got = load_sharded(directory, model, shardings_for(model, make_mesh(MESHES[mesh_name])))
+    assert_bit_equal(got, load_hf(directory, stack="scan").params)
