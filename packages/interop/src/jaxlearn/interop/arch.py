@@ -2,11 +2,11 @@
 format they come from (HF config.json, GGUF metadata) or go to (HF export).
 
 `build_config(arch)` turns one into a `CausalLM.Config` with `llama_config` (`qwen3_config`
-for Qwen3: per-head q/k RMSNorm; plus a dense-FFN -> MoE replacement for Mixtral,
-per-attention biases for Qwen2 and per-layer sliding windows);
-`architecture_from_config(cfg)` reads one back from a `CausalLM.Config` and raises
-`UnsupportedModelError` for anything the HF Llama/Mistral/Qwen2/Qwen3/Mixtral classes
-cannot express.
+for Qwen3: per-head q/k RMSNorm; `phi3_config` for Phi-3: partial RoPE; plus a dense-FFN
+-> MoE replacement for Mixtral, per-attention biases for Qwen2, per-layer sliding windows
+and any `jaxlearn.layers.SCALINGS` RoPE scaling); `architecture_from_config(cfg)` reads
+one back from a `CausalLM.Config` and raises `UnsupportedModelError` for anything the HF
+Llama/Mistral/Qwen2/Qwen3/Mixtral/Phi-3 classes cannot express.
 """
 
 from __future__ import annotations

@@ -11,7 +11,9 @@ K-quants and the IQ types that the package implements), then cast to the param d
 Architectures: `llama` (Llama 1/2/3, Mistral and Mixtral as llama.cpp converts them, and
 SmolLM), `qwen2` (q/k/v biases), `qwen3` (`attn_q_norm` / `attn_k_norm`, explicit
 `attention.key_length`), `qwen3moe` (qwen3 attention, every FFN top-k experts of width
-`expert_feed_forward_length`), `mistral`-named files with the llama layout. llama.cpp
+`expert_feed_forward_length`), `phi3` (fused `attn_qkv` / `ffn_up`, partial RoPE,
+LongRoPE factors as `rope_factors_long/short.weight`), `mistral`-named files with the
+llama layout. YaRN is `rope.scaling.type` yarn. llama.cpp
 permutes the rows of the q/k projections of `llama` files for its interleaved RoPE
 (`convert_hf_to_gguf.LlamaModel.permute`); `unpermute_qk` undoes it so the weights match the
 HF rotate-half layout that jaxlearn's RoPE uses. qwen2 and qwen3 files are not permuted. Tensor
