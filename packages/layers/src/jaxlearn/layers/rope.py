@@ -103,6 +103,8 @@ class YarnFrequencyScaling(FrequencyScaling):
     def __call__(self, inv_freq: np.ndarray) -> np.ndarray:
         c = self.config
         dim = 2 * len(inv_freq)
+        # ln(theta) from inv_freq[1] = theta ** (-2 / dim); with one frequency the ramp
+        # starts at it whatever theta is, so any value serves.
         log_base = -math.log(inv_freq[1]) * dim / 2 if len(inv_freq) > 1 else 1.0
 
         def correction_dim(rotations: float) -> float:
