@@ -182,9 +182,9 @@ def test_unsupported_configs_are_clear_errors(tmp_path):
     (out / "config.json").write_text(json.dumps(dict(cfg, model_type="gpt2")))
     with pytest.raises(UnsupportedModelError, match="model_type 'gpt2'"):
         load_hf(out)
-    yarn = dict(cfg, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0})
-    (out / "config.json").write_text(json.dumps(yarn))
-    with pytest.raises(UnsupportedModelError, match="yarn"):
+    other = dict(cfg, rope_parameters={"rope_type": "proportional", "rope_theta": 1e4})
+    (out / "config.json").write_text(json.dumps(other))
+    with pytest.raises(UnsupportedModelError, match="'proportional' is not supported"):
         load_hf(out)
     # The classic transformers-4 keys are read too.
     legacy = {k: v for k, v in cfg.items() if k != "rope_parameters"}

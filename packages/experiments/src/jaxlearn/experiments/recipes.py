@@ -1,14 +1,16 @@
 """Named experiments: one function per recipe returning a complete `Trainer.Config`.
 
 Model shapes follow the published architectures (Llama 2: arXiv:2307.09288; Llama 3:
-arXiv:2407.21783; Mixtral: arXiv:2401.04088; Qwen3: arXiv:2505.09388). Every recipe
-carries mesh rules for CPU, TPU (v4/v5e/v5p/v6e), GPU (H100/H200/B200) and Trainium2;
-`--mesh_selector` picks one.
+arXiv:2407.21783; Mixtral: arXiv:2401.04088; Qwen3: arXiv:2505.09388; Phi-3:
+arXiv:2404.14219). Every recipe carries mesh rules for CPU, TPU (v4/v5e/v5p/v6e), GPU
+(H100/H200/B200) and Trainium2; `--mesh_selector` picks one.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import numpy as np
 
 from jaxlearn.experiments.common import (
     chain,
@@ -19,6 +21,7 @@ from jaxlearn.experiments.common import (
 from jaxlearn.layers import (
     ADAPTERS,
     llama_config,
+    phi3_config,
     qwen3_config,
     qwen3_moe_config,
     use_lora,
@@ -131,6 +134,39 @@ def qwen3_30b_a3b() -> Trainer.Config:
                   gpu_microbatches=2)
 
 
+def _float32s(text: str) -> list[float]:
+    """Space-separated float32 decimals -> their exact float32 values (as config.json)."""
+    return [float(np.float32(v)) for v in text.split()]
+
+
+# Phi-3.5-mini-instruct's LongRoPE factors (config.json "rope_scaling"), one per rotary
+# frequency (head_dim 96 / 2).
+PHI35_MINI_LONG_FACTOR = _float32s("""
+    1.08 1.11 1.14 1.34 1.5899999 1.6 1.62 2.6200001 3.23 3.23 4.79 7.4 7.7000003 9.09 12.2
+    17.67 24.460001 28.570002 30.420002 30.840002 32.590004 32.930004 42.320004 44.960003
+    50.340004 50.450005 57.550003 57.930004 58.210003 60.140003 62.610004 62.620003 62.710003
+    63.140003 63.140003 63.770004 63.930004 63.960003 63.97 64.03 64.07 64.08 64.12 64.41
+    64.48 64.51 64.53 64.84""")
+PHI35_MINI_SHORT_FACTOR = _float32s("""
+    1 1.02 1.03 1.03 1.05 1.05 1.05 1.05 1.05 1.0699999 1.0999999 1.1099999 1.1599998
+    1.1599998 1.1699998 1.2899998 1.3399998 1.6799998 1.7899998 1.8199998 1.8499998 1.8799998
+    1.9099997 1.9399997 1.9899997 2.0199997 2.0199997 2.0199997 2.0199997 2.0199997 2.0199997
+    2.0299997 2.0299997 2.0299997 2.0299997 2.0299997 2.0299997 2.0299997 2.0299997 2.0299997
+    2.0799997 2.0899997 2.1899996 2.2199996 2.5899994 2.7299995 2.7499995 2.8399994""")
+
+
+def phi3_5_mini() -> Trainer.Config:
+    """Phi-3.5-mini-instruct: 32 layers, d=3072, 32 heads (MHA) of head_dim 96, FFN 8192,
+    vocab 32064, RoPE theta 1e4 with LongRoPE (4096 original positions, 131072 in all:
+    factor 32), window 262144, untied head, seq 4096."""
+    scaling = {"rope_type": "longrope", "short_factor": PHI35_MINI_SHORT_FACTOR,
+               "long_factor": PHI35_MINI_LONG_FACTOR, "factor": 32.0,
+               "original_max_position_embeddings": 4096}  # fmt: skip
+    model = phi3_config(32064, 3072, 32, 32, 32, 8192, rope_theta=10000.0, rope_scaling=scaling,
+                        sliding_window=262144, norm_eps=1e-5, dtype="bfloat16")  # fmt: skip
+    return _large(model, seq_len=4096, global_batch=1024, max_step=500_000, lr=3e-4)
+
+
 def _smollm2_135m() -> Any:
     """SmolLM2-135M's shape (30 layers, d=576, 9/3 heads, FFN 1536, vocab 49152, tied):
     what `finetune` trains without --init_from, which replaces it by the pretrained one."""
@@ -192,6 +228,7 @@ EXPERIMENTS = {
     "mixtral-8x7b": mixtral_8x7b,
     "qwen3-8b": qwen3_8b,
     "qwen3-30b-a3b": qwen3_30b_a3b,
+    "phi3.5-mini": phi3_5_mini,
     "finetune": finetune,
     "lora": lora,
 }

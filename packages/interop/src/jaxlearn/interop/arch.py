@@ -2,11 +2,11 @@
 format they come from (HF config.json, GGUF metadata) or go to (HF export).
 
 `build_config(arch)` turns one into a `CausalLM.Config` with `llama_config` (`qwen3_config`
-for Qwen3: per-head q/k RMSNorm; plus a dense-FFN -> MoE replacement for Mixtral,
-per-attention biases for Qwen2 and per-layer sliding windows);
-`architecture_from_config(cfg)` reads one back from a `CausalLM.Config` and raises
-`UnsupportedModelError` for anything the HF Llama/Mistral/Qwen2/Qwen3/Mixtral classes
-cannot express.
+for Qwen3: per-head q/k RMSNorm; `phi3_config` for Phi-3: partial RoPE; plus a dense-FFN
+-> MoE replacement for Mixtral, per-attention biases for Qwen2, per-layer sliding windows
+and any `jaxlearn.layers.SCALINGS` RoPE scaling); `architecture_from_config(cfg)` reads
+one back from a `CausalLM.Config` and raises `UnsupportedModelError` for anything the HF
+Llama/Mistral/Qwen2/Qwen3/Mixtral/Phi-3 classes cannot express.
 """
 
 from __future__ import annotations
@@ -20,18 +20,18 @@ from jaxlearn.interop.errors import UnsupportedModelError
 from jaxlearn.layers import (
     Attention,
     FeedForward,
-    LinearFrequencyScaling,
-    Llama3FrequencyScaling,
     LoopStack,
     RMSNorm,
     ScanStack,
     TransformerLayer,
     llama_config,
+    phi3_config,
     qwen3_config,
+    scaling_dict,
 )
 from jaxlearn.layers.moe import MixtureOfExperts
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3")
 # Families whose attention normalises q and k per head (RMSNorm over head_dim, eps norm_eps).
 QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
 STACKS = ("scan", "loop")
@@ -41,9 +41,10 @@ STACKS = ("scan", "loop")
 class Architecture:
     """Format-neutral hyperparameters of a Llama-family causal LM.
 
-    rope_scaling: None, or an HF-style dict with "rope_type" "llama3" (factor,
-    low_freq_factor, high_freq_factor, original_max_position_embeddings) or "linear"
-    (factor). sliding_windows: one entry per layer (None = full attention), or () when no
+    rope_scaling: None, or an HF-style dict with "rope_type" one of
+    `jaxlearn.layers.SCALINGS` (linear, llama3, yarn, dynamic, longrope) and the fields of
+    that scaling's config (`scaling_dict`). rotary_fraction: HF `partial_rotary_factor`
+    (Phi-3 only). sliding_windows: one entry per layer (None = full attention), or () when no
     layer has a window. num_experts > 0 makes every FFN a top-k softmax MoE of experts
     with hidden size ffn_dim (Mixtral, Qwen3-MoE), except the `dense_layers`, which have
     a dense SwiGLU FFN of hidden size `dense_ffn_dim` (Qwen3-MoE `mlp_only_layers` /
@@ -62,6 +63,7 @@ class Architecture:
     norm_eps: float
     rope_theta: float
     rope_scaling: Optional[dict[str, Any]] = None
+    rotary_fraction: float = 1.0
     tie_embeddings: bool = False
     qkv_bias: bool = False
     output_bias: bool = False
@@ -143,14 +145,10 @@ def build_config(
     if not uniform or arch.dense_layers:
         stack = "loop"
     scaling = arch.rope_scaling
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
-    if scaling is not None and rope_type not in ("llama3", "linear", "default", None):
-        raise UnsupportedModelError(
-            f"RoPE scaling type {rope_type!r} is not supported (llama3, linear, default)"
-        )
     if arch.is_moe and arch.mlp_bias:
         raise UnsupportedModelError("MoE experts with MLP biases are not supported")
     recipe = qwen3_config if arch.qk_norm else llama_config
+    recipe = phi3_config if arch.family == "phi3" else recipe
     cfg = recipe(
         vocab_size=arch.vocab_size,
         dim=arch.dim,
@@ -160,7 +158,7 @@ def build_config(
         ffn_dim=arch.ffn_dim,
         head_dim=arch.head_dim,
         rope_theta=arch.rope_theta,
-        rope_scaling=scaling if rope_type == "llama3" else None,
+        rope_scaling=scaling,
         norm_eps=arch.norm_eps,
         mlp_bias=arch.mlp_bias,
         tie_embeddings=arch.tie_embeddings,
@@ -175,10 +173,7 @@ def build_config(
     attention = layer.self_attention
     attention.qkv_bias = arch.qkv_bias
     attention.output_bias = arch.output_bias
-    if rope_type == "linear":
-        attention.rope.frequency_scaling = LinearFrequencyScaling.default_config().set(
-            factor=float(scaling["factor"])  # type: ignore[index]
-        )
+    attention.rope.rotary_fraction = arch.rotary_fraction
     if arch.is_moe:
         cfg = replace_config(cfg, FeedForward, _experts_config(arch, moe_dropless_method))
     if uniform and not arch.dense_layers:
@@ -302,7 +297,7 @@ def _layer_settings(where: str, lc: Any, dim: int, eps: float) -> dict[str, Any]
     for field, ok in (
         ("logit_soft_cap", a.logit_soft_cap is None),
         ("causal", a.causal),
-        ("rope", a.rope is not None and a.rope.rotary_fraction == 1.0),
+        ("rope", a.rope is not None),
     ):
         if not ok:
             value = getattr(a, field)
@@ -316,6 +311,7 @@ def _layer_settings(where: str, lc: Any, dim: int, eps: float) -> dict[str, Any]
         head_dim=head_dim,
         rope_theta=float(a.rope.theta),
         rope_scaling=_rope_scaling(f"{where}.self_attention.rope", a.rope.frequency_scaling),
+        rotary_fraction=float(a.rope.rotary_fraction),
         qkv_bias=bool(a.qkv_bias),
         output_bias=bool(a.output_bias),
         qk_norm=qk_norm,
@@ -326,11 +322,9 @@ def _rope_scaling(where: str, fs: Any) -> Optional[dict[str, Any]]:
     """HF `rope_scaling` dict of a frequency-scaling config (None: no scaling)."""
     if fs is None:
         return None
-    if _is(fs, Llama3FrequencyScaling):
-        return {"rope_type": "llama3", **{k: getattr(fs, k) for k in fs.keys() if k != "klass"}}
-    if _is(fs, LinearFrequencyScaling):
-        return {"rope_type": "linear", "factor": float(fs.factor)}
-    raise _bad(f"{where}.frequency_scaling", f"{fs.klass}")
+    if not getattr(getattr(fs, "klass", None), "rope_type", ""):
+        raise _bad(f"{where}.frequency_scaling", f"{fs.klass} has no HF rope_type")
+    return scaling_dict(fs)
 
 
 def _ffn_settings(where: str, f: Any) -> dict[str, Any]:
@@ -383,6 +377,9 @@ def _family(layer: dict[str, Any], windows: list[Optional[int]]) -> str:
     uniform = all(w == windows[0] for w in windows)
     if layer["qk_norm"]:
         return _qwen3_family(layer, windows)
+    longrope = (layer["rope_scaling"] or {}).get("rope_type") == "longrope"
+    if layer["rotary_fraction"] != 1.0 or longrope:
+        return _phi3_family(layer, uniform)
     if layer["num_experts"]:
         if layer.get("dense_layers") or not layer["normalize_top_k"]:
             raise UnsupportedModelError(
@@ -434,3 +431,15 @@ def _qwen3_family(layer: dict[str, Any], windows: list[Optional[int]]) -> str:
         return "qwen3_moe"
     _check_qwen_windows("Qwen3", windows)
     return "qwen3"
+
+
+def _phi3_family(layer: dict[str, Any], uniform_windows: bool) -> str:
+    """Phi-3: partial RoPE or LongRoPE; no biases, no experts, one window."""
+    why = [k for k in ("qkv_bias", "output_bias", "mlp_bias", "num_experts") if layer[k]]
+    scaling = (layer["rope_scaling"] or {}).get("rope_type", "longrope")
+    if why or not uniform_windows or scaling != "longrope":
+        raise UnsupportedModelError(
+            "cannot export: partial RoPE / LongRoPE need HF Phi-3, which has no biases, "
+            f"experts or per-layer windows and only LongRoPE scaling (got {why}, {scaling})"
+        )
+    return "phi3"

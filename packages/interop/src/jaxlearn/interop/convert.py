@@ -22,6 +22,7 @@ from jaxlearn.interop.names import (
     Family,
     Name,
     Row,
+    block,
     dims,
     family,
     features,
@@ -165,9 +166,8 @@ def to_jaxlearn(
     x = np.stack(arrays) if name.per_expert else arrays[0]
     x = np.asarray(x).astype(np.float32, copy=False)
     if name.part is not None:
-        p, n = name.part
-        rows = x.shape[-2] // n
-        x = x[..., p * rows : (p + 1) * rows, :]
+        first, rows = block(name, x.shape[-2], d)
+        x = x[..., first : first + rows, :]
     if permuted and name.permute:
         x = unpermute_qk(x, d[name.permute])
     if name.transpose:
@@ -183,7 +183,7 @@ def to_file(use: Use, value: np.ndarray, d: dict[str, int], permuted: bool) -> l
     if name.per_expert:
         shape.insert(0, d["X"])
     if name.part is not None:
-        shape[-2] //= name.part[1]
+        shape[-2] = block(name, shape[-2], d)[1]
     if name.transpose:
         shape[-2:] = shape[-1], shape[-2]
     x = np.asarray(value).reshape(shape)

@@ -11,7 +11,9 @@ K-quants and the IQ types that the package implements), then cast to the param d
 Architectures: `llama` (Llama 1/2/3, Mistral and Mixtral as llama.cpp converts them, and
 SmolLM), `qwen2` (q/k/v biases), `qwen3` (`attn_q_norm` / `attn_k_norm`, explicit
 `attention.key_length`), `qwen3moe` (qwen3 attention, every FFN top-k experts of width
-`expert_feed_forward_length`), `mistral`-named files with the llama layout. llama.cpp
+`expert_feed_forward_length`), `phi3` (fused `attn_qkv` / `ffn_up`, partial RoPE,
+LongRoPE factors as `rope_factors_long/short.weight`), `mistral`-named files with the
+llama layout. YaRN is `rope.scaling.type` yarn. llama.cpp
 permutes the rows of the q/k projections of `llama` files for its interleaved RoPE
 (`convert_hf_to_gguf.LlamaModel.permute`); `unpermute_qk` undoes it so the weights match the
 HF rotate-half layout that jaxlearn's RoPE uses. qwen2 and qwen3 files are not permuted. Tensor
@@ -65,12 +67,13 @@ except ImportError:  # pragma: no cover - depends on the environment
     _gguf = None
 
 Nested = dict[str, Any]
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe", "phi3")
 # general.architecture -> the family of a file (with experts, without).
 _FAMILY = {
     "qwen2": ("mixtral", "qwen2"),
     "qwen3": ("mixtral", "qwen3"),
     "qwen3moe": ("qwen3_moe", "qwen3"),
+    "phi3": ("phi3", "phi3"),
 }
 
 
@@ -203,7 +206,7 @@ def _sizes(f: GGUFFile, arch: str) -> dict[str, Any]:
     if key("attention.value_length", "head_dim", head_dim) != head_dim:
         raise UnsupportedModelError(f"{f.path}: key_length != value_length")
     rot = key("rope.dimension_count", "head_dim", head_dim)
-    if rot != head_dim:
+    if rot > head_dim or (rot != head_dim and arch != "phi3"):
         raise UnsupportedModelError(f"{f.path}: partial RoPE ({rot} of {head_dim} dims)")
     tokens = f.get("tokenizer.ggml.tokens")
     if tokens is not None and not isinstance(tokens, list):
@@ -239,10 +242,44 @@ def _sizes(f: GGUFFile, arch: str) -> dict[str, Any]:
         num_experts=experts,
         num_experts_per_token=used or 2,
         max_position_embeddings=key("context_length", "positions"),
+        rotary_fraction=rot / head_dim,
     )
 
 
-def _rope(f: GGUFFile, arch: str, head_dim: int) -> tuple[float, Optional[dict[str, Any]]]:
+def _yarn_or_longrope(f: GGUFFile, arch: str, stype: Any, rotary: int) -> dict[str, Any]:
+    """The YaRN (`rope.scaling.type` yarn) or LongRoPE (`rope_factors_long/short.weight`)
+    scaling of `f`, as `jaxlearn.layers.scaling_dict` writes it."""
+    from jaxlearn.layers import scaling_config, scaling_dict
+
+    where, p = str(f.path), f"{arch}.rope.scaling."
+    orig = f.integer(p + "original_context_length", high=LIMITS["positions"], required=True)
+    if stype == "yarn":
+        odd = [k for k in ("attn_factor", "yarn_ext_factor", "yarn_attn_factor",
+                           "yarn_log_multiplier") if f.get(p + k) is not None]  # fmt: skip
+        if odd:
+            raise UnsupportedModelError(f"{f.path}: YaRN with {p}{odd[0]} is not supported")
+        out = {"rope_type": "yarn", "original_max_position_embeddings": orig}
+        for k, default in (("factor", None), ("yarn_beta_fast", 32.0), ("yarn_beta_slow", 1.0)):
+            out[k.removeprefix("yarn_")] = number(f.get(p + k, default), where, p + k)
+        return scaling_dict(scaling_config(out))
+    factors = {}
+    for k in ("long", "short"):
+        name = f"rope_factors_{k}.weight"
+        if name not in f.tensors or f.tensors[name].n_elements != rotary // 2:
+            raise MalformedFileError(f"{f.path}: {name} must hold rotary dims / 2 = "
+                                     f"{rotary // 2} factors")  # fmt: skip
+        factors[f"{k}_factor"] = [float(v) for v in f.tensor(name).reshape(-1)]
+    context = f.integer(f"{arch}.context_length", high=LIMITS["positions"], required=True)
+    attention = number(f.get(p + "attn_factor", 1.0), where, p + "attn_factor")
+    return scaling_dict(scaling_config({
+        "rope_type": "longrope", "original_max_position_embeddings": orig,
+        "factor": context / orig, "attention_factor": attention, **factors,
+    }))  # fmt: skip
+
+
+def _rope(
+    f: GGUFFile, arch: str, head_dim: int, rotary: int
+) -> tuple[float, Optional[dict[str, Any]]]:
     """(theta, HF-style scaling dict or None) of `f`."""
     where = str(f.path)
     theta = number(f.get(f"{arch}.rope.freq_base", 10000.0), where, f"{arch}.rope.freq_base")
@@ -251,6 +288,8 @@ def _rope(f: GGUFFile, arch: str, head_dim: int) -> tuple[float, Optional[dict[s
     if stype == "linear":
         factor = f.get(f"{arch}.rope.scaling.factor", 1.0)
         scaling = {"rope_type": "linear", "factor": number(factor, where, "rope.scaling.factor")}
+    elif stype == "yarn" or "rope_factors_long.weight" in f.tensors:
+        scaling = _yarn_or_longrope(f, arch, stype, rotary)
     elif stype not in (None, "none"):
         raise UnsupportedModelError(f"{f.path}: RoPE scaling type {stype!r} is not supported")
     if "rope_freqs.weight" in f.tensors:
@@ -281,7 +320,8 @@ def architecture_from_gguf(f: GGUFFile) -> Architecture:
             f"{f.path}: general.architecture {arch_name!r} is not supported ({ARCHITECTURES})"
         )
     sizes = _sizes(f, arch_name)
-    theta, scaling = _rope(f, arch_name, sizes["head_dim"])
+    rotary = round(sizes["head_dim"] * sizes["rotary_fraction"])
+    theta, scaling = _rope(f, arch_name, sizes["head_dim"], rotary)
     eps = f.get(f"{arch_name}.attention.layer_norm_rms_epsilon", 1e-5)
     window = f.integer(f"{arch_name}.attention.sliding_window", high=LIMITS["window"])
     held = held_features(FAMILIES["llama"], "gguf", f.tensors)  # biases, untied head

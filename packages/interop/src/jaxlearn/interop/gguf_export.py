@@ -5,10 +5,12 @@ file, written with the `gguf` package's `GGUFWriter`.
 
 Architectures as llama.cpp names them: Llama, Mistral and Mixtral are `llama` (Mistral
 adds `llama.attention.sliding_window`, Mixtral `llama.expert_count` /
-`expert_used_count` and stacked `ffn_*_exps` tensors), Qwen2 is `qwen2`. Tensors come
+`expert_used_count` and stacked `ffn_*_exps` tensors), Qwen2 is `qwen2`, Phi-3 `phi3`
+(fused `attn_qkv` / `ffn_up`, LongRoPE as `rope_factors_long/short.weight`). Tensors come
 from `gguf_params_to_tensors` (llama.cpp names and layout, q/k rows permuted for `llama`).
 Llama-3 RoPE scaling becomes the `rope_freqs.weight` divisors llama.cpp reads; linear
-scaling `rope.scaling.type/factor`.
+scaling `rope.scaling.type/factor`, YaRN also `original_context_length` and
+`yarn_beta_fast/slow`; dynamic NTK raises `UnsupportedModelError`.
 
 dtype: "f32", "f16", "bf16" or "q8_0" for the matrices (embeddings, projections, experts,
 output); norms, biases, the MoE router (`ffn_gate_inp`) and `rope_freqs` stay F32, as
@@ -39,7 +41,8 @@ from jaxlearn.text.tokenizer_export import (
 )
 
 DTYPES = ("f32", "f16", "bf16", "q8_0")
-_KEEP_F32 = ("_norm.weight", ".bias", "ffn_gate_inp.weight", "rope_freqs.weight")
+_KEEP_F32 = ("_norm.weight", ".bias", "ffn_gate_inp.weight", "rope_freqs.weight",
+             "rope_factors_long.weight", "rope_factors_short.weight")  # fmt: skip
 
 
 def _arch_name(arch: Architecture) -> str:
@@ -50,7 +53,44 @@ def _arch_name(arch: Architecture) -> str:
             f"cannot export to GGUF: layers have different sliding windows "
             f"{list(arch.sliding_windows)}; llama.cpp's {arch.family} takes one window"
         )
-    return "qwen2" if arch.family == "qwen2" else "llama"
+    return arch.family if arch.family in ("qwen2", "phi3") else "llama"
+
+
+def _rope_tensors(arch: Architecture) -> dict[str, np.ndarray]:
+    """The RoPE tensors llama.cpp reads: Llama-3's `rope_freqs.weight`, LongRoPE's
+    `rope_factors_long/short.weight` (per-frequency divisors, F32)."""
+    scaling = arch.rope_scaling or {}
+    if scaling.get("rope_type") == "longrope":
+        return {f"rope_factors_{k}.weight": np.asarray(scaling[f"{k}_factor"], np.float32)
+                for k in ("long", "short")}  # fmt: skip
+    freqs = _rope_freqs(arch)
+    return {} if freqs is None else {"rope_freqs.weight": freqs}
+
+
+def _rope_scaling_keys(w: Any, arch: Architecture) -> None:
+    """`{arch}.rope.scaling.*` of linear, YaRN (type, factor, original length, betas) and
+    LongRoPE (original length, attention factor); dynamic NTK and YaRN with an explicit
+    attention factor, mscale or without truncation have no llama.cpp form."""
+    from jaxlearn.layers import scaling_config
+
+    g, scaling = _require_gguf(), dict(arch.rope_scaling or {})
+    kind = scaling.get("rope_type")
+    odd = [k for k in ("attention_factor", "mscale", "mscale_all_dim") if k in scaling]
+    if kind == "dynamic" or (kind == "yarn" and (odd or not scaling["truncate"])):
+        raise UnsupportedModelError(
+            f"cannot export to GGUF: llama.cpp has no {kind} RoPE scaling with {odd or scaling}"
+        )
+    if kind in ("linear", "yarn"):
+        w.add_rope_scaling_type(g.RopeScalingType[kind.upper()])
+        w.add_rope_scaling_factor(float(scaling["factor"]))
+    if kind == "yarn":
+        w.add_rope_scaling_yarn_beta_fast(float(scaling["beta_fast"]))
+        w.add_rope_scaling_yarn_beta_slow(float(scaling["beta_slow"]))
+    if kind in ("llama3", "yarn", "longrope"):
+        w.add_rope_scaling_orig_ctx_len(int(scaling["original_max_position_embeddings"]))
+    if kind == "longrope":
+        factor = scaling_config(scaling).instantiate().attention_factor()
+        w.add_rope_scaling_attn_factors(float(factor))
 
 
 def _rope_freqs(arch: Architecture) -> Optional[np.ndarray]:
@@ -77,16 +117,12 @@ def _write_architecture(w: Any, arch: Architecture, context_length: int) -> None
     w.add_head_count_kv(arch.num_kv_heads)
     w.add_key_length(arch.head_dim)
     w.add_value_length(arch.head_dim)
-    w.add_rope_dimension_count(arch.head_dim)
+    rotary = int(arch.head_dim * arch.rotary_fraction)
+    w.add_rope_dimension_count(rotary - rotary % 2)
     w.add_rope_freq_base(float(arch.rope_theta))
     w.add_layer_norm_rms_eps(float(arch.norm_eps))
     w.add_vocab_size(arch.vocab_size)
-    scaling = arch.rope_scaling or {}
-    if scaling.get("rope_type") == "linear":
-        w.add_rope_scaling_type(_require_gguf().RopeScalingType.LINEAR)
-        w.add_rope_scaling_factor(float(scaling["factor"]))
-    elif scaling.get("rope_type") == "llama3":
-        w.add_rope_scaling_orig_ctx_len(int(scaling["original_max_position_embeddings"]))
+    _rope_scaling_keys(w, arch)
     _, window = arch.uniform_sliding_window()
     if window is not None:
         w.add_sliding_window(int(window))
@@ -181,9 +217,7 @@ def export_gguf(
     arch = architecture_from_config(config)
     arch_name = _arch_name(arch)
     tensors = gguf_params_to_tensors(config, params)
-    freqs = _rope_freqs(arch)
-    if freqs is not None:
-        tensors["rope_freqs.weight"] = freqs
+    tensors.update(_rope_tensors(arch))
     with tokenizer_errors_as_interop():
         tok = export_tokenizer(
             tokenizer,

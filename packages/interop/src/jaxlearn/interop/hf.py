@@ -59,8 +59,11 @@ def hf_config_dict(arch: Architecture, *, dtype: str = "float32") -> dict[str, A
     """An HF `config.json` dict for `arch` (the classic `rope_theta`/`rope_scaling` keys,
     which transformers 4 and 5 both read)."""
     scaling = None
+    max_positions = arch.max_position_embeddings or 4096
     if arch.rope_scaling is not None:
         scaling = {k: v for k, v in arch.rope_scaling.items()}
+        if scaling["rope_type"] == "dynamic":  # HF's original maximum for dynamic NTK
+            max_positions = scaling.pop("original_max_position_embeddings")
     out: dict[str, Any] = {
         "architectures": [HF_CLASSES[arch.family]],
         "model_type": arch.family,
@@ -72,7 +75,7 @@ def hf_config_dict(arch: Architecture, *, dtype: str = "float32") -> dict[str, A
         "num_key_value_heads": arch.num_kv_heads,
         "head_dim": arch.head_dim,
         "hidden_act": "silu",
-        "max_position_embeddings": arch.max_position_embeddings or 4096,
+        "max_position_embeddings": max_positions,
         "rms_norm_eps": arch.norm_eps,
         "rope_theta": arch.rope_theta,
         "rope_scaling": scaling,
@@ -93,6 +96,8 @@ def hf_config_dict(arch: Architecture, *, dtype: str = "float32") -> dict[str, A
         out["mlp_bias"] = arch.mlp_bias
     elif arch.family == "mistral":
         out["sliding_window"] = windows[0] if windows else None
+    elif arch.family == "phi3":
+        out.update(_phi3_fields(arch, scaling))
     elif arch.family in ("qwen2", "qwen3"):
         sliding = [i for i, w in enumerate(windows) if w is not None]
         out["use_sliding_window"] = bool(sliding)
@@ -126,6 +131,22 @@ def hf_config_dict(arch: Architecture, *, dtype: str = "float32") -> dict[str, A
         out["router_aux_loss_coef"] = arch.router_aux_loss_coef
         out["output_router_logits"] = False
         out["router_jitter_noise"] = 0.0
+    return out
+
+
+def _phi3_fields(arch: Architecture, scaling: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """Phi-3's config.json fields: one window, partial RoPE, the original maximum at the
+    top level (where Phi3Config reads it), no pad/bos/eos defaults (1, 32000)."""
+    out = dict(
+        sliding_window=arch.sliding_windows[0] if arch.sliding_windows else None,
+        partial_rotary_factor=arch.rotary_fraction,
+        attention_bias=False, resid_pdrop=0.0, embd_pdrop=0.0, pad_token_id=None,
+        bos_token_id=arch.bos_token_id,
+        eos_token_id=arch.eos_token_ids[0] if len(arch.eos_token_ids) == 1
+        else list(arch.eos_token_ids) or None,
+    )  # fmt: skip
+    if scaling is not None:
+        out["original_max_position_embeddings"] = scaling["original_max_position_embeddings"]
     return out
 
 

@@ -28,6 +28,7 @@ from jaxlearn.interop.checks import (
 )
 from jaxlearn.interop.errors import InteropError, MalformedFileError, UnsupportedModelError
 from jaxlearn.interop.names import FAMILIES
+from jaxlearn.layers import scaling_config, scaling_dict
 
 HF_CLASSES = {name: fam.hf_class for name, fam in FAMILIES.items()}
 MAX_JSON_BYTES = 64 * 2**20  # config.json and index files are kilobytes
@@ -61,47 +62,81 @@ def _ids(value: Any, where: str, field: str) -> tuple[int, ...]:
     return tuple(integer(v, where, field, low=0, high=2**63 - 1) for v in values)
 
 
-def _scaling(scaling: dict[str, Any], where: str) -> Optional[dict[str, Any]]:
-    """A checked HF-style scaling dict ("rope_type" llama3 / linear) or None (default)."""
+# Optional fields per RoPE type (numbers; truncate a flag), besides factor and the
+# original maximum, which every type but linear has.
+_SCALING_FIELDS = {
+    "linear": (),
+    "llama3": ("low_freq_factor", "high_freq_factor"),
+    "yarn": ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim"),
+    "dynamic": (),
+    "longrope": ("attention_factor",),
+}
+
+
+def _scaling(hf: dict[str, Any], scaling: dict[str, Any], where: str, rotary: int) -> Any:
+    """A checked HF-style scaling dict (`jaxlearn.layers.SCALINGS` types) or None, with
+    HF's defaults filled in: factor = max / original positions where absent (yarn,
+    longrope), dynamic's original maximum = `max_position_embeddings`, Phi-3's
+    top-level `original_max_position_embeddings` and "su"/"yarn" = longrope."""
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    out = {k: v for k, v in scaling.items() if k not in ("rope_theta", "type")}
-    out["rope_type"] = rope_type
+    if hf.get("model_type") == "phi3" and rope_type in ("su", "yarn"):
+        rope_type = "longrope"
     if rope_type == "default":
         return None
-    if rope_type not in ("llama3", "linear"):
+    if rope_type not in _SCALING_FIELDS:
         raise UnsupportedModelError(
-            f"{where}: RoPE scaling {rope_type!r} is not supported (llama3, linear)"
+            f"{where}: RoPE scaling {rope_type!r} is not supported ({sorted(_SCALING_FIELDS)})"
         )
-    fields = ["factor"]
-    if rope_type == "llama3":
-        fields += ["low_freq_factor", "high_freq_factor"]
-        out["original_max_position_embeddings"] = integer(
-            out.get("original_max_position_embeddings"),
-            where,
-            "rope_scaling.original_max_position_embeddings",
-            high=LIMITS["positions"],
-        )
-    for k in fields:
-        out[k] = number(out.get(k), where, f"rope_scaling.{k}")
-    return out
+    out: dict[str, Any] = {"rope_type": rope_type}
+    key = "rope_scaling.original_max_position_embeddings"
+    if rope_type != "linear":
+        orig = hf.get("max_position_embeddings") if rope_type == "dynamic" else None
+        orig = orig or hf.get("original_max_position_embeddings")
+        orig = orig or scaling.get("original_max_position_embeddings")
+        orig = orig or hf.get("max_position_embeddings")
+        out[key.split(".")[1]] = integer(orig, where, key, high=LIMITS["positions"])
+    factor = scaling.get("factor")
+    if factor is None and rope_type in ("yarn", "longrope"):
+        factor = integer(hf.get("max_position_embeddings"), where, "max_position_embeddings",
+                         high=2**40) / out["original_max_position_embeddings"]  # fmt: skip
+    out["factor"] = number(factor, where, "rope_scaling.factor")
+    for k in _SCALING_FIELDS[rope_type]:
+        if scaling.get(k) is not None or rope_type == "llama3":
+            out[k] = number(scaling.get(k), where, f"rope_scaling.{k}")
+    if rope_type == "yarn":
+        out["truncate"] = flag(scaling.get("truncate"), where, "rope_scaling.truncate", True)
+    for k in ("short_factor", "long_factor") if rope_type == "longrope" else ():
+        values = scaling.get(k)
+        if not isinstance(values, list) or len(values) != rotary // 2:
+            raise MalformedFileError(
+                f"{where}: rope_scaling.{k} is not a list of {rotary // 2} numbers"
+            )
+        out[k] = [number(v, where, f"rope_scaling.{k}") for v in values]
+    return scaling_dict(scaling_config(out))  # canonical: every field, defaults filled
 
 
-def _rope(hf: dict[str, Any], where: str) -> tuple[float, Optional[dict[str, Any]]]:
-    """(theta, scaling dict or None) from transformers 5 `rope_parameters` or the older
-    top-level `rope_theta` + `rope_scaling`."""
+def _rope(hf: dict[str, Any], where: str, head_dim: int) -> tuple[float, float, Any]:
+    """(theta, rotary fraction, scaling dict or None) from transformers 5
+    `rope_parameters` or the older top-level `rope_theta` + `rope_scaling`."""
     params = hf.get("rope_parameters")
     if isinstance(params, dict) and "full_attention" in params:  # per-layer-type form
         params = params["full_attention"]
     scaling: Any = params if isinstance(params, dict) else hf.get("rope_scaling")
     theta = hf.get("rope_theta", 10000.0)
+    partial = hf.get("partial_rotary_factor", 1.0)
     if isinstance(params, dict):
         theta = params.get("rope_theta", theta)
+        partial = params.get("partial_rotary_factor", partial)
     if scaling is not None and not isinstance(scaling, dict):
         raise MalformedFileError(f"{where}: rope_scaling = {scaling!r} is not an object")
-    partial = number(hf.get("partial_rotary_factor", 1.0), where, "partial_rotary_factor")
-    if partial != 1.0:
-        raise UnsupportedModelError(f"{where}: partial_rotary_factor != 1 is not supported")
-    return number(theta, where, "rope_theta"), _scaling(scaling, where) if scaling else None
+    partial = number(partial, where, "partial_rotary_factor")
+    if partial > 1.0 or int(head_dim * partial) < 2:
+        raise MalformedFileError(f"{where}: partial_rotary_factor = {partial} is not in (0, 1]")
+    if partial != 1.0 and hf.get("model_type") != "phi3":
+        raise UnsupportedModelError(f"{where}: partial_rotary_factor != 1 needs phi3")
+    rotary = int(head_dim * partial)
+    out = _scaling(hf, scaling, where, rotary) if scaling else None
+    return number(theta, where, "rope_theta"), partial, out
 
 
 def _windows(
@@ -125,14 +160,14 @@ def _windows(
                 f"{where}: layer_types is not a list of num_hidden_layers = {layers} entries"
             )
         return tuple(window if t == "sliding_attention" else None for t in layer_types)
-    if model_type in ("mistral", "mixtral", "qwen3_moe") and window is not None:
+    if model_type in ("mistral", "mixtral", "qwen3_moe", "phi3") and window is not None:
         return (window,) * layers  # Qwen3-MoE: every layer (no max_window_layers)
     return ()
 
 
 def architecture_from_hf(hf: Any, *, where: str = "config.json") -> Architecture:
     """Reads an HF `config.json` dict (Llama / Mistral / Qwen2 / Qwen3 / Mixtral /
-    Qwen3-MoE); every value is checked (MalformedFileError naming `where` and the field)."""
+    Qwen3-MoE / Phi-3); every value is checked (MalformedFileError naming `where` and the field)."""
     if not isinstance(hf, dict):
         raise MalformedFileError(f"{where}: the top level is not a JSON object")
     model_type = hf.get("model_type")
@@ -164,7 +199,7 @@ def architecture_from_hf(hf: Any, *, where: str = "config.json") -> Architecture
         fields=("hidden_size", "num_attention_heads", "num_key_value_heads"),
     )
     layers = size("num_hidden_layers", "num_layers")
-    theta, scaling = _rope(hf, where)
+    theta, rotary_fraction, scaling = _rope(hf, where, head_dim)
     qwen_moe = model_type == "qwen3_moe"
     experts = 0
     if model_type == "mixtral" or qwen_moe:
@@ -188,6 +223,7 @@ def architecture_from_hf(hf: Any, *, where: str = "config.json") -> Architecture
         norm_eps=number(hf.get("rms_norm_eps", 1e-6), where, "rms_norm_eps"),
         rope_theta=theta,
         rope_scaling=scaling,
+        rotary_fraction=rotary_fraction,
         tie_embeddings=flag(hf.get("tie_word_embeddings"), where, "tie_word_embeddings"),
         qkv_bias=True if model_type == "qwen2" else bias,
         output_bias=bias if model_type in ("llama", "qwen3", "qwen3_moe") else False,

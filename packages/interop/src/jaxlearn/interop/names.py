@@ -16,7 +16,8 @@ Shapes use the symbols of `dims` (E embed, H heads, K kv heads, D head dim, F ff
 experts, V vocab); `{j}` in a template is one tensor per expert, stacked on a leading
 axis in jaxlearn; `permute` ("H"/"K") marks q/k rows that llama.cpp permutes per head for
 its interleaved RoPE (undone for families whose GGUF layout permutes); `part=(p, n)`
-means the file tensor holds n equal row blocks (axis -2) and this parameter is block p.
+means the file tensor holds n equal row blocks (axis -2) and this parameter is block p,
+`part=(p, ("H*D", "K*D", "K*D"))` blocks of those sizes (Phi-3's fused q/k/v).
 A row may list several names for a format: export writes the first, import reads
 whichever the file holds. `when` names the architecture feature the row needs (per layer
 for `sparse` / `dense_ffn`: the MoE and dense FFN layers of a Qwen3-MoE model).
@@ -38,7 +39,10 @@ from jaxlearn.interop.errors import UnsupportedModelError
 
 FORMATS = ("hf", "gguf")
 # File tensors that carry no parameters (buffers some exporters write), by name suffix.
-IGNORED = {"hf": (".rotary_emb.inv_freq",), "gguf": ("rope_freqs.weight",)}
+IGNORED = {
+    "hf": (".rotary_emb.inv_freq",),
+    "gguf": ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"),
+}
 _LAYER = "decoder.transformer.layer{i}."
 
 
@@ -50,7 +54,7 @@ class Name:
     shape: str
     transpose: bool = False
     permute: Optional[str] = None
-    part: Optional[tuple[int, int]] = None
+    part: Optional[tuple[int, Any]] = None
 
     @property
     def per_expert(self) -> bool:
@@ -235,6 +239,21 @@ _QWEN3_MOE_ROWS = (
 )  # fmt: skip
 
 
+# Phi-3: q/k/v in one `qkv_proj` (llama.cpp `attn_qkv`), gate and up in one `gate_up_proj`
+# (llama.cpp `ffn_up`); llama.cpp's `phi3` does not permute q/k rows.
+_QKV = ("H*D", "K*D", "K*D")
+PHI3_ROWS = tuple(
+    _layer(f"self_attention.{n}_proj", "E H D" if n == "q" else "E K D",
+           _hf("self_attn.qkv_proj.weight", "H*D+2*K*D E", T, part=(p, _QKV)),
+           _gg("attn_qkv.weight", "H*D+2*K*D E", T, part=(p, _QKV)))
+    for p, n in enumerate("qkv")
+) + tuple(
+    _layer(f"feed_forward.wi_{p}", "E F", _hf("mlp.gate_up_proj.weight", "2*F E", T, part=(p, 2)),
+           _gg("ffn_up.weight", "2*F E", T, part=(p, 2)))
+    for p in range(2)
+)  # fmt: skip
+
+
 def _dense_rows_of_moe_model(rows: Sequence[Row]) -> tuple[Row, ...]:
     """The bias-free dense FFN rows for the dense layers of an MoE model: width G, feature
     `dense_ffn`."""
@@ -271,6 +290,10 @@ FUSIONS = (
 )  # fmt: skip
 _DENSE = TOP_ROWS + ATTENTION_ROWS + DENSE_FFN_ROWS
 _MOE = TOP_ROWS + ATTENTION_ROWS + MOE_FFN_ROWS
+_PHI3 = TOP_ROWS + PHI3_ROWS + tuple(
+    r for r in ATTENTION_ROWS + DENSE_FFN_ROWS
+    if not r.when and not r.path.endswith(("q_proj", "k_proj", "v_proj", "wi_0", "wi_1"))
+)  # fmt: skip
 FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
@@ -279,6 +302,7 @@ FAMILIES: dict[str, Family] = {
         Family("qwen2", "Qwen2ForCausalLM", False, _DENSE),
         Family("qwen3", "Qwen3ForCausalLM", False, _DENSE + QK_NORM_ROWS),
         Family("mixtral", "MixtralForCausalLM", True, _MOE),
+        Family("phi3", "Phi3ForCausalLM", False, _PHI3),
         Family(
             "qwen3_moe",
             "Qwen3MoeForCausalLM",
@@ -307,14 +331,28 @@ def dims(arch: Architecture) -> dict[str, int]:
 
 
 def shape_of(spec: str, d: dict[str, int]) -> tuple[int, ...]:
-    """"H*D E" -> (heads * head_dim, embed) with the symbols of `d`."""
+    """"H*D E" -> (heads * head_dim, embed) with the symbols of `d` ("+" adds products)."""
     out = []
     for term in spec.split():
-        n = 1
-        for factor in term.split("*"):
-            n *= int(factor) if factor.isdigit() else d[factor]
-        out.append(n)
+        total = 0
+        for product in term.split("+"):
+            n = 1
+            for factor in product.split("*"):
+                n *= int(factor) if factor.isdigit() else d[factor]
+            total += n
+        out.append(total)
     return tuple(out)
+
+
+def block(name: Name, rows: int, d: dict[str, int]) -> tuple[int, int]:
+    """(first row, row count) on axis -2 of the `part` block of `name` in a file tensor
+    of `rows` rows."""
+    assert name.part is not None
+    p, n = name.part
+    if isinstance(n, int):
+        return p * (rows // n), rows // n
+    sizes = [shape_of(spec, d)[0] for spec in n]
+    return sum(sizes[:p]), sizes[p]
 
 
 def features(arch: Architecture, layer: Optional[int] = None) -> frozenset[str]:

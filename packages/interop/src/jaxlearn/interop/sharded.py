@@ -39,7 +39,7 @@ from jaxlearn.config import REQUIRED, Configurable
 from jaxlearn.interop.arch import Architecture
 from jaxlearn.interop.convert import Use, check_source, plan, to_jaxlearn, unpermute_qk
 from jaxlearn.interop.errors import InteropError, ParameterMismatchError
-from jaxlearn.interop.names import FUSIONS, dims, family, key_of, shape_of
+from jaxlearn.interop.names import FUSIONS, block, dims, family, key_of, shape_of
 from jaxlearn.interop.tree import flatten, layer_layouts, stack_kind
 
 Index = tuple[tuple[int, int], ...]  # (start, stop) per axis
@@ -187,9 +187,7 @@ def _leaf(use: Use, file: str, shape: tuple[int, ...], d: dict[str, int], permut
     file_shape = list(shape_of(name.shape, d))
     offset = 0
     if name.part is not None:
-        p, n = name.part
-        file_shape[-2] //= n
-        offset = p * file_shape[-2]
+        offset, file_shape[-2] = block(name, file_shape[-2], d)
     t_shape = list(file_shape)
     if name.transpose:
         t_shape[-2:] = t_shape[-1], t_shape[-2]

@@ -30,12 +30,24 @@ from jaxlearn.layers.lora import (
 )
 from jaxlearn.layers.norm import LayerNorm, RMSNorm
 from jaxlearn.layers.pipeline import PipelineStack, pipeline_config, use_pipeline
-from jaxlearn.layers.recipes import llama_config, mixtral_config, qwen3_config, qwen3_moe_config
+from jaxlearn.layers.recipes import (
+    llama_config,
+    mixtral_config,
+    phi3_config,
+    qwen3_config,
+    qwen3_moe_config,
+)
 from jaxlearn.layers.rope import (
+    SCALINGS,
+    DynamicNTKFrequencyScaling,
     FrequencyScaling,
     LinearFrequencyScaling,
     Llama3FrequencyScaling,
+    LongRopeFrequencyScaling,
     RotaryEmbedding,
+    YarnFrequencyScaling,
+    scaling_config,
+    scaling_dict,
 )
 from jaxlearn.layers.transformer import BaseStack, LoopStack, ScanStack, TransformerLayer
 
@@ -65,6 +77,13 @@ __all__ = [
     "Embedding",
     "FeedForward",
     "FrequencyScaling",
+    "DynamicNTKFrequencyScaling",
+    "LongRopeFrequencyScaling",
+    "YarnFrequencyScaling",
+    "SCALINGS",
+    "scaling_config",
+    "scaling_dict",
+    "phi3_config",
     "LayerNorm",
     "Linear",
     "LinearFrequencyScaling",

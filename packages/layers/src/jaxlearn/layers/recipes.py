@@ -9,7 +9,7 @@ from jaxlearn.layers.causal_lm import CausalLM
 from jaxlearn.layers.decoder import Decoder
 from jaxlearn.layers.ffn import FeedForward
 from jaxlearn.layers.norm import RMSNorm
-from jaxlearn.layers.rope import Llama3FrequencyScaling, RotaryEmbedding
+from jaxlearn.layers.rope import RotaryEmbedding, scaling_config
 from jaxlearn.layers.transformer import BaseStack, LoopStack, ScanStack, TransformerLayer
 from jaxlearn.module import RematSpec
 
@@ -39,19 +39,17 @@ def llama_config(
     """A Llama-style CausalLM config (RMSNorm pre-norm, GQA + RoPE, SwiGLU, untied or tied
     head). Param layout maps to HF `LlamaForCausalLM` (see README "HF Llama mapping").
 
-    rope_scaling: HF-style dict for Llama 3.1, e.g. {"factor": 8.0, "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}; None: plain RoPE.
+    rope_scaling: HF-style dict, e.g. Llama 3.1's {"factor": 8.0, "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192} (no "rope_type":
+    llama3) or {"rope_type": "yarn", "factor": 4.0, ...} (`rope.scaling_config`); None:
+    plain RoPE.
     attention_bias / mlp_bias: biases on q/k/v/o and on the MLP (HF `attention_bias`,
     `mlp_bias`).
     stack: "scan" (ScanStack, fast compile) or "loop" (LoopStack, faster CPU steps).
     dtype: compute dtype (e.g. "bfloat16"); params stay float32.
     remat_policy: e.g. "nothing_saveable" to rematerialise each layer in training.
     """
-    scaling = None
-    if rope_scaling is not None:
-        allowed = set(Llama3FrequencyScaling.Config._fields) - {"klass"}
-        fields = {k: v for k, v in rope_scaling.items() if k in allowed}
-        scaling = Llama3FrequencyScaling.default_config().set(**fields)
+    scaling = scaling_config(rope_scaling) if rope_scaling is not None else None
     rope = RotaryEmbedding.default_config().set(theta=rope_theta, frequency_scaling=scaling)
     attention = Attention.default_config().set(
         num_heads=num_heads,
@@ -125,6 +123,34 @@ def qwen3_config(
     )
     layer = cfg.decoder.transformer.layer
     layer.self_attention.qk_norm = RMSNorm.default_config().set(eps=norm_eps, axis_name=None)
+    return cfg
+
+
+def phi3_config(
+    vocab_size: int,
+    dim: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: Optional[int],
+    ffn_dim: int,
+    *,
+    rope_theta: float = 10000.0,
+    rotary_fraction: float = 1.0,
+    sliding_window: Optional[int] = None,
+    norm_eps: float = 1e-5,
+    **llama_kwargs: Any,
+) -> Any:
+    """A Phi-3 / Phi-3.5 CausalLM config: `llama_config` (no biases) with RoPE on the first
+    `rotary_fraction` of each head (HF `partial_rotary_factor`), usually LongRoPE scaling
+    (`rope_scaling={"rope_type": "longrope", ...}`), and one `sliding_window` for every
+    layer. HF `Phi3ForCausalLM`'s fused `qkv_proj` / `gate_up_proj` are split into
+    q/k/v and wi_0/wi_1 by `jaxlearn.interop` (`fuse_projections` fuses them back for
+    serving). Remaining keyword arguments go to `llama_config`."""
+    cfg = llama_config(vocab_size, dim, num_layers, num_heads, num_kv_heads, ffn_dim,
+                       rope_theta=rope_theta, norm_eps=norm_eps, **llama_kwargs)  # fmt: skip
+    attention = cfg.decoder.transformer.layer.self_attention
+    attention.rope.rotary_fraction = rotary_fraction
+    attention.sliding_window = sliding_window
     return cfg
 
 
