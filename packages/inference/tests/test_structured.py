@@ -282,3 +282,27 @@ def test_random_schemas_conform(byte_engine, schema, seed):
                                response_format=rf(schema))
     assert res.finish_reason == "stop", (schema, res.text)
     check(res.text, schema)
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 5) | st.floats() | st.text(max_size=4),
+    lambda c: st.lists(c, max_size=3) | st.dictionaries(
+        st.sampled_from(["type", "properties", "items", "required", "enum", "minimum",
+                         "maxLength", "$ref", "anyOf", "pattern"]) | st.text(max_size=3),
+        c, max_size=4),
+    max_leaves=12)
+
+
+@settings(max_examples=200)
+@given(schema=_JSON, name=st.sampled_from(["x", "", 5]))
+def test_any_schema_is_a_grammar_or_a_one_line_request_error(schema, name):
+    """Whatever the JSON (NaN and infinities included), parsing a response_format gives
+    grammar text or a RequestError naming a response_format field, never another error."""
+    from jaxlearn.inference.grammar import response_format_grammar
+
+    try:
+        grammar = response_format_grammar(
+            {"type": "json_schema", "json_schema": {"name": name, "schema": schema}})
+        assert isinstance(grammar, str) and name == "x"
+    except RequestError as e:
+        assert e.param.startswith("response_format") and "\n" not in str(e)

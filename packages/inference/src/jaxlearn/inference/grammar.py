@@ -90,11 +90,15 @@ def response_format_grammar(value: Any) -> Optional[str]:
         return None
     schema = _schema_of(value)
     where = "response_format.json_schema.schema"
-    text = json.dumps(schema)
-    if len(text) > MAX_SCHEMA_CHARS:
-        raise RequestError(f"'{where}': over {MAX_SCHEMA_CHARS} characters", param=where)
     llg = _llg()
-    grammar = llg.LLMatcher.grammar_from_json_schema(text, defaults=_JSON_OPTIONS)
+    try:
+        text = json.dumps(schema, allow_nan=False)
+        if len(text) > MAX_SCHEMA_CHARS:
+            raise ValueError(f"over {MAX_SCHEMA_CHARS} characters")
+        grammar = llg.LLMatcher.grammar_from_json_schema(text, defaults=_JSON_OPTIONS)
+    except (TypeError, ValueError) as e:
+        raise RequestError(f"'{where}': not a JSON schema: {_one_line(str(e))[:200]}",
+                           param=where) from None
     error = llg.LLMatcher.validate_grammar(grammar, None)
     if error and not error.startswith("WARNING"):
         if value["type"] == "json_object":

@@ -186,6 +186,7 @@ class Scheduler:
         self._wakeup = threading.Condition(self._lock)
         self._admissions = itertools.count()
         self._grammar_vocab: Optional[GrammarVocab] = None
+        self._grammar_lock = threading.Lock()
         m = self.metrics
         m.describe("requests_total", "Requests finished, by finish reason.")
         m.describe("prompt_tokens_total", "Prompt tokens prefilled (recomputation included).")
@@ -267,7 +268,7 @@ class Scheduler:
         if self.tokenizer is None:
             raise RequestError("response_format needs a tokenizer and this engine has none",
                                param="response_format")
-        with self._lock:
+        with self._grammar_lock:
             if self._grammar_vocab is None:
                 self._grammar_vocab = GrammarVocab(self.tokenizer, self.runner.vocab_size)
             return self._grammar_vocab
