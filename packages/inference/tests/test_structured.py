@@ -179,6 +179,17 @@ def test_unconstrained_rows_unchanged_and_burst(byte_engine):
                                        if allow)
 
 
+def test_eos_only_where_the_grammar_accepts(byte_engine):
+    """A +100 bias on EOS ends a free request at once; with a grammar, EOS comes only
+    after complete JSON (greedy, so every other step would pick EOS if allowed)."""
+    assert byte_engine.generate("e", max_new_tokens=5, logit_bias={2: 100.0}).tokens == [2]
+    schema = SCHEMAS["required fields"]
+    res = byte_engine.generate("e", max_new_tokens=100, logit_bias={2: 100.0},
+                               response_format=rf(schema))
+    assert res.finish_reason == "stop" and res.tokens[-1] == 2 and 2 not in res.tokens[:-1]
+    check(res.text, schema)
+
+
 def test_json_object(byte_engine):
     """json_object: any JSON object; a logit bias toward '"' and '}' makes the random
     model close strings and objects soon, the mask keeps it JSON."""
