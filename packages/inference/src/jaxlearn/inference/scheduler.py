@@ -19,7 +19,9 @@ Each `step()`:
      new positions need; when the pool is short, the youngest running request is
      *preempted*: its pages are freed and it goes back to the front of the queue, to be
      prefilled again later from its prompt + the tokens it already produced
-     (recomputation, as vLLM does), continuing with the same sampling keys;
+     (recomputation, as vLLM does), continuing with the same sampling keys. Requests
+     with a grammar (`response_format`) take one token per call, masked by their grammar
+     state (`grammar.py`), in a call of their own when the others burst;
   5. turns new tokens into text deltas (`OutputState`) and hands them to each request's
      sink; finished requests free their slot and pages.
 
@@ -483,7 +485,7 @@ class Scheduler:
             decoding = [r for r in running if r.state == "decode"]
             short = next(
                 (r for r in decoding if not self.pages.ensure(
-                    _slot(r), self._position(r) + (1 if r.matcher else steps))),
+                    _slot(r), self._position(r) + (1 if r.matcher is not None else steps))),
                 None,
             )
             if short is None:
