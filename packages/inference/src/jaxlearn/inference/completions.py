@@ -112,6 +112,7 @@ class Group:
             logit_bias=parsed.logit_bias,
             logprobs=lp if lp is not None else (0 if ranked else None),
             prompt_logprobs=lp if parsed.echo else None,
+            grammar=parsed.grammar,
         )
 
     def _echo(self, prompt: Union[str, list[int]]) -> str:

@@ -38,6 +38,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxlearn import layers
 from jaxlearn.config import REQUIRED, Configurable
 from jaxlearn.inference.errors import InferenceError, QueueFullError, RequestError
+from jaxlearn.inference.grammar import response_format_grammar
 from jaxlearn.inference.logprobs import TokenLogprob
 from jaxlearn.inference.metrics import Metrics
 from jaxlearn.inference.runner import ModelRunner, next_pow2
@@ -378,8 +379,11 @@ class Engine(Configurable):
         logit_bias: Optional[dict[int, float]] = None,
         logprobs: Optional[int] = None,
         prompt_logprobs: Optional[int] = None,
+        response_format: Optional[dict[str, Any]] = None,
     ) -> SamplingParams:
-        """A SamplingParams (see there); logit_bias as {token id: bias}."""
+        """A SamplingParams (see there); logit_bias as {token id: bias}; response_format
+        as the OpenAI object ({"type": "json_object"} or {"type": "json_schema",
+        "json_schema": {"name": ..., "schema": {...}}}, `grammar.py`)."""
         strings, ids = split_stop(stop)
         bias = tuple(sorted((logit_bias or {}).items()))
         return SamplingParams(
@@ -397,6 +401,7 @@ class Engine(Configurable):
             logit_bias=bias,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            grammar=response_format_grammar(response_format),
         )
 
     def request(self, prompt: Prompt, params: SamplingParams, **kw: Any) -> Request:
@@ -410,7 +415,7 @@ class Engine(Configurable):
         batched continuously). `sampling`: the arguments of `sampling_params`
         (max_new_tokens (0: only score the prompt), temperature, top_k, top_p,
         repetition_penalty, seed, stop (strings and/or token ids), ignore_eos, presence /
-        frequency_penalty, logit_bias, logprobs, prompt_logprobs); or
+        frequency_penalty, logit_bias, logprobs, prompt_logprobs, response_format); or
         `params=SamplingParams(...)`. With a list and an int seed, prompt i uses seed + i."""
         many = _is_prompt_list(prompt)
         prompts: list[Any] = list(prompt) if many else [prompt]

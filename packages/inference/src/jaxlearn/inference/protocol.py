@@ -11,7 +11,9 @@ errors, as are values outside these ranges:
     n..16 (not with stream unless equal to n); logprobs 0..20 (completions; chat:
     true/false with top_logprobs 0..20); logit_bias up to 300 {"token id": bias in
     [-100, 100]}; stop: a string or up to 16 strings of 1..256 characters;
-    stop_token_ids: up to 16 ids; prompt (completions): a string, a list of token ids,
+    stop_token_ids: up to 16 ids; response_format {"type": "text" | "json_object" |
+    "json_schema", "json_schema": {name, schema, strict, description}} (`grammar.py`;
+    not with ignore_eos); prompt (completions): a string, a list of token ids,
     or a list of up to 64 strings / id lists (prompts x best_of <= 256 choices).
 
 `suffix` is accepted only as "" (not implemented).
@@ -26,6 +28,7 @@ import uuid
 from typing import Any, Mapping, Optional, Union
 
 from jaxlearn.inference.errors import RequestError
+from jaxlearn.inference.grammar import response_format_grammar
 from jaxlearn.inference.logprobs import MAX_LOGPROBS
 from jaxlearn.inference.penalties import MAX_BIAS, MAX_LOGIT_BIAS, MAX_PRESENCE_FREQUENCY
 
@@ -39,7 +42,7 @@ MAX_CHOICES = 256  # prompts x best_of in one request.
 _COMMON = {
     "model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options",
     "stop", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs",
-    "user", "ignore_eos", "stop_token_ids", "logit_bias", "best_of",
+    "user", "ignore_eos", "stop_token_ids", "logit_bias", "best_of", "response_format",
 }  # fmt: skip
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
@@ -77,6 +80,7 @@ class ParsedRequest:
     logit_bias: tuple[tuple[int, float], ...]
     logprobs: Optional[int]
     echo: bool = False
+    grammar: Optional[str] = None  # From response_format (`grammar.py`).
 
 
 def _err(param: str, message: str) -> RequestError:
@@ -249,6 +253,14 @@ def _logprobs(body: Mapping[str, Any], kind: str) -> Optional[int]:
     return top or 0
 
 
+def _grammar(body: Mapping[str, Any]) -> Optional[str]:
+    grammar = response_format_grammar(body.get("response_format"))
+    if grammar is not None and _flag(body, "ignore_eos"):
+        raise _err("ignore_eos", "cannot be combined with response_format (the output ends "
+                                 "where the grammar does)")
+    return grammar
+
+
 def _parse(body: Any, kind: str, fields: set[str], vocab_size: int, max_seq_len: int
            ) -> dict[str, Any]:
     if not isinstance(body, dict):
@@ -293,6 +305,7 @@ def _parse(body: Any, kind: str, fields: set[str], vocab_size: int, max_seq_len:
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -pf, pf),
         logit_bias=_logit_bias(body, vocab_size),
         logprobs=_logprobs(body, kind),
+        grammar=_grammar(body),
     )
 
 

@@ -196,6 +196,7 @@ class ModelRunner:
         targets: Array,
         samp: dict[str, Array],
         pen: Optional[dict[str, Array]],
+        allow: Optional[Array],
         *,
         lp_k: Optional[int],
         prompt_k: Optional[int],
@@ -226,7 +227,7 @@ class ModelRunner:
         count_rows = jnp.where((start == 0)[:, None], 0, counts[slots]) + added
         counts = counts.at[slots].set(count_rows)
         tok = sample_tokens(logits[:, 0], seen_rows, mode="filter", vocab_limit=self.vocab_limit,
-                            counts=count_rows, pen=pen, **samp)
+                            counts=count_rows, pen=pen, allow=allow, **samp)
         out["tok"] = tok
         if lp_k is not None:
             out.update(token_logprobs(logits[:, 0], tok, lp_k))
@@ -245,6 +246,7 @@ class ModelRunner:
         active: Array,
         samp: dict[str, Array],
         pen: Optional[dict[str, Array]],
+        allow: Optional[Array],
         *,
         steps: int,
         mode: Mode,
@@ -254,7 +256,9 @@ class ModelRunner:
         the last token of each row, its position, whether it is a real row. Every row's
         time_step + steps <= the table's width x page_size. Returns {"tok": [steps, rows]}
         and with lp_k their `token_logprobs` [steps, rows, ...]. Generated-token counts
-        are gathered per step only when `pen` is given (else updated once, after)."""
+        are gathered per step only when `pen` is given (else updated once, after).
+        `allow` (grammar bit rows [rows, words], steps == 1) masks the sampled ids."""
+        assert allow is None or steps == 1, "grammar masks change with every token"
         sub_seen = seen[slots]
         sub_counts = counts[slots] if pen is not None else None
         index0 = samp.pop("index")
@@ -270,7 +274,7 @@ class ModelRunner:
             pool, logits = self._forward(params, pool, table, t, tok[:, None], None)
             nxt = sample_tokens(
                 logits[:, 0], sub_seen, mode=mode, vocab_limit=self.vocab_limit, index=index,
-                counts=sub_counts, pen=pen, **samp
+                counts=sub_counts, pen=pen, allow=allow, **samp
             )
             nxt = jnp.where(active, nxt, tok)
             out = {"tok": nxt}
@@ -330,6 +334,7 @@ class ModelRunner:
         gen_from: Optional[list[int]] = None,
         targets: Optional[list[np.ndarray]] = None,
         penalties: Optional[dict[str, np.ndarray]] = None,
+        allow: Optional[np.ndarray] = None,
         lp_k: Optional[int] = None,
         prompt_k: Optional[int] = None,
     ) -> dict[str, Any]:
@@ -338,7 +343,8 @@ class ModelRunner:
         the next token of each (token index `sampling["index"][i]`).
         gen_from[i]: first position of generated tokens (default: none in the chunk);
         targets[i] (len <= bucket): the id following each chunk position, scored when
-        prompt_k is not None; penalties: `penalties.pack` arrays for next_pow2(n) rows.
+        prompt_k is not None; penalties: `penalties.pack` arrays for next_pow2(n) rows;
+        allow: grammar bit rows [next_pow2(n), words] (`grammar.fill_masks`).
         Returns host arrays cut to n rows: "tok" [n], with lp_k "lp" / "top_ids" /
         "top_lp", with prompt_k "prompt" (the same, per position [n, bucket, ...])."""
         n = len(slots)
@@ -370,6 +376,7 @@ class ModelRunner:
             tgt,
             self._row_sampling(sampling, rows),
             penalties,
+            allow,
             lp_k=lp_k,
             prompt_k=prompt_k,
         )
@@ -386,10 +393,12 @@ class ModelRunner:
         time_step: list[int],
         sampling: dict[str, list[Any]],
         penalties: Optional[dict[str, np.ndarray]] = None,
+        allow: Optional[np.ndarray] = None,
         lp_k: Optional[int] = None,
     ) -> dict[str, Any]:
         """`steps` decode steps for the given rows (per-row lists and `sampling` lists;
-        tables [n, pages]; penalties: `penalties.pack` arrays for next_pow2(n) rows).
+        tables [n, pages]; penalties: `penalties.pack` arrays for next_pow2(n) rows;
+        allow: grammar bit rows [next_pow2(n), words], only with steps == 1).
         Every row's time_step + steps must be <= max_len and covered by its pages.
         Returns host arrays: "tok" [steps, n] int32, with lp_k "lp" [steps, n],
         "top_ids" / "top_lp" [steps, n, k]."""
@@ -410,6 +419,7 @@ class ModelRunner:
             np.arange(rows) < n,
             samp,
             penalties,
+            allow,
             steps=steps,
             mode=mode,
             lp_k=lp_k,

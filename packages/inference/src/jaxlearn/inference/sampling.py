@@ -10,7 +10,9 @@ Order of operations (the HF `generate` order):
      logit > 0 -> logit / p, else logit * p);
   2. presence / frequency penalties over the generated tokens and logit bias
      (`penalties.py`, only in calls where some request uses them);
-  3. ids >= `vocab_limit` (model vocabulary padded past the tokenizer's) get -inf;
+  3. ids >= `vocab_limit` (model vocabulary padded past the tokenizer's) get -inf, and
+     so do ids the request's grammar refuses (`response_format`, `grammar.py`; only in
+     calls where some row has one);
   4. temperature == 0 -> argmax (greedy); else logits / temperature;
   5. top-k (k <= 0: off), then top-p over what top-k kept (top_p >= 1: off; the most
      likely token is always kept);
@@ -29,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxlearn.inference.errors import RequestError
+from jaxlearn.inference.grammar import allowed_logits
 from jaxlearn.inference.logprobs import MAX_LOGPROBS
 from jaxlearn.inference.penalties import (
     MAX_BIAS,
@@ -72,6 +75,8 @@ class SamplingParams:
         alternatives (`logprobs.py`: raw model distribution, f32).
     prompt_logprobs: None, or k in [0, 20]: the same for every prompt token after the
         first (the prefill then computes logits at every prompt position).
+    grammar: None, or llguidance grammar text (`grammar.response_format_grammar`): every
+        generated token is masked to what the grammar allows next (structured output).
     """
 
     max_new_tokens: int = 16
@@ -88,6 +93,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
+    grammar: Optional[str] = None
 
     def __post_init__(self) -> None:
         def bad(param: str, why: str) -> RequestError:
@@ -123,6 +129,9 @@ class SamplingParams:
             raise bad("stop", "stop strings must be non-empty strings")
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be integers")
+        if self.grammar is not None and self.ignore_eos:
+            raise RequestError("'ignore_eos': cannot be combined with response_format (the "
+                               "output ends where the grammar does)", param="ignore_eos")
         self._check_bias_and_logprobs(bad)
 
     def _check_bias_and_logprobs(self, bad: Callable[[str, str], RequestError]) -> None:
@@ -167,10 +176,12 @@ def batch_mode(params: Sequence[SamplingParams]) -> Mode:
 
 
 def penalize(logits: Array, seen: Array, penalty: Array, vocab_limit: Optional[int],
-             counts: Optional[Array] = None, pen: Optional[dict[str, Array]] = None) -> Array:
+             counts: Optional[Array] = None, pen: Optional[dict[str, Array]] = None,
+             allow: Optional[Array] = None) -> Array:
     """Steps 1-3: logits [b, v] f32, seen [b, v] bool, penalty [b] -> [b, v]; with `pen`
     (`penalties.apply_penalties` arrays) and counts [b, v] also presence / frequency
-    penalties and logit bias."""
+    penalties and logit bias; with `allow` (grammar bit rows [b, ceil(v / 32)] int32,
+    `grammar.allowed_logits`) -inf for the ids a row's grammar refuses."""
     p = penalty[:, None].astype(logits.dtype)
     rep = jnp.where(logits > 0, logits / p, logits * p)
     logits = jnp.where(seen & (p != 1.0), rep, logits)
@@ -180,6 +191,8 @@ def penalize(logits: Array, seen: Array, penalty: Array, vocab_limit: Optional[i
     if vocab_limit is not None and vocab_limit < logits.shape[-1]:
         ids = jnp.arange(logits.shape[-1])
         logits = jnp.where(ids[None, :] < vocab_limit, logits, -jnp.inf)
+    if allow is not None:
+        logits = allowed_logits(logits, allow)
     return logits
 
 
@@ -232,14 +245,17 @@ def sample_tokens(
     vocab_limit: Optional[int] = None,
     counts: Optional[Array] = None,
     pen: Optional[dict[str, Array]] = None,
+    allow: Optional[Array] = None,
 ) -> Array:
     """One token per row. logits [b, v] (any float), seen [b, v] bool, per-row settings
     [b] (temperature f32, top_k i32, top_p f32, penalty f32, seeds u32, index i32);
-    optional counts [b, v] and `pen` arrays (presence / frequency / logit bias).
+    optional counts [b, v] and `pen` arrays (presence / frequency / logit bias), `allow`
+    grammar bit rows [b, ceil(v / 32)].
     `mode` (static) picks the cheapest variant that is exact for every row:
     "greedy" (all rows greedy), "sample" (no top-k/top-p anywhere), "filter".
     Returns [b] int32."""
-    logits = penalize(logits.astype(jnp.float32), seen, penalty, vocab_limit, counts, pen)
+    logits = penalize(logits.astype(jnp.float32), seen, penalty, vocab_limit, counts, pen,
+                      allow)
     greedy = argmax(logits)
     if mode == "greedy":
         return greedy

@@ -19,7 +19,9 @@ Each `step()`:
      new positions need; when the pool is short, the youngest running request is
      *preempted*: its pages are freed and it goes back to the front of the queue, to be
      prefilled again later from its prompt + the tokens it already produced
-     (recomputation, as vLLM does), continuing with the same sampling keys;
+     (recomputation, as vLLM does), continuing with the same sampling keys. Requests
+     with a grammar (`response_format`) take one token per call, masked by their grammar
+     state (`grammar.py`), in a call of their own when the others burst;
   5. turns new tokens into text deltas (`OutputState`) and hands them to each request's
      sink; finished requests free their slot and pages.
 
@@ -46,6 +48,7 @@ import numpy as np
 
 from jaxlearn.inference import penalties
 from jaxlearn.inference.errors import QueueFullError, RequestError
+from jaxlearn.inference.grammar import GrammarVocab, Matcher, fill_masks
 from jaxlearn.inference.logprobs import TokenLogprob, static_k, unpack
 from jaxlearn.inference.metrics import Metrics
 from jaxlearn.inference.pages import PageTable
@@ -118,6 +121,8 @@ class Request:
     # no logprob), complete before the first delta.
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    # With params.grammar: the grammar state, advanced past every generated token.
+    matcher: Optional[Matcher] = None
 
     @property
     def done(self) -> bool:
@@ -182,6 +187,8 @@ class Scheduler:
         self._cancels: list[Request] = []
         self._wakeup = threading.Condition(self._lock)
         self._admissions = itertools.count()
+        self._grammar_vocab: Optional[GrammarVocab] = None
+        self._grammar_lock = threading.Lock()
         m = self.metrics
         m.describe("requests_total", "Requests finished, by finish reason.")
         m.describe("prompt_tokens_total", "Prompt tokens prefilled (recomputation included).")
@@ -252,9 +259,26 @@ class Scheduler:
             stop_token_ids=sorted(stops),
         )
         req = Request(ids, params, output, params.resolved_seed(), sink, context=list(ids))
+        if params.grammar is not None:
+            req.matcher = self._grammars().matcher(params.grammar)
         if request_id is not None:
             req.request_id = request_id
         return req
+
+    def _grammars(self) -> GrammarVocab:
+        """The tokenizer's ids as the grammar library sees them (built on first use)."""
+        if self.tokenizer is None:
+            raise RequestError("response_format needs a tokenizer and this engine has none",
+                               param="response_format")
+        with self._grammar_lock:
+            if self._grammar_vocab is None:
+                self._grammar_vocab = GrammarVocab(self.tokenizer, self.runner.vocab_size)
+            return self._grammar_vocab
+
+    def _masks(self, matchers: list[Optional[Matcher]]) -> Optional[np.ndarray]:
+        """Grammar bit rows of a call's rows (None: no row has a grammar)."""
+        words = self._grammar_vocab.words if self._grammar_vocab is not None else 0
+        return fill_masks(matchers, next_pow2(len(matchers)), words)
 
     def submit(self, request: Request) -> Request:
         """Queues a request (QueueFullError when `max_queue` requests already wait)."""
@@ -389,6 +413,8 @@ class Scheduler:
             targets=[np.asarray(r.context[r.prefilled + 1 : r.prefilled + len(c) + 1], np.int32)
                      for r, c in batch] if scoring else None,
             penalties=penalties.pack(params, next_pow2(len(reqs)), self.runner.vocab_size),
+            allow=self._masks([r.matcher if r.prefilled + len(c) == len(r.context) else None
+                               for r, c in batch]),
             lp_k=static_k([p.logprobs for p in params]),
             prompt_k=static_k([p.prompt_logprobs for p in params]) if scoring else None,
         )
@@ -451,14 +477,15 @@ class Scheduler:
             self.waiting.appendleft(req)
 
     def _reserve(self, steps: int) -> list[Request]:
-        """Pages for `steps` more positions of every decoding request, oldest first,
-        preempting the youngest running requests while the pool is short. Returns the
-        decoding requests that hold their pages."""
+        """Pages for `steps` more positions of every decoding request (1 for those with a
+        grammar), oldest first, preempting the youngest running requests while the pool
+        is short. Returns the decoding requests that hold their pages."""
         while True:
             running = sorted((r for r in self.slots if r is not None), key=lambda r: r.admitted)
             decoding = [r for r in running if r.state == "decode"]
             short = next(
-                (r for r in decoding if not self.pages.ensure(_slot(r), self._position(r) + steps)),
+                (r for r in decoding if not self.pages.ensure(
+                    _slot(r), self._position(r) + (1 if r.matcher is not None else steps))),
                 None,
             )
             if short is None:
@@ -469,9 +496,12 @@ class Scheduler:
         if not any(r is not None and r.state == "decode" for r in self.slots):
             return False
         busy = bool(self.waiting) or any(r is not None and r.state == "prefill" for r in self.slots)
-        running = [r for r in self.slots if r is not None and r.state == "decode"]
+        # Rows with a grammar take one token per step (their masks follow each token), in
+        # a call of their own when the others can burst.
+        running = [r for r in self.slots
+                   if r is not None and r.state == "decode" and r.matcher is None]
         steps = 1
-        if not busy and min(self._room(r) for r in running) >= self.decode_burst:
+        if running and not busy and min(self._room(r) for r in running) >= self.decode_burst:
             burst = self.decode_burst
             need = sum(
                 max(0, self.pages.pages_for(self._position(r) + burst) - self.pages.owned(_slot(r)))
@@ -480,8 +510,15 @@ class Scheduler:
             if need <= self.pages.num_free:  # A burst never preempts anybody.
                 steps = self.decode_burst  # Only 1 or decode_burst: fewer compiled programs.
         rows = sorted(self._reserve(steps), key=lambda r: r.slot or 0)
-        if not rows:
-            return True
+        groups = [rows] if steps == 1 else [[r for r in rows if r.matcher is None],
+                                            [r for r in rows if r.matcher is not None]]
+        for group, n in zip(groups, (steps, 1)):
+            if group:
+                self._decode_rows(group, n)
+        return True
+
+    def _decode_rows(self, rows: list[Request], steps: int) -> None:
+        """One decode call of `steps` tokens for `rows` (pages reserved), then emits."""
         slots = [_slot(r) for r in rows]
         params = [r.params for r in rows]
         out = self.runner.decode(
@@ -493,6 +530,7 @@ class Scheduler:
             time_step=[self._position(r) for r in rows],
             sampling=_sampling(rows),
             penalties=penalties.pack(params, next_pow2(len(rows)), self.runner.vocab_size),
+            allow=self._masks([r.matcher for r in rows]) if steps == 1 else None,
             lp_k=static_k([p.logprobs for p in params]),
         )
         toks = out["tok"]
@@ -502,9 +540,11 @@ class Scheduler:
                     break
                 self._record(r, out, (k, i), int(toks[k, i]))
                 self._emit(r, int(toks[k, i]))
-        return True
 
     def _emit(self, req: Request, token: int) -> None:
+        if req.matcher is not None and not req.matcher.advance(token):
+            self._finish(req, req.output.finish("error"))  # The mask allowed it: a bug.
+            return
         room = self.max_seq_len - (len(req.prompt_ids) + req.num_generated + 1)
         delta = req.output.add(token, room=room)
         self.metrics.inc("generation_tokens_total")
