@@ -61,6 +61,13 @@ def test_print_config_shows_engine_and_recorded_model(run, capsys, where):
     assert "model config from the run record's config text" in std.err
 
 
+@pytest.mark.parametrize("flag, value", [([], True), (["--no_prefix_caching"], False),
+                                         (["--prefix_caching"], True)])
+def test_prefix_caching_flag(run, capsys, flag, value):
+    assert main(["serve", "--model", str(run[0]), "--print_config", *flag]) == 0
+    assert f"engine.prefix_caching: {value}" in capsys.readouterr().out.splitlines()
+
+
 def test_generate_from_run_dir_restores_the_recorded_model(run, capsys):
     from jaxlearn.cli.main import build_parser
     from jaxlearn.cli.serve_cmd import engine_config, load_model

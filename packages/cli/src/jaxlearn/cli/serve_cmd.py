@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 # Flags that set `Engine.Config` fields of the same name (None: the field's default).
-ENGINE_FLAGS = ("max_seq_len", "max_batch", "prefill_chunk", "kv_cache_tokens", "page_size")
+ENGINE_FLAGS = ("max_seq_len", "max_batch", "prefill_chunk", "kv_cache_tokens", "page_size",
+                "prefix_caching")
 _STEP_DIR = re.compile(r"step_(\d+)")
 
 
@@ -62,6 +63,11 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                         "max_batch x max_seq_len; smaller pools preempt the youngest request "
                         "when live tokens exceed them)")
     p.add_argument("--page_size", type=int, default=None, help="tokens per KV page (default 16)")
+    p.add_argument("--prefix_caching", action="store_true", default=None,
+                   help="share the KV pages of common prompt prefixes between requests "
+                        "(the default)")
+    p.add_argument("--no_prefix_caching", dest="prefix_caching", action="store_false",
+                   default=None, help="prefill every prompt in full")
     p.add_argument("--engine_set", action="append", default=[], metavar="PATH=VALUE",
                    help="set an Engine.Config field, e.g. --engine_set decode_burst=4 "
                         "(repeatable; see the printed engine config)")

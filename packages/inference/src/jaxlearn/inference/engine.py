@@ -201,6 +201,9 @@ class Engine(Configurable):
             `jaxlearn.layers.fuse_projections`; one device only). Off by default: on the
             2-core dev CPU it made f32 batch-1 decode ~5% faster but bf16 batch-1 ~8%
             slower (XLA's bf16 GEMV), batch 16 within noise.
+        prefix_caching: share the KV pages of prompt prefixes between requests
+            (content-hashed full pages, reference counted, LRU-evicted when the pool
+            needs pages); a prompt's cached full pages are not prefilled again.
         mesh_shape: None serves on one device; else the mesh over all devices (one -1
             entry allowed), with `mesh_axis_names`. Params are placed by their logical
             axes through `axis_rules` (None: INFERENCE_AXIS_RULES, the training rules
@@ -217,6 +220,7 @@ class Engine(Configurable):
         add_bos: Optional[bool] = None
         model_name: str = "jaxlearn"
         fuse_projections: bool = False
+        prefix_caching: bool = True
         mesh_shape: Optional[tuple[int, ...]] = None
         mesh_axis_names: tuple[str, ...] = ("data", "fsdp", "model")
         axis_rules: Optional[tuple[tuple[str, Any], ...]] = None
@@ -275,6 +279,7 @@ class Engine(Configurable):
             decode_burst=cfg.decode_burst,
             max_queue=cfg.max_queue,
             metrics=self.metrics,
+            prefix_caching=cfg.prefix_caching,
         )
         self.add_bos = _resolve_add_bos(cfg.add_bos, self.tokenizer)
         self._thread: Optional[threading.Thread] = None

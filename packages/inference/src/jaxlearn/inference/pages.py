@@ -5,6 +5,18 @@ from one free list shared by every slot as it grows and returned when it finishe
 preempted. So KV memory follows the live tokens: the pool may be far smaller than
 slots x max length, and a short request holds a few pages, not a max-length row.
 
+Prefix caching (vLLM's automatic prefix caching): a FULL page whose positions are all
+computed is registered under a digest chained over the token ids of every page up to it
+(sha256(digest of the page before + this page's ids)), so a digest names the whole
+prefix, not one page. A request admitted with a prompt whose first full pages have
+registered digests shares those pages (reference counts) and skips their prefill. A page
+whose count drops to 0 stays cached in an LRU list; when the free list is empty the
+least recently released cached page is evicted (its digest forgotten) and reused. A
+slot's pages are released last page first, so a prefix's tail is evicted before its
+head. Shared pages are never written: a request reuses at most the full pages before
+its last prompt token (that token is always computed, for its logits), and every write
+goes to positions past them.
+
 Page 0 is never handed out (table entries of unused pages read 0; the layers treat it
 as scratch). Lower page numbers are handed out first, so a lightly used pool stays
 compact.
@@ -12,16 +24,20 @@ compact.
 
 from __future__ import annotations
 
+import collections
+import hashlib
 import heapq
+from typing import Optional, Sequence
 
 import numpy as np
 
 
 class PageTable:
     """num_pages pages (page 0 reserved) of page_size tokens; num_slots rows of at most
-    max_pages pages each."""
+    max_pages pages each; prefix_caching: register and share full pages (above)."""
 
-    def __init__(self, num_pages: int, page_size: int, num_slots: int, max_pages: int):
+    def __init__(self, num_pages: int, page_size: int, num_slots: int, max_pages: int,
+                 prefix_caching: bool = False):
         if num_pages < 2:
             raise ValueError(
                 f"PageTable: need at least 2 pages (page 0 is reserved), got {num_pages}"
@@ -29,17 +45,31 @@ class PageTable:
         self.num_pages = num_pages
         self.page_size = page_size
         self.max_pages = max_pages
+        self.prefix_caching = prefix_caching
         self.table = np.zeros((num_slots, max_pages), np.int32)
+        self.evictions = 0
         self._owned = [0] * num_slots
         self._free = list(range(1, num_pages))  # A heap: lowest page first.
+        self._ref = [0] * num_pages  # Slots holding each page.
+        self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # ref 0.
+        self._page_of: dict[bytes, int] = {}  # Registered digest -> page.
+        self._digest: dict[int, bytes] = {}  # Registered page -> digest.
+        self._chain: list[list[bytes]] = [[] for _ in range(num_slots)]  # Full pages' digests.
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages a request can get: free ones and cached ones nobody holds."""
+        return len(self._free) + len(self._lru)
 
     @property
     def num_used(self) -> int:
-        return self.num_pages - 1 - len(self._free)
+        """Pages some slot holds."""
+        return self.num_pages - 1 - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        """Registered pages (held or not)."""
+        return len(self._digest)
 
     def pages_for(self, tokens: int) -> int:
         return -(-int(tokens) // self.page_size)
@@ -48,29 +78,105 @@ class PageTable:
         """Pages slot holds."""
         return self._owned[slot]
 
+    def committed(self, slot: int) -> int:
+        """Full pages of slot whose digests are known (registered or not)."""
+        return len(self._chain[slot])
+
+    def _next_digest(self, parent: bytes, ids: Sequence[int]) -> bytes:
+        return hashlib.sha256(parent + np.asarray(ids, np.int64).tobytes()).digest()
+
+    def admit(self, slot: int, ids: Sequence[int], *, reuse: bool = True) -> Optional[int]:
+        """Gives the empty `slot` pages for the positions of `ids`, sharing the cached
+        full pages of its longest cached prefix (with reuse and prefix caching, at most
+        the pages before the last id). Returns the number of leading positions already
+        in the cache (a multiple of page_size), or None when the pool is short (nothing
+        changes then)."""
+        assert self._owned[slot] == 0, slot
+        hits: list[tuple[bytes, int]] = []
+        if self.prefix_caching and reuse:
+            digest, ps = b"", self.page_size
+            for i in range((len(ids) - 1) // ps):
+                digest = self._next_digest(digest, ids[i * ps : (i + 1) * ps])
+                page = self._page_of.get(digest)
+                if page is None:
+                    break
+                hits.append((digest, page))
+        idle_hits = sum(self._ref[p] == 0 for _, p in hits)
+        if self.pages_for(len(ids)) - len(hits) > self.num_free - idle_hits:
+            return None
+        for i, (digest, page) in enumerate(hits):
+            self._lru.pop(page, None)
+            self._ref[page] += 1
+            self.table[slot, i] = page
+        self._owned[slot] = len(hits)
+        self._chain[slot] = [d for d, _ in hits]
+        self.ensure(slot, len(ids))  # Cannot fail: checked above.
+        return len(hits) * self.page_size
+
+    def _take(self) -> int:
+        """A page for a slot: the lowest free one, else the least recently released
+        cached one (evicted)."""
+        if self._free:
+            page = heapq.heappop(self._free)
+        else:
+            page, _ = self._lru.popitem(last=False)
+            del self._page_of[self._digest.pop(page)]
+            self.evictions += 1
+        self._ref[page] = 1
+        return page
+
     def ensure(self, slot: int, tokens: int) -> bool:
         """Gives `slot` pages for positions [0, tokens); all or nothing. False when the
-        free list is short (nothing changes then)."""
+        pool is short (nothing changes then)."""
         need = self.pages_for(tokens)
         if need > self.max_pages:
             raise ValueError(f"slot {slot}: {tokens} tokens need {need} pages > {self.max_pages}")
         extra = need - self._owned[slot]
         if extra <= 0:
             return True
-        if extra > len(self._free):
+        if extra > self.num_free:
             return False
         have = self._owned[slot]
         for i in range(extra):
-            self.table[slot, have + i] = heapq.heappop(self._free)
+            self.table[slot, have + i] = self._take()
         self._owned[slot] = need
         return True
 
+    def commit(self, slot: int, ids: Sequence[int], n: int) -> None:
+        """Positions [0, n) of `slot` hold the keys / values of ids[:n]: registers its
+        full pages among them not yet registered (a page whose digest another page
+        already has stays private)."""
+        if not self.prefix_caching:
+            return
+        chain, ps = self._chain[slot], self.page_size
+        for i in range(len(chain), min(n // ps, self._owned[slot])):
+            digest = self._next_digest(chain[-1] if chain else b"", ids[i * ps : (i + 1) * ps])
+            chain.append(digest)
+            page = int(self.table[slot, i])
+            if digest not in self._page_of:
+                self._page_of[digest], self._digest[page] = page, digest
+
     def release(self, slot: int) -> None:
-        """Returns every page of `slot` to the free list."""
-        for p in self.table[slot, : self._owned[slot]]:
-            heapq.heappush(self._free, int(p))
+        """Returns every page of `slot` (last first): cached ones to the LRU list, the
+        others to the free list."""
+        for p in self.table[slot, : self._owned[slot]][::-1].tolist():
+            self._ref[p] -= 1
+            if self._ref[p] == 0:
+                if p in self._digest:
+                    self._lru[p] = None
+                else:
+                    heapq.heappush(self._free, p)
         self.table[slot] = 0
         self._owned[slot] = 0
+        self._chain[slot] = []
+
+    def drop_cached(self) -> None:
+        """Forgets every registered page (the pool's contents were lost)."""
+        for p in self._lru:
+            heapq.heappush(self._free, p)
+        self._lru.clear()
+        self._page_of.clear()
+        self._digest.clear()
 
     def rows(self, slots: list[int]) -> np.ndarray:
         """The table rows [len(slots), max_pages] of `slots`."""

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -60,6 +60,10 @@ def next_pow2(n: int) -> int:
 def _call(model: Module, params: Any, method: str, inputs: Any) -> Any:
     out, _ = functional(model, None, params, inputs, method=method, is_training=False)
     return out
+
+
+def _set_rows(seen: Array, counts: Array, slot: Array, s: Array, c: Array) -> tuple[Array, Array]:
+    return seen.at[slot].set(s), counts.at[slot].set(c)
 
 
 class ModelRunner:
@@ -116,6 +120,8 @@ class ModelRunner:
         self._jit_prefill = self._jit(self._prefill, static=("lp_k", "prompt_k"))
         self._jit_decode = self._jit(self._decode, static=("steps", "mode", "lp_k"))
         self._jit_logits = jax.jit(self._logits)
+        rows_kw: dict[str, Any] = {} if mesh is None else {"out_shardings": (self._rep,) * 2}
+        self._jit_rows = jax.jit(_set_rows, donate_argnums=(0, 1), **rows_kw)
         self.pool: Any = None
         self.seen: Any = None
         self.counts: Any = None
@@ -425,6 +431,17 @@ class ModelRunner:
             lp_k=lp_k,
         )
         return jax.tree.map(lambda a: np.asarray(a)[:, :n], out)
+
+    def set_history(self, slot: int, ids: Sequence[int], gen_from: int) -> None:
+        """Sets slot's seen-mask to the ids of `ids` and its generated-token counts to
+        those of ids[gen_from:]: a prefix found in the prefix cache, not prefilled (the
+        next prefill chunk of the slot starts after it)."""
+        a = np.asarray(ids, np.int64)
+        seen = np.zeros(self.vocab_size, bool)
+        seen[a] = True
+        counts = np.bincount(a[gen_from:], minlength=self.vocab_size).astype(np.int32)
+        self.seen, self.counts = self._traced(
+            self._jit_rows, self.seen, self.counts, np.int32(slot), seen, counts)
 
     def logits(self, ids: np.ndarray) -> np.ndarray:
         """Cache-free forward: ids [b, s] -> logits [b, s, vocab] (f32, host)."""

@@ -5,7 +5,8 @@ Each `step()`:
      slot and pages at once);
   2. admits waiting requests (FIFO) while a slot is free and the pool has pages for the
      request's whole prompt (head-of-line: a request that does not fit blocks those
-     behind it, so none starves);
+     behind it, so none starves); with prefix caching the cached full pages of its
+     prompt's prefix are shared, not allocated, and its prefill starts after them;
   3. prefills: the next chunk (at most `prefill_chunk` tokens) of the oldest admitted
      prompts, several requests in one call, padded to [rows, bucket] (powers of two)
      with rows x bucket <= the step's prefill budget (`prefill_chunk` tokens while others
@@ -144,6 +145,8 @@ class Scheduler:
     decode_burst: most fused decode steps per step() (1 disables fusing).
     max_queue: most waiting (not yet admitted) requests; beyond it `submit` raises
         QueueFullError.
+    prefix_caching: share the cached full KV pages of a prompt's prefix (`PageTable`);
+        the prefill of a request starts after them.
     """
 
     def __init__(
@@ -158,6 +161,7 @@ class Scheduler:
         max_queue: int = 64,
         min_prefill_bucket: int = 16,
         metrics: Optional[Metrics] = None,
+        prefix_caching: bool = False,
     ):
         if prefill_chunk < 1 or prefill_chunk & (prefill_chunk - 1):
             raise ValueError(f"prefill_chunk={prefill_chunk} must be a power of two")
@@ -173,7 +177,8 @@ class Scheduler:
         self.min_prefill_bucket = min(min_prefill_bucket, prefill_chunk)
         self.metrics = metrics or Metrics()
         self.pages = PageTable(
-            runner.num_pages, runner.page_size, max_batch, runner.max_len // runner.page_size
+            runner.num_pages, runner.page_size, max_batch, runner.max_len // runner.page_size,
+            prefix_caching=prefix_caching,
         )
         if self.pages.pages_for(max_seq_len) > runner.num_pages - 1:
             raise ValueError(
@@ -192,6 +197,7 @@ class Scheduler:
         m = self.metrics
         m.describe("requests_total", "Requests finished, by finish reason.")
         m.describe("prompt_tokens_total", "Prompt tokens prefilled (recomputation included).")
+        m.describe("prefix_cache_hit_tokens_total", "Prompt tokens found in the prefix cache.")
         m.describe("generation_tokens_total", "Tokens generated.")
         m.describe("preemptions_total", "Running requests sent back to the queue (pool full).")
         m.describe("time_to_first_token_seconds", "Arrival to first token.")
@@ -203,6 +209,8 @@ class Scheduler:
         m.gauge("kv_cache_bytes", lambda: float(self.runner.cache_bytes()))
         m.gauge("kv_pages_total", lambda: float(self.pages.num_pages - 1))
         m.gauge("kv_pages_used", lambda: float(self.pages.num_used))
+        m.gauge("kv_pages_cached", lambda: float(self.pages.num_cached))
+        m.gauge("kv_page_evictions", lambda: float(self.pages.evictions))
 
     # ---- queue side (any thread) ------------------------------------------------------
 
@@ -332,6 +340,7 @@ class Scheduler:
                 self._cancels.clear()
             for req in waiting + [r for r in self.slots if r is not None]:
                 self._finish(req, req.output.finish(reason))
+            self.pages.drop_cached()  # The pool may be reset next.
 
     def _drop_cancelled(self) -> bool:
         with self._lock:
@@ -345,6 +354,7 @@ class Scheduler:
         return bool(cancels)
 
     def _admit(self) -> None:
+        hits = []
         with self._lock:
             for slot in range(self.max_batch):
                 if not self.waiting:
@@ -352,12 +362,21 @@ class Scheduler:
                 if self.slots[slot] is not None:
                     continue
                 req = self.waiting[0]
-                if not self.pages.ensure(slot, len(req.context)):
+                # Scored prompt tokens need every position's logits: no cached prefix.
+                cached = self.pages.admit(slot, req.context,
+                                          reuse=req.params.prompt_logprobs is None)
+                if cached is None:
                     break  # Head of line waits for pages; nobody overtakes it.
                 self.waiting.popleft()
-                req.slot, req.state, req.prefilled = slot, "prefill", 0
+                req.slot, req.state, req.prefilled = slot, "prefill", cached
                 req.admitted = next(self._admissions)
                 self.slots[slot] = req
+                if cached:
+                    hits.append(req)
+        for req in hits:  # The seen-mask and counts of the positions not prefilled.
+            self.runner.set_history(_slot(req), req.context[: req.prefilled],
+                                    gen_from=len(req.prompt_ids))
+            self.metrics.inc("prefix_cache_hit_tokens_total", req.prefilled)
 
     def _bucket(self, n: int) -> int:
         return min(self.prefill_chunk, max(self.min_prefill_bucket, next_pow2(n)))
@@ -422,6 +441,7 @@ class Scheduler:
             if scoring:
                 self._record_prompt(req, out["prompt"], i, len(chunk))
             req.prefilled += len(chunk)
+            self.pages.commit(_slot(req), req.context, req.prefilled)
             self.metrics.inc("prompt_tokens_total", len(chunk))
             if req.prefilled == len(req.context):
                 self._prefilled(req, out, i)
@@ -464,9 +484,19 @@ class Scheduler:
         """Cache position of a decoding request's last token (written by the next step)."""
         return len(req.prompt_ids) + req.num_generated - 1
 
+    def _commit(self, req: Request) -> None:
+        """Registers the full pages of a decoding `req` whose positions are written (its
+        last token's is not yet) for prefix caching."""
+        n = self._position(req)
+        if self.pages.prefix_caching and n // self.pages.page_size > self.pages.committed(
+                _slot(req)):
+            self.pages.commit(_slot(req), req.prompt_ids + req.output.tokens, n)
+
     def _preempt(self, req: Request) -> None:
         """Frees `req`'s slot and pages and requeues it first, to be recomputed."""
         assert req.slot is not None
+        if req.state == "decode":
+            self._commit(req)
         self.pages.release(req.slot)
         self.slots[req.slot] = None
         req.slot, req.state, req.prefilled = None, "waiting", 0
@@ -540,6 +570,8 @@ class Scheduler:
                     break
                 self._record(r, out, (k, i), int(toks[k, i]))
                 self._emit(r, int(toks[k, i]))
+            if not r.done:
+                self._commit(r)
 
     def _emit(self, req: Request, token: int) -> None:
         if req.matcher is not None and not req.matcher.advance(token):
@@ -555,6 +587,8 @@ class Scheduler:
 
     def _finish(self, req: Request, delta: Delta) -> None:
         if req.slot is not None and self.slots[req.slot] is req:
+            if req.state == "decode":
+                self._commit(req)
             self.slots[req.slot] = None
             self.pages.release(req.slot)
         req.slot, req.state = None, "done"
