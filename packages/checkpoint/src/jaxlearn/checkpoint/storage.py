@@ -69,6 +69,28 @@ def resolve(path: Union[str, os.PathLike[str]], *, check: bool = True) -> Storag
     return epath.Path(uri)
 
 
+def join(path: Union[str, os.PathLike[str]], *names: str) -> str:
+    """`os.path.join` that keeps a URI a URI (`s3://b/run` + `x` -> `s3://b/run/x`)."""
+    text = str(path)
+    if is_remote(text):
+        return "/".join([text.rstrip("/"), *names])
+    return os.path.join(text, *names)
+
+
+def local_dir(path: Union[str, os.PathLike[str]]) -> str:
+    """A local directory for the files of `path` that only make sense on this machine
+    (hang dumps, goodput spans, profiler traces): `path` itself when it is local, else
+    `$JAXLEARN_LOCAL_DIR/<scheme>/<bucket>/<path>` (default root
+    `~/.cache/jaxlearn/remote`), the same for every run of one URI."""
+    if not is_remote(path):
+        return str(path)
+    scheme, bucket, key = split_uri(str(path))
+    root = os.environ.get("JAXLEARN_LOCAL_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "jaxlearn", "remote")
+    parts = [p for p in key.split("/") if p not in ("", ".", "..")]
+    return os.path.join(root, scheme, bucket, *parts)
+
+
 @functools.lru_cache(maxsize=64)
 def check_backend(uri: str) -> None:
     """Raises StorageError (one line naming `uri` and what is missing) unless the store
@@ -237,3 +259,12 @@ def copy_tree(src: Any, dst: Any) -> None:
     for rel in list_files(src):
         fs.copy(f"{src_key}/{rel}", f"{dst_key}/{rel}")
     fs.invalidate_cache()
+
+
+def write_text(path: Union[str, os.PathLike[str]], text: str) -> None:
+    """Writes a whole text file: a local file, or one PUT of an object."""
+    if is_remote(path):
+        resolve(path, check=False).write_text(text)
+    else:
+        with open(path, "w") as f:
+            f.write(text)
