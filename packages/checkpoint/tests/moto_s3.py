@@ -10,8 +10,8 @@ loopback port, with the standard AWS environment pointing at it.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import importlib.util
+import logging
 import uuid
 from typing import Any
 

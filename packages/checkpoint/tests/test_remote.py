@@ -14,8 +14,8 @@ from jaxlearn.checkpoint import (
     CheckpointCorruptionError,
     Checkpointer,
     StorageError,
+    storage,
 )
-from jaxlearn.checkpoint import storage
 
 
 @pytest.fixture(scope="module")

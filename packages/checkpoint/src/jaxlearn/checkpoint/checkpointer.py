@@ -159,9 +159,7 @@ class Checkpointer(Configurable):
         specs = {p: leaf_spec(p, leaf) for p, leaf in named}
         sidecars = self._encode_sidecars(data_iterator_state, config_text)
         sidecars.update(_extra_sidecars(extra_files))
-        if multihost.process_index() == 0 and not storage.is_remote(self._root):
-            self._root.mkdir(parents=True, exist_ok=True)
-        self._deleter.wait_for(layout.step_dir(self._root, step))  # A crashed save's leftover.
+        self._ready_root(step)
         prefix = multihost.unique_name(f"step{step}")
         if snapshot:
             commit.prepare_tmp_dir(self._root, step, f"{prefix}_mkdir")
@@ -198,6 +196,13 @@ class Checkpointer(Configurable):
         self._thread = self._worker.submit(self._commit, pending, sidecars, unsaved)
         if not self.config.async_save:
             self._wait_commit()
+
+    def _ready_root(self, step: int) -> None:
+        """The root exists (local), and no deletion of a leftover `step` dir (an object
+        store's crashed save) is still running where this save will write."""
+        if multihost.process_index() == 0 and not storage.is_remote(self._root):
+            self._root.mkdir(parents=True, exist_ok=True)
+        self._deleter.wait_for(layout.step_dir(self._root, step))
 
     @staticmethod
     def _encode_sidecars(
@@ -242,7 +247,9 @@ class Checkpointer(Configurable):
                 # No rename on object stores: orbax writes in place and marks its item
                 # done with a commit file; our manifest is still the commit point.
                 temporary_path_class=(
-                    ocp.path.atomicity.CommitFileTemporaryPath if storage.is_remote(self._root) else None
+                    ocp.path.atomicity.CommitFileTemporaryPath
+                    if storage.is_remote(self._root)
+                    else None
                 ),
             )
         return self._orbax

@@ -95,56 +95,39 @@ def local_dir(path: Union[str, os.PathLike[str]]) -> str:
 def check_backend(uri: str) -> None:
     """Raises StorageError (one line naming `uri` and what is missing) unless the store
     can be used: the fsspec backend package, credentials, and the bucket."""
+    import fsspec  # type: ignore[import-untyped]
+
     scheme, bucket, _ = split_uri(uri)
     package = _BACKEND_PACKAGE[scheme]
     if importlib.util.find_spec(package) is None:
         raise StorageError(f"{uri}: {scheme}:// needs the {package} package, which is not "
                            f"installed (pip install {package})")
     if scheme == "s3":
-        _check_s3(uri, bucket)
+        fs = fsspec.filesystem("s3", skip_instance_cache=True, config_kwargs={
+            "connect_timeout": 10, "read_timeout": 30, "retries": {"max_attempts": 2}})
+        endpoint = s3_endpoint() or "AWS"
     else:
-        _check_gcs(uri, bucket)
-
-
-def _check_s3(uri: str, bucket: str) -> None:
-    import botocore.session  # type: ignore[import-untyped]
-    import s3fs  # type: ignore[import-untyped]
-
-    if botocore.session.get_session().get_credentials() is None:
-        raise StorageError(f"{uri}: no AWS credentials found (set AWS_ACCESS_KEY_ID and "
-                           "AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or an instance role)")
-    fs = s3fs.S3FileSystem(skip_instance_cache=True, config_kwargs={
-        "connect_timeout": 10, "read_timeout": 30, "retries": {"max_attempts": 2}})
-    _probe_bucket(uri, bucket, lambda: fs.ls(bucket, refresh=True),
-                  endpoint=s3_endpoint() or "AWS")
-
-
-def _check_gcs(uri: str, bucket: str) -> None:
-    import gcsfs  # type: ignore[import-untyped]
-    import google.auth  # type: ignore[import-untyped]
-    from google.auth.exceptions import DefaultCredentialsError  # type: ignore[import-untyped]
-
+        fs = fsspec.filesystem("gs", skip_instance_cache=True)
+        endpoint = "GCS"
     try:
-        google.auth.default()
-    except DefaultCredentialsError:
-        raise StorageError(f"{uri}: no Google Cloud credentials found (run `gcloud auth "
-                           "application-default login` or set GOOGLE_APPLICATION_CREDENTIALS)"
-                           ) from None
-    fs = gcsfs.GCSFileSystem(skip_instance_cache=True)
-    _probe_bucket(uri, bucket, lambda: fs.ls(bucket, refresh=True), endpoint="GCS")
-
-
-def _probe_bucket(uri: str, bucket: str, ls: Callable[[], Any], *, endpoint: str) -> None:
-    try:
-        ls()
+        fs.ls(bucket, refresh=True)
     except FileNotFoundError:
         raise StorageError(f"{uri}: bucket {bucket!r} does not exist") from None
     except PermissionError as e:
         raise StorageError(f"{uri}: access to bucket {bucket!r} denied ({_first_line(e)})"
                            ) from None
-    except Exception as e:  # Connection refused, DNS, bad credentials, ...
+    except Exception as e:  # Credentials, connection refused, DNS, ...
+        name = type(e).__name__
+        if name == "NoCredentialsError":  # botocore's
+            raise StorageError(f"{uri}: no AWS credentials found (set AWS_ACCESS_KEY_ID and "
+                               "AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or an instance role)"
+                               ) from None
+        if name in ("DefaultCredentialsError", "RefreshError"):  # google-auth's
+            raise StorageError(f"{uri}: no usable Google Cloud credentials (run `gcloud auth "
+                               "application-default login` or set "
+                               "GOOGLE_APPLICATION_CREDENTIALS)") from None
         raise StorageError(f"{uri}: cannot reach bucket {bucket!r} at {endpoint} "
-                           f"({type(e).__name__}: {_first_line(e)})") from None
+                           f"({name}: {_first_line(e)})") from None
 
 
 def _first_line(e: BaseException) -> str:
