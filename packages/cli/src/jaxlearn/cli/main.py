@@ -16,8 +16,13 @@ selector, every override and the `--init_from` path (`base_model`) in
 `<output_dir>/run.json` and in each checkpoint. `--init_from` sets the model, tokenizer and
 chat template fields from the pretrained model before the mesh rules (`cli.init_from`).
 
+`--output_dir` may be an object store, `s3://BUCKET/PATH` (s3fs; `AWS_ENDPOINT_URL` for
+an S3-compatible server) or `gs://BUCKET/PATH` (gcsfs): checkpoints, metrics, TensorBoard,
+config.txt and run.json go there (see the runtime README).
+
 Errors in what the user gave (unknown experiment, bad --set, bad data, unwritable output
-dir, a checkpoint in --output_dir from another model) print one line `jaxlearn: error: ...`
+dir, an object store without its backend, credentials or bucket, a checkpoint in
+--output_dir from another model) print one line `jaxlearn: error: ...`
 and exit with status 2; nothing is written. Detected faults exit with their own status
 (42 hang, 43 silent data corruption, 44 non-finite values, 45 health check; see
 jaxlearn.resilience.failures), which `--supervise` uses to restart the run. SIGTERM or
