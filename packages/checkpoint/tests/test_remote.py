@@ -3,11 +3,15 @@
 and one-line errors for a missing backend, credentials or bucket."""
 
 import json
+import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
 import pytest
 from moto_s3 import start, use
+from test_multiprocess import WORKER, _free_port
 from test_roundtrip import abstract, assert_bit_equal, make_state, mesh, spec_4x2
 
 from jaxlearn.checkpoint import (
@@ -183,3 +187,36 @@ def test_gcs_without_gcsfs_names_the_missing_package():
         pytest.skip("gcsfs is installed here")
     with pytest.raises(StorageError, match=r"^gs://bkt/run: gs:// needs the gcsfs package"):
         storage.resolve("gs://bkt/run")
+
+
+def test_two_processes_commit_reshard_and_agree_on_damage_on_s3(s3, tmp_path):
+    """The multi-process protocol on S3: both processes' shards and iterator states under
+    step_n/, the manifest PUT after both, damage in process 1's objects agreed on."""
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    uri, port = s3.uri(), str(_free_port())
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    env.pop("XLA_FLAGS", None)
+    procs = [subprocess.Popen([sys.executable, str(script), uri, port, str(pid)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                              text=True) for pid in (0, 1)]
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=300)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    for pid, (proc, out) in enumerate(zip(procs, outputs)):
+        assert proc.returncode == 0 and f"WORKER-OK {pid}" in out, out[-3000:]
+    keys = s3.keys(uri)
+    step1 = uri.removeprefix(f"s3://{s3.bucket}/") + "/step_00000001/"
+    for name in ("state/ocdbt.process_0/", "state/ocdbt.process_1/",
+                 "data_iterator/process_00001.bin", "manifest.json"):
+        assert any(k.startswith(step1 + name) for k in keys), (name, keys)
+    with ckpt_on(uri) as ckpt:  # One process alone restores it bit for bit.
+        got = ckpt.restore(1, {"w": np.zeros((64, 32), np.float32), "b": np.zeros(8, np.int32)})
+        assert ckpt.read_metadata(1, process_index=1).data_iterator_state == b"proc1-step1"
+    w = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+    assert got["w"].tobytes() == w.tobytes() and got["b"].tolist() == [1] * 8
