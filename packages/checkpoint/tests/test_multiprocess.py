@@ -54,9 +54,12 @@ WORKER = textwrap.dedent(
     assert (multihost_utils.process_allgather(got["b"], tiled=True) == 2).all()
 
     # Damage step 2 in process 1's sub-store: both processes must agree to fall back.
-    if pid == 0:
-        d = Path(directory) / "step_00000002" / "state" / "ocdbt.process_1" / "d"
-        max(d.iterdir(), key=lambda p: p.stat().st_size).unlink()
+    if pid == 0:  # A local path or an object-store URI (test_remote.py).
+        from jaxlearn.checkpoint import layout, storage
+        root = storage.resolve(directory, check=False)
+        d = root / "step_00000002" / "state" / "ocdbt.process_1" / "d"
+        sizes = layout.file_sizes(d)
+        (d / max(sizes, key=sizes.get)).unlink()
     multihost_utils.sync_global_devices("damaged")
     step, got = ckpt.restore_latest(target)
     assert step == 1, step

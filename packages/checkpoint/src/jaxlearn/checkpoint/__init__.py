@@ -16,6 +16,7 @@ from jaxlearn.checkpoint.errors import (
 )
 from jaxlearn.checkpoint.manifest import ArrayRecord
 from jaxlearn.checkpoint.retention import RetentionPolicy
+from jaxlearn.checkpoint.storage import StorageError
 
 __all__ = [
     "ArrayRecord",
@@ -29,5 +30,6 @@ __all__ = [
     "NoGoodCheckpointError",
     "RetentionPolicy",
     "StepMetadata",
+    "StorageError",
     "digest_numpy",
 ]

@@ -9,7 +9,8 @@
         step, state = found
 
 Every process of a multi-process job constructs the same Checkpointer and makes the same
-calls in the same order (they contain collectives).
+calls in the same order (they contain collectives). `directory` may be an object-store
+URI (`s3://bucket/path`, `gs://bucket/path`; see `storage`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any, Literal, Mapping, Optional, Union
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxlearn.checkpoint import commit, digest, garbage, layout, multihost
+from jaxlearn.checkpoint import commit, digest, garbage, layout, multihost, storage
 from jaxlearn.checkpoint.errors import (
     CheckpointCorruptionError,
     CheckpointNotFoundError,
@@ -62,6 +63,7 @@ class Checkpointer(Configurable):
     """Sharded, async, verified checkpoints of a pytree of arrays under one directory."""
 
     class Config(Configurable.Config):
+        # A local directory, or an object-store URI (s3://bucket/path, gs://bucket/path).
         directory: str = REQUIRED
         # Retention (see retention.py): None keeps every step.
         keep_last_n: Optional[int] = None
@@ -84,7 +86,8 @@ class Checkpointer(Configurable):
     def __init__(self, cfg: "Checkpointer.Config", **kwargs: Any):
         super().__init__(cfg, **kwargs)
         cfg = self.config
-        self._root = Path(cfg.directory).absolute()
+        # Checks an object store's backend, credentials and bucket (StorageError).
+        self._root: storage.StoragePath = storage.resolve(cfg.directory)
         self._policy = RetentionPolicy(
             keep_last_n=cfg.keep_last_n,
             keep_every_k_steps=cfg.keep_every_k_steps,
@@ -108,7 +111,8 @@ class Checkpointer(Configurable):
         self._closed = False
 
     @property
-    def directory(self) -> Path:
+    def directory(self) -> storage.StoragePath:
+        """The root: a local `Path`, or an `epath.Path` of an object store."""
         return self._root
 
     # ---- save ----------------------------------------------------------------------------
@@ -155,8 +159,7 @@ class Checkpointer(Configurable):
         specs = {p: leaf_spec(p, leaf) for p, leaf in named}
         sidecars = self._encode_sidecars(data_iterator_state, config_text)
         sidecars.update(_extra_sidecars(extra_files))
-        if multihost.process_index() == 0:
-            self._root.mkdir(parents=True, exist_ok=True)
+        self._ready_root(step)
         prefix = multihost.unique_name(f"step{step}")
         if snapshot:
             commit.prepare_tmp_dir(self._root, step, f"{prefix}_mkdir")
@@ -193,6 +196,13 @@ class Checkpointer(Configurable):
         self._thread = self._worker.submit(self._commit, pending, sidecars, unsaved)
         if not self.config.async_save:
             self._wait_commit()
+
+    def _ready_root(self, step: int) -> None:
+        """The root exists (local), and no deletion of a leftover `step` dir (an object
+        store's crashed save) is still running where this save will write."""
+        if multihost.process_index() == 0 and not storage.is_remote(self._root):
+            self._root.mkdir(parents=True, exist_ok=True)
+        self._deleter.wait_for(layout.step_dir(self._root, step))
 
     @staticmethod
     def _encode_sidecars(
@@ -231,7 +241,16 @@ class Checkpointer(Configurable):
                 multiprocessing_options=mp,
             )
             self._orbax = ocp.AsyncCheckpointer(
-                handler, timeout_secs=self.config.timeout_s, multiprocessing_options=mp
+                handler,
+                timeout_secs=self.config.timeout_s,
+                multiprocessing_options=mp,
+                # No rename on object stores: orbax writes in place and marks its item
+                # done with a commit file; our manifest is still the commit point.
+                temporary_path_class=(
+                    ocp.path.atomicity.CommitFileTemporaryPath
+                    if storage.is_remote(self._root)
+                    else None
+                ),
             )
         return self._orbax
 
@@ -404,7 +423,7 @@ class Checkpointer(Configurable):
             for s in sorted(doomed):
                 if step is None or s > step:
                     target = _quarantine_name(doomed[s])
-                    os.rename(doomed[s], target)
+                    _move(doomed[s], target)
                     log.warning("checkpoint step %d moved aside to %s", s, target)
                     moved.append(target)
             if moved:
@@ -428,6 +447,20 @@ def _extra_sidecars(files: Optional[Mapping[str, bytes]]) -> dict[str, bytes]:
         if multihost.process_index() == 0:
             out[name] = data
     return out
+
+
+def _move(src: Path, dst: Path) -> None:
+    """A rename; on an object store a copy, then the manifest's delete (the step is gone
+    for readers from here), then the rest's."""
+    if not storage.is_remote(src):
+        os.rename(src, dst)
+        return
+    storage.copy_tree(src, dst)
+    try:
+        (src / layout.MANIFEST).unlink()
+    except FileNotFoundError:
+        pass
+    storage.remove_tree(src)
 
 
 def _quarantine_name(path: Path) -> Path:

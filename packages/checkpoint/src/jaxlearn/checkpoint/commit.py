@@ -21,6 +21,11 @@ For step n, on every process (P0 = process 0):
        separate deleter thread) and removal of stale transient/empty step dirs.
 A crash anywhere before the rename in 7 leaves only `step_n.tmp/`, which no reader ever
 treats as a step; the rename is atomic, so there is no state in between.
+
+On an object store (no rename) the same steps write in place under `step_n/`, and the
+commit point in 7 is the single PUT of `manifest.json`, written after every other file
+of the step is complete (barrier "written"); a crash before it leaves a `step_n/`
+without a manifest, which readers skip and step 1 / the GC remove.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from typing import Any, Sequence
 import jax
 
 from jaxlearn.checkpoint import digest as digest_lib
-from jaxlearn.checkpoint import layout, multihost
+from jaxlearn.checkpoint import layout, multihost, storage
 from jaxlearn.checkpoint.manifest import ArrayRecord, Manifest
 from jaxlearn.checkpoint.tree import LeafSpec
 
@@ -55,7 +60,8 @@ class PendingCommit:
 
     @property
     def tmp_path(self) -> Path:
-        return layout.tmp_dir(self.root, self.step)
+        """Where the step is written (on an object store: the final dir itself)."""
+        return layout.work_dir(self.root, self.step)
 
     @property
     def final_path(self) -> Path:
@@ -65,7 +71,10 @@ class PendingCommit:
 def check_new_step(root: Path, step: int) -> None:
     """Raises FileExistsError if `step` is already committed (or a step dir exists)."""
     final = layout.step_dir(root, step)
-    if final.exists():
+    if storage.is_remote(root):
+        if (final / layout.MANIFEST).exists():  # A manifest-less dir is a crashed save.
+            raise FileExistsError(f"checkpoint step {step} already exists at {final}")
+    elif final.exists():
         raise FileExistsError(f"checkpoint step {step} already exists at {final}")
 
 
@@ -77,8 +86,11 @@ def prepare_tmp_dir(
     On the training thread the barrier is a device collective; with
     `background_timeout_s` (on the commit thread) it is the key-value barrier."""
     check_new_step(root, step)
-    tmp = layout.tmp_dir(root, step)
-    if multihost.process_index() == 0:
+    tmp = layout.work_dir(root, step)
+    if storage.is_remote(root):
+        if multihost.process_index() == 0:
+            storage.remove_tree(tmp)  # A crashed save's objects (no-op when none).
+    elif multihost.process_index() == 0:
         if tmp.exists():
             shutil.rmtree(tmp)
         (tmp / layout.DATA_ITER_DIR).mkdir(parents=True)
@@ -116,6 +128,9 @@ def finish(pending: PendingCommit, *, hash_up_to_bytes: int, timeout_s: float) -
 
 
 def publish(tmp: Path, final: Path) -> None:
-    """The commit point: one atomic rename, made durable."""
+    """The commit point: one atomic rename, made durable. On an object store the
+    manifest's PUT was the commit (tmp is final)."""
+    if storage.is_remote(final):
+        return
     os.rename(tmp, final)
     layout.fsync_dir(final.parent)

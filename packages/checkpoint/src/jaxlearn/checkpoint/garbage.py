@@ -7,6 +7,11 @@ saves, `*.deleting` from interrupted deletes) and step dirs that hold no file at
 A step dir that holds files but no manifest is never deleted automatically: it is not a
 step (readers skip it, `restore` reports it as corrupted), but it might be someone's
 evidence; a warning names it.
+
+On an object store nothing renames atomically: deleting a step first deletes its
+`manifest.json` (one DELETE: readers stop seeing the step at once), then its other
+objects on the deleter thread; a manifest-less `step_n/` there is a crashed save or an
+interrupted delete (`layout.scan` lists it as transient) and is removed like a `*.tmp`.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import shutil
 import threading
 from pathlib import Path
 
-from jaxlearn.checkpoint import layout
+from jaxlearn.checkpoint import layout, storage
 from jaxlearn.checkpoint.errors import CheckpointCorruptionError
 from jaxlearn.checkpoint.manifest import Manifest
 from jaxlearn.checkpoint.retention import RetentionPolicy
@@ -34,17 +39,31 @@ class Deleter:
         self._lock = threading.Lock()
         self._queued: set[Path] = set()
         self._futures: list[concurrent.futures.Future[None]] = []
+        self._by_path: dict[str, concurrent.futures.Future[None]] = {}
 
     def submit(self, path: Path) -> None:
         with self._lock:
             if path in self._queued:
                 return
             self._queued.add(path)
-            self._futures.append(self._pool.submit(self._remove, path))
+            future = self._pool.submit(self._remove, path)
+            self._futures.append(future)
+            self._by_path[str(path)] = future
+
+    def wait_for(self, path: Path) -> None:
+        """Waits for a queued deletion of `path` (none queued: returns at once), so a
+        new save never writes where a deletion is still running."""
+        with self._lock:
+            future = self._by_path.get(str(path))
+        if future is not None:
+            concurrent.futures.wait([future])
 
     def _remove(self, path: Path) -> None:
         try:
-            shutil.rmtree(path, ignore_errors=False)
+            if storage.is_remote(path):
+                storage.remove_tree(path)
+            else:
+                shutil.rmtree(path, ignore_errors=False)
         except FileNotFoundError:
             pass
         except OSError as e:
@@ -52,6 +71,7 @@ class Deleter:
         finally:
             with self._lock:
                 self._queued.discard(path)
+                self._by_path.pop(str(path), None)
 
     def wait(self) -> None:
         with self._lock:
@@ -102,6 +122,14 @@ def collect(
 
 
 def _delete_step(root: Path, step: int, path: Path, deleter: Deleter) -> None:
+    if storage.is_remote(root):
+        try:
+            (path / layout.MANIFEST).unlink()  # The step disappears here.
+        except FileNotFoundError:
+            pass
+        log.info("checkpoint GC: deleting step %d", step)
+        deleter.submit(path)
+        return
     target = layout.deleting_dir(root, step)
     try:
         os.rename(path, target)

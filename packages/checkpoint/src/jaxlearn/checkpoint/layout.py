@@ -10,8 +10,12 @@
     <root>/step_00000050.deleting/     retention GC in progress: ignored
 
 Only `step_<digits>` directories that contain `manifest.json` are steps; anything else is
-ignored by readers. Paths are local POSIX paths: the commit relies on rename(2) being
-atomic, which holds on local disks, NFS and Lustre, not on object stores.
+ignored by readers. On a local/NFS/Lustre root the commit relies on rename(2) being
+atomic. On an object store (`s3://`, `gs://`, paths are `epath.Path`) nothing renames: a
+step is written in place under `step_<n>/` and the single PUT of `manifest.json` is the
+commit, so a `step_<n>/` without a manifest there is a save in progress or a crashed one
+(listed as transient). Durability there is the store's: a finished PUT is durable, so
+the fsyncs below are local-only.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import hashlib
 import os
 import re
 from pathlib import Path
+
+from jaxlearn.checkpoint import storage
 
 MANIFEST = "manifest.json"
 STATE_DIR = "state"
@@ -70,7 +76,15 @@ class Scan:
     transient: list[Path]
 
 
+def work_dir(root: Path, step: int) -> Path:
+    """Where a save of `step` writes: `step_n.tmp/` (renamed at the commit), or on an
+    object store `step_n/` itself (the manifest's PUT is the commit)."""
+    return step_dir(root, step) if storage.is_remote(root) else tmp_dir(root, step)
+
+
 def scan(root: Path) -> Scan:
+    if storage.is_remote(root):
+        return _scan_remote(root)
     out = Scan({}, {}, [])
     if not root.is_dir():
         return out
@@ -87,8 +101,25 @@ def scan(root: Path) -> Scan:
     return out
 
 
+def _scan_remote(root: Path) -> Scan:
+    out = Scan({}, {}, [])
+    for name in storage.list_dirs(root):
+        m = _STEP_RE.match(name)
+        if m:
+            path = root / name
+            if (path / MANIFEST).exists():
+                out.committed[int(m.group(1))] = path
+            else:  # Being written, crashed, or half-deleted: never a step.
+                out.transient.append(path)
+        elif _TRANSIENT_RE.match(name):
+            out.transient.append(root / name)
+    return out
+
+
 def has_files(path: Path) -> bool:
     """Whether any regular file exists anywhere below `path`."""
+    if storage.is_remote(path):
+        return bool(storage.list_files(path))
     for _, _, files in os.walk(path):
         if files:
             return True
@@ -99,6 +130,8 @@ def has_files(path: Path) -> bool:
 
 
 def fsync_dir(path: Path) -> None:
+    if storage.is_remote(path):
+        return
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -107,7 +140,11 @@ def fsync_dir(path: Path) -> None:
 
 
 def write_durable(path: Path, data: bytes) -> None:
-    """Writes `data` to `path` (tmp name, fsync, rename): never seen half-written."""
+    """Writes `data` to `path` (tmp name, fsync, rename): never seen half-written. On an
+    object store one PUT, which is atomic and durable once it returns."""
+    if storage.is_remote(path):
+        path.write_bytes(data)
+        return
     tmp = path.with_name(path.name + ".writing")
     with open(tmp, "wb") as f:
         f.write(data)
@@ -119,6 +156,8 @@ def write_durable(path: Path, data: bytes) -> None:
 
 def fsync_tree(path: Path) -> None:
     """fsyncs every file and directory below `path` (writes by orbax/tensorstore included)."""
+    if storage.is_remote(path):
+        return
     for dirpath, _, files in os.walk(path):
         for name in files:
             fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
@@ -134,7 +173,7 @@ def fsync_tree(path: Path) -> None:
 
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
@@ -151,27 +190,36 @@ def inventory(step_path: Path, hash_up_to_bytes: int) -> dict[str, FileRecord]:
     data-iterator states and the files directly in the step dir (config text, extra
     files) also with their sha256."""
     out: dict[str, FileRecord] = {}
-    for dirpath, _, files in os.walk(step_path):
+    for rel, size in file_sizes(step_path).items():
+        if rel == MANIFEST:
+            continue
+        always = "/" not in rel or rel.startswith(DATA_ITER_DIR + "/")
+        digest = sha256_file(step_path / rel) if always or size <= hash_up_to_bytes else None
+        out[rel] = FileRecord(size, digest)
+    return dict(sorted(out.items()))
+
+
+def file_sizes(path: Path) -> dict[str, int]:
+    """{relative posix path: size} of every file below `path`."""
+    if storage.is_remote(path):
+        return storage.list_files(path)
+    out: dict[str, int] = {}
+    for dirpath, _, files in os.walk(path):
         for name in files:
             full = Path(dirpath) / name
-            rel = full.relative_to(step_path).as_posix()
-            if rel == MANIFEST:
-                continue
-            size = full.stat().st_size
-            always = "/" not in rel or rel.startswith(DATA_ITER_DIR + "/")
-            digest = sha256_file(full) if always or size <= hash_up_to_bytes else None
-            out[rel] = FileRecord(size, digest)
-    return dict(sorted(out.items()))
+            out[full.relative_to(path).as_posix()] = full.stat().st_size
+    return out
 
 
 def check_inventory(step_path: Path, recorded: dict[str, FileRecord]) -> list[tuple[str, str]]:
     """[(file, problem)] for every recorded file that is missing, resized or altered."""
     problems: list[tuple[str, str]] = []
+    listed = storage.list_files(step_path) if storage.is_remote(step_path) else None
     for rel, rec in recorded.items():
         full = step_path / rel
         try:
-            size = full.stat().st_size
-        except FileNotFoundError:
+            size = full.stat().st_size if listed is None else listed[rel]
+        except (FileNotFoundError, KeyError):
             problems.append((rel, f"file {rel} is missing"))
             continue
         if size != rec.size:

@@ -16,8 +16,13 @@ selector, every override and the `--init_from` path (`base_model`) in
 `<output_dir>/run.json` and in each checkpoint. `--init_from` sets the model, tokenizer and
 chat template fields from the pretrained model before the mesh rules (`cli.init_from`).
 
+`--output_dir` may be an object store, `s3://BUCKET/PATH` (s3fs; `AWS_ENDPOINT_URL` for
+an S3-compatible server) or `gs://BUCKET/PATH` (gcsfs): checkpoints, metrics, TensorBoard,
+config.txt and run.json go there (see the runtime README).
+
 Errors in what the user gave (unknown experiment, bad --set, bad data, unwritable output
-dir, a checkpoint in --output_dir from another model) print one line `jaxlearn: error: ...`
+dir, an object store without its backend, credentials or bucket, a checkpoint in
+--output_dir from another model) print one line `jaxlearn: error: ...`
 and exit with status 2; nothing is written. Detected faults exit with their own status
 (42 hang, 43 silent data corruption, 44 non-finite values, 45 health check; see
 jaxlearn.resilience.failures), which `--supervise` uses to restart the run. SIGTERM or
@@ -57,7 +62,10 @@ def _add_experiment_args(p: argparse.ArgumentParser) -> None:
 def _add_run_args(p: argparse.ArgumentParser, *, output_dir_required: bool) -> None:
     """The flags that stand for config fields (see `run_flag_overrides`)."""
     p.add_argument("--output_dir", required=output_dir_required, default=None,
-                   help="checkpoints, TensorBoard, metrics (sets output_dir)")
+                   help="checkpoints, TensorBoard, metrics: a local directory or an object "
+                        "store, s3://BUCKET/PATH (needs s3fs; AWS_ENDPOINT_URL for an "
+                        "S3-compatible server) or gs://BUCKET/PATH (needs gcsfs) "
+                        "(sets output_dir)")
     p.add_argument("--max_step", type=int, default=None,
                    help="stop after this many steps (sets max_step)")
     p.add_argument("--data", action="append", default=[], metavar="PATH",
@@ -228,6 +236,14 @@ def _warn_other_hardware(selector: str) -> None:
 
 
 def _check_output_dir(path: str) -> None:
+    from jaxlearn.checkpoint import StorageError, storage
+
+    if storage.is_remote(path):
+        try:
+            storage.resolve(path)  # Backend package, credentials, bucket.
+        except StorageError as e:
+            raise UsageError(f"--output_dir {_one_line(e)}") from None
+        return
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:
@@ -250,9 +266,17 @@ def _supervise(args: argparse.Namespace) -> int:
     argv = ["train", *child_argv(args.argv, _SUPERVISOR_FLAGS)]
     argv += ["--elastic", "--set", "resilience.watchdog.exit_on_hang=True"]
     supervisor = Supervisor(python_module_command("jaxlearn.cli", argv),
-                            output_dir=args.output_dir, max_restarts=args.max_restarts,
+                            output_dir=_local_dir(args.output_dir),
+                            max_restarts=args.max_restarts,
                             backoff_s=args.restart_backoff_s)
     return supervisor.run()
+
+
+def _local_dir(output_dir: str) -> str:
+    """Where the supervisor's own files go (a local mirror for an object-store run)."""
+    from jaxlearn.checkpoint import storage
+
+    return storage.local_dir(output_dir)
 
 
 def _one_line(e: BaseException) -> str:

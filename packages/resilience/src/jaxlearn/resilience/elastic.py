@@ -29,6 +29,7 @@ from typing import Any, Optional, Sequence
 import jax
 import numpy as np
 
+from jaxlearn.checkpoint import storage
 from jaxlearn.config import ConfigError
 from jaxlearn.mesh import logical_to_partition_spec, mesh_from_config
 
@@ -84,8 +85,9 @@ class ElasticDecision:
         """Writes the reference on the first run (process 0 only)."""
         if self.reference is not None or jax.process_index() != 0:
             return
-        os.makedirs(self.output_dir, exist_ok=True)
-        path = os.path.join(self.output_dir, REFERENCE_FILE)
+        directory = storage.local_dir(self.output_dir)  # An object store's: a local mirror.
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, REFERENCE_FILE)
         data = {"num_devices": self.num_devices, "batch_shards": self.batch_shards,
                 "num_microbatches": self.num_microbatches,
                 "global_batch_size": self.global_batch_size,
@@ -97,7 +99,7 @@ class ElasticDecision:
 
 
 def read_reference(output_dir: str) -> Optional[dict[str, Any]]:
-    path = os.path.join(output_dir, REFERENCE_FILE)
+    path = os.path.join(storage.local_dir(output_dir), REFERENCE_FILE)
     if not os.path.exists(path):
         return None
     with open(path) as f:

@@ -20,6 +20,8 @@ import os
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from jaxlearn.checkpoint import storage
+
 RECORD_FILE = "run.json"
 FORMAT_VERSION = 1
 
@@ -75,8 +77,13 @@ class RunRecord:
                    config_text=field("config_text", str, False),
                    base_model=field("base_model", str, True))
 
-    def write(self, directory: Union[str, os.PathLike[str]]) -> Path:
-        """Writes `<directory>/run.json` atomically (temp file + rename); returns its path."""
+    def write(self, directory: Union[str, os.PathLike[str]]) -> storage.StoragePath:
+        """Writes `<directory>/run.json` atomically (temp file + rename; on an object store
+        one PUT); returns its path."""
+        if storage.is_remote(directory):
+            remote = storage.resolve(directory, check=False) / RECORD_FILE
+            remote.write_text(self.to_json())
+            return remote
         path = Path(directory) / RECORD_FILE
         tmp = path.with_name(f".{RECORD_FILE}.tmp")
         tmp.write_text(self.to_json())
@@ -87,7 +94,7 @@ class RunRecord:
     def read(cls, path: Union[str, os.PathLike[str]]) -> "RunRecord":
         """Reads a `run.json` file."""
         try:
-            text = Path(path).read_text()
+            text = _path(path).read_text()
         except (OSError, UnicodeDecodeError) as e:
             raise RunRecordError(f"{path}: cannot read the run record ({e})") from None
         return cls.from_json(text, where=str(path))
@@ -97,7 +104,7 @@ def find_run_record(path: Union[str, os.PathLike[str]]) -> Optional[RunRecord]:
     """The record of the run at `path`: a run's output directory, its `checkpoints/`
     directory, or one checkpoint step directory (whose own copy wins). None when there is
     no `run.json` in any of those places; a malformed one raises RunRecordError."""
-    p = Path(path)
+    p = _path(path)
     candidates = [p / RECORD_FILE]
     if p.name == "checkpoints":
         candidates.append(p.parent / RECORD_FILE)
@@ -107,3 +114,8 @@ def find_run_record(path: Union[str, os.PathLike[str]]) -> Optional[RunRecord]:
         if candidate.is_file():
             return RunRecord.read(candidate)
     return None
+
+
+def _path(path: Union[str, os.PathLike[str]]) -> storage.StoragePath:
+    """A local `Path`, or an object store's `epath.Path` (backend checked)."""
+    return storage.resolve(path) if storage.is_remote(path) else Path(path)

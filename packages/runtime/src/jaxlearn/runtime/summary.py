@@ -8,10 +8,16 @@ Only process 0 writes (files and terminal); other processes get a no-op writer.
 A run resumed at step S (`resumed_at=S`) first drops every record with step > S from
 `metrics.jsonl` (rewritten atomically) and opens TensorBoard with `purge_step=S + 1`, so
 steps redone after a restart appear once.
+
+`output_dir` may be an object-store URI (`s3://`, `gs://`): TensorBoard events go through
+tensorboardX's own S3/GCS writers (boto3 / google-cloud-storage), and `metrics.jsonl` is
+kept in memory and PUT whole (one atomic object) at most every `FLUSH_SECS`, before each
+checkpoint (`flush()`) and at close, since objects cannot be appended to.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import math
@@ -22,7 +28,13 @@ from typing import Any, Optional, TextIO
 
 import numpy as np
 
+from jaxlearn.checkpoint import storage
 from jaxlearn.config import Configurable
+
+# TensorBoard's flush period, and how often an object-store metrics.jsonl is PUT.
+FLUSH_SECS = 10
+# What tensorboardX's own writer of each object store imports.
+_TB_PACKAGES = {"s3": ("boto3", "boto3"), "gs": ("google.cloud.storage", "google-cloud-storage")}
 
 
 def _scalar(value: Any) -> Optional[float]:
@@ -43,6 +55,8 @@ class SummaryWriter(Configurable):
         jsonl: bool = True
         progress: bool = True
 
+    _jsonl: Optional[Any]  # A local file, or an object's `_ObjectText`.
+
     def __init__(
         self,
         cfg: "SummaryWriter.Config",
@@ -62,7 +76,7 @@ class SummaryWriter(Configurable):
         self._max_step = max_step
         self._stream = stream or sys.stderr
         self._tb: Any = None
-        self._jsonl: Optional[TextIO] = None
+        self._jsonl = None
         self._t0 = time.monotonic()
         self._first_step: Optional[int] = None
         self._mfu_peak = mfu_peak
@@ -73,13 +87,16 @@ class SummaryWriter(Configurable):
         if cfg.tensorboard:
             from tensorboardX import SummaryWriter as TBWriter
 
-            self._tb = TBWriter(os.path.join(output_dir, "tensorboard"), flush_secs=10,
+            _check_tensorboard_backend(output_dir)
+            self._tb = TBWriter(storage.join(output_dir, "tensorboard"),
+                                flush_secs=FLUSH_SECS,
                                 purge_step=resumed_at + 1 if resumed_at else None)
         if cfg.jsonl:
-            path = os.path.join(output_dir, "metrics.jsonl")
+            path = storage.join(output_dir, "metrics.jsonl")
             if resumed_at:
                 purge_jsonl(path, resumed_at)
-            self._jsonl = open(path, "a")
+            self._jsonl = (_ObjectText(path, FLUSH_SECS) if storage.is_remote(path)
+                           else open(path, "a"))
 
     def write(self, step: int, metrics: dict[str, Any], prefix: str = "train") -> dict[str, float]:
         """Writes every scalar in `metrics` at `step`; returns the scalars written."""
@@ -150,6 +167,14 @@ class SummaryWriter(Configurable):
         self._end_line()
         return True
 
+    def flush(self) -> None:
+        """Makes every record written so far durable (an object store's metrics.jsonl is
+        PUT now, not at the next period); the trainer calls it before each checkpoint."""
+        if isinstance(self._jsonl, _ObjectText):
+            self._jsonl.flush(force=True)
+        if self._tb is not None:
+            self._tb.flush()
+
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
@@ -160,12 +185,58 @@ class SummaryWriter(Configurable):
         self._end_line()
 
 
+def _check_tensorboard_backend(output_dir: str) -> None:
+    if not storage.is_remote(output_dir):
+        return
+    scheme, _, _ = storage.split_uri(output_dir)
+    module, package = _TB_PACKAGES[scheme]
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # A missing parent package (google.cloud).
+        found = False
+    if not found:
+        raise storage.StorageError(
+            f"{output_dir}: TensorBoard on {scheme}:// needs the {package} package, which is "
+            f"not installed (pip install {package}, or set summary_writer.tensorboard=False)")
+
+
+class _ObjectText:
+    """An appended text file on an object store: the text lives in memory and the whole
+    object is PUT (atomically replacing the last one) at most every `flush_secs`."""
+
+    def __init__(self, path: str, flush_secs: float):
+        self._path = storage.resolve(path, check=False)
+        try:
+            self._text = self._path.read_text()
+        except FileNotFoundError:
+            self._text = ""
+        self._flush_secs = flush_secs
+        self._dirty = False
+        self._last_put = time.monotonic()
+
+    def write(self, text: str) -> None:
+        self._text += text
+        self._dirty = True
+
+    def flush(self, *, force: bool = False) -> None:
+        if self._dirty and (force or time.monotonic() - self._last_put >= self._flush_secs):
+            self._path.write_text(self._text)
+            self._dirty, self._last_put = False, time.monotonic()
+
+    def close(self) -> None:
+        self.flush(force=True)
+
+
 def purge_jsonl(path: str, last_step: int) -> int:
     """Drops the records of `path` (a metrics.jsonl) with `step` > `last_step`, rewriting
     it atomically (a torn last line is dropped too); returns how many were dropped."""
+    remote = storage.resolve(path, check=False) if storage.is_remote(path) else None
     try:
-        with open(path) as f:
-            lines = f.readlines()
+        if remote is not None:
+            lines = remote.read_text().splitlines(keepends=True)
+        else:
+            with open(path) as f:
+                lines = f.readlines()
     except FileNotFoundError:
         return 0
     kept = []
@@ -179,7 +250,9 @@ def purge_jsonl(path: str, last_step: int) -> int:
             continue
         kept.append(line if line.endswith("\n") else line + "\n")
     dropped = len(lines) - len(kept)
-    if dropped:
+    if dropped and remote is not None:
+        remote.write_text("".join(kept))  # One PUT: atomic.
+    elif dropped:
         tmp = f"{path}.tmp{os.getpid()}"
         with open(tmp, "w") as f:
             f.writelines(kept)

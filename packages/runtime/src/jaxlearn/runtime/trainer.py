@@ -25,6 +25,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxlearn.checkpoint import storage
 from jaxlearn.config import (
     REQUIRED,
     Configurable,
@@ -357,10 +358,12 @@ class Trainer(Configurable):
         """Trains to `max_step` (resuming from the newest good checkpoint); returns the
         last scalars. Nothing is written before the restore succeeded."""
         cfg = self.config
-        os.makedirs(cfg.output_dir, exist_ok=True)
+        storage.resolve(cfg.output_dir)  # A URI's backend, credentials, bucket: StorageError.
+        local_dir = storage.local_dir(cfg.output_dir)  # Hang dumps, goodput, profiles.
+        os.makedirs(local_dir, exist_ok=True)
         is_main = jax.process_index() == 0
         run = Run(is_main, cfg.resilience.instantiate(
-            output_dir=cfg.output_dir, is_main=is_main,
+            output_dir=local_dir, is_main=is_main,
             param_paths=nonfinite.leaf_paths(self.param_specs, is_leaf=is_spec)))
         self.guard = run.guard
         try:
@@ -385,7 +388,7 @@ class Trainer(Configurable):
         run.guard.start(list(self.mesh.devices.flat))
         run.data = cfg.input.instantiate().iterator(jax.process_index(), jax.process_count())
         if cfg.checkpointer is not None:
-            directory = os.path.join(cfg.output_dir, "checkpoints")
+            directory = storage.join(cfg.output_dir, "checkpoints")
             run.checkpointer = cfg.checkpointer.clone(directory=directory).instantiate()
         with run.guard.span("restore"):
             run.state, run.step = self._restore_or_init(run.checkpointer, run.data)
@@ -400,8 +403,8 @@ class Trainer(Configurable):
         warn_if_schedule_changed(run.checkpointer, run.step, cfg.max_step,
                                  self.learner.config.total_steps)
         if run.is_main:
-            with open(os.path.join(cfg.output_dir, "config.txt"), "w") as f:
-                f.write(self.run_record.config_text)
+            storage.write_text(storage.join(cfg.output_dir, "config.txt"),
+                               self.run_record.config_text)
             self.run_record.write(cfg.output_dir)
         count = self.parameter_count()
         run.writer.info(f"model: {count:,} parameters ({format_number(count)})"
@@ -411,7 +414,7 @@ class Trainer(Configurable):
         """One step: profiler start/stop, the batch, compilation (first step), the update."""
         cfg, guard = self.config, run.guard
         if cfg.profile_steps and run.step == min(cfg.profile_steps) and run.is_main:
-            jax.profiler.start_trace(os.path.join(cfg.output_dir, "profile"),
+            jax.profiler.start_trace(storage.join(storage.local_dir(cfg.output_dir), "profile"),
                                      create_perfetto_trace=True)
             run.profiling = True
         with guard.span("data"):
@@ -472,6 +475,8 @@ class Trainer(Configurable):
     def _save(self, run: Run) -> None:
         """Saves `run.state` at `run.step`. snapshot=False: the next step does not donate
         `state` (`keep_input`), so the checkpointer copies it to host in the background."""
+        if run.writer is not None:  # No step is committed without its metrics (object stores).
+            run.writer.flush()
         run.state = run.guard.save(
             run.checkpointer, run.step, run.state, data_iterator_state=run.data.get_state(),
             config_text=self.run_record.config_text, metrics=run.last, snapshot=False,
