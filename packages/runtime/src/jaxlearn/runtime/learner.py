@@ -215,8 +215,9 @@ def fused_adamw(
     `learning_rate(count)` before the increment (as optax's chain)."""
 
     def init(params: Any) -> optax.ScaleByAdamState:
-        zeros = jax.tree.map(jnp.zeros_like, params)
-        return optax.ScaleByAdamState(jnp.zeros((), jnp.int32), zeros, jax.tree.map(jnp.copy, zeros))
+        mu = jax.tree.map(jnp.zeros_like, params)
+        nu = jax.tree.map(jnp.zeros_like, params)
+        return optax.ScaleByAdamState(jnp.zeros((), jnp.int32), mu, nu)
 
     def update(grads: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
         if params is None:
