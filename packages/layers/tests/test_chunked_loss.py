@@ -131,3 +131,25 @@ def test_causal_lm_chunked_equals_plain(tie, dtype):
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g), jax.tree.leaves(rg)):
         scale = float(jnp.abs(b).max()) + 1e-12
         np.testing.assert_allclose(a, b, atol=gtol * scale, err_msg=jax.tree_util.keystr(path))
+
+
+def test_sharded_over_batch_and_vocab_equals_unsharded():
+    """x sharded over the batch (2 ways), w over the vocab (4 ways) on 8 fake devices."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    x, w, labels, weights = _data(4)
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+
+    def total(x, w):
+        return head_cross_entropy(x, w, labels, weights, z_loss_weight=1e-2, chunk_tokens=8)[
+            "total"
+        ]
+
+    fn = jax.jit(jax.value_and_grad(total, (0, 1)))
+    ref_v, (ref_gx, ref_gw) = fn(x, w)
+    xs = jax.device_put(x, NamedSharding(mesh, P("data", None, None)))
+    ws = jax.device_put(w, NamedSharding(mesh, P(None, "model")))
+    v, (gx, gw) = fn(xs, ws)
+    np.testing.assert_allclose(v, ref_v, rtol=1e-5)
+    np.testing.assert_allclose(gx, ref_gx, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(gw, ref_gw, rtol=1e-4, atol=1e-6)
