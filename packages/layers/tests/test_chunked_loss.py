@@ -135,7 +135,8 @@ def test_causal_lm_chunked_equals_plain(tie, dtype):
 
 def test_sharded_over_batch_and_vocab_equals_unsharded():
     """x sharded over the batch (2 ways), w over the vocab (4 ways) on 8 fake devices."""
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     x, w, labels, weights = _data(4)
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
