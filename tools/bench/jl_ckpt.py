@@ -40,6 +40,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="f32", choices=["f32", "bf16"])
     p.add_argument("--skip-reuse", action="store_true")
+    p.add_argument("--compression", action="store_true",
+                   help="use_compression=True (zstd; the default is off)")
     args = p.parse_args()
     import jax
     from jl_train import build_trainer, random_batch
@@ -72,8 +74,8 @@ def main() -> None:
         return out
 
     run_steps(2)
-    ckpt = Checkpointer.default_config().set(directory=str(root / "ckpt"),
-                                             keep_last_n=1).instantiate()
+    ckpt = Checkpointer.default_config().set(directory=str(root / "ckpt"), keep_last_n=1,
+                                             use_compression=args.compression).instantiate()
     # The first save sets orbax up (thread pools, directories): reported on its own.
     t0 = time.perf_counter()
     ckpt.save(0, state, snapshot=False)
@@ -155,6 +157,7 @@ def main() -> None:
 
     write_gbs = nbytes / med(commit) / 1e9
     emit(bench="ckpt", framework="jaxlearn", version=jax.__version__, dtype=args.dtype,
+         use_compression=args.compression,
          state_bytes=nbytes, on_disk_bytes=on_disk, step_s=rnd(step_s),
          step_s_during_write=rnd(med(overlapped)), save_blocking_s=rnd(med(blocking)),
          first_save_blocking_s=rnd(first_blocking), first_save_commit_s=rnd(first_commit),

@@ -24,7 +24,8 @@ from common import Timer, emit, log, med, model_cfg, rnd, train_flops_per_token
 
 def build_trainer(c: dict[str, Any], *, dtype: str, stack: str, remat: str | None,
                   nonfinite: str, moe_method: str, mesh_shape: Any = None,
-                  attention: str = "einsum") -> Any:
+                  attention: str = "einsum", loss_chunk: int | None = None,
+                  overrides: tuple[str, ...] = ()) -> Any:
     from jaxlearn.experiments.common import small_model_mesh_rules, trainer_config
     from jaxlearn.layers import llama_config
     from jaxlearn.runtime.input_pipeline import Input
@@ -35,6 +36,8 @@ def build_trainer(c: dict[str, Any], *, dtype: str, stack: str, remat: str | Non
         dtype="bfloat16" if dtype == "bf16" else None, remat_policy=remat,
         attention_implementation=attention,
     )
+    if loss_chunk is not None and hasattr(model, "loss_chunk_tokens"):
+        model.loss_chunk_tokens = loss_chunk or None  # 0: the plain loss over full logits.
     if "experts" in c:
         try:
             from jaxlearn.layers import use_moe
@@ -50,6 +53,10 @@ def build_trainer(c: dict[str, Any], *, dtype: str, stack: str, remat: str | Non
     cfg.resilience.nonfinite = nonfinite
     if mesh_shape is not None:
         cfg.mesh_shape = mesh_shape
+    if overrides:  # `--set`-style "path=value" on the trainer config.
+        from jaxlearn.config.overrides import apply_overrides
+
+        apply_overrides(cfg, overrides)
     return cfg.instantiate()
 
 
@@ -100,6 +107,10 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--compile-only", action="store_true")
     p.add_argument("--hlo", default=None, help="write the optimised HLO text here")
+    p.add_argument("--loss-chunk", type=int, default=None,
+                   help="CausalLM.loss_chunk_tokens (0: plain loss; default: the model's)")
+    p.add_argument("--set", action="append", default=[],
+                   help="trainer config override PATH=VALUE (repeatable)")
     p.add_argument("--tag", default="")
     args = p.parse_args()
 
@@ -110,7 +121,8 @@ def main() -> None:
     jax.config.update("jax_enable_compilation_cache", False)
     c = model_cfg(args.model, layers=args.layers)
     trainer = build_trainer(c, dtype=args.dtype, stack=args.stack, remat=args.remat,
-                            nonfinite=args.nonfinite, moe_method=args.moe_method)
+                            nonfinite=args.nonfinite, moe_method=args.moe_method,
+                            loss_chunk=args.loss_chunk, overrides=tuple(args.set))
     batch = trainer.global_batch(random_batch(c))
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), batch)
@@ -141,7 +153,8 @@ def main() -> None:
         compiled_flops=float(cost.get("flops", 0.0)) if cost else None,
         compiled_bytes_accessed=float(cost.get("bytes accessed", 0.0)) if cost else None,
         temp_bytes=int(getattr(mem, "temp_size_in_bytes", 0) or 0),
-        hlo=stats, tag=args.tag,
+        hlo=stats, tag=args.tag, loss_chunk=args.loss_chunk,
+        overrides=args.set,
     )
     if args.model == "mixtral":
         common["moe_method"] = args.moe_method

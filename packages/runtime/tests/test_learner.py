@@ -133,3 +133,38 @@ def test_trainable_errors_name_the_field():
         _learner(trainable="(")
     with pytest.raises(ConfigError, match="learner.trainable: 'nope' matches no parameter"):
         _learner(trainable="nope").optimizer(SPECS)
+
+
+@pytest.mark.parametrize("extra", [{}, {"trainable": r"w"}, {"update_rules": [("w", 0.5)]}])
+def test_fused_adamw_equals_the_optax_chain(extra):
+    """`fused=True` (one pass per leaf) against the optax chain (`fused=False`), eager and
+    under jit: clipping that triggers, warmup + cosine, per-spec decay (0 for the norm)."""
+    kw = dict(schedule="cosine", warmup_steps=2, max_grad_norm=0.3, weight_decay=0.1,
+              learning_rate=1e-2, **extra)
+    fused, chain = (_learner(fused=f, **kw).optimizer(SPECS) for f in (True, False))
+    assert isinstance(jax.tree.leaves(fused.init(_params()), is_leaf=lambda x: isinstance(
+        x, optax.ScaleByAdamState))[0], optax.ScaleByAdamState)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+                 _run(fused), _run(chain))
+
+    def steps(tx):
+        @jax.jit
+        def step(params, state, i):
+            grads = jax.tree.map(lambda p: jnp.sin(p * (i + 1.0)), params)
+            updates, state = tx.update(grads, state, params)
+            return optax.apply_updates(params, updates), state
+
+        params = _params(1)
+        state = tx.init(params)
+        for i in range(6):
+            params, state = step(params, state, i)
+        return params
+
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+                 steps(fused), steps(chain))
+
+
+def test_fused_adamw_needs_params():
+    tx = _learner(fused=True).optimizer(SPECS)
+    with pytest.raises(ValueError, match="fused_adamw: update needs params"):
+        tx.update(_params(), tx.init(_params()))

@@ -10,8 +10,10 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jaxlearn.config import InstantiableConfig
+from jaxlearn.layers.chunked_loss import head_cross_entropy
 from jaxlearn.layers.decoder import Decoder
 from jaxlearn.module import Module
 
@@ -42,6 +44,9 @@ class CausalLM(Module):
     class Config(Module.Config):
         decoder: InstantiableConfig = Decoder.default_config()
         z_loss_weight: float = 0.0
+        # Tokens per chunk of the fused LM head + cross entropy (`chunked_loss`): the f32
+        # logits of the whole batch are never held. None: the plain loss over full logits.
+        loss_chunk_tokens: Optional[int] = None
 
     def __init__(self, cfg: "CausalLM.Config", *, parent: Optional[Module] = None):
         super().__init__(cfg, parent=parent)
@@ -49,17 +54,14 @@ class CausalLM(Module):
 
     def forward(self, input_batch: dict[str, Array]) -> tuple[Array, dict[str, Array]]:
         labels = input_batch["target_labels"]
-        logits = self.decoder(
-            input_batch["input_ids"], input_batch.get("positions"), input_batch.get("segment_ids")
-        )
         weights = (labels >= 0).astype(jnp.float32)
         if input_batch.get("target_weights") is not None:
             weights = weights * input_batch["target_weights"].astype(jnp.float32)
-        ce, lse, correct = cross_entropy(logits, labels, weights)
+        sums = self._loss_sums(input_batch, labels, weights)
         num_tokens = jnp.sum(weights)
         denom = jnp.maximum(num_tokens, 1.0)
-        ce_loss = jnp.sum(ce) / denom
-        z_loss = self.config.z_loss_weight * jnp.sum(jnp.square(lse) * weights) / denom
+        ce_loss = sums["cross_entropy"] / denom
+        z_loss = self.config.z_loss_weight * sums["lse_squared"] / denom
         aux = [jnp.sum(v) for _, v in self.get_module_outputs("aux_loss")]
         aux_loss = sum(aux, jnp.zeros((), jnp.float32))
         loss = ce_loss + z_loss + aux_loss
@@ -68,10 +70,37 @@ class CausalLM(Module):
             "cross_entropy": ce_loss,
             "z_loss": z_loss,
             "aux_loss": aux_loss,
-            "accuracy": jnp.sum(correct * weights) / denom,
+            "accuracy": sums["correct"] / denom,
             "num_tokens": num_tokens,
         }
         return loss, metrics
+
+    def _loss_sums(self, input_batch: dict, labels: Array, weights: Array) -> dict[str, Array]:
+        """Weighted sums {"cross_entropy", "lse_squared", "correct"}: chunked through the
+        head (`chunked_loss`) when `loss_chunk_tokens` is set and the head is a plain
+        matmul, else from the full f32 logits."""
+        ids, pos, seg = (input_batch.get(k) for k in ("input_ids", "positions", "segment_ids"))
+        head = self.decoder.head_weight() if self.config.loss_chunk_tokens else None
+        if head is not None:
+            w, dtype = head
+            sums = head_cross_entropy(
+                self.decoder.hidden(ids, pos, seg).astype(dtype),
+                w,
+                labels,
+                weights,
+                z_loss_weight=self.config.z_loss_weight,
+                soft_cap=self.decoder.config.logits_soft_cap,
+                chunk_tokens=self.config.loss_chunk_tokens,
+            )
+            # The differentiable total carries the cross entropy and z-loss gradients.
+            extra = sums["total"] - lax.stop_gradient(sums["total"])
+            return {**sums, "cross_entropy": sums["cross_entropy"] + extra}
+        ce, lse, correct = cross_entropy(self.decoder(ids, pos, seg), labels, weights)
+        return {
+            "cross_entropy": jnp.sum(ce),
+            "lse_squared": jnp.sum(jnp.square(lse) * weights),
+            "correct": jnp.sum(correct * weights),
+        }
 
     def logits(self, input_batch: dict[str, Array]) -> Array:
         """input_batch (input_ids, optional positions/segment_ids) -> [batch, seq, vocab]."""

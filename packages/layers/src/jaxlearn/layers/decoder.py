@@ -67,6 +67,29 @@ class Decoder(Module):
         x = self.transformer(x, positions, segment_ids)
         return self._logits(x)
 
+    def hidden(
+        self,
+        input_ids: Array,
+        positions: Optional[Array] = None,
+        segment_ids: Optional[Array] = None,
+    ) -> Array:
+        """input_ids [batch, seq] -> normed final hidden states [batch, seq, dim], the LM
+        head's input."""
+        x = self.transformer(self.emb(input_ids), positions, segment_ids)
+        return self.output_norm(x)
+
+    def head_weight(self) -> Optional[tuple[Array, Any]]:
+        """(weight [dim, vocab], compute dtype) when the head is a plain matmul (a bias-free
+        `Linear` or the tied `Embedding`, default dot); else None (e.g. LoRA, int8)."""
+        name = "emb" if self.config.lm_head is None else "lm_head"
+        head = getattr(self, name)
+        if type(head) not in (Linear, Embedding) or head.config.dot is not None:
+            return None
+        p = self.parameters[name]  # A child's params, read from this module's subtree.
+        if set(p) != {"weight"}:
+            return None
+        return (p["weight"].T if name == "emb" else p["weight"]), head.dtype
+
     def init_states(self, batch_size: int, max_len: int) -> Any:
         """Empty per-layer KV caches for `batch_size` sequences of up to `max_len` tokens."""
         return self.transformer.init_states(batch_size, max_len)

@@ -7,7 +7,8 @@ Chain (all optax): clip_by_global_norm -> scale_by_{adam,lion,factored_rms} ->
 add_decayed_weights (scaled per parameter by its spec's `weight_decay_scale`; norms and
 biases default to 0) -> scale_by_learning_rate(warmup + cosine/linear schedule) ->
 per-path rules by regex (freeze, or scale the update). With uniform decay and no rules it
-is exactly `optax.adamw`.
+is exactly `optax.adamw`. `fused=True` (adamw) runs clipping through the learning rate as
+one elementwise pass per parameter (`fused_adamw`).
 
 `trainable` (a path regex) trains a subset, e.g. LoRA adapters: the whole chain above
 (clipping included) runs on the matching parameters only, and the others get a zero
@@ -22,7 +23,9 @@ import re
 from typing import Any, Optional
 
 import jax
+import jax.numpy as jnp
 import optax
+from jax import lax
 
 from jaxlearn.config import ConfigError, Configurable
 from jaxlearn.module import flatten_specs
@@ -54,6 +57,12 @@ class Learner(Configurable):
         trainable: Optional[str] = None
         # Keep an exponential moving average of parameters with this decay (None: off).
         ema_decay: Optional[float] = None
+        # adamw only: clipping, Adam, weight decay and the learning rate as one elementwise
+        # pass per parameter (`fused_adamw`, same math as the chain). Off by default: the
+        # update alone runs 1.3x faster, the whole train step does not (inside the jitted
+        # step XLA already fuses the chain). Its state is one `optax.ScaleByAdamState`
+        # (checkpoints of the chain's state do not restore into it).
+        fused: bool = False
 
     def __init__(self, cfg: "Learner.Config", *, total_steps: Optional[int] = None):
         super().__init__(cfg)
@@ -105,12 +114,19 @@ class Learner(Configurable):
         """The optax transformation for parameters described by `param_specs`."""
         cfg = self.config
         parts = []
-        if cfg.max_grad_norm:
+        if cfg.fused and cfg.optimizer == "adamw":
+            parts.append(fused_adamw(
+                self.schedule(), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
+                decay_scales=_decay_scales(param_specs),
+            ))
+        elif cfg.max_grad_norm:
             parts.append(optax.clip_by_global_norm(cfg.max_grad_norm))
-        parts.append(self._scale_transform())
-        if cfg.weight_decay:
-            parts.append(_decay_by_spec(cfg.weight_decay, param_specs))
-        parts.append(optax.scale_by_learning_rate(self.schedule()))
+        if not (cfg.fused and cfg.optimizer == "adamw"):
+            parts.append(self._scale_transform())
+            if cfg.weight_decay:
+                parts.append(_decay_by_spec(cfg.weight_decay, param_specs))
+            parts.append(optax.scale_by_learning_rate(self.schedule()))
         if cfg.update_rules:
             parts.append(_update_rules(cfg.update_rules, param_specs))
         chain = optax.chain(*parts)
@@ -166,6 +182,68 @@ def _update_rules(rules: list, specs: Any) -> optax.GradientTransformation:
         else:
             transforms[name] = optax.scale(float(name[6:]))
     return optax.multi_transform(transforms, labels)
+
+
+def _decay_scales(specs: Any) -> Any:
+    """tree -> the same tree of each leaf's spec `weight_decay_scale` (by path)."""
+    by_path = dict(flatten_specs(specs))
+
+    def scales(tree: Any) -> Any:
+        def one(keypath: Any, _: Any) -> float:
+            path = "/".join(str(getattr(k, "key", k)) for k in keypath)
+            return float(by_path[path].weight_decay_scale)
+
+        return jax.tree_util.tree_map_with_path(one, tree)
+
+    return scales
+
+
+def fused_adamw(
+    learning_rate: optax.Schedule,
+    *,
+    b1: float,
+    b2: float,
+    eps: float,
+    weight_decay: float,
+    max_grad_norm: Optional[float],
+    decay_scales: Any,
+) -> optax.GradientTransformation:
+    """clip_by_global_norm -> scale_by_adam -> add_decayed_weights (times each leaf's
+    `decay_scales(tree)` entry) -> scale_by_learning_rate, as one elementwise function per
+    leaf: XLA fuses it into a single loop over (grad, mu, nu, param) per parameter. The
+    state is `optax.ScaleByAdamState(count, mu, nu)`; the learning rate is
+    `learning_rate(count)` before the increment (as optax's chain)."""
+
+    def init(params: Any) -> optax.ScaleByAdamState:
+        mu = jax.tree.map(jnp.zeros_like, params)
+        nu = jax.tree.map(jnp.zeros_like, params)
+        return optax.ScaleByAdamState(jnp.zeros((), jnp.int32), mu, nu)
+
+    def update(grads: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        if params is None:
+            raise ValueError("fused_adamw: update needs params (weight decay)")
+        norm = optax.tree.norm(grads) if max_grad_norm else None
+        count = optax.safe_increment(state.count)
+        c1 = 1.0 - b1 ** count.astype(jnp.float32)
+        c2 = 1.0 - b2 ** count.astype(jnp.float32)
+        lr = learning_rate(state.count)
+
+        def one(g: Any, m: Any, v: Any, p: Any, wd: float) -> tuple[Any, Any, Any]:
+            if norm is not None:  # optax.clip_by_global_norm's exact form.
+                g = lax.select(norm < max_grad_norm, g, (g / norm.astype(g.dtype)) * max_grad_norm)
+            m = b1 * m + (1.0 - b1) * g
+            v = b2 * v + (1.0 - b2) * jnp.square(g)
+            u = (m / c1) / (jnp.sqrt(v / c2) + eps)
+            if weight_decay * wd:
+                u = u + weight_decay * wd * p
+            return (-lr * u).astype(p.dtype), m, v
+
+        out = jax.tree.map(one, grads, state.mu, state.nu, params, decay_scales(params))
+        outer, inner = jax.tree.structure(grads), jax.tree.structure((0, 0, 0))
+        updates, mu, nu = jax.tree.transpose(outer, inner, out)
+        return updates, optax.ScaleByAdamState(count, mu, nu)
+
+    return optax.GradientTransformation(init, update)
 
 
 def ema_update(ema: Any, params: Any, decay: float) -> Any:

@@ -1,0 +1,167 @@
+"""LM head + cross entropy over the vocab in token chunks, never holding the f32 logits of
+the whole batch.
+
+`head_cross_entropy(x, w, labels, weights, ...)` is `cross_entropy(x @ w, ...)` summed
+(plus the z-loss and an optional logit soft cap) for hidden states x [batch, seq, dim] and
+a head weight w [dim, vocab]. The sequence is cut into chunks of about `chunk_tokens`
+tokens (all batch rows together, so a batch-sharded x stays sharded); a `lax.scan` runs
+one chunk at a time: logits [chunk, vocab] (f32 accumulation), logsumexp, label logit,
+"correct", and, when differentiated, the gradient at once (Liger-style fused linear cross
+entropy): dlogits = w_t ((1 + 2 z lse_t) softmax_t - onehot_t), dx_chunk = dlogits @ wᵀ,
+dW += x_chunkᵀ dlogits (f32). The custom VJP's backward only scales dx and dW by the
+loss cotangent, so no logits are recomputed: FLOPs equal the plain head + loss. Without
+differentiation (eval) the scan computes the loss terms only.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+Array = jax.Array
+_F32 = jnp.float32
+
+
+def chunk_length(seq: int, batch: int, chunk_tokens: int) -> int:
+    """The largest divisor of `seq` with batch * length <= chunk_tokens (at least 1)."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunked loss: chunk_tokens must be >= 1, got {chunk_tokens}")
+    best = 1
+    for c in range(1, seq + 1):
+        if seq % c == 0 and batch * c <= chunk_tokens:
+            best = c
+    return best
+
+
+def _chunk_terms(
+    xc: Array, wc: Array, labels: Array, cap: Optional[float]
+) -> tuple[Array, Array, Array, Array, Array, Optional[Array]]:
+    """One chunk: xc [n, dim], wc [dim, vocab], labels [n] -> (ce [n], lse [n],
+    correct [n], logits [n, vocab] (capped), onehot mask [n, vocab], tanh [n, vocab] or
+    None when uncapped)."""
+    logits = lax.dot_general(xc, wc, (((1,), (0,)), ((), ())), preferred_element_type=_F32)
+    t = None
+    if cap is not None:
+        t = jnp.tanh(logits / cap)
+        logits = cap * t
+    m = jnp.max(logits, axis=-1)
+    lse = m + jnp.log(jnp.sum(jnp.exp(logits - m[:, None]), axis=-1))
+    safe = jnp.where(labels >= 0, labels, 0)
+    onehot = lax.broadcasted_iota(jnp.int32, logits.shape, 1) == safe[:, None]
+    label_logit = jnp.sum(jnp.where(onehot, logits, 0.0), axis=-1)
+    correct = (label_logit >= m).astype(_F32)
+    return lse - label_logit, lse, correct, logits, onehot, t
+
+
+def _to_chunks(a: Array, c: int) -> Array:
+    """[batch, seq, ...] -> [seq // c, batch * c, ...]."""
+    b, s = a.shape[:2]
+    a = a.reshape(b, s // c, c, *a.shape[2:])
+    return jnp.moveaxis(a, 1, 0).reshape(s // c, b * c, *a.shape[3:])
+
+
+def _from_chunks(a: Array, b: int) -> Array:
+    """[n, batch * c, ...] -> [batch, n * c, ...] (inverse of `_to_chunks`)."""
+    n, bc = a.shape[:2]
+    a = a.reshape(n, b, bc // b, *a.shape[2:])
+    return jnp.moveaxis(a, 0, 1).reshape(b, n * (bc // b), *a.shape[3:])
+
+
+def _sums(ce: Array, lse: Array, correct: Array, w: Array, z: float) -> Array:
+    """[total, ce, lse², correct] weighted sums of one chunk, [4] f32."""
+    ce_s, zz_s, c_s = jnp.sum(ce * w), jnp.sum(jnp.square(lse) * w), jnp.sum(correct * w)
+    return jnp.stack([ce_s + z * zz_s, ce_s, zz_s, c_s])
+
+
+def _value_only(x: Array, w: Array, labels: Array, weights: Array, cfg: tuple) -> Array:
+    c, z, cap = cfg
+    wc = w.astype(x.dtype)
+
+    def body(acc: Array, xs: tuple[Array, Array, Array]) -> tuple[Array, None]:
+        xc, lc, vc = xs
+        ce, lse, correct, *_ = _chunk_terms(xc, wc, lc, cap)
+        return acc + _sums(ce, lse, correct, vc, z), None
+
+    xs = (_to_chunks(x, c), _to_chunks(labels, c), _to_chunks(weights, c))
+    return lax.scan(body, jnp.zeros((4,), _F32), xs)[0]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _fused(x: Array, w: Array, labels: Array, weights: Array, cfg: tuple) -> Array:
+    return _value_only(x, w, labels, weights, cfg)
+
+
+def _fused_fwd(x: Array, w: Array, labels: Array, weights: Array, cfg: tuple) -> tuple[Array, Any]:
+    c, z, cap = cfg
+    wc = w.astype(x.dtype)
+
+    def body(carry: tuple[Array, Array], xs: tuple[Array, Array, Array]) -> tuple[Any, Array]:
+        acc, dw = carry
+        xc, lc, vc = xs
+        ce, lse, correct, logits, onehot, t = _chunk_terms(xc, wc, lc, cap)
+        p = jnp.exp(logits - lse[:, None])
+        scale = vc * (1.0 + 2.0 * z * lse) if z else vc
+        dl = scale[:, None] * p - jnp.where(onehot, vc[:, None], 0.0)
+        if t is not None:
+            dl = dl * (1.0 - jnp.square(t))
+        dl = dl.astype(x.dtype)
+        dxc = lax.dot_general(dl, wc, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
+        dw = dw + jnp.einsum("bnk,bnm->km", xc[None], dl[None], preferred_element_type=_F32)
+        return (acc + _sums(ce, lse, correct, vc, z), dw), dxc.astype(x.dtype)
+
+    xs = (_to_chunks(x, c), _to_chunks(labels, c), _to_chunks(weights, c))
+    init = (jnp.zeros((4,), _F32), jnp.zeros(w.shape, _F32))
+    (sums, dw), dx = lax.scan(body, init, xs)
+    res = (_from_chunks(dx, x.shape[0]), dw, jnp.zeros((0,), w.dtype), labels, weights)
+    return sums, res
+
+
+def _fused_bwd(cfg: tuple, res: Any, g: Array) -> tuple[Array, Array, Any, Array]:
+    dx, dw, w_dtype, labels, weights = res
+    g0 = g[0]  # Only `total` is differentiable; the other sums are metrics (see caller).
+    dx = (dx.astype(_F32) * g0).astype(dx.dtype)
+    return dx, (dw * g0).astype(w_dtype.dtype), np.zeros(labels.shape, jax.dtypes.float0), (
+        jnp.zeros_like(weights)
+    )
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def head_cross_entropy(
+    x: Array,
+    w: Array,
+    labels: Array,
+    weights: Array,
+    *,
+    z_loss_weight: float = 0.0,
+    soft_cap: Optional[float] = None,
+    chunk_tokens: int = 1024,
+) -> dict[str, Array]:
+    """x [batch, seq, dim] (compute dtype), w [dim, vocab] (cast to x.dtype; its gradient
+    comes back in w's dtype), labels [batch, seq] int (negative: weight them out),
+    weights [batch, seq] -> weighted sums {"total", "cross_entropy", "lse_squared",
+    "correct"} (f32 scalars). total = cross_entropy + z_loss_weight * lse_squared is the
+    only differentiable output (d/dx, d/dw); the others carry no gradient."""
+    if x.ndim != 3 or w.ndim != 2 or x.shape[-1] != w.shape[0]:
+        raise ValueError(f"head_cross_entropy: x {x.shape} must be [batch, seq, {w.shape[0]}]")
+    if labels.shape != x.shape[:2] or weights.shape != x.shape[:2]:
+        raise ValueError(
+            f"head_cross_entropy: labels {labels.shape} / weights {weights.shape} must be "
+            f"{x.shape[:2]}"
+        )
+    c = chunk_length(x.shape[1], x.shape[0], chunk_tokens)
+    cfg = (c, float(z_loss_weight), None if soft_cap is None else float(soft_cap))
+    sums = _fused(x, w, labels.astype(jnp.int32), weights.astype(_F32), cfg)
+    metrics = lax.stop_gradient(sums)
+    return {
+        "total": sums[0],
+        "cross_entropy": metrics[1],
+        "lse_squared": metrics[2],
+        "correct": metrics[3],
+    }
