@@ -23,8 +23,8 @@ from typing import Any, Callable
 import jax
 
 from jaxlearn.inference import Engine
-from jaxlearn.inference.server import InferenceServer
 from jaxlearn.layers import llama_config
+from jaxlearn.serve.server import InferenceServer
 from jaxlearn.text.tokenizers import ByteTokenizer
 
 BODY = json.dumps({"prompt": "hello", "max_tokens": 1, "temperature": 0}).encode()

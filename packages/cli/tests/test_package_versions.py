@@ -14,13 +14,14 @@ ALLOWED = {
     "runtime": {"config", "module", "mesh", "checkpoint", "resilience", "text"},
     "aot": {"config", "module", "mesh", "checkpoint", "runtime"},
     "inference": {"config", "module", "layers", "mesh", "checkpoint", "text"},
+    "serve": {"config", "module", "layers", "mesh", "checkpoint", "text", "inference"},
 }
 
 
 def test_versions_match_and_layering_rules_are_declared():
     packages = sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "BUILD").exists())
     assert {"config", "module", "layers", "mesh", "checkpoint", "text", "resilience", "runtime",
-            "aot", "launch", "inference"} <= set(
+            "aot", "launch", "inference", "serve"} <= set(
         packages)
     for name in packages:
         build = (ROOT / "packages" / name / "BUILD").read_text()

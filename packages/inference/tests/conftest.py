@@ -14,115 +14,17 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 settings.register_profile("jaxlearn", deadline=None, max_examples=20, derandomize=True)
 settings.load_profile("jaxlearn")
 
-
-# ---- HTTP helpers ----------------------------------------------------------------------
-
-import http.client  # noqa: E402
-import json  # noqa: E402
-
-
-def call(srv, method, path, body=None, *, raw=None, headers=None, timeout=120):
-    host, port = srv.address
-    conn = http.client.HTTPConnection(host, port, timeout=timeout)
-    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-    conn.request(method, path, body=data, headers={"Content-Type": "application/json",
-                                                    **(headers or {})})
-    resp = conn.getresponse()
-    out = resp.read()
-    conn.close()
-    return resp.status, out, resp
-
-
-def sse_events(payload: bytes) -> list:
-    events = []
-    for block in payload.decode().split("\n\n"):
-        if block.startswith("data: "):
-            data = block[len("data: "):]
-            events.append(data if data == "[DONE]" else json.loads(data))
-    return events
-
-
-
-# ---- shared tiny models (vocab 64, dim 32, 2 layers) -----------------------------------
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
-from jaxlearn.layers import llama_config  # noqa: E402
-
-ALPHABET = "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ.,!?01"  # ids 3..62
-
-
-class CharTokenizer:
-    """One character per token: pad 0, bos 1, eos 2, ALPHABET[i] -> i + 3, id 63 -> '#'."""
-
-    vocab_size = 64
-    bos_id = 1
-    eos_id = 2
-
-    def encode(self, text: str) -> list[int]:
-        return [ALPHABET.index(c) + 3 if c in ALPHABET else 63 for c in text]
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join(ALPHABET[i - 3] if 3 <= i < 3 + len(ALPHABET) else "#"
-                       for i in map(int, ids) if i >= 3)
-
-
-def tiny_config(stack: str = "scan", **kw):
-    return llama_config(64, 32, 2, 4, 2, 64, rope_theta=10000.0, stack=stack, **kw)
-
-
-def tiny_params(cfg, seed: int = 0):
-    return cfg.instantiate().initialize_parameters_recursively(jax.random.PRNGKey(seed))
-
-
-@pytest.fixture(scope="session")
-def tok():
-    return CharTokenizer()
-
-
-@pytest.fixture(scope="session")
-def cfg():
-    return tiny_config()
-
-
-@pytest.fixture(scope="session")
-def params(cfg):
-    return tiny_params(cfg)
-
-
-def make_engine(model_cfg, params, tokenizer, **settings):
-    """An Engine with `settings` as its `Engine.Config` fields."""
-    from jaxlearn.inference import Engine
-
-    return Engine.default_config().set(**settings).instantiate(
-        model_cfg=model_cfg, params=params, tokenizer=tokenizer)
-
-
-@pytest.fixture(scope="session")
-def engine(cfg, params, tok):
-    """Shared engine: 4 slots of 64 tokens, prefill chunks of 16, decode bursts of 4."""
-    return make_engine(cfg, params, tok, max_seq_len=64, max_batch=4, prefill_chunk=16,
-                       decode_burst=4, max_queue=8, model_name="tiny")
-
-
-def prompt_pool(n: int = 8, length: int = 60, seed: int = 0) -> list[list[int]]:
-    """Random prompts of token ids in [3, 63) (no special ids)."""
-    rng = np.random.default_rng(seed)
-    return [rng.integers(3, 63, size=length).tolist() for _ in range(n)]
-
-
-def reference_greedy(engine, prompt: list[int], n: int) -> list[int]:
-    """Greedy continuation by re-running the cache-free forward on the whole sequence
-    (always padded to max_seq_len, so one compiled program)."""
-    seq = list(prompt)
-    out = []
-    for _ in range(n):
-        if len(seq) >= engine.max_seq_len:
-            break
-        ids = np.zeros((1, engine.max_seq_len), np.int32)
-        ids[0, : len(seq)] = seq
-        nxt = int(np.argmax(engine.logits(ids)[0, len(seq) - 1]))
-        out.append(nxt)
-        seq.append(nxt)
-    return out
+from engine_testing import (  # noqa: E402,F401  (fixtures and helpers the tests import)
+    ALPHABET,
+    CharTokenizer,
+    cfg,
+    engine,
+    make_engine,
+    params,
+    prompt_pool,
+    reference_greedy,
+    tiny_config,
+    tiny_params,
+    tok,
+)
+from schema_testing import byte_engine  # noqa: E402,F401  (a fixture)

@@ -2,101 +2,25 @@
 must make every output parse (json.loads) and conform to its schema (checked by the
 small validator below, written from the JSON Schema spec, not by the grammar library),
 with the byte tokenizer and a byte-level BPE HF tokenizer; rows without a grammar in the
-same batch get exactly the tokens they get alone; the server's chat and completions
-endpoints, streamed and not; 400s naming the field; a hypothesis test over random small
-schemas."""
+same batch get exactly the tokens they get alone; a hypothesis test over random small
+schemas. (The HTTP side is `packages/serve/tests/test_structured_api.py`.)"""
 
 import importlib.util
 import json
 import os
 
 import jax
-import numpy as np
 import pytest
-from conftest import call, make_engine, sse_events
+from conftest import make_engine
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from schema_testing import SCHEMAS, check, obj, rf
 
 from jaxlearn.inference.errors import RequestError
-from jaxlearn.inference.server import InferenceServer
 from jaxlearn.layers import llama_config
 from jaxlearn.text.tokenizers import ByteTokenizer, HFTokenizer
 
 pytest.importorskip("llguidance", reason="structured output needs llguidance")
-
-_TYPES = {"object": dict, "array": list, "string": str, "boolean": bool,
-          "null": type(None)}
-
-
-def conforms(value, schema) -> bool:
-    """Whether `value` is valid under `schema` (the JSON Schema keywords used here)."""
-    if "enum" in schema and json.dumps(value) not in map(json.dumps, schema["enum"]):
-        return False
-    kind = schema.get("type")
-    if kind in ("integer", "number"):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            return False
-        if kind == "integer" and not float(value).is_integer():
-            return False
-        if not schema.get("minimum", -np.inf) <= value <= schema.get("maximum", np.inf):
-            return False
-    elif kind is not None and not isinstance(value, _TYPES[kind]):
-        return False
-    if isinstance(value, str) and not (schema.get("minLength", 0) <= len(value)
-                                       <= schema.get("maxLength", 1 << 30)):
-        return False
-    if isinstance(value, list):
-        if not schema.get("minItems", 0) <= len(value) <= schema.get("maxItems", 1 << 30):
-            return False
-        return all(conforms(v, schema.get("items", {})) for v in value)
-    if isinstance(value, dict):
-        props = schema.get("properties", {})
-        if any(k not in value for k in schema.get("required", [])):
-            return False
-        if schema.get("additionalProperties") is False and set(value) - set(props):
-            return False
-        return all(conforms(v, props.get(k, {})) for k, v in value.items())
-    return True
-
-
-def obj(props, required=None):
-    return {"type": "object", "properties": props, "required": list(required or props),
-            "additionalProperties": False}
-
-
-NAME = {"type": "string", "maxLength": 6}
-SCHEMAS = {
-    "required fields": obj({"name": NAME, "age": {"type": "integer", "minimum": 0,
-                                                  "maximum": 120}, "ok": {"type": "boolean"}}),
-    "enum": obj({"color": {"enum": ["red", "green", "blue"]}, "size": {"enum": [1, 2, 3]}}),
-    "array of numbers": obj({"xs": {"type": "array", "items": {"type": "number"},
-                                    "minItems": 1, "maxItems": 4}}),
-    "nested, optional": obj({"id": {"type": "integer", "minimum": -99, "maximum": 99},
-                             "tags": {"type": "array", "items": NAME, "maxItems": 3},
-                             "owner": obj({"name": NAME, "admin": {"type": "boolean"}}),
-                             "note": {"type": "null"}}, required=["id", "owner"]),
-}
-
-
-def rf(schema):
-    return {"type": "json_schema", "json_schema": {"name": "out", "schema": schema,
-                                                   "strict": True}}
-
-
-def check(text, schema):
-    value = json.loads(text)
-    assert conforms(value, schema), (text, schema)
-    return value
-
-
-@pytest.fixture(scope="module")
-def byte_engine():
-    cfg = llama_config(320, 32, 2, 4, 2, 64, rope_theta=1e4, tie_embeddings=True)
-    params = cfg.instantiate().initialize_parameters_recursively(jax.random.PRNGKey(1))
-    return make_engine(cfg, params, ByteTokenizer(), max_seq_len=256, max_batch=4,
-                       prefill_chunk=16, decode_burst=4, kv_cache_tokens=1024,
-                       model_name="tiny")
-
 
 def bpe_tokenizer():
     """A byte-level BPE (merges such as '{"', '":', '"}' span JSON punctuation) with
@@ -201,74 +125,6 @@ def test_json_object(byte_engine):
     for res in outs:
         assert res.finish_reason == "stop", res.text
         assert isinstance(json.loads(res.text), dict)
-
-
-@pytest.fixture(scope="module")
-def server(byte_engine):
-    srv = InferenceServer(byte_engine, port=0).start()
-    yield srv
-    srv.shutdown()
-
-
-def post(srv, body, path):
-    status, out, _ = call(srv, "POST", path, body)
-    assert status == 200, out
-    return json.loads(out)
-
-
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-def test_server_response_format(server, path):
-    schema = SCHEMAS["required fields"]
-    body = {"max_tokens": 200, "temperature": 1.0, "seed": 3, "n": 2,
-            "response_format": rf(schema)}
-    if path.endswith("chat/completions"):
-        body["messages"] = [{"role": "user", "content": "json please"}]
-    else:
-        body["prompt"] = "json please"
-    out = post(server, body, path)
-    texts = [c["message"]["content"] if "message" in c else c["text"] for c in out["choices"]]
-    assert len(texts) == 2 and all(c["finish_reason"] == "stop" for c in out["choices"])
-    for t in texts:
-        check(t, schema)
-    status, raw, _ = call(server, "POST", path, {**body, "n": 1, "stream": True})
-    assert status == 200
-    parts = [c["choices"][0].get("text") or c["choices"][0].get("delta", {}).get("content", "")
-             for c in sse_events(raw)[:-1] if c["choices"]]
-    check("".join(p or "" for p in parts), schema)
-
-
-@pytest.mark.parametrize("response_format, param", [
-    ("json", "response_format"),
-    ({"type": "xml"}, "response_format.type"),
-    ({"type": "json_object", "schema": {}}, "response_format.schema"),
-    ({"type": "json_schema"}, "response_format.json_schema"),
-    ({"type": "json_schema", "json_schema": {"schema": {}}}, "response_format.json_schema.name"),
-    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}},
-     "response_format.json_schema.schema"),
-    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {
-        "type": "string", "minLength": 5, "maxLength": 2}}}, "response_format.json_schema.schema"),
-    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nope"}}},
-     "response_format.json_schema.schema"),
-    ({"type": "json_schema", "json_schema": {"name": "x", "strict": "yes", "schema": {}}},
-     "response_format.json_schema.strict"),
-])
-def test_bad_response_format_is_400_naming_the_field(server, response_format, param):
-    body = {"prompt": "x", "max_tokens": 4, "response_format": response_format}
-    status, out, _ = call(server, "POST", "/v1/completions", body)
-    assert status == 400, out
-    err = json.loads(out)["error"]
-    assert err["param"] == param and "\n" not in err["message"], err
-
-
-def test_unsupported_combinations(server, cfg, params):
-    body = {"prompt": "x", "max_tokens": 4, "ignore_eos": True,
-            "response_format": {"type": "json_object"}}
-    status, out, _ = call(server, "POST", "/v1/completions", body)
-    assert status == 400 and json.loads(out)["error"]["param"] == "ignore_eos"
-    ids_only = make_engine(cfg, params, None, max_seq_len=64, max_batch=2)
-    with pytest.raises(RequestError, match="no tokenizer|none") as e:
-        ids_only.generate([5, 6], max_new_tokens=4, response_format={"type": "json_object"})
-    assert e.value.param == "response_format"
 
 
 _LEAF = st.one_of(

@@ -390,8 +390,8 @@ def _engine(args: argparse.Namespace, engine_cfg: Any) -> Any:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from jaxlearn.cli.main import UsageError
-    from jaxlearn.inference.httpd import is_loopback
-    from jaxlearn.inference.server import InferenceServer
+    from jaxlearn.serve.httpd import is_loopback
+    from jaxlearn.serve.server import InferenceServer
 
     fields: dict[str, Any] = {}
     if args.max_queue is not None:
@@ -430,7 +430,7 @@ def server_options(args: argparse.Namespace) -> dict[str, Any]:
     """serve's HTTP flags (and $JAXLEARN_API_KEY), checked: InferenceServer's api_key,
     allowed_hosts, allowed_origins, and `limits`: the Limits fields given."""
     from jaxlearn.cli.main import UsageError
-    from jaxlearn.inference.httpd import Limits
+    from jaxlearn.serve.httpd import Limits
 
     key = args.api_key
     if key is None:

@@ -35,7 +35,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Iterable, Optional
 
-from jaxlearn.inference.protocol import error_body
+from jaxlearn.serve.protocol import error_body
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from conftest import ALPHABET, call, sse_events
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxlearn.inference.server import InferenceServer
+from jaxlearn.serve.server import InferenceServer
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ import time
 import pytest
 from conftest import call, sse_events
 
-from jaxlearn.inference.httpd import Limits, Policy, host_name
-from jaxlearn.inference.server import InferenceServer
+from jaxlearn.serve.httpd import Limits, Policy, host_name
+from jaxlearn.serve.server import InferenceServer
 
 KEY = "sk-probe"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -28,11 +28,11 @@ import threading
 import time
 from typing import Any, Iterable, Optional
 
-from jaxlearn.inference.completions import Candidate, Group
 from jaxlearn.inference.engine import Engine
 from jaxlearn.inference.errors import QueueFullError, RequestError
-from jaxlearn.inference.httpd import Handler, HTTPError, HTTPServer, Limits, Policy
-from jaxlearn.inference.protocol import (
+from jaxlearn.serve.completions import Candidate, Group
+from jaxlearn.serve.httpd import Handler, HTTPError, HTTPServer, Limits, Policy
+from jaxlearn.serve.protocol import (
     ParsedRequest,
     chunk,
     new_id,

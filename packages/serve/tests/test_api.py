@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from conftest import call, make_engine, prompt_pool, sse_events
 
-from jaxlearn.inference.server import InferenceServer
 from jaxlearn.module import functional
+from jaxlearn.serve.server import InferenceServer
 
 POOL = prompt_pool(seed=3)
 

@@ -1,0 +1,81 @@
+"""`response_format` through the HTTP API: chat and completions endpoints, streamed
+and not, outputs that conform to their schema; 400s naming the field."""
+
+import json
+
+import pytest
+from conftest import call, make_engine, sse_events
+from schema_testing import SCHEMAS, check, rf
+
+from jaxlearn.inference.errors import RequestError
+from jaxlearn.serve.server import InferenceServer
+
+pytest.importorskip("llguidance", reason="structured output needs llguidance")
+
+
+@pytest.fixture(scope="module")
+def server(byte_engine):
+    srv = InferenceServer(byte_engine, port=0).start()
+    yield srv
+    srv.shutdown()
+
+
+def post(srv, body, path):
+    status, out, _ = call(srv, "POST", path, body)
+    assert status == 200, out
+    return json.loads(out)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_server_response_format(server, path):
+    schema = SCHEMAS["required fields"]
+    body = {"max_tokens": 200, "temperature": 1.0, "seed": 3, "n": 2,
+            "response_format": rf(schema)}
+    if path.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": "json please"}]
+    else:
+        body["prompt"] = "json please"
+    out = post(server, body, path)
+    texts = [c["message"]["content"] if "message" in c else c["text"] for c in out["choices"]]
+    assert len(texts) == 2 and all(c["finish_reason"] == "stop" for c in out["choices"])
+    for t in texts:
+        check(t, schema)
+    status, raw, _ = call(server, "POST", path, {**body, "n": 1, "stream": True})
+    assert status == 200
+    parts = [c["choices"][0].get("text") or c["choices"][0].get("delta", {}).get("content", "")
+             for c in sse_events(raw)[:-1] if c["choices"]]
+    check("".join(p or "" for p in parts), schema)
+
+
+@pytest.mark.parametrize("response_format, param", [
+    ("json", "response_format"),
+    ({"type": "xml"}, "response_format.type"),
+    ({"type": "json_object", "schema": {}}, "response_format.schema"),
+    ({"type": "json_schema"}, "response_format.json_schema"),
+    ({"type": "json_schema", "json_schema": {"schema": {}}}, "response_format.json_schema.name"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}},
+     "response_format.json_schema.schema"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "string", "minLength": 5, "maxLength": 2}}}, "response_format.json_schema.schema"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nope"}}},
+     "response_format.json_schema.schema"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "strict": "yes", "schema": {}}},
+     "response_format.json_schema.strict"),
+])
+def test_bad_response_format_is_400_naming_the_field(server, response_format, param):
+    body = {"prompt": "x", "max_tokens": 4, "response_format": response_format}
+    status, out, _ = call(server, "POST", "/v1/completions", body)
+    assert status == 400, out
+    err = json.loads(out)["error"]
+    assert err["param"] == param and "\n" not in err["message"], err
+
+
+def test_unsupported_combinations(server, cfg, params):
+    body = {"prompt": "x", "max_tokens": 4, "ignore_eos": True,
+            "response_format": {"type": "json_object"}}
+    status, out, _ = call(server, "POST", "/v1/completions", body)
+    assert status == 400 and json.loads(out)["error"]["param"] == "ignore_eos"
+    ids_only = make_engine(cfg, params, None, max_seq_len=64, max_batch=2)
+    with pytest.raises(RequestError, match="no tokenizer|none") as e:
+        ids_only.generate([5, 6], max_new_tokens=4, response_format={"type": "json_object"})
+    assert e.value.param == "response_format"
