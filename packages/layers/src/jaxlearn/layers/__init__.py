@@ -30,6 +30,7 @@ from jaxlearn.layers.lora import (
 )
 from jaxlearn.layers.norm import LayerNorm, RMSNorm
 from jaxlearn.layers.pipeline import PipelineStack, pipeline_config, use_pipeline
+from jaxlearn.layers.gemma import gemma2_config, gemma3_config, gemma_config
 from jaxlearn.layers.recipes import llama_config, mixtral_config, qwen3_config, qwen3_moe_config
 from jaxlearn.layers.rope import (
     FrequencyScaling,
@@ -37,9 +38,19 @@ from jaxlearn.layers.rope import (
     Llama3FrequencyScaling,
     RotaryEmbedding,
 )
-from jaxlearn.layers.transformer import BaseStack, LoopStack, ScanStack, TransformerLayer
+from jaxlearn.layers.transformer import (
+    BaseStack,
+    LoopStack,
+    ScanStack,
+    TransformerLayer,
+    stack_config,
+)
 
 __all__ = [
+    "gemma_config",
+    "gemma2_config",
+    "gemma3_config",
+    "stack_config",
     "fuse_projection_params",
     "fuse_projections",
     "merge_lora",
