@@ -193,7 +193,7 @@ def architecture_from_hf(hf: Any, *, where: str = "config.json") -> Architecture
         rope_scaling=scaling,
         tie_embeddings=flag(hf.get("tie_word_embeddings"), where, "tie_word_embeddings"),
         qkv_bias=True if model_type == "qwen2" else bias,
-        output_bias=bias if model_type in ("llama", "qwen3", "qwen3_moe", *GEMMA_FAMILIES) else False,
+        output_bias=bias and model_type in ("llama", "qwen3", "qwen3_moe", *GEMMA_FAMILIES),
         mlp_bias=flag(hf.get("mlp_bias"), where, "mlp_bias") if model_type == "llama" else False,
         **(gemma_hf_fields(hf, where, model_type, layers) if gemma
            else dict(sliding_windows=_windows(hf, where, model_type, layers))),

@@ -22,6 +22,7 @@ from jaxlearn.layers.decoder import Decoder
 from jaxlearn.layers.dense import DotGeneral, Linear, dense, einsum, matmul
 from jaxlearn.layers.embedding import Embedding
 from jaxlearn.layers.ffn import ACTIVATIONS, FeedForward, get_activation
+from jaxlearn.layers.gemma import gemma2_config, gemma3_config, gemma_config
 from jaxlearn.layers.lora import (
     ADAPTERS,
     LoraAttention,
@@ -30,7 +31,6 @@ from jaxlearn.layers.lora import (
 )
 from jaxlearn.layers.norm import LayerNorm, RMSNorm
 from jaxlearn.layers.pipeline import PipelineStack, pipeline_config, use_pipeline
-from jaxlearn.layers.gemma import gemma2_config, gemma3_config, gemma_config
 from jaxlearn.layers.recipes import llama_config, mixtral_config, qwen3_config, qwen3_moe_config
 from jaxlearn.layers.rope import (
     FrequencyScaling,
