@@ -29,8 +29,9 @@ from jaxlearn.layers import LoopStack, ScanStack, gemma2_config, gemma3_config
 from jaxlearn.module import functional
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
-VARIANTS = ["gemma2", "gemma3"]
-HF_CLASS = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+VARIANTS = ["gemma2", "gemma3_text"]  # fixture hf_<name>: the HF model_type
+HF_CLASS = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+            "gemma3_text": "Gemma3ForCausalLM"}
 
 
 def reference(name):
@@ -53,7 +54,7 @@ def test_logits_match_transformers(name, stack):
     t = loaded.config.decoder.transformer
     if stack == "scan":  # the repeating local / global group is scanned
         assert t.klass is ScanStack and t.layer.klass is LoopStack
-        assert (t.num_layers, len(t.layer.layers)) == {"gemma2": (2, 2), "gemma3": (2, 6)}[name]
+        assert (t.num_layers, len(t.layer.layers)) == {"gemma2": (2, 2), "gemma3_text": (2, 6)}[name]
     ref = reference(name)
     err = np.max(np.abs(run_logits(loaded.config, loaded.params, ref["input_ids"]) - ref["logits"]))
     assert err <= 1e-4, err
@@ -87,7 +88,7 @@ def test_architecture_and_params_are_read():
     layers = g2.config.decoder.transformer.layers
     assert layers[0].self_attention.query_scale == pytest.approx(24**-0.5)
     assert g2.config.decoder.emb.scale_by_sqrt_dim and g2.config.decoder.logits_soft_cap == 3.0
-    g3 = load_hf(FIXTURES / "hf_gemma3", stack="loop")
+    g3 = load_hf(FIXTURES / "hf_gemma3_text", stack="loop")
     a = g3.architecture
     assert (a.family, a.rope_theta, a.local_rope_theta) == ("gemma3_text", 1e6, 1e4)
     # transformers' Gemma 3 attention does not apply attn_logit_softcapping (3.0 here).
@@ -96,7 +97,7 @@ def test_architecture_and_params_are_read():
     thetas = [lc.self_attention.rope.theta for lc in g3.config.decoder.transformer.layers]
     assert thetas == ([1e4] * 5 + [1e6]) * 2
     layer = g3.params["decoder"]["transformer"]["layer5"]
-    original = load_file(str(FIXTURES / "hf_gemma3" / "model.safetensors"))
+    original = load_file(str(FIXTURES / "hf_gemma3_text" / "model.safetensors"))
     for ours, theirs in (
         (layer["post_attention_norm"]["scale"], "post_attention_layernorm"),
         (layer["ffn_norm"]["scale"], "pre_feedforward_layernorm"),
@@ -135,7 +136,8 @@ def test_transformers_loads_our_exports_with_same_logits():
     directory export_hf wrote (fixture round trips, fresh `gemma2_config` /
     `gemma3_config` models, the Gemma 3 one of 7 layers in a LoopStack)."""
     check = json.loads((FIXTURES / "gemma_export_check.json").read_text())["cases"]
-    assert set(check) == {f"{k}_{n}" for k in ("roundtrip", "native") for n in VARIANTS}
+    natives = {"native_gemma2", "native_gemma3"}
+    assert set(check) == {f"roundtrip_{n}" for n in VARIANTS} | natives
     for case, result in check.items():
         assert result["hf_class"] == HF_CLASS[case.split("_")[1]], case
         assert result["max_abs_logit_error"] <= 1e-4, (case, result)
