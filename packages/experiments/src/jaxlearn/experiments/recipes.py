@@ -18,6 +18,7 @@ from jaxlearn.experiments.common import (
 )
 from jaxlearn.layers import (
     ADAPTERS,
+    gemma2_config,
     llama_config,
     qwen3_config,
     qwen3_moe_config,
@@ -131,6 +132,14 @@ def qwen3_30b_a3b() -> Trainer.Config:
                   gpu_microbatches=2)
 
 
+def gemma2_9b() -> Trainer.Config:
+    """Gemma 2 9B: 42 layers (local window 4096 / global alternating), d=3584, 16 heads /
+    8 KV heads of head_dim 256, GeGLU FFN 14336, vocab 256000, tied, attention and final
+    logits soft-capped at 50 / 30, query_pre_attn_scalar 256, seq 8192."""
+    model = gemma2_config(256000, 3584, 42, 16, 8, 14336, head_dim=256, dtype="bfloat16")
+    return _large(model, seq_len=8192, global_batch=512, max_step=500_000, lr=3e-4)
+
+
 def _smollm2_135m() -> Any:
     """SmolLM2-135M's shape (30 layers, d=576, 9/3 heads, FFN 1536, vocab 49152, tied):
     what `finetune` trains without --init_from, which replaces it by the pretrained one."""
@@ -192,6 +201,7 @@ EXPERIMENTS = {
     "mixtral-8x7b": mixtral_8x7b,
     "qwen3-8b": qwen3_8b,
     "qwen3-30b-a3b": qwen3_30b_a3b,
+    "gemma2-9b": gemma2_9b,
     "finetune": finetune,
     "lora": lora,
 }
