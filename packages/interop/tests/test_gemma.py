@@ -54,9 +54,11 @@ def test_logits_match_transformers(name, stack):
     t = loaded.config.decoder.transformer
     if stack == "scan":  # the repeating local / global group is scanned
         assert t.klass is ScanStack and t.layer.klass is LoopStack
-        assert (t.num_layers, len(t.layer.layers)) == {"gemma2": (2, 2), "gemma3_text": (2, 6)}[name]
+        want = {"gemma2": (2, 2), "gemma3_text": (2, 6)}[name]
+        assert (t.num_layers, len(t.layer.layers)) == want
     ref = reference(name)
-    err = np.max(np.abs(run_logits(loaded.config, loaded.params, ref["input_ids"]) - ref["logits"]))
+    got = run_logits(loaded.config, loaded.params, ref["input_ids"])
+    err = np.max(np.abs(got - ref["logits"]))
     assert err <= 1e-4, err
     assert np.abs(ref["logits"]).max() > 1.0  # not a trivial comparison
 

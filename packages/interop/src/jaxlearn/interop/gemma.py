@@ -140,7 +140,8 @@ def gemma_architecture(cfg: Any, layers: list[Any]) -> dict[str, Any]:
     """`Architecture` fields of a Gemma `CausalLM.Config` (embeddings scaled by sqrt(dim))
     whose per-layer configs are `layers`; `UnsupportedModelError` naming the config path
     of anything HF Gemma2 / Gemma3 cannot express."""
-    dec, first, ropes = cfg.decoder, None, {}
+    dec, first = cfg.decoder, None
+    ropes: dict[bool, tuple[float, Optional[float]]] = {}
     eps = _eps("model.decoder.output_norm", dec.output_norm)
     windows = [lc.self_attention.sliding_window for lc in layers]
     for i, lc in enumerate(layers):
@@ -155,7 +156,8 @@ def gemma_architecture(cfg: Any, layers: list[Any]) -> dict[str, Any]:
     assert first is not None
     if len({w for w in windows if w is not None}) > 1:
         raise _bad("model.decoder.transformer", "one sliding window for every local layer")
-    (theta, factor), local_theta = ropes.get(False, ropes.get(True)), ropes.get(True, (None,))[0]
+    theta, factor = ropes.get(False) or ropes[True]
+    local_theta = ropes[True][0] if True in ropes else None
     family = "gemma3_text" if first.pop("qk_norm") else "gemma2"
     if family == "gemma3_text" and first["attn_logit_soft_cap"] is not None:
         raise _bad("model.decoder.transformer", "HF Gemma 3 has no attention soft cap")
