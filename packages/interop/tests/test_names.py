@@ -96,6 +96,8 @@ def assert_trees_equal(a, b, path=""):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @given(data=st.data())
 def test_export_then_import_is_the_identity(family, fmt, alternative, data):
+    if fmt == "gguf" and not all(r.gguf for r in FAMILIES[family].rows):
+        pytest.skip(f"{family} has no GGUF names (test_gemma checks that export refuses)")
     arch = data.draw(architectures(family))
     top, layers = random_canonical(arch, seed=arch.dim * 7 + arch.num_layers)
     files = write_tensors(arch, fmt, top, layers, alternative=alternative)

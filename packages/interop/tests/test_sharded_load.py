@@ -57,7 +57,8 @@ def assert_bit_equal(got, want):
 
 @pytest.mark.parametrize("mesh_name", sorted(MESHES))
 @pytest.mark.parametrize("fixture,stack", [("hf_llama", "scan"), ("hf_qwen2", "loop"),
-                                           ("hf_mixtral", "scan")])
+                                           ("hf_mixtral", "scan"),
+                                           ("hf_gemma3_text", "scan")])  # layer groups
 def test_sharded_params_equal_load_pretrained(fixture, stack, mesh_name):
     directory = FIXTURES / fixture
     want = load_pretrained(directory, stack=stack).params

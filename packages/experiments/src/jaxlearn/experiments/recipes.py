@@ -20,6 +20,7 @@ from jaxlearn.experiments.common import (
 )
 from jaxlearn.layers import (
     ADAPTERS,
+    gemma2_config,
     llama_config,
     phi3_config,
     qwen3_config,
@@ -167,6 +168,14 @@ def phi3_5_mini() -> Trainer.Config:
     return _large(model, seq_len=4096, global_batch=1024, max_step=500_000, lr=3e-4)
 
 
+def gemma2_9b() -> Trainer.Config:
+    """Gemma 2 9B: 42 layers (local window 4096 / global alternating), d=3584, 16 heads /
+    8 KV heads of head_dim 256, GeGLU FFN 14336, vocab 256000, tied, attention and final
+    logits soft-capped at 50 / 30, query_pre_attn_scalar 256, seq 8192."""
+    model = gemma2_config(256000, 3584, 42, 16, 8, 14336, head_dim=256, dtype="bfloat16")
+    return _large(model, seq_len=8192, global_batch=512, max_step=500_000, lr=3e-4)
+
+
 def _smollm2_135m() -> Any:
     """SmolLM2-135M's shape (30 layers, d=576, 9/3 heads, FFN 1536, vocab 49152, tied):
     what `finetune` trains without --init_from, which replaces it by the pretrained one."""
@@ -229,6 +238,7 @@ EXPERIMENTS = {
     "qwen3-8b": qwen3_8b,
     "qwen3-30b-a3b": qwen3_30b_a3b,
     "phi3.5-mini": phi3_5_mini,
+    "gemma2-9b": gemma2_9b,
     "finetune": finetune,
     "lora": lora,
 }

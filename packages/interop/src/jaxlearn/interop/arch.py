@@ -31,9 +31,10 @@ from jaxlearn.layers import (
 )
 from jaxlearn.layers.moe import MixtureOfExperts
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3", "gemma2",
+            "gemma3_text")
 # Families whose attention normalises q and k per head (RMSNorm over head_dim, eps norm_eps).
-QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
+QK_NORM_FAMILIES = ("qwen3", "qwen3_moe", "gemma3_text")
 STACKS = ("scan", "loop")
 
 
@@ -49,7 +50,8 @@ class Architecture:
     with hidden size ffn_dim (Mixtral, Qwen3-MoE), except the `dense_layers`, which have
     a dense SwiGLU FFN of hidden size `dense_ffn_dim` (Qwen3-MoE `mlp_only_layers` /
     `decoder_sparse_step`). normalize_top_k: divide the k routing weights by their sum
-    (Qwen3-MoE `norm_topk_prob`; Mixtral always does).
+    (Qwen3-MoE `norm_topk_prob`; Mixtral always does). Gemma (`jaxlearn.interop.gemma`):
+    attention scale query_pre_attn_scalar ** -0.5, soft caps, local layers' RoPE theta.
     """
 
     family: str
@@ -75,6 +77,10 @@ class Architecture:
     normalize_top_k: bool = True
     dense_layers: tuple[int, ...] = ()
     dense_ffn_dim: int = 0
+    query_pre_attn_scalar: Optional[float] = None
+    attn_logit_soft_cap: Optional[float] = None
+    final_logit_soft_cap: Optional[float] = None
+    local_rope_theta: Optional[float] = None
     max_position_embeddings: Optional[int] = None
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple[int, ...] = ()
@@ -141,6 +147,14 @@ def build_config(
     """
     if stack not in STACKS:
         raise ValueError(f"stack must be one of {STACKS}, got {stack!r}")
+    if arch.family.startswith("gemma"):
+        from jaxlearn.interop.gemma import build_gemma  # (gemma imports checks -> arch)
+
+        cfg = build_gemma(arch, stack=stack, dtype=dtype, name=name,
+                          attention_implementation=attention_implementation)  # fmt: skip
+        if param_dtype is not None:
+            cfg.param_dtype = param_dtype
+        return cfg
     uniform, window = arch.uniform_sliding_window()
     if not uniform or arch.dense_layers:
         stack = "loop"
@@ -227,8 +241,12 @@ def _bad(path: str, why: str) -> UnsupportedModelError:
 
 
 def layer_configs(stack: Any) -> list[Any]:
-    """The per-layer configs of a ScanStack / LoopStack config."""
-    return list(getattr(stack, "layers", None) or [stack.layer] * stack.num_layers)
+    """The per-layer configs of a ScanStack / LoopStack config (a scanned `LoopStack`
+    group of p layers repeated: layer i is the group's i % p)."""
+    layers = list(getattr(stack, "layers", None) or [stack.layer] * stack.num_layers)
+    if _is(stack, ScanStack) and _is(stack.layer, LoopStack):
+        return [lc for group in layers for lc in layer_configs(group)]
+    return layers
 
 
 def architecture_from_config(cfg: Any, *, max_position_embeddings: Optional[int] = None) -> Any:
@@ -237,8 +255,11 @@ def architecture_from_config(cfg: Any, *, max_position_embeddings: Optional[int]
     `UnsupportedModelError` naming the config path of anything an HF
     Llama/Mistral/Qwen2/Qwen3/Mixtral/Qwen3-MoE checkpoint cannot express."""
     dec = cfg.decoder
-    if dec.emb.scale_by_sqrt_dim:
-        raise _bad("model.decoder.emb.scale_by_sqrt_dim", "HF Llama does not scale embeddings")
+    if dec.emb.scale_by_sqrt_dim:  # Gemma
+        from jaxlearn.interop.gemma import gemma_architecture
+
+        fields = gemma_architecture(cfg, layer_configs(dec.transformer))
+        return Architecture(**fields, max_position_embeddings=max_position_embeddings)
     if dec.logits_soft_cap is not None:
         raise _bad("model.decoder.logits_soft_cap", "no final-logit soft cap in HF Llama")
     t = dec.transformer

@@ -33,6 +33,7 @@ from jaxlearn.interop.errors import (
     tokenizer_errors_as_interop,
 )
 from jaxlearn.interop.gguf import _require_gguf, gguf_params_to_tensors
+from jaxlearn.interop.names import family
 from jaxlearn.text.chat import ChatTemplate
 from jaxlearn.text.tokenizer_export import (
     ExportTokenizer,
@@ -47,6 +48,8 @@ _KEEP_F32 = ("_norm.weight", ".bias", "ffn_gate_inp.weight", "rope_freqs.weight"
 
 def _arch_name(arch: Architecture) -> str:
     """llama.cpp's `general.architecture` for `arch` (raises for what GGUF cannot hold)."""
+    if not all(r.gguf for r in family(arch).rows):
+        raise UnsupportedModelError(f"cannot export to GGUF: {arch.family} has no GGUF names")
     uniform, _ = arch.uniform_sliding_window()
     if not uniform:
         raise UnsupportedModelError(

@@ -41,6 +41,7 @@ from jaxlearn.interop.errors import (
     TokenizerError,
     tokenizer_errors_as_interop,
 )
+from jaxlearn.interop.gemma import GEMMA_FAMILIES, gemma_hf_dict
 from jaxlearn.interop.hf_config import HF_CLASSES, architecture_from_hf, read_json
 from jaxlearn.interop.model import LoadedModel
 from jaxlearn.interop.tree import assemble_params, layer_layouts, split_params, stack_kind
@@ -124,6 +125,9 @@ def hf_config_dict(arch: Architecture, *, dtype: str = "float32") -> dict[str, A
             router_aux_loss_coef=arch.router_aux_loss_coef,
             output_router_logits=False,
         )
+    elif arch.family in GEMMA_FAMILIES:
+        del out["hidden_act"]
+        out.update(gemma_hf_dict(arch))
     elif arch.family == "mixtral":
         out["sliding_window"] = windows[0] if windows else None
         out["num_local_experts"] = arch.num_experts

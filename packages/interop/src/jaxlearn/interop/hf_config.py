@@ -27,6 +27,7 @@ from jaxlearn.interop.checks import (
     optional_integer,
 )
 from jaxlearn.interop.errors import InteropError, MalformedFileError, UnsupportedModelError
+from jaxlearn.interop.gemma import GEMMA_FAMILIES, gemma_hf_fields
 from jaxlearn.interop.names import FAMILIES
 from jaxlearn.layers import scaling_config, scaling_dict
 
@@ -177,9 +178,11 @@ def architecture_from_hf(hf: Any, *, where: str = "config.json") -> Architecture
             f"{where}: model_type {model_type!r} ({archs}) is not supported; "
             f"supported: {sorted(HF_CLASSES)}"
         )
-    act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
-    if act != "silu":
-        raise UnsupportedModelError(f"{where}: hidden_act {act!r} (only silu/SwiGLU)")
+    gemma = model_type in GEMMA_FAMILIES
+    act = hf.get("hidden_activation", hf.get("hidden_act")) if gemma else hf.get("hidden_act")
+    want = "gelu_pytorch_tanh" if gemma else "silu"
+    if (act or want) != want:
+        raise UnsupportedModelError(f"{where}: hidden_act {act!r} ({model_type}: only {want})")
 
     def size(field: str, limit: str, default: Any = None, low: int = 1) -> int:
         value = hf.get(field, default)
@@ -226,9 +229,10 @@ def architecture_from_hf(hf: Any, *, where: str = "config.json") -> Architecture
         rotary_fraction=rotary_fraction,
         tie_embeddings=flag(hf.get("tie_word_embeddings"), where, "tie_word_embeddings"),
         qkv_bias=True if model_type == "qwen2" else bias,
-        output_bias=bias if model_type in ("llama", "qwen3", "qwen3_moe") else False,
+        output_bias=bias and model_type in ("llama", "qwen3", "qwen3_moe", *GEMMA_FAMILIES),
         mlp_bias=flag(hf.get("mlp_bias"), where, "mlp_bias") if model_type == "llama" else False,
-        sliding_windows=_windows(hf, where, model_type, layers),
+        **(gemma_hf_fields(hf, where, model_type, layers) if gemma
+           else dict(sliding_windows=_windows(hf, where, model_type, layers))),
         num_experts=experts,
         num_experts_per_token=per_token,
         router_aux_loss_coef=number(

@@ -288,6 +288,19 @@ FUSIONS = (
     _fusion("feed_forward.wi_fused_bias",
             ["feed_forward.wi_0_bias", "feed_forward.wi_1_bias"], -1, "fused_gate"),
 )  # fmt: skip
+# Gemma 2/3: four norms per layer (`post_norm`); HF's `post_attention_layernorm` is the
+# norm of the attention output, not of the FFN input as in Llama. No GGUF names: llama.cpp
+# stores Gemma norms with the 1 of `1 + scale` added.
+_GEMMA_NORMS = {
+    "ffn_norm.scale": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.scale": "post_attention_layernorm.weight",
+    "post_ffn_norm.scale": "post_feedforward_layernorm.weight",
+}
+GEMMA_ROWS = tuple(
+    dataclasses.replace(r, gguf=())
+    for r in TOP_ROWS + ATTENTION_ROWS + DENSE_FFN_ROWS
+    if key_of(r.path) != "ffn_norm.scale"
+) + tuple(Row(_LAYER + k, "E", (_hf(v, "E"),)) for k, v in _GEMMA_NORMS.items())
 _DENSE = TOP_ROWS + ATTENTION_ROWS + DENSE_FFN_ROWS
 _MOE = TOP_ROWS + ATTENTION_ROWS + MOE_FFN_ROWS
 _PHI3 = TOP_ROWS + PHI3_ROWS + tuple(
@@ -309,6 +322,9 @@ FAMILIES: dict[str, Family] = {
             False,
             TOP_ROWS + ATTENTION_ROWS + QK_NORM_ROWS + QWEN3_MOE_FFN_ROWS,
         ),
+        Family("gemma2", "Gemma2ForCausalLM", False, GEMMA_ROWS),
+        Family("gemma3_text", "Gemma3ForCausalLM", False,
+               GEMMA_ROWS + tuple(dataclasses.replace(r, gguf=()) for r in QK_NORM_ROWS)),
     )
 }
 

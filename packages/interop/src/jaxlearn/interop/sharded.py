@@ -40,7 +40,7 @@ from jaxlearn.interop.arch import Architecture
 from jaxlearn.interop.convert import Use, check_source, plan, to_jaxlearn, unpermute_qk
 from jaxlearn.interop.errors import InteropError, ParameterMismatchError
 from jaxlearn.interop.names import FUSIONS, block, dims, family, key_of, shape_of
-from jaxlearn.interop.tree import flatten, layer_layouts, stack_kind
+from jaxlearn.interop.tree import flatten, group_size, layer_layouts, stack_kind
 
 Index = tuple[tuple[int, int], ...]  # (start, stop) per axis
 Node = Union["_Leaf", "_Stack", "_Concat", "_Whole"]
@@ -342,12 +342,14 @@ def param_readers(path: Union[str, pathlib.Path], model: Any) -> dict[str, Slice
                 layer[key_of(f.path)] = _Concat(tuple(layer.pop(q) for q in parts), f.axis)
     nodes = {f"decoder.{k}": v for k, v in top.items()}
     if stack_kind(model) == "scan" and layers:
-        for key in layers[0]:
-            stacked = tuple(layer.get(key) for layer in layers)
-            if any(n is None for n in stacked):
-                raise ParameterMismatchError(
-                    str(p), mismatched=[f"{key}: not in every layer; use stack='loop'"])
-            nodes[f"decoder.transformer.layer.{key}"] = _Stack(stacked)  # type: ignore[arg-type]
+        g = group_size(model)
+        for k, prefix in enumerate([f"layer.layer{k}" for k in range(g)] if g else ["layer"]):
+            for key in layers[0]:
+                stacked = tuple(layer.get(key) for layer in layers[k :: g or 1])
+                if any(n is None for n in stacked):
+                    raise ParameterMismatchError(
+                        str(p), mismatched=[f"{key}: not in every layer; use stack='loop'"])
+                nodes[f"decoder.transformer.{prefix}.{key}"] = _Stack(stacked)  # type: ignore[arg-type]
     else:
         for i, layer in enumerate(layers):
             nodes.update({f"decoder.transformer.layer{i}.{k}": v for k, v in layer.items()})

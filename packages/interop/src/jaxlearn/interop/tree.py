@@ -43,13 +43,32 @@ def stack_kind(model: Any) -> str:
     raise TypeError(f"{stack.path()}: unsupported stack {type(stack).__name__}")
 
 
+def group_size(model: Any) -> Optional[int]:
+    """p when `model`'s stack scans a `LoopStack` group of p layers (`stack_config`):
+    layer i is at `layer.layer{i % p}[i // p]`; None otherwise."""
+    stack = model.decoder.transformer
+    group = stack.children.get("layer") if isinstance(stack, ScanStack) else None
+    return len(group.children) if isinstance(group, LoopStack) else None
+
+
+def stack_layers(stacked: Nested, num_layers: int, p: Optional[int]) -> list[Nested]:
+    """A scanned stack's `layer` params (grouped by p: `layer{k}` each [n / p, ...]) ->
+    one tree per layer."""
+    if p is None:
+        return [jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(num_layers)]
+    return [
+        jax.tree.map(lambda a, i=i: a[i // p], stacked.get(f"layer{i % p}", {}))
+        for i in range(num_layers)
+    ]
+
+
 def layer_layouts(model: Any) -> list[frozenset[str]]:
     """Per layer of `model`'s stack: the fused parameter layouts its config asks for
     ("fused_qkv": one `qkv_proj`; "fused_gate": one `wi_fused`), see `names.FUSIONS`."""
-    cfg = model.decoder.transformer.config
-    layer_cfgs = list(getattr(cfg, "layers", None) or [cfg.layer] * cfg.num_layers)
+    from jaxlearn.interop.arch import layer_configs
+
     out = []
-    for lc in layer_cfgs:
+    for lc in layer_configs(model.decoder.transformer.config):
         flags = {
             "fused_qkv": getattr(lc.self_attention, "fused_qkv", False),
             "fused_gate": getattr(lc.feed_forward, "fused_gate", False),
@@ -66,7 +85,7 @@ def assemble_params(
     `names` maps jaxlearn paths (e.g. "decoder.transformer.layer3.self_attention.q_proj")
     to checkpoint tensor names for the error message.
     """
-    kind = stack_kind(model)
+    kind, p = stack_kind(model), group_size(model)
     transformer: Nested
     if kind == "scan":
         structures = {jax.tree.structure(layer) for layer in layers}
@@ -74,7 +93,11 @@ def assemble_params(
             raise ParameterMismatchError(
                 source, mismatched=["layers have different parameter sets; use stack='loop'"]
             )
-        transformer = {"layer": jax.tree.map(lambda *a: np.stack(a), *layers)} if layers else {}
+        stack = lambda ls: jax.tree.map(lambda *a: np.stack(a), *ls)  # noqa: E731
+        if p is None:
+            transformer = {"layer": stack(layers)} if layers else {}
+        else:
+            transformer = {"layer": {f"layer{k}": stack(layers[k::p]) for k in range(p)}}
     else:
         transformer = {f"layer{i}": layer for i, layer in enumerate(layers)}
     params = {"decoder": dict(top, transformer=transformer)}
@@ -129,8 +152,8 @@ def split_params(model: Any, params: Nested) -> tuple[Nested, list[Nested]]:
     transformer = decoder.pop("transformer", {})
     n = model.decoder.transformer.config.num_layers
     if stack_kind(model) == "scan":
-        stacked = transformer.get("layer", {})
-        layers = [jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(n)]
+        n *= group_size(model) or 1
+        layers = stack_layers(transformer.get("layer", {}), n, group_size(model))
     else:
         layers = [transformer.get(f"layer{i}", {}) for i in range(n)]
     return decoder, layers

@@ -22,6 +22,7 @@ from jaxlearn.layers.decoder import Decoder
 from jaxlearn.layers.dense import DotGeneral, Linear, dense, einsum, matmul
 from jaxlearn.layers.embedding import Embedding
 from jaxlearn.layers.ffn import ACTIVATIONS, FeedForward, get_activation
+from jaxlearn.layers.gemma import gemma2_config, gemma3_config, gemma_config
 from jaxlearn.layers.lora import (
     ADAPTERS,
     LoraAttention,
@@ -49,9 +50,19 @@ from jaxlearn.layers.rope import (
     scaling_config,
     scaling_dict,
 )
-from jaxlearn.layers.transformer import BaseStack, LoopStack, ScanStack, TransformerLayer
+from jaxlearn.layers.transformer import (
+    BaseStack,
+    LoopStack,
+    ScanStack,
+    TransformerLayer,
+    stack_config,
+)
 
 __all__ = [
+    "gemma_config",
+    "gemma2_config",
+    "gemma3_config",
+    "stack_config",
     "fuse_projection_params",
     "fuse_projections",
     "merge_lora",

@@ -1,12 +1,15 @@
 """Pre-norm transformer layer and layer stacks.
 
-- `TransformerLayer`: x + attn(norm(x)), then x + ffn(norm(x)). `feed_forward` is any
+- `TransformerLayer`: x + attn(norm(x)), then x + ffn(norm(x)); with `post_norm` (Gemma 2/3)
+  x + post_norm(attn(norm(x))), then x + post_norm(ffn(norm(x))). `feed_forward` is any
   config with `input_dim` and `forward(x [batch, seq, embed])`, so MoE drops in.
 - `LoopStack`: a Python loop over per-layer children `layer0..layerN-1` (params per layer);
   `layers` may list heterogeneous layer configs (e.g. alternating dense / MoE). Fastest
   CPU steps.
 - `ScanStack`: one child `layer` whose params are stacked [layers, ...] and run by
-  `lax.scan` (compiles like one layer), rematerialised by the layer's `remat_spec`.
+  `lax.scan` (compiles like one layer), rematerialised by the layer's `remat_spec`. Its
+  `layer` may be a `LoopStack` group of differing layers (a repeating pattern, e.g. Gemma's
+  local / global attention): `stack_config` builds one from per-layer configs.
 
 Every layer / stack has `forward`, `init_states`, `prefill`, `extend_step`.
 """
@@ -39,7 +42,8 @@ _AXES = ("batch", "seq", "embed")
 class TransformerLayer(Module):
     """Pre-norm block. x [batch, seq, embed] -> [batch, seq, embed].
 
-    Children: attention_norm, self_attention, ffn_norm, feed_forward.
+    Children: attention_norm, self_attention, ffn_norm, feed_forward (+ post_attention_norm,
+    post_ffn_norm with `post_norm`).
     """
 
     class Config(Module.Config):
@@ -47,6 +51,9 @@ class TransformerLayer(Module):
         norm: InstantiableConfig = RMSNorm.default_config()
         self_attention: InstantiableConfig = Attention.default_config()
         feed_forward: InstantiableConfig = FeedForward.default_config()
+        # Norm of the attention and FFN outputs before each residual add (Gemma 2/3's
+        # "sandwich" norms); None: off.
+        post_norm: Optional[InstantiableConfig] = None
 
     def __init__(self, cfg: "TransformerLayer.Config", *, parent: Optional[Module] = None):
         super().__init__(cfg, parent=parent)
@@ -56,13 +63,22 @@ class TransformerLayer(Module):
         self._add_child("self_attention", c.self_attention.clone(input_dim=dim))
         self._add_child("ffn_norm", c.norm.clone(input_dim=dim))
         self._add_child("feed_forward", c.feed_forward.clone(input_dim=dim))
+        if c.post_norm is not None:
+            self._add_child("post_attention_norm", c.post_norm.clone(input_dim=dim))
+            self._add_child("post_ffn_norm", c.post_norm.clone(input_dim=dim))
 
     def _block(self, x: Array, attend: Any) -> tuple[Any, Array]:
+        post = self.config.post_norm is not None
         x = with_logical_constraint(x, _AXES)
         out = attend(self.attention_norm(x))
         cache, h = out if isinstance(out, tuple) else (None, out)
+        if post:
+            h = self.post_attention_norm(h)
         x = x + h.astype(x.dtype)
-        x = x + self.feed_forward(self.ffn_norm(x)).astype(x.dtype)
+        f = self.feed_forward(self.ffn_norm(x))
+        if post:
+            f = self.post_ffn_norm(f)
+        x = x + f.astype(x.dtype)
         return cache, with_logical_constraint(x, _AXES)
 
     def forward(
@@ -195,11 +211,15 @@ class LoopStack(BaseStack):
         time_step: Array,
         positions: Optional[Array] = None,
         page_table: Optional[Array] = None,
+        layer_index: Optional[Array] = None,
     ) -> tuple[Any, Array]:
+        """(cache, x); `layer_index`: this stack is one group of a `ScanStack` whose pools
+        are stacked [groups, ...] (see `paged_scan`)."""
         out = {}
         for layer in self._layers:
+            extra = () if layer_index is None else (layer_index,)
             out[layer.name], x = layer.extend_step(
-                cache[layer.name], x, time_step, positions, page_table
+                cache[layer.name], x, time_step, positions, page_table, *extra
             )
         return out, x
 
@@ -283,3 +303,29 @@ class ScanStack(BaseStack):
 
         x, cache = self._scan(step, x, cache)
         return cache, x
+
+
+def stack_config(layers: list[InstantiableConfig], stack: str, *, unroll: int = 1) -> Any:
+    """The stack config running `layers` (one config per layer) in order.
+
+    stack "loop": a `LoopStack` of them. "scan": a `ScanStack` of `layer` when all are
+    equal; else of the shortest group of p layers that repeats exactly (layer i ==
+    layer i % p, p dividing the count): `ScanStack(num_layers=n // p, layer=LoopStack(
+    layers=group))`, whose params are stacked [n // p, ...] under `layer.layer{k}` for the
+    layers k, k + p, ...; a stack without such a group is a `LoopStack`.
+    """
+    if stack not in ("scan", "loop"):
+        raise ValueError(f"stack_config: stack must be 'scan' or 'loop', got {stack!r}")
+    n = len(layers)
+    if n == 0:
+        raise ValueError("stack_config: no layers")
+    loop = LoopStack.default_config().set(num_layers=n, layers=list(layers))
+    if stack == "loop":
+        return loop
+    for p in range(1, n // 2 + 1):
+        if n % p == 0 and all(layers[i] == layers[i % p] for i in range(n)):
+            one = layers[0] if p == 1 else LoopStack.default_config().set(
+                num_layers=p, layers=list(layers[:p])
+            )
+            return ScanStack.default_config().set(num_layers=n // p, layer=one, unroll=unroll)
+    return loop if n > 1 else ScanStack.default_config().set(num_layers=1, layer=layers[0])

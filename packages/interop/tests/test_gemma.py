@@ -1,0 +1,226 @@
+"""Gemma 2 and Gemma 3 (text): tiny random transformers checkpoints
+(fixtures/make_gemma_fixtures.py, run offline with torch) give the logits of transformers
+(scanned layer groups and loops) and its greedy tokens through the paged, continuously
+batched Engine, past the sliding windows; export -> import is the identity; transformers
+loads our exports (recorded); recipe configs read back; what HF Gemma cannot express is
+refused naming the config path; a few LoRA steps on the Gemma 2 fixture lower the loss,
+merge and export as Gemma 2."""
+
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from safetensors.numpy import load_file
+
+from jaxlearn.inference import Engine
+from jaxlearn.interop import (
+    UnsupportedModelError,
+    architecture_from_config,
+    build_config,
+    export_gguf,
+    export_hf,
+    load_hf,
+)
+from jaxlearn.layers import LoopStack, ScanStack, gemma2_config, gemma3_config
+from jaxlearn.module import functional
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures"
+VARIANTS = ["gemma2", "gemma3_text"]  # fixture hf_<name>: the HF model_type
+HF_CLASS = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+            "gemma3_text": "Gemma3ForCausalLM"}
+
+
+def reference(name):
+    return np.load(FIXTURES / f"hf_{name}" / "reference.npz", allow_pickle=False)
+
+
+def run_logits(config, params, ids):
+    model = config.instantiate()
+    fn = jax.jit(
+        lambda p, x: functional(
+            model, None, p, ({"input_ids": x},), method="logits", is_training=False
+        )[0]
+    )
+    return np.asarray(fn(params, jnp.asarray(ids)))
+
+
+@pytest.mark.parametrize("name,stack", [(n, s) for n in VARIANTS for s in ("scan", "loop")])
+def test_logits_match_transformers(name, stack):
+    loaded = load_hf(FIXTURES / f"hf_{name}", stack=stack)
+    t = loaded.config.decoder.transformer
+    if stack == "scan":  # the repeating local / global group is scanned
+        assert t.klass is ScanStack and t.layer.klass is LoopStack
+        want = {"gemma2": (2, 2), "gemma3_text": (2, 6)}[name]
+        assert (t.num_layers, len(t.layer.layers)) == want
+    ref = reference(name)
+    got = run_logits(loaded.config, loaded.params, ref["input_ids"])
+    err = np.max(np.abs(got - ref["logits"]))
+    assert err <= 1e-4, err
+    assert np.abs(ref["logits"]).max() > 1.0  # not a trivial comparison
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_greedy_tokens_through_the_paged_engine_match_transformers(name):
+    """Both prompts batched, 4-token pages and 4-token prefill chunks (the 5-token prompt
+    takes two chunks; the 17 tokens span five pages, past the windows of 4 / 5)."""
+    loaded = load_hf(FIXTURES / f"hf_{name}")
+    ref = reference(name)
+    assert float(ref["greedy_margin"]) > 1e-3  # no near-ties in the reference
+    engine = (
+        Engine.default_config()
+        .set(max_seq_len=32, max_batch=2, page_size=4, prefill_chunk=4, decode_burst=4)
+        .instantiate(model_cfg=loaded.config, params=loaded.params, tokenizer=None)
+    )
+    new = ref["greedy_ids"].shape[1]
+    prompts = [[int(t) for t in row] for row in ref["prompt_ids"]]
+    results = engine.generate(prompts, max_new_tokens=new, temperature=0.0, ignore_eos=True)
+    np.testing.assert_array_equal([r.tokens for r in results], ref["greedy_ids"])
+
+
+def test_architecture_and_params_are_read():
+    g2 = load_hf(FIXTURES / "hf_gemma2", stack="loop")
+    a = g2.architecture
+    assert (a.family, a.head_dim, a.query_pre_attn_scalar) == ("gemma2", 16, 24)
+    assert (a.attn_logit_soft_cap, a.final_logit_soft_cap) == (2.0, 3.0)
+    assert a.sliding_windows == (4, None, 4, None) and a.tie_embeddings
+    layers = g2.config.decoder.transformer.layers
+    assert layers[0].self_attention.query_scale == pytest.approx(24**-0.5)
+    assert g2.config.decoder.emb.scale_by_sqrt_dim and g2.config.decoder.logits_soft_cap == 3.0
+    g3 = load_hf(FIXTURES / "hf_gemma3_text", stack="loop")
+    a = g3.architecture
+    assert (a.family, a.rope_theta, a.local_rope_theta) == ("gemma3_text", 1e6, 1e4)
+    # transformers' Gemma 3 attention does not apply attn_logit_softcapping (3.0 here).
+    assert a.attn_logit_soft_cap is None and a.final_logit_soft_cap == 4.0
+    assert a.sliding_windows == ((5,) * 5 + (None,)) * 2
+    thetas = [lc.self_attention.rope.theta for lc in g3.config.decoder.transformer.layers]
+    assert thetas == ([1e4] * 5 + [1e6]) * 2
+    layer = g3.params["decoder"]["transformer"]["layer5"]
+    original = load_file(str(FIXTURES / "hf_gemma3_text" / "model.safetensors"))
+    for ours, theirs in (
+        (layer["post_attention_norm"]["scale"], "post_attention_layernorm"),
+        (layer["ffn_norm"]["scale"], "pre_feedforward_layernorm"),
+        (layer["post_ffn_norm"]["scale"], "post_feedforward_layernorm"),
+        (layer["self_attention"]["q_norm"]["scale"], "self_attn.q_norm"),
+    ):
+        np.testing.assert_array_equal(ours, original[f"model.layers.5.{theirs}.weight"])
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_export_then_load_gives_identical_params(name, tmp_path):
+    loaded = load_hf(FIXTURES / f"hf_{name}")
+    out = export_hf(
+        tmp_path / "export",
+        loaded.config,
+        loaded.params,
+        bos_token_id=loaded.bos_token_id,
+        eos_token_ids=loaded.eos_token_ids,
+        max_position_embeddings=loaded.architecture.max_position_embeddings,
+    )
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == [HF_CLASS[name]]
+    assert cfg["hidden_activation"] == "gelu_pytorch_tanh" and "hidden_act" not in cfg
+    again = load_hf(out)
+    assert again.architecture == loaded.architecture
+    jax.tree.map(np.testing.assert_array_equal, again.params, loaded.params)
+    original = load_file(str(FIXTURES / f"hf_{name}" / "model.safetensors"))
+    exported = load_file(str(out / "model.safetensors"))
+    assert sorted(exported) == sorted(original)
+    for tensor, value in original.items():
+        np.testing.assert_array_equal(exported[tensor], value, err_msg=tensor)
+
+
+def test_transformers_loads_our_exports_with_same_logits():
+    """Recorded by make_gemma_fixtures.py --stage export: transformers loaded each
+    directory export_hf wrote (fixture round trips, fresh `gemma2_config` /
+    `gemma3_config` models, the Gemma 3 one of 7 layers in a LoopStack)."""
+    check = json.loads((FIXTURES / "gemma_export_check.json").read_text())["cases"]
+    natives = {"native_gemma2", "native_gemma3"}
+    assert set(check) == {f"roundtrip_{n}" for n in VARIANTS} | natives
+    for case, result in check.items():
+        assert result["hf_class"] == HF_CLASS[case.split("_")[1]], case
+        assert result["max_abs_logit_error"] <= 1e-4, (case, result)
+        assert result["logit_scale"] > 1.0, case
+
+
+def test_recipes_read_back_and_rebuild():
+    g2 = gemma2_config(256, 64, 6, 4, 2, 96, head_dim=16, sliding_window=8)
+    a = architecture_from_config(g2)
+    assert (a.family, a.query_pre_attn_scalar, a.attn_logit_soft_cap) == ("gemma2", 256, 50.0)
+    assert a.sliding_windows == (8, None) * 3 and a.final_logit_soft_cap == 30.0
+    assert build_config(a, stack="scan") == g2
+    g3 = gemma3_config(256, 64, 8, 4, 1, 96, head_dim=16, stack="scan")
+    assert g3.decoder.transformer.klass is LoopStack  # 8 layers: no whole 6-layer group
+    a = architecture_from_config(g3)
+    assert (a.family, a.rope_theta, a.local_rope_theta) == ("gemma3_text", 1e6, 1e4)
+    assert a.sliding_windows == (1024,) * 5 + (None, 1024, 1024)
+    assert build_config(a, stack="scan") == g3
+
+
+def test_what_hf_gemma_cannot_express_is_refused(tmp_path):
+    def refused(cfg, match):
+        with pytest.raises(UnsupportedModelError, match=match):
+            architecture_from_config(cfg)
+
+    base = dict(vocab_size=64, dim=32, num_layers=4, num_heads=4, num_kv_heads=2, ffn_dim=48,
+                head_dim=8, sliding_window=4, stack="loop")  # fmt: skip
+    cfg = gemma2_config(**base)
+    cfg.decoder.transformer.layers[1].self_attention.rope.theta = 5e5
+    refused(cfg, r"layers\[3\]\.self_attention\.rope: one RoPE per layer kind")
+    cfg.decoder.transformer.layers[3].self_attention.rope.theta = 5e5  # all global layers
+    refused(cfg, r"Gemma 2 has one RoPE theta")
+    cfg = gemma2_config(**base)
+    cfg.decoder.transformer.layers[2].self_attention.num_kv_heads = 4
+    refused(cfg, r"layers\[2\]: differs from layer 0 in \['num_kv_heads'\]")
+    cfg = gemma2_config(**base)
+    cfg.decoder.transformer.layers[0].feed_forward.activation = ("silu", "linear")
+    refused(cfg, r"layers\[0\]\.feed_forward: .*GeGLU")
+    cfg = gemma2_config(**base)
+    cfg.decoder.transformer.layers[3].post_norm = None
+    refused(cfg, r"layers\[3\]: .*post_norm")
+    cfg = gemma3_config(**base, attn_logit_soft_cap=20.0)
+    refused(cfg, r"HF Gemma 3 has no attention soft cap")
+    cfg = gemma2_config(**base)
+    with pytest.raises(UnsupportedModelError, match="GGUF: gemma2 has no GGUF names"):
+        params = cfg.instantiate().initialize_parameters_recursively(jax.random.key(0))
+        export_gguf(tmp_path / "g.gguf", cfg, params, tokenizer=None)
+
+
+def test_lora_steps_on_gemma2_lower_the_loss_merge_and_export(tmp_path):
+    """A rank-2 LoRA of the scanned Gemma 2 fixture: 5 Adam steps on the adapters only
+    lower the training loss; the merged model has the tuned logits and exports as Gemma 2."""
+    from jaxlearn.layers import merge_lora, use_lora
+    from jaxlearn.layers.lora import with_base_params
+
+    loaded = load_hf(FIXTURES / "hf_gemma2")
+    cfg = use_lora(loaded.config, rank=2)
+    model = cfg.instantiate()
+    params = with_base_params(model.initialize_parameters_recursively(jax.random.key(0)),
+                              jax.tree.map(jnp.asarray, loaded.params))  # fmt: skip
+    ids = jnp.asarray(reference("gemma2")["input_ids"])
+    batch = {"input_ids": ids[:, :-1], "target_labels": ids[:, 1:]}
+    is_adapter = jax.tree_util.tree_map_with_path(lambda p, _: "_lora_" in str(p), params)
+
+    def loss(p):
+        return functional(model, jax.random.key(1), p, (batch,), is_training=True)[0][0]
+
+    opt = optax.masked(optax.adam(3e-2), is_adapter)
+    state = opt.init(params)
+    losses = []
+    step = jax.jit(jax.value_and_grad(loss))
+    for _ in range(5):
+        value, grads = step(params)
+        losses.append(float(value))
+        updates, state = opt.update(grads, state, params)
+        params = optax.apply_updates(params, jax.tree.map(
+            lambda u, m: u if m else jnp.zeros_like(u), updates, is_adapter))  # fmt: skip
+    assert losses[-1] < losses[0] - 0.05, losses
+    tuned = run_logits(cfg, params, ids)
+    plain, merged = merge_lora(cfg, params)
+    np.testing.assert_allclose(run_logits(plain, merged, ids), tuned, rtol=0, atol=1e-4)
+    again = load_hf(export_hf(tmp_path / "tuned", plain, merged))
+    assert again.architecture.family == "gemma2"
+    np.testing.assert_allclose(run_logits(again.config, again.params, ids), tuned, atol=1e-4)
