@@ -137,8 +137,8 @@ PY
   fi
   echo "[lm_eval_check] transformers on $hf; running $TASKS ${LIMIT_ARGS[*]}" >&2
   HF_HUB_OFFLINE=1 "$VENV/bin/lm_eval" --model hf \
-    --model_args "pretrained=$hf,dtype=float32,device=cpu,max_length=$((MAX_SEQ_LEN - 1))" \
-    --batch_size 1 --include_path "$HERE/lm_eval_tasks" --tasks "$TASKS" "${LIMIT_ARGS[@]}" \
+    --model_args "pretrained=$hf,dtype=float32,max_length=$((MAX_SEQ_LEN - 1))" \
+    --device cpu --batch_size 1 --include_path "$HERE/lm_eval_tasks" --tasks "$TASKS" "${LIMIT_ARGS[@]}" \
     --log_samples --output_path "$OUT/transformers"
 }
 
