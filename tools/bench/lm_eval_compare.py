@@ -72,11 +72,14 @@ def compare_task(a: dict[int, dict[str, Any]], b: dict[int, dict[str, Any]],
     return out
 
 
-def metric(results: dict[str, Any], task: str) -> tuple[str, float]:
+def metric(results: dict[str, Any], task: str) -> tuple[str, str]:
+    """(metric name, value) of a task: "acc (acc_norm)" for loglikelihood tasks."""
     r = results["results"][task]
-    for name in ("acc,none", "exact_match,strip", "exact_match,none"):
+    if "acc,none" in r:
+        return "acc (acc_norm)", f"{r['acc,none']:.4f} ({r['acc_norm,none']:.4f})"
+    for name in ("exact_match,strip", "exact_match,none"):
         if name in r:
-            return name.split(",")[0], float(r[name])
+            return "exact_match", f"{r[name]:.4f}"
     raise SystemExit(f"lm_eval_compare: {task}: no acc / exact_match in {sorted(r)}")
 
 
@@ -91,7 +94,7 @@ def summary(a_dir: str, b_dir: str, names: tuple[str, str]) -> str:
         m, va = metric(ra, task)
         _, vb = metric(rb, task)
         dll = "-" if c["max_abs_dll"] is None else f"{c['max_abs_dll']:.2e}"
-        lines.append(f"| {task} | {m} | {va:.4f} | {vb:.4f} | {dll} | {c['items']} "
+        lines.append(f"| {task} | {m} | {va} | {vb} | {dll} | {c['items']} "
                      f"| {len(c['differ'])} |")
         for d, x, y in c["differ"]:
             notes.append(f"- {task} doc {d}: {names[0]} {x}, {names[1]} {y}")
@@ -107,7 +110,7 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     names = tuple(args.names.split(","))
     if len(names) != 2:
-        raise SystemExit(f"lm_eval_compare: --names wants two comma-separated names, got {args.names!r}")
+        raise SystemExit(f"lm_eval_compare: --names wants two names, got {args.names!r}")
     text = summary(args.a, args.b, (names[0], names[1]))
     print(text, end="")
     if args.out:
