@@ -23,7 +23,9 @@ def write_run(root: pathlib.Path, lls: list[list[float]], texts: list[str], acc:
     d.mkdir(parents=True)
     results = {"results": {
         "mc": {"acc,none": acc, "acc_norm,none": acc},
-        "gen": {"exact_match,strip": 0.5}}}
+        "gen": {"exact_match,strip": 0.5}},
+        "config": {"model": "hf", "model_args": {"pretrained": "m", "device": "cpu"}},
+        "lm_eval_version": "0.4.13", "total_evaluation_time_seconds": "12.5"}
     (d / "results_2026-01-01T00-00-00.json").write_text(json.dumps(results))
     with open(d / "samples_mc_2026-01-01T00-00-00.jsonl", "w") as f:
         for i, row in enumerate(lls):  # lm-eval logs (loglikelihood, is_greedy) as strings.
@@ -44,6 +46,7 @@ def test_summary_reports_max_difference_and_differing_items(tmp_path):
     assert rows["mc"][2:6] == ["0.5000 (0.5000)", "1.0000 (1.0000)", "6.00e-01", "2"]
     assert rows["mc"][6].strip(" |") == "1"  # doc 1: argmax 1 in a, 0 in b.
     assert rows["gen"][4:7] == ["-", "2", "1 |"]
+    assert text.startswith("lm-eval 0.4.13; x: lm-eval `hf` (pretrained=m), 12 s; y: ")
     assert "- mc doc 1: x 1, y 0" in text
     assert "- gen doc 1: x '4', y '5'" in text
 

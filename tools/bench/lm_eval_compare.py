@@ -86,7 +86,17 @@ def metric(results: dict[str, Any], task: str) -> tuple[str, str]:
 def summary(a_dir: str, b_dir: str, names: tuple[str, str]) -> str:
     ra, sa = load_run(a_dir)
     rb, sb = load_run(b_dir)
-    lines = [f"| task | metric | {names[0]} | {names[1]} | max abs d loglikelihood | items "
+    def run(name: str, r: dict[str, Any]) -> str:
+        c = r.get("config", {})
+        margs = c.get("model_args") or {}
+        args = margs if isinstance(margs, str) else ",".join(
+            f"{k}={v}" for k, v in sorted(margs.items())
+            if k in ("model", "pretrained", "dtype", "tokenized_requests"))
+        secs = float(r.get("total_evaluation_time_seconds", "nan"))
+        return f"{name}: lm-eval `{c.get('model')}` ({args}), {secs:.0f} s"
+
+    head = [f"lm-eval {ra.get('lm_eval_version')}; {run(names[0], ra)}; {run(names[1], rb)}.", ""]
+    lines = head + [f"| task | metric | {names[0]} | {names[1]} | max abs d loglikelihood | items "
              "| items that differ |", "|---|---|---|---|---|---|---|"]
     notes = []
     for task in sorted(set(sa) & set(sb)):
