@@ -47,7 +47,7 @@ def test_summary_reports_max_difference_and_differing_items(tmp_path):
     assert rows["mc"][6].strip(" |") == "1"  # doc 1: argmax 1 in a, 0 in b.
     assert rows["gen"][4:7] == ["-", "2", "1 |"]
     assert text.startswith("lm-eval 0.4.13; x: lm-eval `hf` (pretrained=m), 12 s; y: ")
-    assert "- mc doc 1: x 1, y 0" in text
+    assert "- mc doc 1: x choice 1 greedy [False, False], y choice 0 greedy [False, False]" in text
     assert "- gen doc 1: x '4', y '5'" in text
 
 

@@ -7,7 +7,7 @@ and, for each task in it, the newest `samples_<task>_*.jsonl`. Per task: each ru
 (acc for loglikelihood tasks, exact_match for generation), the number of items, and how
 the runs differ on the same items (matched by doc_id and the request arguments):
 max |loglikelihood a - b| over every (item, choice) and items whose prediction
-(argmax choice) differs; for generation, items whose generated text differs.
+(argmax choice) or is_greedy flags differ; for generation, items whose generated text differs.
 Exits 1 when the two runs score different items or a different number of choices.
 Standard library only (runs in lm-eval's venv or any python3).
 """
@@ -47,6 +47,11 @@ def loglikelihoods(sample: dict[str, Any]) -> list[float]:
     return [float(r[0][0]) for r in sample["resps"]]
 
 
+def greedy(sample: dict[str, Any]) -> list[bool]:
+    """Per choice is_greedy of a multiple-choice sample (logged as "True" / "False")."""
+    return [str(r[0][1]) == "True" for r in sample["resps"]]
+
+
 def compare_task(a: dict[int, dict[str, Any]], b: dict[int, dict[str, Any]],
                  task: str) -> dict[str, Any]:
     if sorted(a) != sorted(b):
@@ -67,8 +72,9 @@ def compare_task(a: dict[int, dict[str, Any]], b: dict[int, dict[str, Any]],
         diff = max(abs(x - y) for x, y in zip(la, lb))
         out["max_abs_dll"] = max(diff, out["max_abs_dll"] or 0.0)
         pa, pb = la.index(max(la)), lb.index(max(lb))
-        if pa != pb:
-            out["differ"].append((d, pa, pb))
+        ga, gb = greedy(sa), greedy(sb)
+        if pa != pb or ga != gb:
+            out["differ"].append((d, f"choice {pa} greedy {ga}", f"choice {pb} greedy {gb}"))
     return out
 
 
