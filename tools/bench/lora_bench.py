@@ -184,7 +184,8 @@ def pt_stage(out: pathlib.Path, mode: str, warmup: int, tag: str) -> None:
     times, losses = [], []
     for i in range(data["input_ids"].shape[0]):
         ids = torch.as_tensor(data["input_ids"][i], dtype=torch.long)
-        labels = torch.as_tensor(data["target_labels"][i], dtype=torch.long)
+        # Padding's label is -1 (weight 0): any valid id there leaves the loss as is.
+        labels = torch.as_tensor(data["target_labels"][i], dtype=torch.long).clamp(min=0)
         weights = torch.as_tensor(data["target_weights"][i])
         mask = packed_mask(data["segment_ids"][i])
         pos = torch.as_tensor(data["positions"][i], dtype=torch.long)

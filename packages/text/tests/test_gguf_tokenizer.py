@@ -55,3 +55,16 @@ def test_token_overrides_and_errors(tmp_path):
     (tmp_path / "bad.gguf").write_bytes(b"not a gguf file at all")
     with pytest.raises(TokenizerError, match="bad.gguf: not a readable GGUF file"):
         GGUFTokenizer.default_config().set(path=str(tmp_path / "bad.gguf")).instantiate()
+
+
+def test_exports_the_tokenizer_it_rebuilt_from_the_file(tmp_path):
+    """`export_tokenizer` (what `jaxlearn export` of a run fine-tuned from a GGUF calls)
+    takes the rebuilt tokenizer, not its config's path (a GGUF, not a tokenizer.json)."""
+    from jaxlearn.text.tokenizer_export import export_tokenizer
+
+    tok = GGUFTokenizer.default_config().set(path=write(tmp_path / "m.gguf",
+                                                        spm_metadata())).instantiate()
+    out = export_tokenizer(tok, vocab_size=tok.vocab_size)
+    assert out.tokenizer.encode("hello world", add_special_tokens=False).ids == \
+        tok.encode("hello world")
+    assert (out.bos, out.eos) == (1, (2,))
