@@ -17,7 +17,12 @@ tokens (needs torch);
 llama.cpp (`llama_cpp.Llama`) tokenization (with BOS and special tokens parsed) equal,
 last-position logits (max abs diff, argmax agreement) and greedy tokens, the chat
 template read from the file's metadata equal. A package that is not importable is
-recorded as skipped, never as a pass.
+recorded as skipped, never as a pass. `--question` sets the chat prompt's user turn and
+`--new_tokens` the greedy length; each peer's greedy answer is recorded as text next to
+jaxlearn's, e.g. for a fine-tuned run's HF export (`jaxlearn export --format hf`):
+
+    python tools/bench/export_check.py export --init runs/glowpine-hf --out /tmp/ec \
+        --question "How long does the Glowpine battery last?" --new_tokens 24
 """
 
 from __future__ import annotations
@@ -106,7 +111,8 @@ def _tiny_cases() -> list[tuple[str, Any, Any, Any, Any]]:
     return cases
 
 
-def _reference(config: Any, params: Any, hf_dir: pathlib.Path) -> dict[str, Any]:
+def _reference(config: Any, params: Any, hf_dir: pathlib.Path, messages: list[dict],
+               new_tokens: int) -> dict[str, Any]:
     """jaxlearn's logits, ids, rendering and greedy tokens, through the exported tokenizer."""
     import jax.numpy as jnp
 
@@ -114,21 +120,25 @@ def _reference(config: Any, params: Any, hf_dir: pathlib.Path) -> dict[str, Any]
     from jaxlearn.module import functional
 
     loaded = load_pretrained(hf_dir)  # tokenizer + template as exported
-    prompt = loaded.encode_chat(MESSAGES)
+    prompt = loaded.encode_chat(messages)
     model = config.instantiate()
     logits, _ = functional(model, None, params, ({"input_ids": jnp.asarray([prompt])},),
                            method="logits", is_training=False)  # fmt: skip
-    new = greedy_generate(model, params, np.asarray([prompt]), NEW_TOKENS)
+    new = [int(i) for i in np.asarray(
+        greedy_generate(model, params, np.asarray([prompt]), new_tokens))[0]]
     return {
+        "messages": messages,
         "prompt_ids": prompt,
-        "rendered": loaded.render_chat(MESSAGES),
+        "rendered": loaded.render_chat(messages),
         "text_ids": {t: loaded.encode(t) for t in TEXTS},
-        "greedy": [int(i) for i in np.asarray(new)[0]],
+        "greedy": new,
+        "answer": loaded.tokenizer.decode(new),
         "logits": np.asarray(logits, np.float32)[0],
     }
 
 
-def export_stage(out: pathlib.Path, init: str | None) -> None:
+def export_stage(out: pathlib.Path, init: str | None, question: str | None,
+                 new_tokens: int) -> None:
     from jaxlearn.interop import export_gguf, export_hf, load_pretrained
 
     if init:
@@ -140,7 +150,8 @@ def export_stage(out: pathlib.Path, init: str | None) -> None:
     for name, config, params, tok, chat in cases:
         case = out / name
         hf = export_hf(case / "hf", config, params, tokenizer=tok, chat_template=chat)
-        ref = _reference(config, params, hf)
+        messages = [{"role": "user", "content": question}] if question else MESSAGES
+        ref = _reference(config, params, hf, messages, new_tokens)
         for dtype in GGUF_DTYPES:
             export_gguf(case / f"model.{dtype}.gguf", config, params, tokenizer=tok,
                         chat_template=chat, dtype=dtype)  # fmt: skip
@@ -169,8 +180,9 @@ def _check_transformers_files(case: pathlib.Path, ref: dict[str, Any]) -> dict:
     config = transformers.AutoConfig.from_pretrained(hf)
     tok = transformers.AutoTokenizer.from_pretrained(hf)
     gen = transformers.GenerationConfig.from_pretrained(hf)
-    rendered = tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
-    chat_ids = tok.apply_chat_template(MESSAGES, tokenize=True, add_generation_prompt=True)
+    messages = ref.get("messages", MESSAGES)
+    rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    chat_ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
     if isinstance(chat_ids, dict) or hasattr(chat_ids, "keys"):
         chat_ids = chat_ids["input_ids"]
     return {
@@ -195,23 +207,27 @@ def _check_transformers_model(
 
     model = transformers.AutoModelForCausalLM.from_pretrained(case / "hf", dtype=torch.float32)
     ids = torch.tensor([ref["prompt_ids"]])
+    n = len(ref["greedy"])
     with torch.no_grad():
         got = model(ids).logits[0].float().numpy()
-        new = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False,
-                             min_new_tokens=NEW_TOKENS)[0, ids.shape[1]:]  # fmt: skip
+        new = model.generate(ids, max_new_tokens=n, do_sample=False,
+                             min_new_tokens=n)[0, ids.shape[1]:]  # fmt: skip
+    tok = transformers.AutoTokenizer.from_pretrained(case / "hf")
     return {
         "transformers": transformers.__version__,
         "class": type(model).__name__,
         "max_abs_logit_diff": float(np.max(np.abs(got - logits))),
         "max_abs_logit": float(np.max(np.abs(logits))),
         "greedy_equal": new.tolist() == ref["greedy"],
+        "answer": tok.decode(new.tolist()),
+        "jaxlearn_answer": ref.get("answer"),
     }
 
 
 def _check_llama_cpp(path: pathlib.Path, ref: dict[str, Any], logits: np.ndarray) -> dict:
     import llama_cpp
 
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=128, logits_all=True, verbose=False)
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, logits_all=True, verbose=False)
     text_ok = all(
         llm.tokenize(t.encode(), add_bos=True, special=True) == ids
         for t, ids in ref["text_ids"].items()
@@ -221,7 +237,7 @@ def _check_llama_cpp(path: pathlib.Path, ref: dict[str, Any], logits: np.ndarray
     llm.eval(prompt)
     got = np.asarray(llm.scores[: len(prompt)], np.float32)
     greedy = []
-    for _ in range(NEW_TOKENS):
+    for _ in range(len(ref["greedy"])):
         nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
         greedy.append(nxt)
         llm.eval([nxt])
@@ -233,6 +249,8 @@ def _check_llama_cpp(path: pathlib.Path, ref: dict[str, Any], logits: np.ndarray
         "text_ids_equal": text_ok,
         "chat_template_equal": llm.metadata.get("tokenizer.chat_template") == ref["template"],
         "greedy_equal": greedy == ref["greedy"],
+        "answer": llm.detokenize(greedy).decode("utf-8", "replace"),
+        "jaxlearn_answer": ref.get("answer"),
     }
 
 
@@ -267,11 +285,13 @@ def main() -> None:
     parser.add_argument("stage", choices=("export", "check"))
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("/tmp/export_check"))
     parser.add_argument("--init", help="export this HF directory / GGUF file instead")
+    parser.add_argument("--question", help="the user turn of the chat prompt")
+    parser.add_argument("--new_tokens", type=int, default=NEW_TOKENS, help="greedy tokens")
     parser.add_argument("--results", type=pathlib.Path, default=RESULTS)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.stage == "export":
-        export_stage(args.out, args.init)
+        export_stage(args.out, args.init, args.question, args.new_tokens)
     else:
         check_stage(args.out, args.results)
 

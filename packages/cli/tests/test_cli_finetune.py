@@ -5,6 +5,10 @@ import json
 import os
 import pathlib
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import jax
 import numpy as np
@@ -89,32 +93,57 @@ def test_finetune_starts_at_the_pretrained_loss_and_lowers_it(model_dir, tmp_pat
     np.testing.assert_allclose(float(loss), losses[1], rtol=2e-6)
 
 
-def test_killed_finetune_resumes_its_checkpoint_bit_exact(model_dir, tmp_path):
-    common = ["train", "--experiment", "finetune", "--init_from", str(model_dir), *FAST,
+@pytest.mark.parametrize("experiment", ["finetune", "lora"])
+def test_sigkilled_finetune_resumes_its_checkpoint_bit_exact(model_dir, tmp_path, experiment):
+    """A `jaxlearn train` subprocess SIGKILLed once step 4's checkpoint is committed; the
+    rerun resumes it (not --init_from) and ends bit for bit where an uninterrupted run
+    (in this process: same XLA, same 8 devices) ends."""
+    common = ["train", "--experiment", experiment, "--init_from", str(model_dir), *FAST,
               "--max_step", "6", "--set", "save_every_n_steps=2"]
     straight, split = tmp_path / "straight", tmp_path / "split"
     assert main([*common, "--output_dir", str(straight)]) == 0
-    crash = ["--set", "resilience.faults='crash@5'"]
-    with pytest.raises(RuntimeError):
-        main([*common, "--output_dir", str(split), *crash])
-    assert main([*common, "--output_dir", str(split), *crash]) == 0  # fired once: resumes
+    # The child blocks its training thread before step 5 (once per output dir), so the
+    # kill lands after step 4's commit and before the run could finish.
+    common += ["--set", "resilience.faults='hang@5'"]
+    env = dict(os.environ, JAX_NUM_CPU_DEVICES="8", PYTHONPATH=os.pathsep.join(sys.path))
+    log = tmp_path / "child.log"
+    with log.open("w") as out:
+        child = subprocess.Popen([sys.executable, "-m", "jaxlearn.cli", *common,
+                                  "--output_dir", str(split)], env=env, stdout=out,
+                                 stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 240
+    try:
+        while not (split / "checkpoints" / "step_00000004").is_dir():
+            assert child.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "no commit of step 4 in 240 s"
+            time.sleep(0.05)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    assert child.returncode == -signal.SIGKILL
+    assert "hanging before step 5" in log.read_text()
+    assert main([*common, "--output_dir", str(split)]) == 0
     a, b = _losses(straight), _losses(split)
     assert [a[s] for s in range(1, 7)] == [b[s] for s in range(1, 7)]
     rows = [json.loads(line) for line in (split / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in rows if r["split"] == "train"]
     assert steps == [1, 2, 3, 4, 5, 6]  # the rerun went on from step 4, not from step 0
+    fa, fb = _final_params(straight, 6), _final_params(split, 6)
+    assert fa.keys() == fb.keys()
+    assert any("_lora_" in k for k in fa) == (experiment == "lora")
+    for k in fa:
+        np.testing.assert_array_equal(fa[k], fb[k], err_msg=k)
 
+
+def _final_params(run, step):
+    """A run's params at `step`, as flat numpy arrays."""
     from jaxlearn.checkpoint import Checkpointer
+    from jaxlearn.interop.tree import flatten
 
-    def final(run):
-        ckpt = Checkpointer.default_config().set(directory=str(run / "checkpoints")).instantiate()
-        shapes = jax.tree.map(np.asarray, ckpt.restore(6, _abstract(ckpt, run), partial=True))
-        ckpt.close()
-        return shapes
-
-    fa, fb = final(straight), final(split)
-    for x, y in zip(jax.tree.leaves(fa), jax.tree.leaves(fb)):
-        np.testing.assert_array_equal(x, y)
+    ckpt = Checkpointer.default_config().set(directory=str(run / "checkpoints")).instantiate()
+    params = ckpt.restore(step, _abstract(ckpt, run), partial=True)["params"]
+    ckpt.close()
+    return flatten(jax.tree.map(np.asarray, params))
 
 
 def _abstract(ckpt, run):

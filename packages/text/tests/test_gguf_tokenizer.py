@@ -73,3 +73,16 @@ def test_hostile_header_is_refused_fast_with_bounded_memory(tmp_path):
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert peak < 1 << 20, peak
+
+
+def test_exports_the_tokenizer_it_rebuilt_from_the_file(tmp_path):
+    """`export_tokenizer` (what `jaxlearn export` of a run fine-tuned from a GGUF calls)
+    takes the rebuilt tokenizer, not its config's path (a GGUF, not a tokenizer.json)."""
+    from jaxlearn.text.tokenizer_export import export_tokenizer
+
+    tok = GGUFTokenizer.default_config().set(path=write(tmp_path / "m.gguf",
+                                                        spm_metadata())).instantiate()
+    out = export_tokenizer(tok, vocab_size=tok.vocab_size)
+    assert out.tokenizer.encode("hello world", add_special_tokens=False).ids == \
+        tok.encode("hello world")
+    assert (out.bos, out.eos) == (1, (2,))

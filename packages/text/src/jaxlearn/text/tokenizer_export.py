@@ -148,7 +148,9 @@ def export_tokenizer(
     elif isinstance(tokenizer, HFTokenizer):
         from tokenizers import Tokenizer
 
-        tok = Tokenizer.from_file(tokenizer.config.path)
+        # A copy of the loaded tokenizer: its config's path may be a GGUF file
+        # (`GGUFTokenizer`) or empty (`HFTokenizer.from_tokenizer`).
+        tok = Tokenizer.from_str(tokenizer.tokenizer.to_str())
         own = (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id)
         add_bos = _bos_added(tok) is not None
     elif type(tokenizer).__module__.startswith("tokenizers") and hasattr(tokenizer, "to_str"):
