@@ -1,6 +1,7 @@
 """`jaxlearn serve` and `jaxlearn generate`.
 
     jaxlearn serve --model PATH [--host 127.0.0.1] [--port 8000] [--max_batch 8]
+                   [--dtype bfloat16] [--param_dtype bfloat16]
                    [--engine_set decode_burst=4 ...] [--print_config]
                    [--api_key KEY] [--allowed_hosts H,..] [--allowed_origins O,..]
                    [--max_connections N] [--header_timeout S]
@@ -39,6 +40,7 @@ from typing import Any, Optional, Sequence
 # Flags that set `Engine.Config` fields of the same name (None: the field's default).
 ENGINE_FLAGS = ("max_seq_len", "max_batch", "prefill_chunk", "kv_cache_tokens", "page_size")
 _STEP_DIR = re.compile(r"step_(\d+)")
+PARAM_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -51,6 +53,10 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="override a field of the run's config (jaxlearn runs), e.g. "
                         "--set model.dtype='bfloat16'")
     p.add_argument("--dtype", default=None, help="compute dtype, e.g. bfloat16 (HF / GGUF)")
+    p.add_argument("--param_dtype", default=None, choices=PARAM_DTYPES,
+                   help="dtype the weights are stored in (HF / GGUF; default float32); "
+                        "bfloat16 with --dtype bfloat16 halves the weight memory and the "
+                        "bytes each decode step reads")
     p.add_argument("--max_seq_len", type=int, default=None,
                    help="prompt + generated tokens (default 2048)")
     p.add_argument("--max_batch", type=int, default=None,
@@ -311,8 +317,11 @@ def run_tokenizer(cfg: Any) -> Any:
 
 
 def load_model(path: str, engine_cfg: Any, *, experiment: Optional[str] = None,
-               overrides: Sequence[str] = (), dtype: Optional[str] = None) -> Any:
-    """An `Engine` with `engine_cfg` for PATH (see module docstring)."""
+               overrides: Sequence[str] = (), dtype: Optional[str] = None,
+               param_dtype: Optional[str] = None) -> Any:
+    """An `Engine` with `engine_cfg` for PATH (see module docstring). `dtype` (compute) and
+    `param_dtype` (weight storage) apply to HF / GGUF models; a jaxlearn run's dtypes are
+    its config's (`--set model...`)."""
     from jaxlearn.cli.main import UsageError
     from jaxlearn.inference import Engine
 
@@ -322,6 +331,9 @@ def load_model(path: str, engine_cfg: Any, *, experiment: Optional[str] = None,
     location = checkpoint_location(p)
     if location is not None:
         root, step = location
+        if param_dtype is not None:
+            raise UsageError(f"--param_dtype: applies to HF / GGUF models; {path} is a "
+                             f"jaxlearn run (its params keep their checkpoint dtype)")
         cfg, source = run_config(p, root, experiment, overrides)
         print(f"jaxlearn: model config from {source}", file=sys.stderr)
         tokenizer = run_tokenizer(cfg)
@@ -333,7 +345,8 @@ def load_model(path: str, engine_cfg: Any, *, experiment: Optional[str] = None,
         raise UsageError(f"--model {path}: not a jaxlearn checkpoint, and jaxlearn.interop "
                          f"(HF / GGUF loading) is not installed") from None
     try:
-        loaded = load_pretrained(p, **({"dtype": dtype} if dtype else {}))
+        opts = {k: v for k, v in (("dtype", dtype), ("param_dtype", param_dtype)) if v}
+        loaded = load_pretrained(p, **opts)
     except InteropError as e:
         raise UsageError(str(e)) from None
     if loaded.tokenizer is None:
@@ -368,7 +381,8 @@ def _engine(args: argparse.Namespace, engine_cfg: Any) -> Any:
     t0 = time.monotonic()
     try:
         engine = load_model(args.model, engine_cfg, experiment=args.experiment,
-                            overrides=args.overrides, dtype=args.dtype)
+                            overrides=args.overrides, dtype=args.dtype,
+                            param_dtype=args.param_dtype)
     except (ValueError, RequestError, OSError) as e:
         raise UsageError(f"--model {args.model}: {e}") from None
     sys.stderr.write(engine_text(engine.config))  # The one block of serving settings.
