@@ -12,7 +12,9 @@ greedy, EOS ignored, after an untimed warm-up of the same call. The runner's `pr
 numpy), and the rest, i.e. the Python scheduler (admission, page table, per-row sampling
 arrays, detokenization, stop checks). Prints one JSON line per (dtypes, rows, repeat):
 `ms_per_token_step` (decode wall / decode steps), `decode_call_ms` (per jit call),
-`scheduler_ms_per_step`, tok/s over the whole call and the weight bytes.
+`scheduler_ms_per_step`, tok/s over the whole call and the weight bytes. `--trace`: a JAX
+profiler trace of one more generate call per case, its XLA op time (summed over threads)
+by category (`jl_profile.category` on the op names) and the top ops, as `ops` records.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import argparse
 import functools
 import importlib.util
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -75,6 +78,39 @@ def measure(engine: Any, rows: int, tokens: int) -> dict[str, float]:
                 scheduler_share=round(other / wall, 3))
 
 
+def trace_ops(engine: Any, rows: int, tokens: int, top: int = 8) -> dict[str, Any]:
+    """Per-category and top XLA op milliseconds of one traced generate call."""
+    import glob
+    import gzip
+    import os
+    import tempfile
+    from collections import defaultdict
+
+    import jax
+    from jl_profile import category
+
+    d = tempfile.mkdtemp(prefix="jlserve_")
+    jax.profiler.start_trace(d, create_perfetto_trace=True)
+    measure(engine, rows, tokens)
+    jax.profiler.stop_trace()
+    with gzip.open(glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"),
+                             recursive=True)[0]) as f:
+        trace = json.load(f)
+    per_op: dict[str, float] = defaultdict(float)
+    for e in trace["traceEvents"] if isinstance(trace, dict) else trace:
+        name = e.get("name", "")
+        if e.get("ph") == "X" and re.match(r"[a-z_\-]+(\.\d+)+$|[a-z_]+$", name):
+            per_op[name] += float(e.get("dur", 0.0)) / 1e3
+    cats: dict[str, float] = defaultdict(float)
+    for name, ms in per_op.items():
+        cats[category(name, "")] += ms
+    ranked = sorted(cats.items(), key=lambda x: -x[1])
+    return dict(op_ms=round(sum(per_op.values()), 1),
+                categories={k: round(v, 1) for k, v in ranked},
+                top=[[n, round(v, 1)]
+                     for n, v in sorted(per_op.items(), key=lambda x: -x[1])[:top]])
+
+
 def main() -> None:
     import jax
 
@@ -87,6 +123,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--dtypes", default="f32/f32,bf16/f32,bf16/bf16")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--trace", action="store_true", help="also profile one call per case")
     args = p.parse_args()
     names = {"f32": "float32", "bf16": "bfloat16"}
     model = args.model or _default_model()
@@ -103,6 +140,9 @@ def main() -> None:
                 rec = dict(dtypes=pair, rows=rows, repeat=rep, tokens=args.tokens,
                            weight_mb=round(weight_mb, 1), **measure(engine, rows, args.tokens))
                 print(json.dumps(rec), flush=True)
+            if args.trace:
+                print(json.dumps(dict(dtypes=pair, rows=rows, ops=trace_ops(
+                    engine, rows, args.tokens))), flush=True)
         del engine, loaded
 
 
