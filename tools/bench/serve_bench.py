@@ -353,6 +353,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--peers", default=str(Path.home() / ".cache/serve-peers"))
     p.add_argument("--log_dir", default="/tmp")
     p.add_argument("--out", default=str(ROOT / "tools/bench/results/serve.jsonl"))
+    p.add_argument("--run_id", default=None, help="add to this run (default: a new one)")
+    p.add_argument("--first_round", type=int, default=0, help="number of the first round")
     p.add_argument("--report", action="store_true", help="only rewrite the markdown table")
     args = p.parse_args(argv)
     out, md = Path(args.out), Path(args.out).with_suffix(".md")
@@ -365,8 +367,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     unknown = [n for n in names if n not in specs]
     if unknown:
         p.error(f"--servers: unknown {unknown}; known: {sorted(specs)}")
-    run_id = time.strftime("%Y%m%d-%H%M%S")
-    for rnd in range(args.rounds):
+    run_id = args.run_id or time.strftime("%Y%m%d-%H%M%S")
+    for rnd in range(args.first_round, args.first_round + args.rounds):
         for name in (names if rnd % 2 == 0 else names[::-1]):
             try:
                 recs = bench_server(name, specs[name], args, rnd, run_id)
