@@ -82,6 +82,9 @@ def server_specs(peers: Path, port: int, max_batch: int, max_len: int) -> dict[s
                      HF_HUB_OFFLINE="1"),
             health="/health", body=ignore),
     }
+    # Eager PyTorch: no torch.compile warm-up, which outlasts a 10-minute start-up limit
+    # on a loaded 2-core host.
+    specs["vllm-eager"] = dict(specs["vllm"], cmd=[*specs["vllm"]["cmd"], "--enforce-eager"])
     native = peers / "llamacpp/bin/llama-server"
     for tag, gguf in (("", q4), ("-f32", f32)):
         if native.exists():
@@ -309,6 +312,7 @@ def report(path: Path, md: Path) -> str:
         cell[key]["rounds"] = len(group)
         cell[key]["short"] = sum(r["short"] + r["requests"] - r["ok"] for r in group)
     servers = sorted({s for s, _ in cell}, key=lambda s: (not s.startswith("vllm"), s))
+    ref_name = next((s for s in ("vllm", "vllm-eager") if any(k[0] == s for k in cell)), "")
     levels = sorted({c for _, c in cell})
     loads = [r["load_avg"] for r in recs]
     lines = [f"run `{run_id}`: medians of {max(v['rounds'] for v in cell.values())} "
@@ -321,14 +325,14 @@ def report(path: Path, md: Path) -> str:
              "| start s | short |", "|---|---|---|---|---|---|---|---|"]
     for s in servers:
         for c in levels:
-            v, ref = cell.get((s, c)), cell.get(("vllm", c))
+            v, ref = cell.get((s, c)), cell.get((ref_name, c))
             if v is None:
                 continue
 
             def f(k: str) -> str:
                 if k not in v:
                     return "-"
-                r = f" ({v[k] / ref[k]:.2f}x)" if ref and ref.get(k) and s != "vllm" else ""
+                r = f" ({v[k] / ref[k]:.2f}x)" if ref and ref.get(k) and s != ref_name else ""
                 return f"{v[k]:.4g}{r}"
             lines.append(f"| {s} | {c} | {f('out_tok_s')} | {f('ttft_p50_ms')} / "
                          f"{f('ttft_p99_ms')} | {f('tpot_p50_ms')} / {f('tpot_p99_ms')} | "
