@@ -151,14 +151,18 @@ class Server:
         t0 = time.monotonic()
         self.proc = subprocess.Popen(spec["cmd"], env=env, stdout=self.log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
-        while get_status(port, spec["health"]) != 200:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{name}: exited with {self.proc.returncode} before "
-                                   f"answering {spec['health']}; see {self.log.name}")
-            if time.monotonic() - t0 > timeout:
-                self.stop()
-                raise RuntimeError(f"{name}: no 200 from {spec['health']} in {timeout:.0f}s")
-            time.sleep(0.25)
+        try:
+            while get_status(port, spec["health"]) != 200:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"{name}: exited with {self.proc.returncode} before "
+                                       f"answering {spec['health']}; see {self.log.name}")
+                if time.monotonic() - t0 > timeout:
+                    raise RuntimeError(f"{name}: no 200 from {spec['health']} in "
+                                       f"{timeout:.0f}s")
+                time.sleep(0.25)
+        except BaseException:  # Also Ctrl-C: never leave a server behind.
+            self.stop()
+            raise
         self.startup_s = time.monotonic() - t0
 
     def stop(self) -> None:
