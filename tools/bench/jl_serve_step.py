@@ -123,13 +123,15 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--dtypes", default="f32/f32,bf16/f32,bf16/bf16")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--stack", default="scan", choices=["scan", "loop"],
+                   help="layer stack of the loaded model (serve loads scan)")
     p.add_argument("--trace", action="store_true", help="also profile one call per case")
     args = p.parse_args()
     names = {"f32": "float32", "bf16": "bfloat16"}
     model = args.model or _default_model()
     for pair in args.dtypes.split(","):
         dt, pdt = (names[x] for x in pair.split("/"))
-        loaded = load_pretrained(model, dtype=dt, param_dtype=pdt)
+        loaded = load_pretrained(model, dtype=dt, param_dtype=pdt, stack=args.stack)
         weight_mb = sum(x.nbytes for x in jax.tree.leaves(loaded.params)) / 2**20
         cfg = Engine.default_config().set(max_seq_len=512, max_batch=8, kv_cache_tokens=4096)
         engine = cfg.instantiate(model_cfg=loaded.config, params=loaded.params,
@@ -137,11 +139,11 @@ def main() -> None:
         for rows in (int(r) for r in args.rows.split(",")):
             measure(engine, rows, args.tokens)  # Compiles.
             for rep in range(args.repeats):
-                rec = dict(dtypes=pair, rows=rows, repeat=rep, tokens=args.tokens,
+                rec = dict(dtypes=pair, stack=args.stack, rows=rows, repeat=rep, tokens=args.tokens,
                            weight_mb=round(weight_mb, 1), **measure(engine, rows, args.tokens))
                 print(json.dumps(rec), flush=True)
             if args.trace:
-                print(json.dumps(dict(dtypes=pair, rows=rows, ops=trace_ops(
+                print(json.dumps(dict(dtypes=pair, stack=args.stack, rows=rows, ops=trace_ops(
                     engine, rows, args.tokens))), flush=True)
         del engine, loaded
 
