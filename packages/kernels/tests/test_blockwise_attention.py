@@ -94,7 +94,10 @@ def test_values_and_gradients_equal_dense_attention(b, s, h, kvh, d, causal, win
 def test_bfloat16_is_close_to_float32():
     q, k, v, pos, seg = _inputs(2, 2, 40, 4, 2, 16)
     kw = dict(q_segment_ids=seg, k_segment_ids=seg, block_q=16, block_k=16)
-    loss = lambda q, k, v: jnp.sum(blockwise_attention(q, k, v, **kw).astype(jnp.float32) ** 2)
+
+    def loss(q, k, v):
+        return jnp.sum(blockwise_attention(q, k, v, **kw).astype(jnp.float32) ** 2)
+
     want = jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
     low = [x.astype(jnp.bfloat16) for x in (q, k, v)]
     got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(*low)
@@ -159,10 +162,11 @@ def test_gradient_temp_memory_falls_vs_dense_at_seq_4096():
         p = jax.nn.softmax(jnp.where(i[None, :] <= i[:, None], s, -1e30), axis=-1)
         return jnp.einsum("bhqk,bkhd->bqhd", p, v).sum()
 
-    blockwise = lambda q, k, v: blockwise_attention(q, k, v, block_q=512, block_k=512).sum()
-    grad = lambda f: jax.grad(f, argnums=(0, 1, 2))
-    dense_bytes = _temp_bytes(grad(dense), shape, shape, shape)
-    block_bytes = _temp_bytes(grad(blockwise), shape, shape, shape)
+    def blockwise(q, k, v):
+        return blockwise_attention(q, k, v, block_q=512, block_k=512).sum()
+
+    dense_bytes = _temp_bytes(jax.grad(dense, argnums=(0, 1, 2)), shape, shape, shape)
+    block_bytes = _temp_bytes(jax.grad(blockwise, argnums=(0, 1, 2)), shape, shape, shape)
     # Dense holds [heads, 4096, 4096] f32 scores (256 MiB); blockwise a few [512, 512] blocks.
     assert dense_bytes >= 4 * 4096 * 4096 * 4
     assert block_bytes * 8 < dense_bytes, (block_bytes, dense_bytes)

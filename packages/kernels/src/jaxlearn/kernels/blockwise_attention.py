@@ -124,7 +124,9 @@ def _mask(st: _Static, qpos, qseg, kpos, kseg, kvalid) -> jax.Array:
     return m[:, None, None]
 
 
-def _scores(st: _Static, qb: jax.Array, kb: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _scores(
+    st: _Static, qb: jax.Array, kb: jax.Array
+) -> tuple[jax.Array, Optional[jax.Array]]:
     """qb [b, bq, kv, g, d], kb [b, bk, kv, d] -> (scores, d scores / d raw scores), both
     f32 [b, kv, g, bq, bk] (the second is None without a soft cap)."""
     s = jnp.einsum("bqkgd,btkd->bkgqt", qb, kb, preferred_element_type=jnp.float32) * st.scale
@@ -169,9 +171,11 @@ def _forward(st: _Static, q, k, v, qpos, kpos, qseg, kseg, kvalid):
 
             return lax.cond(jnp.any(mask), compute, lambda c: c, carry), None
 
-        (m, l, acc), _ = lax.scan(step, init, k_side)
-        out = acc / _rows(jnp.where(l == 0, 1.0, l))
-        lse = jnp.where(l == 0, jnp.inf, m + jnp.log(jnp.where(l == 0, 1.0, l)))
+        (m, total, acc), _ = lax.scan(step, init, k_side)
+        seen = total > 0  # False: the row saw no key.
+        safe = jnp.where(seen, total, 1.0)
+        out = acc / _rows(safe)
+        lse = jnp.where(seen, m + jnp.log(safe), jnp.inf)
         return out.astype(q.dtype), lse
 
     out, lse = lax.map(one_q_block, tuple(_blocks(x, st.block_q) for x in (qg, qpos, qseg)))
