@@ -8,7 +8,8 @@ import tomllib
 ROOT = next(p for p in [pathlib.Path.cwd(), *pathlib.Path(__file__).resolve().parents]
             if (p / "packages" / "config" / "BUILD").exists())
 ALLOWED = {
-    "config": set(), "module": {"config"}, "layers": {"module", "config"}, "mesh": {"config"},
+    "config": set(), "module": {"config"}, "kernels": set(),
+    "layers": {"module", "config", "kernels"}, "mesh": {"config"},
     "checkpoint": {"config", "mesh"}, "text": {"config"},
     "resilience": {"config", "mesh", "checkpoint"}, "launch": {"config"},
     "runtime": {"config", "module", "mesh", "checkpoint", "resilience", "text"},

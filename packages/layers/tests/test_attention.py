@@ -207,3 +207,50 @@ def test_per_row_cache_writes_equal_the_scatter_and_stay_bf16():
     text = jax.jit(_write).lower(buf, new.astype(jnp.bfloat16), t).compile().as_text()
     entry = text[text.index("ENTRY"):]  # What is materialised (fusion bodies aside).
     assert " scatter(" not in text and not re.search(r"f32\[4,16,2,8\]", entry)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(num_kv_heads=2, sliding_window=4, logit_soft_cap=2.0),
+        dict(num_kv_heads=1, qk_norm=RMSNorm.default_config(), qkv_bias=True),
+        dict(num_kv_heads=4, causal=False),
+    ],
+)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_blockwise_values_and_gradients_equal_einsum(kw, dtype):
+    """Packed rows (positions restart per segment), ragged length 13 over blocks of 4 / 5."""
+    s = 13
+    x = jax.random.normal(jax.random.key(7), (2, s, E), dtype)
+    seg = jnp.array([[1] * 5 + [2] * 8, [1] * 13])
+    pos = jnp.array([list(range(5)) + list(range(8)), list(range(13))])
+    ein, p = make(dtype=dtype, **kw)
+    blk, _ = make(dtype=dtype, implementation="blockwise", block_q=4, block_k=5, **kw)
+
+    def loss(m):
+        return jax.jit(jax.value_and_grad(
+            lambda p, x: jnp.sum(call(m, p, x, pos, seg).astype(jnp.float32) ** 2),
+            argnums=(0, 1)))
+
+    (want, (want_p, want_x)), (got, (got_p, got_x)) = loss(ein)(p, x), loss(blk)(p, x)
+    # bf16: both paths round to 8 mantissa bits; errors are relative to the largest entry.
+    rel = 1e-5 if dtype == "float32" else 2e-2
+    f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
+    np.testing.assert_allclose(got, want, rtol=rel)
+    named = [("x", got_x, want_x)] + [
+        (jax.tree_util.keystr(path), g, w)
+        for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got_p), jax.tree.leaves(want_p))
+    ]
+    for name, g, w in named:
+        scale = float(np.abs(f32(w)).max())
+        np.testing.assert_allclose(f32(g), f32(w), rtol=rel, atol=rel * scale, err_msg=name)
+
+
+def test_blockwise_prefill_plus_extend_equals_forward():
+    m, p = make(num_kv_heads=2, implementation="blockwise", block_q=2, block_k=3)
+    full = call(m, p, X)
+    np.testing.assert_allclose(full, ref_attention(X, p, 2, POS), rtol=1e-4, atol=1e-5)
+    cache = jcall(m, p, 2, 12, method="init_states")
+    cache, y0 = jcall(m, p, cache, X[:, :5], method="prefill")
+    cache, y1 = jcall(m, p, cache, X[:, 5:8], jnp.int32(5), method="extend_step")
+    np.testing.assert_allclose(jnp.concatenate([y0, y1], 1), full, rtol=1e-5, atol=1e-5)

@@ -10,6 +10,7 @@ from jaxlearn.mesh import (
     GradAccumulationModifier,
     MeshShapeModifier,
     RematPolicyModifier,
+    SetFieldsModifier,
     hybrid_mesh_shape_from_axes,
     mesh_shape_from_axes,
 )
@@ -24,6 +25,14 @@ def remat(policy: str = "nothing_saveable") -> Any:
     """A modifier that rematerialises every transformer layer with `policy`."""
     return RematPolicyModifier.default_config().set(
         target=LAYER_PATH, field="remat_spec", remat_policy=RematSpec(policy=policy)
+    )
+
+
+def blockwise_attention() -> Any:
+    """A modifier that runs every layer's self-attention through the flash-style kernel
+    (`jaxlearn.kernels.blockwise_attention`): no [seq, seq] scores held for the backward."""
+    return SetFieldsModifier.default_config().set(
+        fields={"model.decoder.transformer.layer.self_attention.implementation": "blockwise"}
     )
 
 
@@ -46,18 +55,20 @@ def large_model_mesh_rules(*, gpu_microbatches: int = 1) -> tuple[tuple[str, Any
     GPU (8 per host, NVLink): FSDP within a host, data parallel across hosts.
     Trainium2: FSDP with 4-way tensor parallelism inside a chip group.
     CPU: FSDP over every device (for AOT checks and smoke runs).
+    Accelerators run attention blockwise; CPU keeps the einsum path.
     """
     tpu = chain(mesh(hybrid_mesh_shape_from_axes(ici={"fsdp": -1}, dcn={"data": -1})),
-                remat("nothing_saveable"))
+                remat("nothing_saveable"), blockwise_attention())
     gpu_mods = [mesh(hybrid_mesh_shape_from_axes(ici={"fsdp": -1}, dcn={"data": -1})),
-                remat("dots_with_no_batch_dims_saveable")]
+                remat("dots_with_no_batch_dims_saveable"), blockwise_attention()]
     if gpu_microbatches > 1:
         gpu_mods.append(grad_accumulation(gpu_microbatches))
     return (
         (r"tpu-v5e-.*", tpu),
         (r"tpu-v(5p|6e|4)-.*", tpu),
         (r"gpu-(h100|h200|b200)-.*", chain(*gpu_mods)),
-        (r"trn2-.*", chain(mesh(mesh_shape_from_axes(fsdp=-1, model=4)), remat())),
+        (r"trn2-.*", chain(mesh(mesh_shape_from_axes(fsdp=-1, model=4)), remat(),
+                           blockwise_attention())),
         (r"cpu-.*", mesh(mesh_shape_from_axes(fsdp=-1))),
     )
 

@@ -16,12 +16,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxlearn.config import REQUIRED, InstantiableConfig
+from jaxlearn.kernels import blockwise_attention
 from jaxlearn.layers import paged
 from jaxlearn.layers.dense import DotGeneral, dense, einsum, maybe_dot
 from jaxlearn.layers.rope import RotaryEmbedding
 from jaxlearn.module import FanAxes, Module, ParameterSpec, with_logical_constraint, zeros
 
-IMPLEMENTATIONS = ("einsum", "dot_product_attention")
+IMPLEMENTATIONS = ("einsum", "dot_product_attention", "blockwise")
 _NEG = float(jnp.finfo(jnp.float32).min)
 # Pages of keys [kv_heads, head_dim, page_size], of values [kv_heads, page_size, head_dim]:
 # the layouts `_core`'s two einsums read them in (see `jaxlearn.layers.paged`).
@@ -79,7 +80,11 @@ class Attention(Module):
         causal: bool = True
         sliding_window: Optional[int] = None  # Keys at distance >= window are hidden.
         query_scale: Optional[float] = None  # None: head_dim ** -0.5.
-        implementation: str = "einsum"  # "einsum" | "dot_product_attention"
+        implementation: str = "einsum"  # "einsum" | "dot_product_attention" | "blockwise"
+        # "blockwise" (`jaxlearn.kernels.blockwise_attention`, forward and prefill; decode
+        # uses einsum): query / key block sizes of the flash-style loop.
+        block_q: int = 512
+        block_k: int = 512
         dot: Optional[DotGeneral.Config] = None
         # One `qkv_proj` [embed, heads + 2 kv_heads, head_dim] (and `qkv_bias`) in place of
         # q/k/v_proj: one matmul instead of three (decode on CPU: a GEMV each has a fixed
@@ -100,8 +105,9 @@ class Attention(Module):
                 f"{where}: num_heads={c.num_heads} must be a multiple of num_kv_heads="
                 f"{self.num_kv_heads}"
             )
-        if c.logit_soft_cap is not None and c.implementation != "einsum":
-            raise ValueError(f"{where}: logit_soft_cap needs implementation='einsum'")
+        if c.logit_soft_cap is not None and c.implementation == "dot_product_attention":
+            raise ValueError(f"{where}: logit_soft_cap needs implementation='einsum' or "
+                             "'blockwise'")
         if c.head_dim is None and c.input_dim % c.num_heads:
             raise ValueError(f"{where}: input_dim {c.input_dim} % num_heads {c.num_heads} != 0")
         self._dot = maybe_dot(c.dot)
@@ -273,6 +279,14 @@ class Attention(Module):
             positions = jnp.broadcast_to(q_index, (b, s))
         q, k, v = self._project_qkv(x, positions)
         extra: Any
+        if c.implementation == "blockwise" and (cache is None or time_step is None):
+            o = blockwise_attention(
+                q, k, v, q_positions=q_index, k_positions=q_index, q_segment_ids=segment_ids,
+                k_segment_ids=segment_ids, causal=c.causal, sliding_window=c.sliding_window,
+                logit_soft_cap=c.logit_soft_cap, scale=self._scale, block_q=c.block_q,
+                block_k=c.block_k,
+            )
+            return self._output(o), (k, v)
         if cache is None or time_step is None:
             k_all, v_all, extra = k, v, (k, v)
             mask = make_mask(
@@ -309,12 +323,21 @@ class Attention(Module):
                 kv_end=t + s,
             )
         o = self._core(q, k_all.astype(q.dtype), v_all.astype(q.dtype), mask)  # [b, s, h, d]
+        return self._output(o), extra
+
+    @property
+    def _scale(self) -> float:
+        c = self.config
+        return c.query_scale if c.query_scale is not None else self.head_dim**-0.5
+
+    def _output(self, o: jax.Array) -> jax.Array:
+        """o [b, s, heads, head_dim] -> y [b, s, embed] through o_proj (+ o_bias)."""
+        b, s = o.shape[:2]
         p = self.parameters
         y = dense(o.reshape(b * s, *o.shape[2:]), p["o_proj"], dot=self._dot, in_dims=2)
         if "o_bias" in p:
             y = y + p["o_bias"].astype(y.dtype)
-        y = with_logical_constraint(y.reshape(b, s, -1), ("batch", "seq", "embed"))
-        return y, extra
+        return with_logical_constraint(y.reshape(b, s, -1), ("batch", "seq", "embed"))
 
     def _core(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
         """q [b, s, heads, d], k/v [b, t, kv_heads, d], mask [b|1, s, t] -> [b, s, heads, d]."""
