@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxlearn.kernels.chunked_loss import chunk_length, head_cross_entropy
 from jaxlearn.layers import llama_config
-from jaxlearn.layers.chunked_loss import chunk_length, head_cross_entropy
 from jaxlearn.module import functional
 
 B, S, D, V = 2, 12, 16, 40

@@ -22,6 +22,7 @@ from jaxlearn.mesh import (
     RematPolicyModifier,
     ReplaceConfigModifier,
     SetFieldsModifier,
+    SetMatchingModifier,
     apply_mesh_rules,
     hybrid_mesh_shape_from_axes,
     mesh_from_config,
@@ -225,6 +226,18 @@ def test_remat_modifier_needs_a_match_and_skips_modifier_configs():
     nothing = modifier(RematPolicyModifier, target="model.encoder", remat_policy="x")
     with pytest.raises(MeshRuleError, match="no config path fully matches"):
         apply_mesh_rules(cfg, "cpu-8", [("cpu-.*", nothing)])
+
+
+def test_set_matching_modifier_sets_every_match_and_needs_one():
+    wide = modifier(SetMatchingModifier, target=r"model\.layers\[\d+\]\.linear",
+                    field="output_dim", value=16)
+    out, _ = apply_mesh_rules(trainer_config(), "cpu-8", [("cpu-.*", wide)])
+    assert [layer.linear.output_dim for layer in out.model.layers] == [16, 16]
+    assert out.model.layers[0].linear.input_dim == 4
+    nothing = modifier(SetMatchingModifier, target=r"model\.layers\[\d+\]", field="nope",
+                       value=1)
+    with pytest.raises(MeshRuleError, match="no config path fully matches"):
+        apply_mesh_rules(trainer_config(), "cpu-8", [("cpu-.*", nothing)])
 
 
 def test_replace_config_modifier():

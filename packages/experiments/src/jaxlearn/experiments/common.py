@@ -10,7 +10,7 @@ from jaxlearn.mesh import (
     GradAccumulationModifier,
     MeshShapeModifier,
     RematPolicyModifier,
-    SetFieldsModifier,
+    SetMatchingModifier,
     hybrid_mesh_shape_from_axes,
     mesh_shape_from_axes,
 )
@@ -31,9 +31,9 @@ def remat(policy: str = "nothing_saveable") -> Any:
 def blockwise_attention() -> Any:
     """A modifier that runs every layer's self-attention through the flash-style kernel
     (`jaxlearn.kernels.blockwise_attention`): no [seq, seq] scores held for the backward."""
-    return SetFieldsModifier.default_config().set(
-        fields={"model.decoder.transformer.layer.self_attention.implementation": "blockwise"}
-    )
+    return SetMatchingModifier.default_config().set(
+        target=r"model\.decoder\.transformer\..*self_attention", field="implementation",
+        value="blockwise")
 
 
 def mesh(shape: Any) -> Any:

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxlearn.config import InstantiableConfig
-from jaxlearn.layers.chunked_loss import head_cross_entropy
+from jaxlearn.kernels.chunked_loss import head_cross_entropy
 from jaxlearn.layers.decoder import Decoder
 from jaxlearn.module import Module
 

@@ -68,6 +68,7 @@ from jaxlearn.mesh.modifiers import (
     RematPolicyModifier,
     ReplaceConfigModifier,
     SetFieldsModifier,
+    SetMatchingModifier,
     as_modifier,
     is_modifier_config,
 )
@@ -114,6 +115,7 @@ __all__ = [
     "RematPolicyModifier",
     "ReplaceConfigModifier",
     "SetFieldsModifier",
+    "SetMatchingModifier",
     "UnknownHardwareError",
     "apply_mesh_rules",
     "as_mesh_shape",

@@ -152,6 +152,28 @@ def _matching_configs(cfg: ConfigBase, target: str, field: str) -> list[str]:
     return paths
 
 
+class SetMatchingModifier(ConfigModifier):
+    """Sets `field = value` on every sub-config whose path fully matches `target` (e.g.
+    every self-attention's `implementation`, whatever stack or layer group holds it)."""
+
+    class Config(ConfigModifier.Config):
+        target: str = REQUIRED  # regex, e.g. r"model\.decoder\..*self_attention"
+        field: str = REQUIRED
+        value: Any = REQUIRED
+
+    def __call__(self, cfg: ConfigBase) -> ConfigBase:
+        c = self.config
+        paths = _matching_configs(cfg, c.target, c.field)
+        if not paths:
+            raise MeshRuleError(
+                f"{type(self).__name__}: no config path fully matches {c.target!r} "
+                f"and has a field {c.field!r}"
+            )
+        for path in paths:
+            _set(cfg, f"{path}.{c.field}" if path else c.field, c.value, type(self).__name__)
+        return cfg
+
+
 class RematPolicyModifier(ConfigModifier):
     """Sets `remat_policy` on every sub-config whose path fully matches `target`."""
 
