@@ -152,6 +152,18 @@ def _matching_configs(cfg: ConfigBase, target: str, field: str) -> list[str]:
     return paths
 
 
+def _set_matching(cfg: ConfigBase, target: str, field: str, value: Any, who: str) -> ConfigBase:
+    """Sets `field = value` on every sub-config matching `target` (at least one)."""
+    paths = _matching_configs(cfg, target, field)
+    if not paths:
+        raise MeshRuleError(
+            f"{who}: no config path fully matches {target!r} and has a field {field!r}"
+        )
+    for path in paths:
+        _set(cfg, f"{path}.{field}" if path else field, value, who)
+    return cfg
+
+
 class SetMatchingModifier(ConfigModifier):
     """Sets `field = value` on every sub-config whose path fully matches `target` (e.g.
     every self-attention's `implementation`, whatever stack or layer group holds it)."""
@@ -163,15 +175,7 @@ class SetMatchingModifier(ConfigModifier):
 
     def __call__(self, cfg: ConfigBase) -> ConfigBase:
         c = self.config
-        paths = _matching_configs(cfg, c.target, c.field)
-        if not paths:
-            raise MeshRuleError(
-                f"{type(self).__name__}: no config path fully matches {c.target!r} "
-                f"and has a field {c.field!r}"
-            )
-        for path in paths:
-            _set(cfg, f"{path}.{c.field}" if path else c.field, c.value, type(self).__name__)
-        return cfg
+        return _set_matching(cfg, c.target, c.field, c.value, type(self).__name__)
 
 
 class RematPolicyModifier(ConfigModifier):
@@ -184,15 +188,7 @@ class RematPolicyModifier(ConfigModifier):
 
     def __call__(self, cfg: ConfigBase) -> ConfigBase:
         c = self.config
-        paths = _matching_configs(cfg, c.target, c.field)
-        if not paths:
-            raise MeshRuleError(
-                f"{type(self).__name__}: no config path fully matches {c.target!r} "
-                f"and has a field {c.field!r}"
-            )
-        for path in paths:
-            _set(cfg, f"{path}.{c.field}" if path else c.field, c.remat_policy, "remat")
-        return cfg
+        return _set_matching(cfg, c.target, c.field, c.remat_policy, type(self).__name__)
 
 
 class GradAccumulationModifier(ConfigModifier):
