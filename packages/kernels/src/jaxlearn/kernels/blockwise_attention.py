@@ -73,8 +73,8 @@ def blockwise_attention(
     return out[:, :sq]
 
 
-def _check(q, k, v, sliding_window, logit_soft_cap, block_q, block_k) -> None:
-    where = "blockwise_attention"
+def _check(q, k, v, sliding_window, logit_soft_cap, block_q, block_k,
+           where: str = "blockwise_attention") -> None:
     if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
         raise ValueError(f"{where}: want q [b, q_len, heads, d], k = v [b, k_len, kv_heads, d];"
                          f" got q {q.shape}, k {k.shape}, v {v.shape}")
@@ -89,12 +89,13 @@ def _check(q, k, v, sliding_window, logit_soft_cap, block_q, block_k) -> None:
         raise ValueError(f"{where}: logit_soft_cap={logit_soft_cap} must be > 0")
 
 
-def _side(x: Optional[jax.Array], b: int, n: int, name: str, default: jax.Array) -> jax.Array:
+def _side(x: Optional[jax.Array], b: int, n: int, name: str, default: jax.Array,
+          where: str = "blockwise_attention") -> jax.Array:
     """x [batch|1, n] (or default [n]) -> int32 [batch, n]."""
     if x is None:
         x = default[None]
     if x.ndim != 2 or x.shape[1] != n or x.shape[0] not in (1, b):
-        raise ValueError(f"blockwise_attention: {name} has shape {x.shape}, want [{b}|1, {n}]")
+        raise ValueError(f"{where}: {name} has shape {x.shape}, want [{b}|1, {n}]")
     return jnp.broadcast_to(x.astype(jnp.int32), (b, n))
 
 
@@ -141,8 +142,9 @@ def _rows(x: jax.Array) -> jax.Array:
     return jnp.moveaxis(x, 3, 1)[..., None]
 
 
-def _forward(st: _Static, q, k, v, qpos, kpos, qseg, kseg, kvalid):
-    """Returns (out [b, sq, h, d] in q's dtype, logsumexp [nq, b, kv, g, bq] f32)."""
+def _forward(st: _Static, q, k, v, qpos, kpos, qseg, kseg, kvalid, out_dtype=None):
+    """Returns (out [b, sq, h, d] in `out_dtype` (default q's), logsumexp [nq, b, kv, g, bq]
+    f32; +inf on a row that saw no key)."""
     b, sq, h, d = q.shape
     kvh = k.shape[2]
     qg = q.reshape(b, sq, kvh, h // kvh, d)
@@ -176,7 +178,7 @@ def _forward(st: _Static, q, k, v, qpos, kpos, qseg, kseg, kvalid):
         safe = jnp.where(seen, total, 1.0)
         out = acc / _rows(safe)
         lse = jnp.where(seen, m + jnp.log(safe), jnp.inf)
-        return out.astype(q.dtype), lse
+        return out.astype(out_dtype or q.dtype), lse
 
     out, lse = lax.map(one_q_block, tuple(_blocks(x, st.block_q) for x in (qg, qpos, qseg)))
     return _unblocks(out).reshape(b, sq, h, d), lse
@@ -193,6 +195,16 @@ def _flash_fwd(st: _Static, q, k, v, qpos, kpos, qseg, kseg, kvalid):
 
 
 def _flash_bwd(st: _Static, res, dout):
+    q, k, v = res[:3]
+    dq, dk, dv = _backward(st, res, dout)
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
+            None, None, None, None, None)
+
+
+def _backward(st: _Static, res, dout):
+    """(dq, dk, dv) in float32 from the residuals of `_flash_fwd` (out and lse may come from
+    a larger attention that these keys are one part of: the gradient is then this part's
+    contribution)."""
     q, k, v, qpos, kpos, qseg, kseg, kvalid, out, lse = res
     b, sq, h, d = q.shape
     kvh = k.shape[2]
@@ -238,9 +250,7 @@ def _flash_bwd(st: _Static, res, dout):
 
     k_side = tuple(_blocks(x, st.block_k) for x in (k, v, kpos, kseg, kvalid))
     dq, (dk, dv) = lax.scan(one_k_block, dq0, k_side)
-    dq = _unblocks(dq).reshape(q.shape).astype(q.dtype)
-    dk, dv = _unblocks(dk).astype(k.dtype), _unblocks(dv).astype(v.dtype)
-    return (dq, dk, dv, None, None, None, None, None)
+    return _unblocks(dq).reshape(q.shape), _unblocks(dk), _unblocks(dv)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
