@@ -36,6 +36,29 @@ def blockwise_attention() -> Any:
         value="blockwise")
 
 
+def ring_attention() -> Any:
+    """A modifier that runs every layer's self-attention as ring attention
+    (`jaxlearn.kernels.ring_attention`, context parallelism): exact attention with the
+    sequence sharded over the mesh axes the logical `seq` axis maps to (`seq` under
+    `DEFAULT_AXIS_RULES`); blockwise attention where that axis is 1."""
+    return SetMatchingModifier.default_config().set(
+        target=r"model\.decoder\.transformer\..*self_attention", field="implementation",
+        value="ring")
+
+
+def context_parallel_mesh_rules() -> tuple[tuple[str, Any], ...]:
+    """Mesh rules for long sequences: the sequence split over every device of a host / TPU
+    slice (`seq` axis, ring attention), data parallel across hosts or slices."""
+    hybrid = mesh(hybrid_mesh_shape_from_axes(ici={"seq": -1}, dcn={"data": -1}))
+    flat = mesh(mesh_shape_from_axes(seq=-1))
+    return (
+        (r"tpu-.*", chain(hybrid, ring_attention())),
+        (r"gpu-.*", chain(hybrid, ring_attention())),
+        (r"trn2-.*", chain(flat, ring_attention())),
+        (r"cpu-.*", chain(flat, ring_attention())),
+    )
+
+
 def mesh(shape: Any) -> Any:
     return MeshShapeModifier.default_config().set(mesh_shape=shape)
 

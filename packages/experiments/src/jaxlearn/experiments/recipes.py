@@ -14,6 +14,7 @@ import numpy as np
 
 from jaxlearn.experiments.common import (
     chain,
+    context_parallel_mesh_rules,
     large_model_mesh_rules,
     remat,
     small_model_mesh_rules,
@@ -66,6 +67,20 @@ def tiny_llama() -> Trainer.Config:
         warmup_steps=30,
         save_every_n_steps=100,
         mesh_rules=small_model_mesh_rules(),
+    )
+
+
+def tiny_llama_long() -> Trainer.Config:
+    """tiny-llama on 8192-token rows with the sequence split over the devices (ring
+    attention, `context_parallel_mesh_rules`): context parallelism at laptop size."""
+    return trainer_config(
+        _tiny_model(),
+        _input(seq_len=8192, global_batch_size=4),
+        max_step=300,
+        learning_rate=3e-3,
+        warmup_steps=30,
+        save_every_n_steps=100,
+        mesh_rules=context_parallel_mesh_rules(),
     )
 
 
@@ -237,6 +252,7 @@ def lora() -> Trainer.Config:
 
 EXPERIMENTS = {
     "tiny-llama": tiny_llama,
+    "tiny-llama-long": tiny_llama_long,
     "tiny-moe": tiny_moe,
     "llama2-7b": llama2_7b,
     "llama2-70b": llama2_70b,

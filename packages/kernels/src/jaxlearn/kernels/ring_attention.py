@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -49,7 +49,7 @@ def ring_attention(
     v: jax.Array,
     *,
     mesh: Mesh,
-    spec: Sequence[Any],
+    spec: Union[PartitionSpec, Sequence[Any]],
     positions: Optional[jax.Array] = None,
     segment_ids: Optional[jax.Array] = None,
     causal: bool = True,

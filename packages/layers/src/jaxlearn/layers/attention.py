@@ -16,13 +16,20 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxlearn.config import REQUIRED, InstantiableConfig
-from jaxlearn.kernels import blockwise_attention
+from jaxlearn.kernels import blockwise_attention, ring_attention
 from jaxlearn.layers import paged
 from jaxlearn.layers.dense import DotGeneral, dense, einsum, maybe_dot
 from jaxlearn.layers.rope import RotaryEmbedding
-from jaxlearn.module import FanAxes, Module, ParameterSpec, with_logical_constraint, zeros
+from jaxlearn.module import (
+    FanAxes,
+    Module,
+    ParameterSpec,
+    logical_partition_spec,
+    with_logical_constraint,
+    zeros,
+)
 
-IMPLEMENTATIONS = ("einsum", "dot_product_attention", "blockwise")
+IMPLEMENTATIONS = ("einsum", "dot_product_attention", "blockwise", "ring")
 _NEG = float(jnp.finfo(jnp.float32).min)
 # Pages of keys [kv_heads, head_dim, page_size], of values [kv_heads, page_size, head_dim]:
 # the layouts `_core`'s two einsums read them in (see `jaxlearn.layers.paged`).
@@ -80,9 +87,10 @@ class Attention(Module):
         causal: bool = True
         sliding_window: Optional[int] = None  # Keys at distance >= window are hidden.
         query_scale: Optional[float] = None  # None: head_dim ** -0.5.
-        implementation: str = "einsum"  # "einsum" | "dot_product_attention" | "blockwise"
+        implementation: str = "einsum"  # "einsum" | "dot_product_attention" | "blockwise" | "ring"
         # "blockwise" (`jaxlearn.kernels.blockwise_attention`, forward and prefill; decode
-        # uses einsum): query / key block sizes of the flash-style loop.
+        # uses einsum): query / key block sizes of the flash-style loop. "ring": the same,
+        # as `ring_attention` over the mesh axes the logical `seq` axis maps to.
         block_q: int = 512
         block_k: int = 512
         dot: Optional[DotGeneral.Config] = None
@@ -106,8 +114,8 @@ class Attention(Module):
                 f"{self.num_kv_heads}"
             )
         if c.logit_soft_cap is not None and c.implementation == "dot_product_attention":
-            raise ValueError(f"{where}: logit_soft_cap needs implementation='einsum' or "
-                             "'blockwise'")
+            raise ValueError(f"{where}: logit_soft_cap needs implementation='einsum', "
+                             "'blockwise' or 'ring'")
         if c.head_dim is None and c.input_dim % c.num_heads:
             raise ValueError(f"{where}: input_dim {c.input_dim} % num_heads {c.num_heads} != 0")
         self._dot = maybe_dot(c.dot)
@@ -279,13 +287,17 @@ class Attention(Module):
             positions = jnp.broadcast_to(q_index, (b, s))
         q, k, v = self._project_qkv(x, positions)
         extra: Any
-        if c.implementation == "blockwise" and (cache is None or time_step is None):
-            o = blockwise_attention(
-                q, k, v, q_positions=q_index, k_positions=q_index, q_segment_ids=segment_ids,
-                k_segment_ids=segment_ids, causal=c.causal, sliding_window=c.sliding_window,
-                logit_soft_cap=c.logit_soft_cap, scale=self._scale, block_q=c.block_q,
-                block_k=c.block_k,
-            )
+        if c.implementation in ("blockwise", "ring") and (cache is None or time_step is None):
+            kw: dict[str, Any] = dict(
+                causal=c.causal, sliding_window=c.sliding_window, scale=self._scale,
+                logit_soft_cap=c.logit_soft_cap, block_q=c.block_q, block_k=c.block_k)
+            ring = logical_partition_spec(("batch", "seq", "heads", "head_dim"))
+            if c.implementation == "ring" and ring is not None:  # no mesh: one device
+                o = ring_attention(q, k, v, mesh=ring[0], spec=ring[1], positions=q_index,
+                                   segment_ids=segment_ids, **kw)
+            else:
+                o = blockwise_attention(q, k, v, q_positions=q_index, k_positions=q_index,
+                                        q_segment_ids=segment_ids, k_segment_ids=segment_ids, **kw)
             return self._output(o), (k, v)
         if cache is None or time_step is None:
             k_all, v_all, extra = k, v, (k, v)

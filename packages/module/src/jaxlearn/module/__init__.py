@@ -32,6 +32,7 @@ from jaxlearn.module.remat import RematSpec, policy_from_name, remat, tag
 from jaxlearn.module.scan import scan_child
 from jaxlearn.module.sharding import (
     abstract_parameters,
+    logical_partition_spec,
     logical_sharding,
     parameter_shardings,
     spec_tree_map,
@@ -58,6 +59,7 @@ __all__ = [
     "functional",
     "is_spec",
     "iter_collection",
+    "logical_partition_spec",
     "logical_sharding",
     "merge_state_updates",
     "ones",

@@ -46,6 +46,13 @@ def with_logical_constraint(x: jax.Array, logical_axes: LogicalAxes) -> jax.Arra
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec_fn(logical_axes)))
 
 
+def logical_partition_spec(logical_axes: LogicalAxes) -> Optional[tuple[Mesh, PartitionSpec]]:
+    """(installed mesh, the PartitionSpec `logical_axes` map to), or None outside
+    `logical_sharding`: for a layer that hands a kernel its own `shard_map`."""
+    active: Optional[tuple[Mesh, SpecFn]] = _ACTIVE.value
+    return None if active is None else (active[0], active[1](logical_axes))
+
+
 def parameter_shardings(specs: Any, mesh: Mesh, spec_fn: SpecFn) -> Any:
     """NamedSharding per parameter from the specs' logical axes."""
     return jax.tree.map(
