@@ -43,12 +43,14 @@ def _setup(kind: str):
     ids = rng.integers(0, VOCAB, size=(BATCH, SEQ + 1)).astype(np.int32)
     batch = {"input_ids": ids[:, :-1], "target_labels": ids[:, 1:]}
 
-    def loss_fn(p, b):
-        (loss, _), _ = functional(model, None, p, (b,), is_training=False)
-        return loss
-
+    loss_fn = functools.partial(_loss, model)
     ref = jax.jit(jax.value_and_grad(loss_fn))(params, batch)
     return model, params, batch, loss_fn, ref
+
+
+def _loss(model, p, b):
+    (loss, _), _ = functional(model, None, p, (b,), is_training=False)
+    return loss
 
 
 STRATEGIES = {
@@ -57,6 +59,7 @@ STRATEGIES = {
     "tp": dict(data=2, model=4),
     "dp_fsdp_tp": dict(data=2, fsdp=2, model=2),
     "seq": dict(data=4, seq=2),
+    "ring": dict(data=2, fsdp=2, seq=2),  # + ring attention (context parallelism)
     "ep": dict(data=2, expert=4),
     "ep_tp": dict(expert=2, fsdp=2, model=2),
 }
@@ -66,6 +69,11 @@ STRATEGIES = {
 @pytest.mark.parametrize("strategy", sorted(STRATEGIES))
 def test_sharded_equals_single_device(kind, strategy):
     model, params, batch, loss_fn, (ref_loss, ref_grads) = _setup(kind)
+    if strategy == "ring":  # The same weights, attention as a ring over the seq axis.
+        cfg = _model_cfg(kind)
+        cfg.decoder.transformer.layer.self_attention.implementation = "ring"
+        model = cfg.instantiate()
+        loss_fn = functools.partial(_loss, model)
     mesh = make_mesh(mesh_shape_from_axes(**STRATEGIES[strategy]), DEFAULT_AXIS_NAMES)
 
     def spec(axes, shape=None):
@@ -86,6 +94,8 @@ def test_sharded_equals_single_device(kind, strategy):
     # The compiled parameter shardings are exactly what the rules say.
     in_params = compiled.input_shardings[0][0]
     jax.tree.map(lambda got, want: _same_spec(got, want, mesh), in_params, p_shard)
+    if strategy == "ring":  # Key chunks travel between the seq devices.
+        assert "collective-permute" in (compiled.as_text() or "")
     if strategy == "fsdp":
         emb = in_params["decoder"]["emb"]
         assert "fsdp" in str(jax.tree.leaves(emb)[0].spec)

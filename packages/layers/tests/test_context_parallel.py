@@ -39,11 +39,14 @@ def _batch():
             "positions": pos}
 
 
-def _loss_and_grads(model, params, batch):
+def _loss_and_grads(model, params, batch, *, ring: bool = False):
     def loss(p):
         return functional(model, None, p, (batch,), method="forward", is_training=False)[0][0]
 
-    return jax.jit(jax.value_and_grad(loss))(params)
+    step = jax.jit(jax.value_and_grad(loss))
+    # The ring passes key chunks between devices (collective permutes).
+    assert ("collective_permute" in step.lower(params).as_text()) == ring
+    return step(params)
 
 
 @pytest.mark.parametrize("data,seq", [(2, 2), (1, 4), (1, 8)])
@@ -56,7 +59,7 @@ def test_loss_and_gradients_equal_one_device(data, seq):
     mesh = Mesh(np.array(jax.devices()[: data * seq]).reshape(data, seq), ("data", "seq"))
     sharded = jax.device_put(batch, NamedSharding(mesh, PartitionSpec("data", "seq")))
     with logical_sharding(mesh, _spec):
-        got, got_g = _loss_and_grads(_model("ring"), params, sharded)
+        got, got_g = _loss_and_grads(_model("ring"), params, sharded, ring=True)
     np.testing.assert_allclose(got, want, rtol=1e-6)
     for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got_g), jax.tree.leaves(want_g)):
         scale = float(np.abs(w).max())

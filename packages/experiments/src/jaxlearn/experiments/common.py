@@ -47,16 +47,12 @@ def ring_attention() -> Any:
 
 
 def context_parallel_mesh_rules() -> tuple[tuple[str, Any], ...]:
-    """Mesh rules for long sequences: the sequence split over every device of a host / TPU
-    slice (`seq` axis, ring attention), data parallel across hosts or slices."""
-    hybrid = mesh(hybrid_mesh_shape_from_axes(ici={"seq": -1}, dcn={"data": -1}))
-    flat = mesh(mesh_shape_from_axes(seq=-1))
-    return (
-        (r"tpu-.*", chain(hybrid, ring_attention())),
-        (r"gpu-.*", chain(hybrid, ring_attention())),
-        (r"trn2-.*", chain(flat, ring_attention())),
-        (r"cpu-.*", chain(flat, ring_attention())),
-    )
+    """Mesh rules for one long row per step: the sequence split over every device (`seq`
+    axis, ring attention) on every target. The layers flatten [batch, seq] to tokens
+    around each matmul, which keeps the sequence sharded only while each data replica
+    holds one row: so the batch is 1 here, and data parallelism means global batch =
+    data-axis size."""
+    return ((r".*", chain(mesh(mesh_shape_from_axes(seq=-1)), ring_attention())),)
 
 
 def mesh(shape: Any) -> Any:

@@ -71,11 +71,11 @@ def tiny_llama() -> Trainer.Config:
 
 
 def tiny_llama_long() -> Trainer.Config:
-    """tiny-llama on 8192-token rows with the sequence split over the devices (ring
-    attention, `context_parallel_mesh_rules`): context parallelism at laptop size."""
+    """tiny-llama on one 8192-token row per step, the sequence split over the devices
+    (ring attention, `context_parallel_mesh_rules`): context parallelism at laptop size."""
     return trainer_config(
         _tiny_model(),
-        _input(seq_len=8192, global_batch_size=4),
+        _input(seq_len=8192, global_batch_size=1),
         max_step=300,
         learning_rate=3e-3,
         warmup_steps=30,
