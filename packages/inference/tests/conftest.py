@@ -16,6 +16,7 @@ settings.load_profile("jaxlearn")
 
 from engine_testing import (  # noqa: E402,F401  (fixtures and helpers the tests import)
     ALPHABET,
+    assert_same,
     CharTokenizer,
     cfg,
     engine,
@@ -23,6 +24,7 @@ from engine_testing import (  # noqa: E402,F401  (fixtures and helpers the tests
     params,
     prompt_pool,
     reference_greedy,
+    run,
     tiny_config,
     tiny_params,
     tok,

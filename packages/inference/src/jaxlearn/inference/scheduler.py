@@ -51,7 +51,7 @@ from jaxlearn.inference import penalties
 from jaxlearn.inference.errors import QueueFullError, RequestError
 from jaxlearn.inference.grammar import GrammarVocab, Matcher, fill_masks
 from jaxlearn.inference.logprobs import TokenLogprob, static_k, unpack
-from jaxlearn.inference.metrics import Metrics
+from jaxlearn.inference.metrics import Metrics, scheduler_metrics
 from jaxlearn.inference.pages import PageTable
 from jaxlearn.inference.runner import ModelRunner, next_pow2
 from jaxlearn.inference.sampling import SamplingParams, batch_mode
@@ -147,6 +147,8 @@ class Scheduler:
         QueueFullError.
     prefix_caching: share the cached full KV pages of a prompt's prefix (`PageTable`);
         the prefill of a request starts after them.
+    window: the model's sliding window (`runner.kv_window`) when pages behind it are to
+        be released before each call (`PageTable.trim`); None: keep every page.
     """
 
     def __init__(
@@ -162,6 +164,7 @@ class Scheduler:
         min_prefill_bucket: int = 16,
         metrics: Optional[Metrics] = None,
         prefix_caching: bool = False,
+        window: Optional[int] = None,
     ):
         if prefill_chunk < 1 or prefill_chunk & (prefill_chunk - 1):
             raise ValueError(f"prefill_chunk={prefill_chunk} must be a power of two")
@@ -178,7 +181,7 @@ class Scheduler:
         self.metrics = metrics or Metrics()
         self.pages = PageTable(
             runner.num_pages, runner.page_size, max_batch, runner.max_len // runner.page_size,
-            prefix_caching=prefix_caching,
+            prefix_caching=prefix_caching, window=window,
         )
         if self.pages.pages_for(max_seq_len) > runner.num_pages - 1:
             raise ValueError(
@@ -194,23 +197,7 @@ class Scheduler:
         self._admissions = itertools.count()
         self._grammar_vocab: Optional[GrammarVocab] = None
         self._grammar_lock = threading.Lock()
-        m = self.metrics
-        m.describe("requests_total", "Requests finished, by finish reason.")
-        m.describe("prompt_tokens_total", "Prompt tokens prefilled (recomputation included).")
-        m.describe("prefix_cache_hit_tokens_total", "Prompt tokens found in the prefix cache.")
-        m.describe("generation_tokens_total", "Tokens generated.")
-        m.describe("preemptions_total", "Running requests sent back to the queue (pool full).")
-        m.describe("time_to_first_token_seconds", "Arrival to first token.")
-        m.describe("request_latency_seconds", "Arrival to last token.")
-        m.describe("step_seconds", "Duration of one scheduler step.")
-        m.gauge("requests_running", lambda: float(self.num_running))
-        m.gauge("requests_waiting", lambda: float(self.num_waiting))
-        m.gauge("slots_total", lambda: float(self.max_batch))
-        m.gauge("kv_cache_bytes", lambda: float(self.runner.cache_bytes()))
-        m.gauge("kv_pages_total", lambda: float(self.pages.num_pages - 1))
-        m.gauge("kv_pages_used", lambda: float(self.pages.num_used))
-        m.gauge("kv_pages_cached", lambda: float(self.pages.num_cached))
-        m.gauge("kv_page_evictions", lambda: float(self.pages.evictions))
+        scheduler_metrics(self.metrics, self)
 
     # ---- queue side (any thread) ------------------------------------------------------
 
@@ -420,6 +407,8 @@ class Scheduler:
         batch, scoring = self._prefill_batch(pending)
         reqs = [r for r, _ in batch]
         slots = [_slot(r) for r in reqs]
+        for r in reqs:  # Pages behind the window of the chunk's first position.
+            self.pages.trim(_slot(r), r.prefilled)
         params = [r.params for r in reqs]
         out = self.runner.prefill(
             slots=slots,
@@ -523,13 +512,15 @@ class Scheduler:
             self._preempt(running[-1])
 
     def _decode(self) -> bool:
-        if not any(r is not None and r.state == "decode" for r in self.slots):
+        decoding = [r for r in self.slots if r is not None and r.state == "decode"]
+        if not decoding:
             return False
+        for r in decoding:  # Pages behind the window of the call's first position.
+            self.pages.trim(_slot(r), self._position(r))
         busy = bool(self.waiting) or any(r is not None and r.state == "prefill" for r in self.slots)
         # Rows with a grammar take one token per step (their masks follow each token), in
         # a call of their own when the others can burst.
-        running = [r for r in self.slots
-                   if r is not None and r.state == "decode" and r.matcher is None]
+        running = [r for r in decoding if r.matcher is None]
         steps = 1
         if running and not busy and min(self._room(r) for r in running) >= self.decode_burst:
             burst = self.decode_burst
