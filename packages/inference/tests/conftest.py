@@ -16,8 +16,8 @@ settings.load_profile("jaxlearn")
 
 from engine_testing import (  # noqa: E402,F401  (fixtures and helpers the tests import)
     ALPHABET,
-    assert_same,
     CharTokenizer,
+    assert_same,
     cfg,
     engine,
     make_engine,

@@ -6,8 +6,15 @@ layer keep every page."""
 
 import numpy as np
 import pytest
-from conftest import (assert_same, make_engine, prompt_pool, reference_greedy, run, tiny_config,
-                      tiny_params)
+from conftest import (
+    assert_same,
+    make_engine,
+    prompt_pool,
+    reference_greedy,
+    run,
+    tiny_config,
+    tiny_params,
+)
 
 from jaxlearn.inference import PageTable
 from jaxlearn.inference.runner import kv_window
@@ -107,6 +114,25 @@ def test_pages_held_follow_the_window(release):
     assert pages.num_free == total
     assert max(held) == WINDOW // PS + 1  # Of the 12 pages its 90 positions span.
     assert any(b > a for a, b in zip(frees, frees[1:]))  # Pages came back mid-request.
+
+
+def test_long_prompt_prefill_holds_the_window(keep, release):
+    """An 80-token prompt prefilled in chunks of 16 with window 24: admission reserves the
+    first chunk's pages only, each chunk gets its pages once the window has moved, so
+    the prompt never holds more than the pages of window + chunk positions (5 of its
+    10); the tokens equal the engine keeping every page and the dense forward."""
+    prompt = PROMPTS[0] + PROMPTS[1][:40]
+    sched, pages = release.scheduler, release.scheduler.pages
+    req = release.request(prompt, release.sampling_params(max_new_tokens=8, ignore_eos=True))
+    sched.submit(req)
+    most = 0
+    while not req.done:
+        sched.step()
+        if req.slot is not None:
+            most = max(most, len(pages.held(req.slot)))
+    assert most == pages.pages_for(WINDOW + 16) < pages.pages_for(len(prompt))  # 5 < 10
+    want = run(keep, [(prompt, {"max_new_tokens": 8}, 0)])[0][0]
+    assert req.output.tokens == want == reference_greedy(release, prompt, 8)
 
 
 def test_preemption_same_outputs(model, keep, tok):

@@ -103,12 +103,15 @@ class PageTable:
     def _next_digest(self, parent: bytes, ids: Sequence[int]) -> bytes:
         return hashlib.sha256(parent + np.asarray(ids, np.int64).tobytes()).digest()
 
-    def admit(self, slot: int, ids: Sequence[int], *, reuse: bool = True) -> Optional[int]:
+    def admit(self, slot: int, ids: Sequence[int], *, reuse: bool = True,
+              first_chunk: Optional[int] = None) -> Optional[int]:
         """Gives the empty `slot` pages for the positions of `ids`, sharing the cached
         full pages of its longest cached prefix (with reuse and prefix caching, at most
-        the pages before the last id). Returns the number of leading positions already
-        in the cache (a multiple of page_size), or None when the pool is short (nothing
-        changes then)."""
+        the pages before the last id). With a window and `first_chunk`, only the pages of
+        the cached prefix and the next first_chunk positions (the first prefill chunk;
+        later chunks `ensure` theirs once the window has moved). Returns the number of
+        leading positions already in the cache (a multiple of page_size), or None when
+        the pool is short (nothing changes then)."""
         assert self._owned[slot] == 0, slot
         hits: list[tuple[bytes, int]] = []
         if self.prefix_caching and reuse:
@@ -120,7 +123,10 @@ class PageTable:
                     break
                 hits.append((digest, page))
         idle_hits = sum(self._ref[p] == 0 for _, p in hits)
-        if self.pages_for(len(ids)) - len(hits) > self.num_free - idle_hits:
+        tokens = len(ids)
+        if self.window is not None and first_chunk is not None:
+            tokens = min(tokens, len(hits) * self.page_size + first_chunk)
+        if self.pages_for(tokens) - len(hits) > self.num_free - idle_hits:
             return None
         for i, (digest, page) in enumerate(hits):
             self._lru.pop(page, None)
@@ -128,7 +134,7 @@ class PageTable:
             self.table[slot, i] = page
         self._owned[slot] = len(hits)
         self._chain[slot] = [d for d, _ in hits]
-        self.ensure(slot, len(ids))  # Cannot fail: checked above.
+        self.ensure(slot, tokens)  # Cannot fail: checked above.
         return len(hits) * self.page_size
 
     def _take(self) -> int:

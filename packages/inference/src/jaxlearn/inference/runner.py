@@ -45,8 +45,8 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxlearn.inference.logprobs import token_logprobs
-from jaxlearn.layers.attention import Attention
 from jaxlearn.inference.sampling import Mode, sample_tokens
+from jaxlearn.layers.attention import Attention
 from jaxlearn.module import Module, functional, logical_sharding
 
 log = logging.getLogger(__name__)

@@ -17,12 +17,14 @@ Each `step()`:
   4. decodes one token for every decoding request, or, when nobody is waiting or
      prefilling, a fused burst of up to `decode_burst` tokens (never more than any
      running request still may produce). Before the call every row gets the pages its
-     new positions need; when the pool is short, the youngest running request is
-     *preempted*: its pages are freed and it goes back to the front of the queue, to be
-     prefilled again later from its prompt + the tokens it already produced
-     (recomputation, as vLLM does), continuing with the same sampling keys. Requests
-     with a grammar (`response_format`) take one token per call, masked by their grammar
-     state (`grammar.py`), in a call of their own when the others burst;
+     new positions need (with `window`, prefill and decode rows first give back the
+     pages behind every layer's sliding window: `PageTable.trim`); when the pool is
+     short, the youngest running request is *preempted*: its pages are freed and it goes
+     back to the front of the queue, to be prefilled again later from its prompt + the
+     tokens it already produced (recomputation, as vLLM does), continuing with the same
+     sampling keys. Requests with a grammar (`response_format`) take one token per
+     call, masked by their grammar state (`grammar.py`), in a call of their own when
+     the others burst;
   5. turns new tokens into text deltas (`OutputState`) and hands them to each request's
      sink; finished requests free their slot and pages.
 
@@ -350,7 +352,7 @@ class Scheduler:
                     continue
                 req = self.waiting[0]
                 # Scored prompt tokens need every position's logits: no cached prefix.
-                cached = self.pages.admit(slot, req.context,
+                cached = self.pages.admit(slot, req.context, first_chunk=self.prefill_chunk,
                                           reuse=req.params.prompt_logprobs is None)
                 if cached is None:
                     break  # Head of line waits for pages; nobody overtakes it.
@@ -405,10 +407,15 @@ class Scheduler:
         if not pending:
             return False
         batch, scoring = self._prefill_batch(pending)
+        for r, _ in batch:  # Pages behind the window of the chunk's first position.
+            self.pages.trim(_slot(r), r.prefilled)
+        # With a window admission reserved only the first chunk's pages.
+        kept = set(self._reserve({r: r.prefilled + len(c) for r, c in batch}))
+        batch = [(r, c) for r, c in batch if r in kept]
+        if not batch:
+            return True
         reqs = [r for r, _ in batch]
         slots = [_slot(r) for r in reqs]
-        for r in reqs:  # Pages behind the window of the chunk's first position.
-            self.pages.trim(_slot(r), r.prefilled)
         params = [r.params for r in reqs]
         out = self.runner.prefill(
             slots=slots,
@@ -495,20 +502,14 @@ class Scheduler:
         with self._lock:
             self.waiting.appendleft(req)
 
-    def _reserve(self, steps: int) -> list[Request]:
-        """Pages for `steps` more positions of every decoding request (1 for those with a
-        grammar), oldest first, preempting the youngest running requests while the pool
-        is short. Returns the decoding requests that hold their pages."""
+    def _reserve(self, tokens: dict[Request, int]) -> list[Request]:
+        """Pages for positions [0, tokens[r]) of each running r, oldest first, preempting
+        the youngest running requests while the pool is short. Returns the requests of
+        `tokens` that hold their pages, oldest first."""
         while True:
             running = sorted((r for r in self.slots if r is not None), key=lambda r: r.admitted)
-            decoding = [r for r in running if r.state == "decode"]
-            short = next(
-                (r for r in decoding if not self.pages.ensure(
-                    _slot(r), self._position(r) + (1 if r.matcher is not None else steps))),
-                None,
-            )
-            if short is None:
-                return decoding
+            if all(self.pages.ensure(_slot(r), tokens[r]) for r in running if r in tokens):
+                return [r for r in running if r in tokens]
             self._preempt(running[-1])
 
     def _decode(self) -> bool:
@@ -530,7 +531,9 @@ class Scheduler:
             )
             if need <= self.pages.num_free:  # A burst never preempts anybody.
                 steps = self.decode_burst  # Only 1 or decode_burst: fewer compiled programs.
-        rows = sorted(self._reserve(steps), key=lambda r: r.slot or 0)
+        rows = sorted(self._reserve({r: self._position(r) + (1 if r.matcher is not None
+                                                            else steps) for r in decoding}),
+                      key=lambda r: r.slot or 0)
         groups = [rows] if steps == 1 else [[r for r in rows if r.matcher is None],
                                             [r for r in rows if r.matcher is not None]]
         for group, n in zip(groups, (steps, 1)):
