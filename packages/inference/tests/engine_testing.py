@@ -84,3 +84,32 @@ def reference_greedy(engine, prompt: list[int], n: int) -> list[int]:
         out.append(nxt)
         seq.append(nxt)
     return out
+
+
+def run(engine, jobs):
+    """Submits (prompt, sampling kwargs, arrival step) jobs at their steps and steps the
+    scheduler until all are done; returns [(tokens, [(token, logprob, top)])]."""
+    sched = engine.scheduler
+    made = [(at, engine.request(p, engine.sampling_params(ignore_eos=True, **kw)))
+            for p, kw, at in jobs]
+    pending = sorted(made, key=lambda x: x[0])
+    step = 0
+    while pending or not all(r.done for _, r in made):
+        while pending and pending[0][0] <= step:
+            sched.submit(pending.pop(0)[1])
+        sched.step()
+        step += 1
+    assert sched.pages.num_used == 0
+    return [(r.output.tokens, [(e.token, e.logprob, e.top) for e in r.logprobs])
+            for _, r in made]
+
+
+def assert_same(got, want):
+    for (toks, lps), (ref_toks, ref_lps) in zip(got, want):
+        assert toks == ref_toks
+        assert [t for t, _, _ in lps] == [t for t, _, _ in ref_lps]
+        np.testing.assert_allclose([lp for _, lp, _ in lps], [lp for _, lp, _ in ref_lps],
+                                   atol=1e-5)
+        for (_, _, top), (_, _, ref_top) in zip(lps, ref_lps):
+            assert [i for i, _ in top] == [i for i, _ in ref_top]
+            np.testing.assert_allclose([x for _, x in top], [x for _, x in ref_top], atol=1e-5)

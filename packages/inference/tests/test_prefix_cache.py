@@ -5,7 +5,7 @@ prefill tokens computed drop by the cached full pages."""
 
 import numpy as np
 import pytest
-from conftest import make_engine, prompt_pool, tiny_config, tiny_params
+from conftest import assert_same, make_engine, prompt_pool, run, tiny_config, tiny_params
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -30,35 +30,6 @@ def cached(cfg, params, tok):
 def tight(cfg, params, tok):
     """A pool of 16 pages of 8 for 4 requests of up to 96 tokens: preemption, eviction."""
     return make_engine(cfg, params, tok, kv_cache_tokens=128, **SETTINGS)
-
-
-def run(engine, jobs):
-    """Submits (prompt, sampling kwargs, arrival step) jobs at their steps and steps the
-    scheduler until all are done; returns [(tokens, [(token, logprob, top)])]."""
-    sched = engine.scheduler
-    made = [(at, engine.request(p, engine.sampling_params(ignore_eos=True, **kw)))
-            for p, kw, at in jobs]
-    pending = sorted(made, key=lambda x: x[0])
-    step = 0
-    while pending or not all(r.done for _, r in made):
-        while pending and pending[0][0] <= step:
-            sched.submit(pending.pop(0)[1])
-        sched.step()
-        step += 1
-    assert sched.pages.num_used == 0
-    return [(r.output.tokens, [(e.token, e.logprob, e.top) for e in r.logprobs])
-            for _, r in made]
-
-
-def assert_same(got, want):
-    for (toks, lps), (ref_toks, ref_lps) in zip(got, want):
-        assert toks == ref_toks
-        assert [t for t, _, _ in lps] == [t for t, _, _ in ref_lps]
-        np.testing.assert_allclose([lp for _, lp, _ in lps], [lp for _, lp, _ in ref_lps],
-                                   atol=1e-5)
-        for (_, _, top), (_, _, ref_top) in zip(lps, ref_lps):
-            assert [i for i, _ in top] == [i for i, _ in ref_top]
-            np.testing.assert_allclose([x for _, x in top], [x for _, x in ref_top], atol=1e-5)
 
 
 GREEDY = dict(max_new_tokens=10, logprobs=3)
@@ -164,24 +135,25 @@ def test_sliding_window_same_outputs(tok):
 
 # ---- the allocator ------------------------------------------------------------------------
 
-op_st = st.tuples(st.sampled_from(["admit", "grow", "release"]), st.integers(0, 3),
+op_st = st.tuples(st.sampled_from(["admit", "grow", "trim", "release"]), st.integers(0, 3),
                   st.lists(st.integers(0, 2), min_size=1, max_size=30))
 
 
 @settings(max_examples=300)
 @given(st.lists(op_st, max_size=60))
 def test_page_table_invariants(ops):
-    """Random admissions (prompts over 3 ids, so prefixes repeat), growth and releases on
-    10 pages of 4 for 4 slots. After every op: counts are the slots holding each page,
+    """Random admissions (prompts over 3 ids, so prefixes repeat), growth, window trims
+    (window 5) and releases on 10 pages of 4 for 4 slots. After every op: counts are the
+    slots holding each page (trimmed columns read page 0),
     never negative; free, idle-cached and held pages partition pages 1..9; a digest maps
     to its page; an evicted page is not held by anybody when it is taken; and every page
     a request shares holds exactly its ids (the tokens written are simulated)."""
-    pt = PageTable(10, 4, 4, 8, prefix_caching=True)
+    pt = PageTable(10, 4, 4, 8, prefix_caching=True, window=5)
     content = {}  # page -> ids written at its positions.
     ids_of = {}  # slot -> ids in its positions.
     for op, slot, ids in ops:
         if op == "admit" and slot not in ids_of:
-            held_before = {int(p) for s in ids_of for p in pt.table[s, : pt.owned(s)]}
+            held_before = {p for s in ids_of for p in pt.held(s)}
             evicted_before = pt.evictions
             cached = pt.admit(slot, ids)
             if cached is None:
@@ -199,6 +171,8 @@ def test_page_table_invariants(ops):
             if len(more) <= 32 and pt.ensure(slot, len(more)):
                 _write(pt, content, slot, more, len(ids_of[slot]))
                 ids_of[slot] = more
+        elif op == "trim" and slot in ids_of:  # The next call starts at len(ids).
+            pt.trim(slot, len(ids_of[slot]))
         elif op == "release" and slot in ids_of:
             pt.release(slot)
             del ids_of[slot]
@@ -215,7 +189,7 @@ def _write(pt, content, slot, ids, start):
 
 
 def _check(pt, ids_of):
-    held = [int(p) for s in ids_of for p in pt.table[s, : pt.owned(s)]]
+    held = [p for s in ids_of for p in pt.held(s)]
     refs = np.bincount(held, minlength=pt.num_pages)
     assert refs[0] == 0 and list(refs) == pt._ref and min(pt._ref) >= 0
     free, idle = set(pt._free), set(pt._lru)
@@ -225,5 +199,7 @@ def _check(pt, ids_of):
     assert all(pt._page_of[d] == p for p, d in pt._digest.items())
     assert len(pt._page_of) == len(pt._digest)
     for s in range(4):
+        first = pt.owned(s) - len(pt.held(s))  # Columns before it were trimmed: page 0.
+        assert not pt.table[s, :first].any() and not pt.table[s, pt.owned(s) :].any()
         if s not in ids_of:
             assert pt.owned(s) == 0 and not pt.table[s].any()

@@ -41,7 +41,7 @@ from jaxlearn.inference.errors import InferenceError, QueueFullError, RequestErr
 from jaxlearn.inference.grammar import response_format_grammar
 from jaxlearn.inference.logprobs import TokenLogprob
 from jaxlearn.inference.metrics import Metrics
-from jaxlearn.inference.runner import ModelRunner, next_pow2
+from jaxlearn.inference.runner import ModelRunner, kv_window, next_pow2
 from jaxlearn.inference.sampling import SamplingParams
 from jaxlearn.inference.scheduler import Request, Scheduler
 from jaxlearn.mesh import (
@@ -204,6 +204,10 @@ class Engine(Configurable):
         prefix_caching: share the KV pages of prompt prefixes between requests
             (content-hashed full pages, reference counted, LRU-evicted when the pool
             needs pages); a prompt's cached full pages are not prefilled again.
+        window_page_release: when every attention layer of the model has a sliding
+            window, return the KV pages behind the window to the pool while a request
+            runs (`PageTable.trim`), so a request holds about window / page_size + 1 pages
+            once its prompt is in; models with a global layer keep every page.
         mesh_shape: None serves on one device; else the mesh over all devices (one -1
             entry allowed), with `mesh_axis_names`. Params are placed by their logical
             axes through `axis_rules` (None: INFERENCE_AXIS_RULES, the training rules
@@ -221,6 +225,7 @@ class Engine(Configurable):
         model_name: str = "jaxlearn"
         fuse_projections: bool = False
         prefix_caching: bool = True
+        window_page_release: bool = True
         mesh_shape: Optional[tuple[int, ...]] = None
         mesh_axis_names: tuple[str, ...] = ("data", "fsdp", "model")
         axis_rules: Optional[tuple[tuple[str, Any], ...]] = None
@@ -280,6 +285,7 @@ class Engine(Configurable):
             max_queue=cfg.max_queue,
             metrics=self.metrics,
             prefix_caching=cfg.prefix_caching,
+            window=kv_window(self.model) if cfg.window_page_release else None,
         )
         self.add_bos = _resolve_add_bos(cfg.add_bos, self.tokenizer)
         self._thread: Optional[threading.Thread] = None

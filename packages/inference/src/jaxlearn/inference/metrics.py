@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 import math
 import threading
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -102,3 +102,24 @@ def _num(x: Optional[float]) -> str:
     if float(x).is_integer():
         return str(int(x))
     return repr(float(x))
+
+
+def scheduler_metrics(m: Metrics, sched: Any) -> None:
+    """Declares the counters of a `Scheduler` and registers its gauges (queue, slots, KV
+    pages) in `m`."""
+    m.describe("requests_total", "Requests finished, by finish reason.")
+    m.describe("prompt_tokens_total", "Prompt tokens prefilled (recomputation included).")
+    m.describe("prefix_cache_hit_tokens_total", "Prompt tokens found in the prefix cache.")
+    m.describe("generation_tokens_total", "Tokens generated.")
+    m.describe("preemptions_total", "Running requests sent back to the queue (pool full).")
+    m.describe("time_to_first_token_seconds", "Arrival to first token.")
+    m.describe("request_latency_seconds", "Arrival to last token.")
+    m.describe("step_seconds", "Duration of one scheduler step.")
+    m.gauge("requests_running", lambda: float(sched.num_running))
+    m.gauge("requests_waiting", lambda: float(sched.num_waiting))
+    m.gauge("slots_total", lambda: float(sched.max_batch))
+    m.gauge("kv_cache_bytes", lambda: float(sched.runner.cache_bytes()))
+    m.gauge("kv_pages_total", lambda: float(sched.pages.num_pages - 1))
+    m.gauge("kv_pages_used", lambda: float(sched.pages.num_used))
+    m.gauge("kv_pages_cached", lambda: float(sched.pages.num_cached))
+    m.gauge("kv_page_evictions", lambda: float(sched.pages.evictions))

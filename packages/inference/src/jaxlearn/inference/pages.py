@@ -17,9 +17,18 @@ head. Shared pages are never written: a request reuses at most the full pages be
 its last prompt token (that token is always computed, for its logits), and every write
 goes to positions past them.
 
-Page 0 is never handed out (table entries of unused pages read 0; the layers treat it
-as scratch). Lower page numbers are handed out first, so a lightly used pool stays
-compact.
+Sliding windows (`window`: the largest window of a model whose every attention layer
+has one): a key at distance >= window from every query of a call is masked, so before a
+call whose first query is at position `pos` the slot's pages that end before
+pos - window + 1 are released (`trim`): its reference is dropped exactly as `release`
+drops it (a shared prefix page stays with the other slots; a registered page nobody
+holds goes to the LRU list) and its table entry becomes 0. A slot thus holds the pages
+intersecting [pos - window + 1, pos + new tokens); the gathers of the released columns
+read page 0, never a page another slot may own by now.
+
+Page 0 is never handed out (table entries of unused or released pages read 0; the
+layers treat it as scratch). Lower page numbers are handed out first, so a lightly used
+pool stays compact.
 """
 
 from __future__ import annotations
@@ -34,10 +43,11 @@ import numpy as np
 
 class PageTable:
     """num_pages pages (page 0 reserved) of page_size tokens; num_slots rows of at most
-    max_pages pages each; prefix_caching: register and share full pages (above)."""
+    max_pages pages each; prefix_caching: register and share full pages (above); window:
+    release the pages behind every layer's sliding window (`trim`; None: never)."""
 
     def __init__(self, num_pages: int, page_size: int, num_slots: int, max_pages: int,
-                 prefix_caching: bool = False):
+                 prefix_caching: bool = False, window: Optional[int] = None):
         if num_pages < 2:
             raise ValueError(
                 f"PageTable: need at least 2 pages (page 0 is reserved), got {num_pages}"
@@ -46,9 +56,13 @@ class PageTable:
         self.page_size = page_size
         self.max_pages = max_pages
         self.prefix_caching = prefix_caching
+        if window is not None and window < 1:
+            raise ValueError(f"PageTable: window={window} must be >= 1 (or None)")
+        self.window = window
         self.table = np.zeros((num_slots, max_pages), np.int32)
         self.evictions = 0
-        self._owned = [0] * num_slots
+        self._owned = [0] * num_slots  # Table columns [0, owned) cover the slot's positions.
+        self._first = [0] * num_slots  # Columns [0, first) are released (`trim`): page 0.
         self._free = list(range(1, num_pages))  # A heap: lowest page first.
         self._ref = [0] * num_pages  # Slots holding each page.
         self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # ref 0.
@@ -75,8 +89,12 @@ class PageTable:
         return -(-int(tokens) // self.page_size)
 
     def owned(self, slot: int) -> int:
-        """Pages slot holds."""
+        """Table columns of slot's positions [0, owned * page_size), released ones included."""
         return self._owned[slot]
+
+    def held(self, slot: int) -> list[int]:
+        """The pages slot holds (its columns [first, owned))."""
+        return self.table[slot, self._first[slot] : self._owned[slot]].tolist()
 
     def committed(self, slot: int) -> int:
         """Full pages of slot whose digests are known (registered or not)."""
@@ -85,12 +103,15 @@ class PageTable:
     def _next_digest(self, parent: bytes, ids: Sequence[int]) -> bytes:
         return hashlib.sha256(parent + np.asarray(ids, np.int64).tobytes()).digest()
 
-    def admit(self, slot: int, ids: Sequence[int], *, reuse: bool = True) -> Optional[int]:
+    def admit(self, slot: int, ids: Sequence[int], *, reuse: bool = True,
+              first_chunk: Optional[int] = None) -> Optional[int]:
         """Gives the empty `slot` pages for the positions of `ids`, sharing the cached
         full pages of its longest cached prefix (with reuse and prefix caching, at most
-        the pages before the last id). Returns the number of leading positions already
-        in the cache (a multiple of page_size), or None when the pool is short (nothing
-        changes then)."""
+        the pages before the last id). With a window and `first_chunk`, only the pages of
+        the cached prefix and the next first_chunk positions (the first prefill chunk;
+        later chunks `ensure` theirs once the window has moved). Returns the number of
+        leading positions already in the cache (a multiple of page_size), or None when
+        the pool is short (nothing changes then)."""
         assert self._owned[slot] == 0, slot
         hits: list[tuple[bytes, int]] = []
         if self.prefix_caching and reuse:
@@ -102,7 +123,10 @@ class PageTable:
                     break
                 hits.append((digest, page))
         idle_hits = sum(self._ref[p] == 0 for _, p in hits)
-        if self.pages_for(len(ids)) - len(hits) > self.num_free - idle_hits:
+        tokens = len(ids)
+        if self.window is not None and first_chunk is not None:
+            tokens = min(tokens, len(hits) * self.page_size + first_chunk)
+        if self.pages_for(tokens) - len(hits) > self.num_free - idle_hits:
             return None
         for i, (digest, page) in enumerate(hits):
             self._lru.pop(page, None)
@@ -110,7 +134,7 @@ class PageTable:
             self.table[slot, i] = page
         self._owned[slot] = len(hits)
         self._chain[slot] = [d for d, _ in hits]
-        self.ensure(slot, len(ids))  # Cannot fail: checked above.
+        self.ensure(slot, tokens)  # Cannot fail: checked above.
         return len(hits) * self.page_size
 
     def _take(self) -> int:
@@ -152,22 +176,42 @@ class PageTable:
         for i in range(len(chain), min(n // ps, self._owned[slot])):
             digest = self._next_digest(chain[-1] if chain else b"", ids[i * ps : (i + 1) * ps])
             chain.append(digest)
-            page = int(self.table[slot, i])
-            if digest not in self._page_of:
+            page = int(self.table[slot, i])  # 0: released before its commit (not kept).
+            if page and digest not in self._page_of:
                 self._page_of[digest], self._digest[page] = page, digest
 
-    def release(self, slot: int) -> None:
-        """Returns every page of `slot` (last first): cached ones to the LRU list, the
-        others to the free list."""
-        for p in self.table[slot, : self._owned[slot]][::-1].tolist():
+    def _drop(self, pages: Sequence[int]) -> None:
+        """One reference less on each of `pages`: a page nobody holds any more goes to
+        the LRU list if registered, else to the free list."""
+        for p in pages:
             self._ref[p] -= 1
             if self._ref[p] == 0:
                 if p in self._digest:
                     self._lru[p] = None
                 else:
                     heapq.heappush(self._free, p)
+
+    def trim(self, slot: int, pos: int) -> int:
+        """With a window: releases the pages of `slot` that end before pos - window + 1
+        (`pos`: the first position the slot's next call queries; keys before that are
+        masked for every query of the call). Returns how many were released."""
+        if self.window is None:
+            return 0
+        first = self._first[slot]
+        end = min(self._owned[slot], (pos - self.window + 1) // self.page_size)
+        if end <= first:
+            return 0
+        self._drop(self.table[slot, first:end].tolist())
+        self.table[slot, first:end] = 0
+        self._first[slot] = end
+        return end - first
+
+    def release(self, slot: int) -> None:
+        """Returns every page of `slot` (last first): cached ones to the LRU list, the
+        others to the free list."""
+        self._drop(self.held(slot)[::-1])
         self.table[slot] = 0
-        self._owned[slot] = 0
+        self._owned[slot] = self._first[slot] = 0
         self._chain[slot] = []
 
     def drop_cached(self) -> None:

@@ -46,6 +46,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxlearn.inference.logprobs import token_logprobs
 from jaxlearn.inference.sampling import Mode, sample_tokens
+from jaxlearn.layers.attention import Attention
 from jaxlearn.module import Module, functional, logical_sharding
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,22 @@ Array = jax.Array
 def next_pow2(n: int) -> int:
     """Smallest power of two >= n (n >= 1)."""
     return 1 << max(0, int(n) - 1).bit_length()
+
+
+def kv_window(model: Module) -> Optional[int]:
+    """How far back a query of `model` sees when every attention layer of it is causal
+    with a sliding window: the largest window (keys at distance >= it are masked in every
+    layer). None when some layer sees the whole prefix (e.g. the global layers of Gemma)
+    or there is no attention: then a paged cache must keep every position."""
+    windows, todo = [], [model]
+    while todo:
+        m = todo.pop()
+        if isinstance(m, Attention):
+            if m.config.sliding_window is None or not m.config.causal:
+                return None
+            windows.append(int(m.config.sliding_window))
+        todo.extend(m.children.values())
+    return max(windows) if windows else None
 
 
 def _call(model: Module, params: Any, method: str, inputs: Any) -> Any:

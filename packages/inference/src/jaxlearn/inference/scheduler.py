@@ -17,12 +17,14 @@ Each `step()`:
   4. decodes one token for every decoding request, or, when nobody is waiting or
      prefilling, a fused burst of up to `decode_burst` tokens (never more than any
      running request still may produce). Before the call every row gets the pages its
-     new positions need; when the pool is short, the youngest running request is
-     *preempted*: its pages are freed and it goes back to the front of the queue, to be
-     prefilled again later from its prompt + the tokens it already produced
-     (recomputation, as vLLM does), continuing with the same sampling keys. Requests
-     with a grammar (`response_format`) take one token per call, masked by their grammar
-     state (`grammar.py`), in a call of their own when the others burst;
+     new positions need (with `window`, prefill and decode rows first give back the
+     pages behind every layer's sliding window: `PageTable.trim`); when the pool is
+     short, the youngest running request is *preempted*: its pages are freed and it goes
+     back to the front of the queue, to be prefilled again later from its prompt + the
+     tokens it already produced (recomputation, as vLLM does), continuing with the same
+     sampling keys. Requests with a grammar (`response_format`) take one token per
+     call, masked by their grammar state (`grammar.py`), in a call of their own when
+     the others burst;
   5. turns new tokens into text deltas (`OutputState`) and hands them to each request's
      sink; finished requests free their slot and pages.
 
@@ -51,7 +53,7 @@ from jaxlearn.inference import penalties
 from jaxlearn.inference.errors import QueueFullError, RequestError
 from jaxlearn.inference.grammar import GrammarVocab, Matcher, fill_masks
 from jaxlearn.inference.logprobs import TokenLogprob, static_k, unpack
-from jaxlearn.inference.metrics import Metrics
+from jaxlearn.inference.metrics import Metrics, scheduler_metrics
 from jaxlearn.inference.pages import PageTable
 from jaxlearn.inference.runner import ModelRunner, next_pow2
 from jaxlearn.inference.sampling import SamplingParams, batch_mode
@@ -147,6 +149,8 @@ class Scheduler:
         QueueFullError.
     prefix_caching: share the cached full KV pages of a prompt's prefix (`PageTable`);
         the prefill of a request starts after them.
+    window: the model's sliding window (`runner.kv_window`) when pages behind it are to
+        be released before each call (`PageTable.trim`); None: keep every page.
     """
 
     def __init__(
@@ -162,6 +166,7 @@ class Scheduler:
         min_prefill_bucket: int = 16,
         metrics: Optional[Metrics] = None,
         prefix_caching: bool = False,
+        window: Optional[int] = None,
     ):
         if prefill_chunk < 1 or prefill_chunk & (prefill_chunk - 1):
             raise ValueError(f"prefill_chunk={prefill_chunk} must be a power of two")
@@ -178,7 +183,7 @@ class Scheduler:
         self.metrics = metrics or Metrics()
         self.pages = PageTable(
             runner.num_pages, runner.page_size, max_batch, runner.max_len // runner.page_size,
-            prefix_caching=prefix_caching,
+            prefix_caching=prefix_caching, window=window,
         )
         if self.pages.pages_for(max_seq_len) > runner.num_pages - 1:
             raise ValueError(
@@ -194,23 +199,7 @@ class Scheduler:
         self._admissions = itertools.count()
         self._grammar_vocab: Optional[GrammarVocab] = None
         self._grammar_lock = threading.Lock()
-        m = self.metrics
-        m.describe("requests_total", "Requests finished, by finish reason.")
-        m.describe("prompt_tokens_total", "Prompt tokens prefilled (recomputation included).")
-        m.describe("prefix_cache_hit_tokens_total", "Prompt tokens found in the prefix cache.")
-        m.describe("generation_tokens_total", "Tokens generated.")
-        m.describe("preemptions_total", "Running requests sent back to the queue (pool full).")
-        m.describe("time_to_first_token_seconds", "Arrival to first token.")
-        m.describe("request_latency_seconds", "Arrival to last token.")
-        m.describe("step_seconds", "Duration of one scheduler step.")
-        m.gauge("requests_running", lambda: float(self.num_running))
-        m.gauge("requests_waiting", lambda: float(self.num_waiting))
-        m.gauge("slots_total", lambda: float(self.max_batch))
-        m.gauge("kv_cache_bytes", lambda: float(self.runner.cache_bytes()))
-        m.gauge("kv_pages_total", lambda: float(self.pages.num_pages - 1))
-        m.gauge("kv_pages_used", lambda: float(self.pages.num_used))
-        m.gauge("kv_pages_cached", lambda: float(self.pages.num_cached))
-        m.gauge("kv_page_evictions", lambda: float(self.pages.evictions))
+        scheduler_metrics(self.metrics, self)
 
     # ---- queue side (any thread) ------------------------------------------------------
 
@@ -363,7 +352,7 @@ class Scheduler:
                     continue
                 req = self.waiting[0]
                 # Scored prompt tokens need every position's logits: no cached prefix.
-                cached = self.pages.admit(slot, req.context,
+                cached = self.pages.admit(slot, req.context, first_chunk=self.prefill_chunk,
                                           reuse=req.params.prompt_logprobs is None)
                 if cached is None:
                     break  # Head of line waits for pages; nobody overtakes it.
@@ -418,6 +407,13 @@ class Scheduler:
         if not pending:
             return False
         batch, scoring = self._prefill_batch(pending)
+        for r, _ in batch:  # Pages behind the window of the chunk's first position.
+            self.pages.trim(_slot(r), r.prefilled)
+        # With a window admission reserved only the first chunk's pages.
+        kept = set(self._reserve({r: r.prefilled + len(c) for r, c in batch}))
+        batch = [(r, c) for r, c in batch if r in kept]
+        if not batch:
+            return True
         reqs = [r for r, _ in batch]
         slots = [_slot(r) for r in reqs]
         params = [r.params for r in reqs]
@@ -506,30 +502,26 @@ class Scheduler:
         with self._lock:
             self.waiting.appendleft(req)
 
-    def _reserve(self, steps: int) -> list[Request]:
-        """Pages for `steps` more positions of every decoding request (1 for those with a
-        grammar), oldest first, preempting the youngest running requests while the pool
-        is short. Returns the decoding requests that hold their pages."""
+    def _reserve(self, tokens: dict[Request, int]) -> list[Request]:
+        """Pages for positions [0, tokens[r]) of each running r, oldest first, preempting
+        the youngest running requests while the pool is short. Returns the requests of
+        `tokens` that hold their pages, oldest first."""
         while True:
             running = sorted((r for r in self.slots if r is not None), key=lambda r: r.admitted)
-            decoding = [r for r in running if r.state == "decode"]
-            short = next(
-                (r for r in decoding if not self.pages.ensure(
-                    _slot(r), self._position(r) + (1 if r.matcher is not None else steps))),
-                None,
-            )
-            if short is None:
-                return decoding
+            if all(self.pages.ensure(_slot(r), tokens[r]) for r in running if r in tokens):
+                return [r for r in running if r in tokens]
             self._preempt(running[-1])
 
     def _decode(self) -> bool:
-        if not any(r is not None and r.state == "decode" for r in self.slots):
+        decoding = [r for r in self.slots if r is not None and r.state == "decode"]
+        if not decoding:
             return False
+        for r in decoding:  # Pages behind the window of the call's first position.
+            self.pages.trim(_slot(r), self._position(r))
         busy = bool(self.waiting) or any(r is not None and r.state == "prefill" for r in self.slots)
         # Rows with a grammar take one token per step (their masks follow each token), in
         # a call of their own when the others can burst.
-        running = [r for r in self.slots
-                   if r is not None and r.state == "decode" and r.matcher is None]
+        running = [r for r in decoding if r.matcher is None]
         steps = 1
         if running and not busy and min(self._room(r) for r in running) >= self.decode_burst:
             burst = self.decode_burst
@@ -539,7 +531,9 @@ class Scheduler:
             )
             if need <= self.pages.num_free:  # A burst never preempts anybody.
                 steps = self.decode_burst  # Only 1 or decode_burst: fewer compiled programs.
-        rows = sorted(self._reserve(steps), key=lambda r: r.slot or 0)
+        rows = sorted(self._reserve({r: self._position(r) + (1 if r.matcher is not None
+                                                            else steps) for r in decoding}),
+                      key=lambda r: r.slot or 0)
         groups = [rows] if steps == 1 else [[r for r in rows if r.matcher is None],
                                             [r for r in rows if r.matcher is not None]]
         for group, n in zip(groups, (steps, 1)):
