@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from jaxlearn.interop.checks import flag, number, optional_integer
-from jaxlearn.interop.errors import MalformedFileError, UnsupportedModelError
+from jaxlearn.families.checks import flag, number, optional_integer
+from jaxlearn.families.errors import MalformedFileError, UnsupportedModelError
 from jaxlearn.layers import (
     Attention,
     FeedForward,
