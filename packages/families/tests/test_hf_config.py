@@ -90,6 +90,10 @@ def test_defaults_are_filled_in():
      MalformedFileError, "attn_logit_softcapping = -1.0 must be a finite number > 0"),
     (dict(model_type="gemma3_text", use_bidirectional_attention=True),
      UnsupportedModelError, "use_bidirectional_attention is not supported"),
+    (dict(model_type="gemma3", text_config=[]),
+     MalformedFileError, "model_type 'gemma3' without a text_config object"),
+    (dict(model_type="gemma3", text_config={"hidden_size": 0}),
+     MalformedFileError, r"hidden_size = 0 is out of range \[1, "),
 ])  # fmt: skip
 def test_bad_fields_are_one_line_errors_naming_the_field(edit, error, match):
     with pytest.raises(error, match=match) as e:

@@ -6,6 +6,7 @@ loads our exports (recorded); a few LoRA steps on the Gemma 2 fixture lower the 
 merge and export as Gemma 2. (Recipes read back and refusals: jaxlearn.families'
 test_arch.py; GGUF: test_gemma_gguf.py.)"""
 
+import dataclasses
 import json
 import pathlib
 
@@ -177,3 +178,43 @@ def test_lora_steps_on_gemma2_lower_the_loss_merge_and_export(tmp_path):
     again = load_hf(export_hf(tmp_path / "tuned", plain, merged))
     assert again.architecture.family == "gemma2"
     np.testing.assert_allclose(run_logits(again.config, again.params, ids), tuned, atol=1e-4)
+
+
+@pytest.mark.parametrize("layout", ["model.language_model.", "language_model.model."])
+def test_multimodal_gemma3_loads_as_its_text_model(layout, tmp_path):
+    """A Gemma3ForConditionalGeneration directory (the text fixture's weights under the
+    transformers >= 4.52 or the older prefix, a vision tensor and a projector beside them,
+    the text config nested with Gemma3TextConfig's defaults left out) loads as the text
+    model: the fixture's logits, the vision tower ignored and said so."""
+    from safetensors.numpy import save_file
+
+    from jaxlearn.interop.sharded import param_readers
+
+    text = json.loads((FIXTURES / "hf_gemma3_text" / "config.json").read_text())
+    for default in ("rms_norm_eps", "tie_word_embeddings", "hidden_activation"):
+        del text[default]  # Gemma3TextConfig's defaults
+    del text["eos_token_id"]  # the top level's
+    config = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+              "text_config": text, "vision_config": {"model_type": "siglip_vision_model"},
+              "eos_token_id": [1, 2]}  # fmt: skip
+    state = load_file(str(FIXTURES / "hf_gemma3_text" / "model.safetensors"))
+    renamed = {layout + k.removeprefix("model."): v for k, v in state.items()}
+    top = layout.split("language_model.")[0]  # "model." or ""
+    renamed[top + "vision_tower.vision_model.embeddings.patch_embedding.weight"] = np.ones(
+        (4, 3, 2, 2), np.float32)
+    renamed[top + "multi_modal_projector.mm_input_projection_weight"] = np.ones((8, 32),
+                                                                              np.float32)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    save_file(renamed, str(tmp_path / "model.safetensors"))
+    loaded = load_hf(tmp_path, stack="loop")
+    reference_load = load_hf(FIXTURES / "hf_gemma3_text", stack="loop")
+    assert loaded.architecture == dataclasses.replace(reference_load.architecture,
+                                                      eos_token_ids=(1, 2))
+    assert loaded.metadata["ignored"].startswith("2 tensors outside the text model")
+    ref = reference("gemma3_text")
+    got = run_logits(loaded.config, loaded.params, ref["input_ids"])
+    assert np.max(np.abs(got - ref["logits"])) <= 1e-4
+    readers = param_readers(tmp_path, loaded.model())
+    q = readers["decoder.transformer.layer0.self_attention.q_proj"]
+    np.testing.assert_array_equal(
+        q((slice(None),) * 3), loaded.params["decoder"]["transformer"]["layer0"]["self_attention"]["q_proj"])

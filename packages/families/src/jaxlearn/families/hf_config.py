@@ -26,7 +26,12 @@ from jaxlearn.families.checks import (
     optional_integer,
 )
 from jaxlearn.families.errors import MalformedFileError, UnsupportedModelError
-from jaxlearn.families.gemma import GEMMA_FAMILIES, gemma_hf_dict, gemma_hf_fields
+from jaxlearn.families.gemma import (
+    GEMMA_FAMILIES,
+    gemma_hf_dict,
+    gemma_hf_fields,
+    multimodal_text_config,
+)
 from jaxlearn.families.names import FAMILIES
 from jaxlearn.layers import scaling_config, scaling_dict
 
@@ -145,9 +150,12 @@ def _windows(
 
 def architecture_from_hf(hf: Any, *, where: str = "config.json") -> Architecture:
     """Reads an HF `config.json` dict (Llama / Mistral / Qwen2 / Qwen3 / Mixtral /
-    Qwen3-MoE / Phi-3); every value is checked (MalformedFileError naming `where` and the field)."""
+    Qwen3-MoE / Phi-3 / Gemma 2 / Gemma 3, the multimodal `gemma3` as its text model);
+    every value is checked (MalformedFileError naming `where` and the field)."""
     if not isinstance(hf, dict):
         raise MalformedFileError(f"{where}: the top level is not a JSON object")
+    if hf.get("model_type") == "gemma3":  # Gemma3ForConditionalGeneration: its text model
+        hf = multimodal_text_config(hf, where)
     model_type = hf.get("model_type")
     if model_type not in HF_CLASSES:
         archs = hf.get("architectures") or []

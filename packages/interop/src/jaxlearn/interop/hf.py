@@ -89,6 +89,11 @@ class SafetensorsReader:
     The `safetensors` library checks each header against its file (header length, dtypes,
     shapes, offsets that cover the data exactly); its errors become one-line
     MalformedFileErrors naming the file. Index shards must be plain files of `directory`.
+
+    A multimodal checkpoint (Gemma3ForConditionalGeneration: text weights under
+    `model.language_model.` or `language_model.model.`) is seen as its text model: those
+    tensors under `model.`, `language_model.lm_head` as `lm_head`, and the vision tower and
+    projector left out (`ignored` counts them).
     """
 
     def __init__(self, directory: pathlib.Path):
@@ -109,6 +114,16 @@ class SafetensorsReader:
             for path in files:
                 for name in self._open(path).keys():
                     self._where[name] = path
+        self._stored = {n: n for n in self._where}  # name seen -> name in the file
+        self.ignored = 0
+        if any(n.startswith(_TEXT_PREFIXES) for n in self._where):
+            self._stored = {}
+            for n in self._where:
+                seen = _text_name(n)
+                if seen is None:
+                    self.ignored += 1
+                else:
+                    self._stored[seen] = n
 
     def _shard(self, index: pathlib.Path, name: str, file: Any) -> pathlib.Path:
         """The checked path of the shard that the index says holds tensor `name`."""
@@ -132,30 +147,46 @@ class SafetensorsReader:
         return self._handles[path]
 
     def names(self) -> list[str]:
-        return list(self._where)
+        return list(self._stored)
 
     def __contains__(self, name: str) -> bool:
-        return name in self._where
+        return name in self._stored
+
+    def _slice(self, name: str) -> Any:
+        stored = self._stored.get(name, name)
+        return self._open(self._where[stored]).get_slice(stored)
 
     def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._guard(name, lambda: self._slice(name).get_shape()))
+
+    def read(self, name: str) -> np.ndarray:
+        stored = self._stored.get(name, name)
+        return np.asarray(self._guard(
+            name, lambda: self._open(self._where[stored]).get_tensor(stored)))
+
+    def read_slice(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        return np.asarray(self._guard(name, lambda: self._slice(name)[index]))
+
+    def _guard(self, name: str, fn: Any) -> Any:
         try:
-            return tuple(self._open(self._where[name]).get_slice(name).get_shape())
+            return fn()
         except InteropError:
             raise
         except Exception as e:  # e.g. the index names a tensor its shard does not hold
-            raise MalformedFileError(
-                f"{self._where[name]}: tensor {name}: {_one_line(e)}"
-            ) from None
+            where = self._where.get(self._stored.get(name, name), self.directory)
+            raise MalformedFileError(f"{where}: tensor {name}: {_one_line(e)}") from None
 
-    def read(self, name: str) -> np.ndarray:
-        try:
-            return np.asarray(self._open(self._where[name]).get_tensor(name))
-        except InteropError:
-            raise
-        except Exception as e:
-            raise MalformedFileError(
-                f"{self._where[name]}: tensor {name}: {_one_line(e)}"
-            ) from None
+
+_TEXT_PREFIXES = ("model.language_model.", "language_model.")
+
+
+def _text_name(name: str) -> Optional[str]:
+    """The text-model name of tensor `name` of a multimodal checkpoint (None: not text)."""
+    for prefix, to in (("model.language_model.", "model."), ("language_model.model.", "model."),
+                       ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head.")):
+        if name.startswith(prefix):
+            return to + name[len(prefix):]
+    return None
 
 
 def _one_line(e: Exception) -> str:
@@ -258,7 +289,9 @@ def load_hf(
         architecture=arch,
         format="hf",
         source=str(directory),
-        metadata=hf,
+        metadata=hf if not reader.ignored else dict(hf, ignored=(
+            f"{reader.ignored} tensors outside the text model (vision tower, projector) "
+            "are not loaded")),
     )
 
 

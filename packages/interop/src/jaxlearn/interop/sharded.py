@@ -67,8 +67,7 @@ class SafetensorsSlices:
         return self.reader.read(name)
 
     def read_slice(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
-        handle = self.reader._open(self.reader._where[name])
-        return np.asarray(handle.get_slice(name)[index])
+        return self.reader.read_slice(name, index)
 
 
 class GGUFSlices:
