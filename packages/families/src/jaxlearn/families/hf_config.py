@@ -149,13 +149,11 @@ def _windows(
 
 
 def architecture_from_hf(hf: Any, *, where: str = "config.json") -> Architecture:
-    """Reads an HF `config.json` dict (Llama / Mistral / Qwen2 / Qwen3 / Mixtral /
-    Qwen3-MoE / Phi-3 / Gemma 2 / Gemma 3, the multimodal `gemma3` as its text model);
-    every value is checked (MalformedFileError naming `where` and the field)."""
+    """Reads an HF `config.json` dict of a `HF_CLASSES` family (or a multimodal `gemma3`: its
+    text model); every value checked (MalformedFileError naming `where` and the field)."""
     if not isinstance(hf, dict):
         raise MalformedFileError(f"{where}: the top level is not a JSON object")
-    if hf.get("model_type") == "gemma3":  # Gemma3ForConditionalGeneration: its text model
-        hf = multimodal_text_config(hf, where)
+    hf = multimodal_text_config(hf, where) if hf.get("model_type") == "gemma3" else hf
     model_type = hf.get("model_type")
     if model_type not in HF_CLASSES:
         archs = hf.get("architectures") or []
