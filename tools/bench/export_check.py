@@ -92,12 +92,12 @@ def _tiny_cases() -> list[tuple[str, Any, Any, Any, Any]]:
                             ffn_dim=128, rope_theta=10000.0, norm_eps=1e-5, **kw)  # fmt: skip
 
     # Gemma with the query scale llama.cpp derives (head_dim); windows shorter than the
-    # chat prompt; gemma3: 5 local + 1 global + 1 local layers, MQA.
+    # chat prompt; gemma3: 5 local + 1 global + 1 local layers, MQA, no final soft cap (as
+    # the released Gemma 3; llama.cpp reads gemma3.final_logit_softcapping only since 2025).
     gemma = dict(vocab_size=320, dim=64, num_heads=4, ffn_dim=128, head_dim=16,
                  query_pre_attn_scalar=16, norm_eps=1e-6, stack="loop")  # fmt: skip
     gemma2 = gemma2_config(num_layers=4, num_kv_heads=2, sliding_window=6, **gemma)
-    gemma3 = gemma3_config(num_layers=7, num_kv_heads=1, sliding_window=5,
-                           final_logit_soft_cap=30.0, **gemma)  # fmt: skip
+    gemma3 = gemma3_config(num_layers=7, num_kv_heads=1, sliding_window=5, **gemma)
     qwen = config()
     qwen.decoder.transformer.layer.self_attention.qkv_bias = True
     moe = MixtureOfExperts.default_config().set(num_experts=4, num_experts_per_token=2)
