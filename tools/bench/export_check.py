@@ -93,7 +93,7 @@ def _tiny_cases() -> list[tuple[str, Any, Any, Any, Any]]:
 
     # Gemma with the query scale llama.cpp derives (head_dim); windows shorter than the
     # chat prompt; gemma3: 5 local + 1 global + 1 local layers, MQA, no final soft cap (as
-    # the released Gemma 3; llama.cpp reads gemma3.final_logit_softcapping only since 2025).
+    # the released Gemma 3; older llama.cpp builds do not read gemma3.final_logit_softcapping).
     gemma = dict(vocab_size=320, dim=64, num_heads=4, ffn_dim=128, head_dim=16,
                  query_pre_attn_scalar=16, norm_eps=1e-6, stack="loop")  # fmt: skip
     gemma2 = gemma2_config(num_layers=4, num_kv_heads=2, sliding_window=6, **gemma)
