@@ -91,8 +91,8 @@ def assert_trees_equal(a, b, path="", shifted=()):
         if isinstance(a[k], dict):
             assert_trees_equal(a[k], b[k], f"{path}.{k}", shifted)
         elif any(s in f"{path}.{k}" for s in shifted):
-            np.testing.assert_allclose(a[k], b[k], rtol=0, atol=4 * 2**-24 * (1 + np.abs(b[k])),
-                                       err_msg=f"{path}.{k}")  # fmt: skip
+            err = np.abs(np.asarray(a[k], np.float64) - b[k])
+            assert np.all(err <= 2**-23 * (1 + np.abs(b[k]))), (f"{path}.{k}", err.max())
         else:
             np.testing.assert_array_equal(a[k], b[k], err_msg=f"{path}.{k}")
 
