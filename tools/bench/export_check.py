@@ -148,7 +148,7 @@ def _reference(config: Any, params: Any, hf_dir: pathlib.Path, messages: list[di
 
 
 def export_stage(out: pathlib.Path, init: str | None, question: str | None,
-                 new_tokens: int) -> None:
+                 new_tokens: int, only: str | None = None) -> None:
     from jaxlearn.interop import export_gguf, export_hf, load_pretrained
 
     if init:
@@ -156,7 +156,7 @@ def export_stage(out: pathlib.Path, init: str | None, question: str | None,
         cases = [(pathlib.Path(init).stem, loaded.config, loaded.params, loaded.tokenizer,
                   loaded.chat_template)]  # fmt: skip
     else:
-        cases = _tiny_cases()
+        cases = [c for c in _tiny_cases() if not only or c[0] in only.split(",")]
     for name, config, params, tok, chat in cases:
         case = out / name
         hf = export_hf(case / "hf", config, params, tokenizer=tok, chat_template=chat)
@@ -298,10 +298,11 @@ def main() -> None:
     parser.add_argument("--question", help="the user turn of the chat prompt")
     parser.add_argument("--new_tokens", type=int, default=NEW_TOKENS, help="greedy tokens")
     parser.add_argument("--results", type=pathlib.Path, default=RESULTS)
+    parser.add_argument("--cases", help="export only these tiny cases (comma-separated)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.stage == "export":
-        export_stage(args.out, args.init, args.question, args.new_tokens)
+        export_stage(args.out, args.init, args.question, args.new_tokens, args.cases)
     else:
         check_stage(args.out, args.results)
 
