@@ -216,5 +216,5 @@ def test_multimodal_gemma3_loads_as_its_text_model(layout, tmp_path):
     assert np.max(np.abs(got - ref["logits"])) <= 1e-4
     readers = param_readers(tmp_path, loaded.model())
     q = readers["decoder.transformer.layer0.self_attention.q_proj"]
-    np.testing.assert_array_equal(
-        q((slice(None),) * 3), loaded.params["decoder"]["transformer"]["layer0"]["self_attention"]["q_proj"])
+    want = loaded.params["decoder"]["transformer"]["layer0"]["self_attention"]["q_proj"]
+    np.testing.assert_array_equal(q((slice(None),) * 3), want)
