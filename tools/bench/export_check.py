@@ -2,8 +2,9 @@
 
 Two stages, so that each runs in the venv that has its packages (not run in CI):
 
-    # 1. project venv: tiny random Llama / Qwen2 / Mixtral models (or --init PATH, a real
-    #    HF directory or GGUF file) exported with export_hf and export_gguf (f32/f16/q8_0),
+    # 1. project venv: tiny random Llama / Qwen2 / Mixtral / Gemma 2 / Gemma 3 models (or
+    #    --init PATH, a real HF directory or GGUF file) exported with export_hf and
+    #    export_gguf (f32/f16/q8_0),
     #    with jaxlearn's reference logits, token ids, chat rendering and greedy tokens.
     python tools/bench/export_check.py export --out /tmp/export_check
     # 2. a venv with torch + transformers and/or llama-cpp-python (+ numpy); jaxlearn is
@@ -82,7 +83,7 @@ def _tiny_cases() -> list[tuple[str, Any, Any, Any, Any]]:
 
     from jaxlearn.config import replace_config
     from jaxlearn.interop import ChatTemplate
-    from jaxlearn.layers import FeedForward, llama_config
+    from jaxlearn.layers import FeedForward, gemma2_config, gemma3_config, llama_config
     from jaxlearn.layers.moe import MixtureOfExperts
     from jaxlearn.text.tokenizers import ByteTokenizer
 
@@ -90,6 +91,13 @@ def _tiny_cases() -> list[tuple[str, Any, Any, Any, Any]]:
         return llama_config(vocab_size=320, dim=64, num_layers=2, num_heads=4, num_kv_heads=2,
                             ffn_dim=128, rope_theta=10000.0, norm_eps=1e-5, **kw)  # fmt: skip
 
+    # Gemma with the query scale llama.cpp derives (head_dim); windows shorter than the
+    # chat prompt; gemma3: 5 local + 1 global + 1 local layers, MQA, no final soft cap (as
+    # the released Gemma 3; older llama.cpp builds do not read gemma3.final_logit_softcapping).
+    gemma = dict(vocab_size=320, dim=64, num_heads=4, ffn_dim=128, head_dim=16,
+                 query_pre_attn_scalar=16, norm_eps=1e-6, stack="loop")  # fmt: skip
+    gemma2 = gemma2_config(num_layers=4, num_kv_heads=2, sliding_window=6, **gemma)
+    gemma3 = gemma3_config(num_layers=7, num_kv_heads=1, sliding_window=5, **gemma)
     qwen = config()
     qwen.decoder.transformer.layer.self_attention.qkv_bias = True
     moe = MixtureOfExperts.default_config().set(num_experts=4, num_experts_per_token=2)
@@ -102,6 +110,8 @@ def _tiny_cases() -> list[tuple[str, Any, Any, Any, Any]]:
         ("qwen2_bpe", qwen, _tiny_bpe(qwen2_pre_tokenizer=True), chat),
         ("mixtral_bpe", replace_config(config(), FeedForward, moe), bpe, chat),
         ("llama_byte", config(), byte, byte_chat),
+        ("gemma2_bpe", gemma2, bpe, chat),
+        ("gemma3_bpe", gemma3, bpe, chat),
     ]):  # fmt: skip
         params = cfg.instantiate().initialize_parameters_recursively(jax.random.key(seed))
         leaves, tree = jax.tree.flatten(params)
@@ -138,7 +148,7 @@ def _reference(config: Any, params: Any, hf_dir: pathlib.Path, messages: list[di
 
 
 def export_stage(out: pathlib.Path, init: str | None, question: str | None,
-                 new_tokens: int) -> None:
+                 new_tokens: int, only: str | None = None) -> None:
     from jaxlearn.interop import export_gguf, export_hf, load_pretrained
 
     if init:
@@ -146,7 +156,7 @@ def export_stage(out: pathlib.Path, init: str | None, question: str | None,
         cases = [(pathlib.Path(init).stem, loaded.config, loaded.params, loaded.tokenizer,
                   loaded.chat_template)]  # fmt: skip
     else:
-        cases = _tiny_cases()
+        cases = [c for c in _tiny_cases() if not only or c[0] in only.split(",")]
     for name, config, params, tok, chat in cases:
         case = out / name
         hf = export_hf(case / "hf", config, params, tokenizer=tok, chat_template=chat)
@@ -288,10 +298,11 @@ def main() -> None:
     parser.add_argument("--question", help="the user turn of the chat prompt")
     parser.add_argument("--new_tokens", type=int, default=NEW_TOKENS, help="greedy tokens")
     parser.add_argument("--results", type=pathlib.Path, default=RESULTS)
+    parser.add_argument("--cases", help="export only these tiny cases (comma-separated)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.stage == "export":
-        export_stage(args.out, args.init, args.question, args.new_tokens)
+        export_stage(args.out, args.init, args.question, args.new_tokens, args.cases)
     else:
         check_stage(args.out, args.results)
 

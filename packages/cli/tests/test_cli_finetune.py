@@ -138,7 +138,7 @@ def test_sigkilled_finetune_resumes_its_checkpoint_bit_exact(model_dir, tmp_path
 def _final_params(run, step):
     """A run's params at `step`, as flat numpy arrays."""
     from jaxlearn.checkpoint import Checkpointer
-    from jaxlearn.interop.tree import flatten
+    from jaxlearn.families.tree import flatten
 
     ckpt = Checkpointer.default_config().set(directory=str(run / "checkpoints")).instantiate()
     params = ckpt.restore(step, _abstract(ckpt, run), partial=True)["params"]
@@ -248,8 +248,8 @@ def test_lora_from_init_from_trains_only_the_adapters(model_dir, tmp_path):
     is the base model's (adapters start as a no-op), and after training every base weight
     is bit-identical to the pretrained one while the adapters moved."""
     from jaxlearn.checkpoint import Checkpointer
+    from jaxlearn.families.tree import flatten
     from jaxlearn.interop import load_pretrained
-    from jaxlearn.interop.tree import flatten
     from jaxlearn.module import functional
 
     out = tmp_path / "lora"

@@ -16,13 +16,16 @@ ALLOWED = {
     "aot": {"config", "module", "mesh", "checkpoint", "runtime"},
     "inference": {"config", "module", "layers", "mesh", "checkpoint", "text"},
     "serve": {"config", "module", "layers", "mesh", "checkpoint", "text", "inference"},
+    "families": {"config", "module", "layers"},
+    "interop": {"config", "module", "layers", "families", "mesh", "checkpoint", "inference",
+                "text"},
 }
 
 
 def test_versions_match_and_layering_rules_are_declared():
     packages = sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "BUILD").exists())
     assert {"config", "module", "layers", "mesh", "checkpoint", "text", "resilience", "runtime",
-            "aot", "launch", "inference", "serve"} <= set(
+            "aot", "launch", "inference", "serve", "families", "interop"} <= set(
         packages)
     for name in packages:
         build = (ROOT / "packages" / name / "BUILD").read_text()

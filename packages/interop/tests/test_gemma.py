@@ -2,10 +2,11 @@
 (fixtures/make_gemma_fixtures.py, run offline with torch) give the logits of transformers
 (scanned layer groups and loops) and its greedy tokens through the paged, continuously
 batched Engine, past the sliding windows; export -> import is the identity; transformers
-loads our exports (recorded); recipe configs read back; what HF Gemma cannot express is
-refused naming the config path; a few LoRA steps on the Gemma 2 fixture lower the loss,
-merge and export as Gemma 2."""
+loads our exports (recorded); a few LoRA steps on the Gemma 2 fixture lower the loss,
+merge and export as Gemma 2. (Recipes read back and refusals: jaxlearn.families'
+test_arch.py; GGUF: test_gemma_gguf.py.)"""
 
+import dataclasses
 import json
 import pathlib
 
@@ -18,14 +19,10 @@ from safetensors.numpy import load_file
 
 from jaxlearn.inference import Engine
 from jaxlearn.interop import (
-    UnsupportedModelError,
-    architecture_from_config,
-    build_config,
-    export_gguf,
     export_hf,
     load_hf,
 )
-from jaxlearn.layers import LoopStack, ScanStack, gemma2_config, gemma3_config
+from jaxlearn.layers import LoopStack, ScanStack
 from jaxlearn.module import functional
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
@@ -146,49 +143,6 @@ def test_transformers_loads_our_exports_with_same_logits():
         assert result["logit_scale"] > 1.0, case
 
 
-def test_recipes_read_back_and_rebuild():
-    g2 = gemma2_config(256, 64, 6, 4, 2, 96, head_dim=16, sliding_window=8)
-    a = architecture_from_config(g2)
-    assert (a.family, a.query_pre_attn_scalar, a.attn_logit_soft_cap) == ("gemma2", 256, 50.0)
-    assert a.sliding_windows == (8, None) * 3 and a.final_logit_soft_cap == 30.0
-    assert build_config(a, stack="scan") == g2
-    g3 = gemma3_config(256, 64, 8, 4, 1, 96, head_dim=16, stack="scan")
-    assert g3.decoder.transformer.klass is LoopStack  # 8 layers: no whole 6-layer group
-    a = architecture_from_config(g3)
-    assert (a.family, a.rope_theta, a.local_rope_theta) == ("gemma3_text", 1e6, 1e4)
-    assert a.sliding_windows == (1024,) * 5 + (None, 1024, 1024)
-    assert build_config(a, stack="scan") == g3
-
-
-def test_what_hf_gemma_cannot_express_is_refused(tmp_path):
-    def refused(cfg, match):
-        with pytest.raises(UnsupportedModelError, match=match):
-            architecture_from_config(cfg)
-
-    base = dict(vocab_size=64, dim=32, num_layers=4, num_heads=4, num_kv_heads=2, ffn_dim=48,
-                head_dim=8, sliding_window=4, stack="loop")  # fmt: skip
-    cfg = gemma2_config(**base)
-    cfg.decoder.transformer.layers[1].self_attention.rope.theta = 5e5
-    refused(cfg, r"layers\[3\]\.self_attention\.rope: one RoPE per layer kind")
-    cfg.decoder.transformer.layers[3].self_attention.rope.theta = 5e5  # all global layers
-    refused(cfg, r"Gemma 2 has one RoPE theta")
-    cfg = gemma2_config(**base)
-    cfg.decoder.transformer.layers[2].self_attention.num_kv_heads = 4
-    refused(cfg, r"layers\[2\]: differs from layer 0 in \['num_kv_heads'\]")
-    cfg = gemma2_config(**base)
-    cfg.decoder.transformer.layers[0].feed_forward.activation = ("silu", "linear")
-    refused(cfg, r"layers\[0\]\.feed_forward: .*GeGLU")
-    cfg = gemma2_config(**base)
-    cfg.decoder.transformer.layers[3].post_norm = None
-    refused(cfg, r"layers\[3\]: .*post_norm")
-    cfg = gemma3_config(**base, attn_logit_soft_cap=20.0)
-    refused(cfg, r"HF Gemma 3 has no attention soft cap")
-    cfg = gemma2_config(**base)
-    with pytest.raises(UnsupportedModelError, match="GGUF: gemma2 has no GGUF names"):
-        params = cfg.instantiate().initialize_parameters_recursively(jax.random.key(0))
-        export_gguf(tmp_path / "g.gguf", cfg, params, tokenizer=None)
-
-
 def test_lora_steps_on_gemma2_lower_the_loss_merge_and_export(tmp_path):
     """A rank-2 LoRA of the scanned Gemma 2 fixture: 5 Adam steps on the adapters only
     lower the training loss; the merged model has the tuned logits and exports as Gemma 2."""
@@ -224,3 +178,43 @@ def test_lora_steps_on_gemma2_lower_the_loss_merge_and_export(tmp_path):
     again = load_hf(export_hf(tmp_path / "tuned", plain, merged))
     assert again.architecture.family == "gemma2"
     np.testing.assert_allclose(run_logits(again.config, again.params, ids), tuned, atol=1e-4)
+
+
+@pytest.mark.parametrize("layout", ["model.language_model.", "language_model.model."])
+def test_multimodal_gemma3_loads_as_its_text_model(layout, tmp_path):
+    """A Gemma3ForConditionalGeneration directory (the text fixture's weights under the
+    transformers >= 4.52 or the older prefix, a vision tensor and a projector beside them,
+    the text config nested with Gemma3TextConfig's defaults left out) loads as the text
+    model: the fixture's logits, the vision tower ignored and said so."""
+    from safetensors.numpy import save_file
+
+    from jaxlearn.interop.sharded import param_readers
+
+    text = json.loads((FIXTURES / "hf_gemma3_text" / "config.json").read_text())
+    for default in ("rms_norm_eps", "tie_word_embeddings", "hidden_activation"):
+        del text[default]  # Gemma3TextConfig's defaults
+    del text["eos_token_id"]  # the top level's
+    config = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+              "text_config": text, "vision_config": {"model_type": "siglip_vision_model"},
+              "eos_token_id": [1, 2]}  # fmt: skip
+    state = load_file(str(FIXTURES / "hf_gemma3_text" / "model.safetensors"))
+    renamed = {layout + k.removeprefix("model."): v for k, v in state.items()}
+    top = layout.split("language_model.")[0]  # "model." or ""
+    renamed[top + "vision_tower.vision_model.embeddings.patch_embedding.weight"] = np.ones(
+        (4, 3, 2, 2), np.float32)
+    renamed[top + "multi_modal_projector.mm_input_projection_weight"] = np.ones((8, 32),
+                                                                              np.float32)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    save_file(renamed, str(tmp_path / "model.safetensors"))
+    loaded = load_hf(tmp_path, stack="loop")
+    reference_load = load_hf(FIXTURES / "hf_gemma3_text", stack="loop")
+    assert loaded.architecture == dataclasses.replace(reference_load.architecture,
+                                                      eos_token_ids=(1, 2))
+    assert loaded.metadata["ignored"].startswith("2 tensors outside the text model")
+    ref = reference("gemma3_text")
+    got = run_logits(loaded.config, loaded.params, ref["input_ids"])
+    assert np.max(np.abs(got - ref["logits"])) <= 1e-4
+    readers = param_readers(tmp_path, loaded.model())
+    q = readers["decoder.transformer.layer0.self_attention.q_proj"]
+    want = loaded.params["decoder"]["transformer"]["layer0"]["self_attention"]["q_proj"]
+    np.testing.assert_array_equal(q((slice(None),) * 3), want)

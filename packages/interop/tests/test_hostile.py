@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from jaxlearn.families.arch import architecture_from_config
 from jaxlearn.interop import InteropError, load_pretrained
-from jaxlearn.interop.arch import architecture_from_config
 from jaxlearn.interop.gguf import gguf_params_to_tensors
 from jaxlearn.interop.hf import hf_config_dict, hf_params_to_state
 from jaxlearn.layers import llama_config

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding
 
+from jaxlearn.families.tree import flatten
 from jaxlearn.interop import ParameterMismatchError, build_config, load_pretrained
 from jaxlearn.interop.hf import architecture_from_hf, read_json
 from jaxlearn.interop.sharded import (
@@ -18,7 +19,6 @@ from jaxlearn.interop.sharded import (
     load_sharded,
     param_readers,
 )
-from jaxlearn.interop.tree import flatten
 from jaxlearn.mesh import DEFAULT_AXIS_RULES, logical_to_partition_spec
 from jaxlearn.module import is_spec
 

@@ -87,7 +87,8 @@ def _pretrained_model(cfg: Any, arch: Any) -> Any:
 
 def _hf(p: pathlib.Path) -> tuple[Any, Any, Any]:
     """(architecture, tokenizer config, ChatTemplate or None) of an HF directory."""
-    from jaxlearn.interop.hf import architecture_from_hf, read_json
+    from jaxlearn.interop import architecture_from_hf
+    from jaxlearn.interop.hf import read_json
     from jaxlearn.text.hf_files import load_hf_tokenizer
     from jaxlearn.text.tokenizers import HFTokenizer
 

@@ -8,12 +8,19 @@
     export_gguf("out.gguf", loaded.config, loaded.params, tokenizer=loaded.tokenizer,
                 chat_template=loaded.chat_template, dtype="q8_0")
 
-See packages/interop/README.md.
+See packages/interop/README.md. The families themselves (`Architecture`, config building, HF
+config.json fields, name tables) are `jaxlearn.families`, re-exported here.
 """
 
 from typing import Any
 
-from jaxlearn.interop.arch import Architecture, architecture_from_config, build_config
+from jaxlearn.families import (
+    Architecture,
+    architecture_from_config,
+    architecture_from_hf,
+    build_config,
+    hf_config_dict,
+)
 from jaxlearn.interop.errors import (
     ChatTemplateError,
     InteropError,
@@ -23,14 +30,7 @@ from jaxlearn.interop.errors import (
     UnsupportedModelError,
 )
 from jaxlearn.interop.generate import greedy_generate
-from jaxlearn.interop.hf import (
-    architecture_from_hf,
-    export_hf,
-    export_pretrained,
-    hf_config_dict,
-    load_hf,
-    load_hf_tokenizer,
-)
+from jaxlearn.interop.hf import export_hf, export_pretrained, load_hf, load_hf_tokenizer
 from jaxlearn.interop.model import LoadedModel
 from jaxlearn.interop.pretrained import JaxlearnCheckpointError, load_pretrained
 from jaxlearn.text.chat import ChatLimits, ChatTemplate

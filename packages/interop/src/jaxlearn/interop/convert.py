@@ -1,7 +1,7 @@
-"""Applies the name table of `jaxlearn.interop.names` to checkpoints: `plan` resolves the
+"""Applies the name table of `jaxlearn.families.names` to checkpoints: `plan` resolves the
 rows of an architecture against a file's tensor names, `read_tensors` checks every name
 and shape from the headers and then builds the canonical (top, layers) trees of
-`jaxlearn.interop.tree`, `write_tensors` turns those trees into file tensors. One code
+`jaxlearn.families.tree`, `write_tensors` turns those trees into file tensors. One code
 path serves HF safetensors and GGUF, import and export.
 """
 
@@ -12,9 +12,8 @@ from typing import Container, Iterable, Optional, Protocol, Sequence
 
 import numpy as np
 
-from jaxlearn.interop.arch import Architecture
-from jaxlearn.interop.errors import ParameterMismatchError, UnsupportedModelError
-from jaxlearn.interop.names import (
+from jaxlearn.families.arch import Architecture
+from jaxlearn.families.names import (
     FAMILIES,
     FORMATS,
     FUSIONS,
@@ -29,6 +28,7 @@ from jaxlearn.interop.names import (
     key_of,
     shape_of,
 )
+from jaxlearn.interop.errors import ParameterMismatchError, UnsupportedModelError
 
 Nested = dict
 
@@ -172,6 +172,8 @@ def to_jaxlearn(
         x = unpermute_qk(x, d[name.permute])
     if name.transpose:
         x = np.swapaxes(x, -1, -2)
+    if name.shift:
+        x = x - np.float32(name.shift)
     return x.reshape(shape_of(use.row.shape, d))
 
 
@@ -187,6 +189,8 @@ def to_file(use: Use, value: np.ndarray, d: dict[str, int], permuted: bool) -> l
     if name.transpose:
         shape[-2:] = shape[-1], shape[-2]
     x = np.asarray(value).reshape(shape)
+    if name.shift:
+        x = x + np.asarray(name.shift, x.dtype)
     if name.transpose:
         x = np.swapaxes(x, -1, -2)
     if permuted and name.permute:

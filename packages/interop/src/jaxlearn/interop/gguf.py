@@ -4,7 +4,7 @@
 
 The header is read and validated by `jaxlearn.text.gguf_file` (every count, length,
 dimension and offset against the file size; the file memory-mapped read-only), then every
-size in the metadata by `jaxlearn.interop.checks`. Every tensor is dequantised to
+size in the metadata by `jaxlearn.families.checks`. Every tensor is dequantised to
 float32 with `gguf.quants.dequantize` (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the
 K-quants and the IQ types that the package implements), then cast to the param dtype.
 
@@ -13,11 +13,12 @@ SmolLM), `qwen2` (q/k/v biases), `qwen3` (`attn_q_norm` / `attn_k_norm`, explici
 `attention.key_length`), `qwen3moe` (qwen3 attention, every FFN top-k experts of width
 `expert_feed_forward_length`), `phi3` (fused `attn_qkv` / `ffn_up`, partial RoPE,
 LongRoPE factors as `rope_factors_long/short.weight`), `mistral`-named files with the
-llama layout. YaRN is `rope.scaling.type` yarn. llama.cpp
+llama layout, `gemma2` / `gemma3` (`gguf_gemma`: what llama.cpp derives rather than stores,
+norms holding `1 + scale`). YaRN is `rope.scaling.type` yarn. llama.cpp
 permutes the rows of the q/k projections of `llama` files for its interleaved RoPE
 (`convert_hf_to_gguf.LlamaModel.permute`); `unpermute_qk` undoes it so the weights match the
 HF rotate-half layout that jaxlearn's RoPE uses. qwen2 and qwen3 files are not permuted. Tensor
-names, shapes and transforms come from the name table in `jaxlearn.interop.names`.
+names, shapes and transforms come from the name table in `jaxlearn.families.names`.
 
 Llama-3.1 RoPE scaling is stored by llama.cpp as a `rope_freqs.weight` tensor of per-
 frequency divisors; the loader recovers the `Llama3FrequencyScaling` parameters that
@@ -35,8 +36,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from jaxlearn.interop.arch import Architecture, architecture_from_config, build_config
-from jaxlearn.interop.checks import (
+from jaxlearn.families.arch import Architecture, architecture_from_config, build_config
+from jaxlearn.families.checks import (
     LIMITS,
     check_heads,
     check_layers_present,
@@ -44,6 +45,8 @@ from jaxlearn.interop.checks import (
     integer,
     number,
 )
+from jaxlearn.families.names import FAMILIES
+from jaxlearn.families.tree import assemble_params, layer_layouts, split_params, stack_kind
 from jaxlearn.interop.convert import held_features, read_tensors, write_tensors
 from jaxlearn.interop.convert import permute_qk as permute_qk  # re-exported
 from jaxlearn.interop.convert import unpermute_qk as unpermute_qk  # re-exported
@@ -53,9 +56,8 @@ from jaxlearn.interop.errors import (
     TokenizerError,
     UnsupportedModelError,
 )
+from jaxlearn.interop.gguf_gemma import GEMMA_ARCHITECTURES, gemma_fields_from_gguf
 from jaxlearn.interop.model import LoadedModel
-from jaxlearn.interop.names import FAMILIES
-from jaxlearn.interop.tree import assemble_params, layer_layouts, split_params, stack_kind
 from jaxlearn.text import errors as text_errors
 from jaxlearn.text.chat import ChatTemplate
 from jaxlearn.text.gguf_vocab import tokenizer_from_gguf_metadata
@@ -67,7 +69,7 @@ except ImportError:  # pragma: no cover - depends on the environment
     _gguf = None
 
 Nested = dict[str, Any]
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe", "phi3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe", "phi3", *GEMMA_ARCHITECTURES)
 # general.architecture -> the family of a file (with experts, without).
 _FAMILY = {
     "qwen2": ("mixtral", "qwen2"),
@@ -311,7 +313,7 @@ def _token_id(f: GGUFFile, key: str) -> Optional[int]:
 
 
 def architecture_from_gguf(f: GGUFFile) -> Architecture:
-    """Reads the hyperparameters of a llama/qwen2/qwen3/qwen3moe GGUF file; every size is
+    """Reads the hyperparameters of a GGUF file (`ARCHITECTURES`); every size is
     checked (MalformedFileError naming the file and key), and every layer `block_count`
     declares must have its tensors in the file, before anything is allocated."""
     arch_name = f.require("general.architecture")
@@ -323,17 +325,23 @@ def architecture_from_gguf(f: GGUFFile) -> Architecture:
     rotary = round(sizes["head_dim"] * sizes["rotary_fraction"])
     theta, scaling = _rope(f, arch_name, sizes["head_dim"], rotary)
     eps = f.get(f"{arch_name}.attention.layer_norm_rms_epsilon", 1e-5)
-    window = f.integer(f"{arch_name}.attention.sliding_window", high=LIMITS["window"])
-    held = held_features(FAMILIES["llama"], "gguf", f.tensors)  # biases, untied head
     eos = [_token_id(f, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     family = _FAMILY.get(arch_name, ("mixtral", "llama"))[0 if sizes["num_experts"] else 1]
+    fields: dict[str, Any]
+    if arch_name in GEMMA_ARCHITECTURES:
+        fields = gemma_fields_from_gguf(f, arch_name, sizes)
+        family = fields["family"]
+    else:
+        window = f.integer(f"{arch_name}.attention.sliding_window", high=LIMITS["window"])
+        if window is not None and family == "llama":
+            family = "mistral"
+        fields = dict(family=family,
+                      sliding_windows=(window,) * sizes["num_layers"] if window else ())
+    held = held_features(FAMILIES[family], "gguf", f.tensors)  # biases, untied head
     # llama.cpp renormalises the top-k weights unless the file says otherwise.
     norm_key = f"{arch_name}.expert_weights_norm"
     normalize = flag(f.get(norm_key), str(f.path), norm_key, default=True)
-    if window is not None and family == "llama":
-        family = "mistral"
     arch = Architecture(
-        family=family,
         norm_eps=number(eps, str(f.path), f"{arch_name}.attention.layer_norm_rms_epsilon"),
         rope_theta=theta,
         rope_scaling=scaling,
@@ -341,10 +349,10 @@ def architecture_from_gguf(f: GGUFFile) -> Architecture:
         qkv_bias="qkv_bias" in held,
         output_bias="output_bias" in held,
         mlp_bias="mlp_bias" in held,
-        sliding_windows=(window,) * sizes["num_layers"] if window is not None else (),
         normalize_top_k=normalize,
         bos_token_id=_token_id(f, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(i for i in eos if i is not None)),
+        **fields,
         **sizes,
     )
     check_layers_present(

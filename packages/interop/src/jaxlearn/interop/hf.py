@@ -17,7 +17,7 @@ both the hub layout `block_sparse_moe.experts.N.w1/w2/w3` and the fused
 (`model.safetensors.index.json`); bf16 works through `ml_dtypes`.
 
 Tensor names and layouts (HF `nn.Linear` weights are [out, in]; ours [in, *out]) come
-from the name table in `jaxlearn.interop.names`, which import and export both read.
+from the name table in `jaxlearn.families.names`, which import and export both read.
 RoPE uses the rotate-half convention of HF, so q/k need no permutation.
 """
 
@@ -32,8 +32,10 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from jaxlearn.interop.arch import Architecture, architecture_from_config, build_config
-from jaxlearn.interop.checks import check_layers_present
+from jaxlearn.families.arch import Architecture, architecture_from_config, build_config
+from jaxlearn.families.checks import check_layers_present
+from jaxlearn.families.hf_config import architecture_from_hf, hf_config_dict
+from jaxlearn.families.tree import assemble_params, layer_layouts, split_params, stack_kind
 from jaxlearn.interop.convert import read_tensors, write_tensors
 from jaxlearn.interop.errors import (
     InteropError,
@@ -41,10 +43,7 @@ from jaxlearn.interop.errors import (
     TokenizerError,
     tokenizer_errors_as_interop,
 )
-from jaxlearn.interop.gemma import GEMMA_FAMILIES, gemma_hf_dict
-from jaxlearn.interop.hf_config import HF_CLASSES, architecture_from_hf, read_json
 from jaxlearn.interop.model import LoadedModel
-from jaxlearn.interop.tree import assemble_params, layer_layouts, split_params, stack_kind
 from jaxlearn.text import errors as text_errors
 from jaxlearn.text import hf_files
 from jaxlearn.text.chat import ChatTemplate
@@ -53,105 +52,31 @@ Nested = dict[str, Any]
 INDEX_FILE = "model.safetensors.index.json"
 
 
-# ---- config.json -----------------------------------------------------------------------------
+# ---- config.json and index files ------------------------------------------------------
 
 
-def hf_config_dict(arch: Architecture, *, dtype: str = "float32") -> dict[str, Any]:
-    """An HF `config.json` dict for `arch` (the classic `rope_theta`/`rope_scaling` keys,
-    which transformers 4 and 5 both read)."""
-    scaling = None
-    max_positions = arch.max_position_embeddings or 4096
-    if arch.rope_scaling is not None:
-        scaling = {k: v for k, v in arch.rope_scaling.items()}
-        if scaling["rope_type"] == "dynamic":  # HF's original maximum for dynamic NTK
-            max_positions = scaling.pop("original_max_position_embeddings")
-    out: dict[str, Any] = {
-        "architectures": [HF_CLASSES[arch.family]],
-        "model_type": arch.family,
-        "vocab_size": arch.vocab_size,
-        "hidden_size": arch.dim,
-        "intermediate_size": arch.ffn_dim,
-        "num_hidden_layers": arch.num_layers,
-        "num_attention_heads": arch.num_heads,
-        "num_key_value_heads": arch.num_kv_heads,
-        "head_dim": arch.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": max_positions,
-        "rms_norm_eps": arch.norm_eps,
-        "rope_theta": arch.rope_theta,
-        "rope_scaling": scaling,
-        "tie_word_embeddings": arch.tie_embeddings,
-        "attention_dropout": 0.0,
-        "initializer_range": 0.02,
-        "use_cache": True,
-        "torch_dtype": dtype,
-    }
-    if arch.bos_token_id is not None:
-        out["bos_token_id"] = arch.bos_token_id
-    if arch.eos_token_ids:
-        eos = list(arch.eos_token_ids)
-        out["eos_token_id"] = eos[0] if len(eos) == 1 else eos
-    windows = arch.sliding_windows
-    if arch.family == "llama":
-        out["attention_bias"] = arch.qkv_bias
-        out["mlp_bias"] = arch.mlp_bias
-    elif arch.family == "mistral":
-        out["sliding_window"] = windows[0] if windows else None
-    elif arch.family == "phi3":
-        out.update(_phi3_fields(arch, scaling))
-    elif arch.family in ("qwen2", "qwen3"):
-        sliding = [i for i, w in enumerate(windows) if w is not None]
-        out["use_sliding_window"] = bool(sliding)
-        out["sliding_window"] = windows[sliding[0]] if sliding else None
-        out["max_window_layers"] = sliding[0] if sliding else arch.num_layers
-        if sliding:
-            out["layer_types"] = [
-                "sliding_attention" if w is not None else "full_attention" for w in windows
-            ]
-        if arch.family == "qwen3":
-            out["attention_bias"] = arch.qkv_bias
-    elif arch.family == "qwen3_moe":  # one window for every layer, or none
-        out.update(
-            use_sliding_window=bool(windows),
-            sliding_window=windows[0] if windows else None,
-            attention_bias=arch.qkv_bias,
-            intermediate_size=arch.dense_ffn_dim or arch.ffn_dim,
-            moe_intermediate_size=arch.ffn_dim,
-            num_experts=arch.num_experts,
-            num_experts_per_tok=arch.num_experts_per_token,
-            norm_topk_prob=arch.normalize_top_k,
-            decoder_sparse_step=1,
-            mlp_only_layers=list(arch.dense_layers),
-            router_aux_loss_coef=arch.router_aux_loss_coef,
-            output_router_logits=False,
-        )
-    elif arch.family in GEMMA_FAMILIES:
-        del out["hidden_act"]
-        out.update(gemma_hf_dict(arch))
-    elif arch.family == "mixtral":
-        out["sliding_window"] = windows[0] if windows else None
-        out["num_local_experts"] = arch.num_experts
-        out["num_experts_per_tok"] = arch.num_experts_per_token
-        out["router_aux_loss_coef"] = arch.router_aux_loss_coef
-        out["output_router_logits"] = False
-        out["router_jitter_noise"] = 0.0
-    return out
+MAX_JSON_BYTES = 64 * 2**20  # config.json and index files are kilobytes
 
 
-def _phi3_fields(arch: Architecture, scaling: Optional[dict[str, Any]]) -> dict[str, Any]:
-    """Phi-3's config.json fields: one window, partial RoPE, the original maximum at the
-    top level (where Phi3Config reads it), no pad/bos/eos defaults (1, 32000)."""
-    out = dict(
-        sliding_window=arch.sliding_windows[0] if arch.sliding_windows else None,
-        partial_rotary_factor=arch.rotary_fraction,
-        attention_bias=False, resid_pdrop=0.0, embd_pdrop=0.0, pad_token_id=None,
-        bos_token_id=arch.bos_token_id,
-        eos_token_id=arch.eos_token_ids[0] if len(arch.eos_token_ids) == 1
-        else list(arch.eos_token_ids) or None,
-    )  # fmt: skip
-    if scaling is not None:
-        out["original_max_position_embeddings"] = scaling["original_max_position_embeddings"]
-    return out
+def read_json(path: pathlib.Path, *, max_bytes: int = MAX_JSON_BYTES) -> Any:
+    """The parsed JSON of `path` (at most `max_bytes`; one-line InteropError otherwise)."""
+    try:
+        if path.exists() and not path.is_file():  # a FIFO or device would block or never end
+            raise MalformedFileError(f"{path}: not a regular file")
+        size = path.stat().st_size
+        if size > max_bytes:
+            raise MalformedFileError(f"{path}: {size} bytes, more than the {max_bytes} allowed")
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        raise InteropError(f"{path}: not found") from None
+    except OSError as e:
+        raise InteropError(f"{path}: cannot be read ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise MalformedFileError(f"{path}: not UTF-8 ({e.reason} at byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise MalformedFileError(f"{path}: invalid JSON ({e})") from None
+    except RecursionError:
+        raise MalformedFileError(f"{path}: JSON nested too deeply") from None
 
 
 # ---- safetensors ----------------------------------------------------------------------------
@@ -164,6 +89,11 @@ class SafetensorsReader:
     The `safetensors` library checks each header against its file (header length, dtypes,
     shapes, offsets that cover the data exactly); its errors become one-line
     MalformedFileErrors naming the file. Index shards must be plain files of `directory`.
+
+    A multimodal checkpoint (Gemma3ForConditionalGeneration: text weights under
+    `model.language_model.` or `language_model.model.`) is seen as its text model: those
+    tensors under `model.`, `language_model.lm_head` as `lm_head`, and the vision tower and
+    projector left out (`ignored` counts them).
     """
 
     def __init__(self, directory: pathlib.Path):
@@ -184,6 +114,16 @@ class SafetensorsReader:
             for path in files:
                 for name in self._open(path).keys():
                     self._where[name] = path
+        self._stored = {n: n for n in self._where}  # name seen -> name in the file
+        self.ignored = 0
+        if any(n.startswith(_TEXT_PREFIXES) for n in self._where):
+            self._stored = {}
+            for n in self._where:
+                seen = _text_name(n)
+                if seen is None:
+                    self.ignored += 1
+                else:
+                    self._stored[seen] = n
 
     def _shard(self, index: pathlib.Path, name: str, file: Any) -> pathlib.Path:
         """The checked path of the shard that the index says holds tensor `name`."""
@@ -207,30 +147,46 @@ class SafetensorsReader:
         return self._handles[path]
 
     def names(self) -> list[str]:
-        return list(self._where)
+        return list(self._stored)
 
     def __contains__(self, name: str) -> bool:
-        return name in self._where
+        return name in self._stored
+
+    def _slice(self, name: str) -> Any:
+        stored = self._stored.get(name, name)
+        return self._open(self._where[stored]).get_slice(stored)
 
     def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._guard(name, lambda: self._slice(name).get_shape()))
+
+    def read(self, name: str) -> np.ndarray:
+        stored = self._stored.get(name, name)
+        return np.asarray(self._guard(
+            name, lambda: self._open(self._where[stored]).get_tensor(stored)))
+
+    def read_slice(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        return np.asarray(self._guard(name, lambda: self._slice(name)[index]))
+
+    def _guard(self, name: str, fn: Any) -> Any:
         try:
-            return tuple(self._open(self._where[name]).get_slice(name).get_shape())
+            return fn()
         except InteropError:
             raise
         except Exception as e:  # e.g. the index names a tensor its shard does not hold
-            raise MalformedFileError(
-                f"{self._where[name]}: tensor {name}: {_one_line(e)}"
-            ) from None
+            where = self._where.get(self._stored.get(name, name), self.directory)
+            raise MalformedFileError(f"{where}: tensor {name}: {_one_line(e)}") from None
 
-    def read(self, name: str) -> np.ndarray:
-        try:
-            return np.asarray(self._open(self._where[name]).get_tensor(name))
-        except InteropError:
-            raise
-        except Exception as e:
-            raise MalformedFileError(
-                f"{self._where[name]}: tensor {name}: {_one_line(e)}"
-            ) from None
+
+_TEXT_PREFIXES = ("model.language_model.", "language_model.")
+
+
+def _text_name(name: str) -> Optional[str]:
+    """The text-model name of tensor `name` of a multimodal checkpoint (None: not text)."""
+    for prefix, to in (("model.language_model.", "model."), ("language_model.model.", "model."),
+                       ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head.")):
+        if name.startswith(prefix):
+            return to + name[len(prefix):]
+    return None
 
 
 def _one_line(e: Exception) -> str:
@@ -333,7 +289,9 @@ def load_hf(
         architecture=arch,
         format="hf",
         source=str(directory),
-        metadata=hf,
+        metadata=hf if not reader.ignored else dict(hf, ignored=(
+            f"{reader.ignored} tensors outside the text model (vision tower, projector) "
+            "are not loaded")),
     )
 
 

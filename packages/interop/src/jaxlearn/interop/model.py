@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional, Sequence
 
-from jaxlearn.interop.arch import Architecture
+from jaxlearn.families.arch import Architecture
 from jaxlearn.interop.errors import TokenizerError
 from jaxlearn.text import errors as text_errors
 from jaxlearn.text.chat import ChatTemplate, Message

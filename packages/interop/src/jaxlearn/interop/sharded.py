@@ -8,7 +8,7 @@ sharded arrays: nothing reads or holds the whole model.
 
 `r(index)` returns `param[index]` exactly as `load_pretrained(path).params` holds it (same
 values, same dtype) but reads only that slice from the file: the name table's transform
-(`jaxlearn.interop.names`: row block `part`, llama.cpp q/k row permutation, transpose,
+(`jaxlearn.families.names`: row block `part`, llama.cpp q/k row permutation, transpose,
 reshape; per-expert tensors stacked; fused q/k/v and gate/up concatenated; scanned layers
 stacked) is mapped back from the target index to file index ranges.
 
@@ -36,11 +36,11 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 
 from jaxlearn.config import REQUIRED, Configurable
-from jaxlearn.interop.arch import Architecture
+from jaxlearn.families.arch import Architecture
+from jaxlearn.families.names import FUSIONS, block, dims, family, key_of, shape_of
+from jaxlearn.families.tree import flatten, group_size, layer_layouts, stack_kind
 from jaxlearn.interop.convert import Use, check_source, plan, to_jaxlearn, unpermute_qk
 from jaxlearn.interop.errors import InteropError, ParameterMismatchError
-from jaxlearn.interop.names import FUSIONS, block, dims, family, key_of, shape_of
-from jaxlearn.interop.tree import flatten, group_size, layer_layouts, stack_kind
 
 Index = tuple[tuple[int, int], ...]  # (start, stop) per axis
 Node = Union["_Leaf", "_Stack", "_Concat", "_Whole"]
@@ -67,8 +67,7 @@ class SafetensorsSlices:
         return self.reader.read(name)
 
     def read_slice(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
-        handle = self.reader._open(self.reader._where[name])
-        return np.asarray(handle.get_slice(name)[index])
+        return self.reader.read_slice(name, index)
 
 
 class GGUFSlices:
@@ -114,7 +113,7 @@ class _Leaf:
     groups[t]: the jaxlearn axes that axis t of the transposed file tensor splits into;
     offset: rows skipped on file axis -2 (a `part` block); permute: the head_dim of q/k
     rows that llama.cpp permuted (undone per whole head), with `permute_axis` the jaxlearn
-    axis of head_dim."""
+    axis of head_dim; shift: subtracted from every value (`names.Name.shift`)."""
 
     name: str
     shape: tuple[int, ...]
@@ -123,6 +122,7 @@ class _Leaf:
     offset: int = 0
     permute: Optional[int] = None
     permute_axis: int = -1
+    shift: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,7 +195,8 @@ def _leaf(use: Use, file: str, shape: tuple[int, ...], d: dict[str, int], permut
     permute = d["D"] if permuted and name.permute else None
     if groups is None or (permute is not None and shape[-1] != d["D"]):
         return _Whole(use, shape, tuple(d.items()), permuted)
-    return _Leaf(file, shape, groups, name.transpose, offset, permute, len(shape) - 1)
+    return _Leaf(file, shape, groups, name.transpose, offset, permute, len(shape) - 1,
+                 name.shift)
 
 
 def _use_node(use: Use, d: dict[str, int], permuted: bool) -> Node:
@@ -240,6 +241,8 @@ def _read_leaf(leaf: _Leaf, source: Any, index: Index) -> np.ndarray:
             f_index[-2] = (f_index[-2][0] + leaf.offset, f_index[-2][1] + leaf.offset)
         x = source.read_slice(leaf.name, tuple(slice(a, b) for a, b in f_index))
         x = np.asarray(x).astype(np.float32, copy=False)
+        if leaf.shift:
+            x = x - np.float32(leaf.shift)
         if leaf.permute is not None:
             x = unpermute_qk(x, x.shape[0] // leaf.permute)
         return np.swapaxes(x, -1, -2) if leaf.transpose else x
@@ -311,7 +314,8 @@ def _open(path: pathlib.Path) -> tuple[Any, str, Architecture]:
         f = GGUFFile(path)
         return GGUFSlices(f), "gguf", architecture_from_gguf(f)
     if path.is_dir() and (path / "config.json").exists():
-        from jaxlearn.interop.hf import architecture_from_hf, read_json
+        from jaxlearn.families.hf_config import architecture_from_hf
+        from jaxlearn.interop.hf import read_json
 
         arch = architecture_from_hf(read_json(path / "config.json"),
                                     where=str(path / "config.json"))

@@ -17,7 +17,9 @@ experts, V vocab); `{j}` in a template is one tensor per expert, stacked on a le
 axis in jaxlearn; `permute` ("H"/"K") marks q/k rows that llama.cpp permutes per head for
 its interleaved RoPE (undone for families whose GGUF layout permutes); `part=(p, n)`
 means the file tensor holds n equal row blocks (axis -2) and this parameter is block p,
-`part=(p, ("H*D", "K*D", "K*D"))` blocks of those sizes (Phi-3's fused q/k/v).
+`part=(p, ("H*D", "K*D", "K*D"))` blocks of those sizes (Phi-3's fused q/k/v);
+`shift` is added on export and subtracted on import (llama.cpp's Gemma norms hold the
+`1 + scale` that Gemma's RMSNorm multiplies by, not `scale`).
 A row may list several names for a format: export writes the first, import reads
 whichever the file holds. `when` names the architecture feature the row needs (per layer
 for `sparse` / `dense_ffn`: the MoE and dense FFN layers of a Qwen3-MoE model).
@@ -26,7 +28,8 @@ for `sparse` / `dense_ffn`: the MoE and dense FFN layers of a Qwen3-MoE model).
 import concatenates the unfused rows into them, export splits them back.
 
 Adding a family = a `Family` entry with its rows (plus reading its hyperparameters).
-`jaxlearn.interop.convert` applies the table to files and parameter trees.
+`jaxlearn.interop.convert` (and `jaxlearn.interop.sharded`) applies the table to files and
+parameter trees.
 """
 
 from __future__ import annotations
@@ -34,8 +37,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional, Sequence
 
-from jaxlearn.interop.arch import Architecture
-from jaxlearn.interop.errors import UnsupportedModelError
+from jaxlearn.families.arch import Architecture
+from jaxlearn.families.errors import UnsupportedModelError
 
 FORMATS = ("hf", "gguf")
 # File tensors that carry no parameters (buffers some exporters write), by name suffix.
@@ -55,6 +58,7 @@ class Name:
     transpose: bool = False
     permute: Optional[str] = None
     part: Optional[tuple[int, Any]] = None
+    shift: float = 0.0
 
     @property
     def per_expert(self) -> bool:
@@ -289,18 +293,36 @@ FUSIONS = (
             ["feed_forward.wi_0_bias", "feed_forward.wi_1_bias"], -1, "fused_gate"),
 )  # fmt: skip
 # Gemma 2/3: four norms per layer (`post_norm`); HF's `post_attention_layernorm` is the
-# norm of the attention output, not of the FFN input as in Llama. No GGUF names: llama.cpp
-# stores Gemma norms with the 1 of `1 + scale` added.
+# norm of the attention output, not of the FFN input as in Llama. llama.cpp stores every
+# Gemma norm with the 1 of `1 + scale` added (shift 1), and its gemma2 has no `output`.
 _GEMMA_NORMS = {
-    "ffn_norm.scale": "pre_feedforward_layernorm.weight",
-    "post_attention_norm.scale": "post_attention_layernorm.weight",
-    "post_ffn_norm.scale": "post_feedforward_layernorm.weight",
+    "ffn_norm.scale": ("pre_feedforward_layernorm.weight", "ffn_norm.weight"),
+    "post_attention_norm.scale": ("post_attention_layernorm.weight", "post_attention_norm.weight"),
+    "post_ffn_norm.scale": ("post_feedforward_layernorm.weight", "post_ffw_norm.weight"),
 }
-GEMMA_ROWS = tuple(
-    dataclasses.replace(r, gguf=())
-    for r in TOP_ROWS + ATTENTION_ROWS + DENSE_FFN_ROWS
-    if key_of(r.path) != "ffn_norm.scale"
-) + tuple(Row(_LAYER + k, "E", (_hf(v, "E"),)) for k, v in _GEMMA_NORMS.items())
+
+
+def _gemma(rows: Sequence[Row], *, untied_gguf: bool = True) -> tuple[Row, ...]:
+    """`rows` with every norm's GGUF name shifted by 1 (and no GGUF `output` unless
+    `untied_gguf`)."""
+    out = []
+    for r in rows:
+        if r.path.endswith("norm.scale"):
+            r = dataclasses.replace(r, gguf=tuple(dataclasses.replace(n, shift=1.0)
+                                                  for n in r.gguf))  # fmt: skip
+        if r.when == "untied" and not untied_gguf:
+            r = dataclasses.replace(r, gguf=())
+        out.append(r)
+    return tuple(out)
+
+
+_GEMMA_BASE = tuple(
+    r for r in TOP_ROWS + ATTENTION_ROWS + DENSE_FFN_ROWS if key_of(r.path) != "ffn_norm.scale"
+) + tuple(
+    Row(_LAYER + k, "E", (_hf(h, "E"),), (_gg(g, "E"),)) for k, (h, g) in _GEMMA_NORMS.items()
+)
+GEMMA2_ROWS = _gemma(_GEMMA_BASE, untied_gguf=False)
+GEMMA3_ROWS = _gemma(_GEMMA_BASE + QK_NORM_ROWS)
 _DENSE = TOP_ROWS + ATTENTION_ROWS + DENSE_FFN_ROWS
 _MOE = TOP_ROWS + ATTENTION_ROWS + MOE_FFN_ROWS
 _PHI3 = TOP_ROWS + PHI3_ROWS + tuple(
@@ -322,9 +344,8 @@ FAMILIES: dict[str, Family] = {
             False,
             TOP_ROWS + ATTENTION_ROWS + QK_NORM_ROWS + QWEN3_MOE_FFN_ROWS,
         ),
-        Family("gemma2", "Gemma2ForCausalLM", False, GEMMA_ROWS),
-        Family("gemma3_text", "Gemma3ForCausalLM", False,
-               GEMMA_ROWS + tuple(dataclasses.replace(r, gguf=()) for r in QK_NORM_ROWS)),
+        Family("gemma2", "Gemma2ForCausalLM", False, GEMMA2_ROWS),
+        Family("gemma3_text", "Gemma3ForCausalLM", False, GEMMA3_ROWS),
     )
 }
 

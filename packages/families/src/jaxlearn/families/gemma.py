@@ -1,13 +1,14 @@
 """Gemma 2 / Gemma 3 (text): `Architecture` <-> `gemma_config` and HF config.json fields.
 Local layers are those with a sliding window (Gemma 3: RoPE theta `local_rope_theta`).
-HF model types `gemma2` and `gemma3_text` (the multimodal `gemma3` is not read)."""
+HF model types `gemma2` and `gemma3_text`; the multimodal `gemma3`
+(`Gemma3ForConditionalGeneration`) is read as its text model (`multimodal_text_config`)."""
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
-from jaxlearn.interop.checks import flag, number, optional_integer
-from jaxlearn.interop.errors import MalformedFileError, UnsupportedModelError
+from jaxlearn.families.checks import flag, number, optional_integer
+from jaxlearn.families.errors import MalformedFileError, UnsupportedModelError
 from jaxlearn.layers import (
     Attention,
     FeedForward,
@@ -22,6 +23,27 @@ GEMMA_FAMILIES = ("gemma2", "gemma3_text")
 # attn_logit_softcapping, final_logit_softcapping, sliding_window, sliding_window_pattern.
 _DEFAULTS = {"gemma2": (256, 50.0, 30.0, 4096, 2), "gemma3_text": (256, None, None, 4096, 6)}
 _TYPES = ("sliding_attention", "full_attention")
+# Gemma3TextConfig's defaults, which a multimodal config's `text_config` may leave out.
+_GEMMA3_TEXT = dict(
+    vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+    num_attention_heads=8, num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6,
+    rope_theta=1e6, max_position_embeddings=131072, tie_word_embeddings=True,
+    hidden_activation="gelu_pytorch_tanh",
+)  # fmt: skip
+
+
+def multimodal_text_config(hf: dict[str, Any], where: str) -> dict[str, Any]:
+    """The `gemma3_text` config.json of a multimodal `gemma3` one: its `text_config` over
+    Gemma3TextConfig's defaults, with the top level's special ids where the text config
+    has none. The vision tower is not part of the result (nor of the loaded model)."""
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise MalformedFileError(f"{where}: model_type 'gemma3' without a text_config object")
+    out = {**_GEMMA3_TEXT, **text, "model_type": "gemma3_text"}
+    for k in ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings"):
+        if k in hf and k not in text:
+            out[k] = hf[k]
+    return out
 
 
 def gemma_hf_fields(hf: dict[str, Any], where: str, family: str, layers: int) -> dict[str, Any]:

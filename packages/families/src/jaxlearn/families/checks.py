@@ -17,9 +17,9 @@ import math
 import re
 from typing import Any, Iterable, Optional
 
-from jaxlearn.interop.arch import Architecture
-from jaxlearn.interop.errors import MalformedFileError
-from jaxlearn.interop.names import Row, family, features
+from jaxlearn.families.arch import Architecture
+from jaxlearn.families.errors import MalformedFileError
+from jaxlearn.families.names import Row, family, features
 
 LIMITS = {
     "vocab_size": 2**24,

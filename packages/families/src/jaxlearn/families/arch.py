@@ -16,7 +16,7 @@ import math
 from typing import Any, Optional
 
 from jaxlearn.config import replace_config
-from jaxlearn.interop.errors import UnsupportedModelError
+from jaxlearn.families.errors import UnsupportedModelError
 from jaxlearn.layers import (
     Attention,
     FeedForward,
@@ -50,7 +50,7 @@ class Architecture:
     with hidden size ffn_dim (Mixtral, Qwen3-MoE), except the `dense_layers`, which have
     a dense SwiGLU FFN of hidden size `dense_ffn_dim` (Qwen3-MoE `mlp_only_layers` /
     `decoder_sparse_step`). normalize_top_k: divide the k routing weights by their sum
-    (Qwen3-MoE `norm_topk_prob`; Mixtral always does). Gemma (`jaxlearn.interop.gemma`):
+    (Qwen3-MoE `norm_topk_prob`; Mixtral always does). Gemma (`jaxlearn.families.gemma`):
     attention scale query_pre_attn_scalar ** -0.5, soft caps, local layers' RoPE theta.
     """
 
@@ -148,7 +148,7 @@ def build_config(
     if stack not in STACKS:
         raise ValueError(f"stack must be one of {STACKS}, got {stack!r}")
     if arch.family.startswith("gemma"):
-        from jaxlearn.interop.gemma import build_gemma  # (gemma imports checks -> arch)
+        from jaxlearn.families.gemma import build_gemma  # (gemma imports checks -> arch)
 
         cfg = build_gemma(arch, stack=stack, dtype=dtype, name=name,
                           attention_implementation=attention_implementation)  # fmt: skip
@@ -256,7 +256,7 @@ def architecture_from_config(cfg: Any, *, max_position_embeddings: Optional[int]
     Llama/Mistral/Qwen2/Qwen3/Mixtral/Qwen3-MoE checkpoint cannot express."""
     dec = cfg.decoder
     if dec.emb.scale_by_sqrt_dim:  # Gemma
-        from jaxlearn.interop.gemma import gemma_architecture
+        from jaxlearn.families.gemma import gemma_architecture
 
         fields = gemma_architecture(cfg, layer_configs(dec.transformer))
         return Architecture(**fields, max_position_embeddings=max_position_embeddings)

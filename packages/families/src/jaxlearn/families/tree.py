@@ -15,7 +15,7 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
-from jaxlearn.interop.errors import ParameterMismatchError
+from jaxlearn.families.errors import ParameterMismatchError
 from jaxlearn.layers import LoopStack, ScanStack
 from jaxlearn.module import ParameterSpec, is_spec
 
@@ -65,7 +65,7 @@ def stack_layers(stacked: Nested, num_layers: int, p: Optional[int]) -> list[Nes
 def layer_layouts(model: Any) -> list[frozenset[str]]:
     """Per layer of `model`'s stack: the fused parameter layouts its config asks for
     ("fused_qkv": one `qkv_proj`; "fused_gate": one `wi_fused`), see `names.FUSIONS`."""
-    from jaxlearn.interop.arch import layer_configs
+    from jaxlearn.families.arch import layer_configs
 
     out = []
     for lc in layer_configs(model.decoder.transformer.config):

@@ -1,7 +1,8 @@
-"""HF `config.json` -> `Architecture`, every value checked before a config is built.
+"""HF `config.json` dicts <-> `Architecture`; every value read is checked before a config
+is built.
 
-    hf = read_json(directory / "config.json")            # bounded size, one-line errors
-    arch = architecture_from_hf(hf, where=".../config.json")
+    arch = architecture_from_hf(hf, where=".../config.json")   # hf: the parsed dict
+    hf = hf_config_dict(arch)                                   # what export writes
 
 Sizes are integers in the ranges of `checks.LIMITS` (hidden_size 0, vocab_size 10**12,
 "4096" as a string, NaN are refused naming config.json and the field);
@@ -13,12 +14,10 @@ headers (`checks.check_layers_present`).
 
 from __future__ import annotations
 
-import json
-import pathlib
 from typing import Any, Optional
 
-from jaxlearn.interop.arch import Architecture
-from jaxlearn.interop.checks import (
+from jaxlearn.families.arch import Architecture
+from jaxlearn.families.checks import (
     LIMITS,
     check_heads,
     flag,
@@ -26,34 +25,17 @@ from jaxlearn.interop.checks import (
     number,
     optional_integer,
 )
-from jaxlearn.interop.errors import InteropError, MalformedFileError, UnsupportedModelError
-from jaxlearn.interop.gemma import GEMMA_FAMILIES, gemma_hf_fields
-from jaxlearn.interop.names import FAMILIES
+from jaxlearn.families.errors import MalformedFileError, UnsupportedModelError
+from jaxlearn.families.gemma import (
+    GEMMA_FAMILIES,
+    gemma_hf_dict,
+    gemma_hf_fields,
+    multimodal_text_config,
+)
+from jaxlearn.families.names import FAMILIES
 from jaxlearn.layers import scaling_config, scaling_dict
 
 HF_CLASSES = {name: fam.hf_class for name, fam in FAMILIES.items()}
-MAX_JSON_BYTES = 64 * 2**20  # config.json and index files are kilobytes
-
-
-def read_json(path: pathlib.Path, *, max_bytes: int = MAX_JSON_BYTES) -> Any:
-    """The parsed JSON of `path` (at most `max_bytes`; one-line InteropError otherwise)."""
-    try:
-        if path.exists() and not path.is_file():  # a FIFO or device would block or never end
-            raise MalformedFileError(f"{path}: not a regular file")
-        size = path.stat().st_size
-        if size > max_bytes:
-            raise MalformedFileError(f"{path}: {size} bytes, more than the {max_bytes} allowed")
-        return json.loads(path.read_bytes().decode("utf-8"))
-    except FileNotFoundError:
-        raise InteropError(f"{path}: not found") from None
-    except OSError as e:
-        raise InteropError(f"{path}: cannot be read ({e.strerror})") from None
-    except UnicodeDecodeError as e:
-        raise MalformedFileError(f"{path}: not UTF-8 ({e.reason} at byte {e.start})") from None
-    except json.JSONDecodeError as e:
-        raise MalformedFileError(f"{path}: invalid JSON ({e})") from None
-    except RecursionError:
-        raise MalformedFileError(f"{path}: JSON nested too deeply") from None
 
 
 def _ids(value: Any, where: str, field: str) -> tuple[int, ...]:
@@ -167,10 +149,11 @@ def _windows(
 
 
 def architecture_from_hf(hf: Any, *, where: str = "config.json") -> Architecture:
-    """Reads an HF `config.json` dict (Llama / Mistral / Qwen2 / Qwen3 / Mixtral /
-    Qwen3-MoE / Phi-3); every value is checked (MalformedFileError naming `where` and the field)."""
+    """Reads an HF `config.json` dict of a `HF_CLASSES` family (or a multimodal `gemma3`: its
+    text model); every value checked (MalformedFileError naming `where` and the field)."""
     if not isinstance(hf, dict):
         raise MalformedFileError(f"{where}: the top level is not a JSON object")
+    hf = multimodal_text_config(hf, where) if hf.get("model_type") == "gemma3" else hf
     model_type = hf.get("model_type")
     if model_type not in HF_CLASSES:
         archs = hf.get("architectures") or []
@@ -267,3 +250,104 @@ def _qwen3_moe_layers(hf: dict[str, Any], where: str, layers: int) -> dict[str, 
         dense_ffn_dim=ffn,
         normalize_top_k=flag(hf.get("norm_topk_prob"), where, "norm_topk_prob"),
     )
+
+
+# ---- Architecture -> config.json ---------------------------------------------------------
+
+
+def hf_config_dict(arch: Architecture, *, dtype: str = "float32") -> dict[str, Any]:
+    """An HF `config.json` dict for `arch` (the classic `rope_theta`/`rope_scaling` keys,
+    which transformers 4 and 5 both read)."""
+    scaling = None
+    max_positions = arch.max_position_embeddings or 4096
+    if arch.rope_scaling is not None:
+        scaling = {k: v for k, v in arch.rope_scaling.items()}
+        if scaling["rope_type"] == "dynamic":  # HF's original maximum for dynamic NTK
+            max_positions = scaling.pop("original_max_position_embeddings")
+    out: dict[str, Any] = {
+        "architectures": [HF_CLASSES[arch.family]],
+        "model_type": arch.family,
+        "vocab_size": arch.vocab_size,
+        "hidden_size": arch.dim,
+        "intermediate_size": arch.ffn_dim,
+        "num_hidden_layers": arch.num_layers,
+        "num_attention_heads": arch.num_heads,
+        "num_key_value_heads": arch.num_kv_heads,
+        "head_dim": arch.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": max_positions,
+        "rms_norm_eps": arch.norm_eps,
+        "rope_theta": arch.rope_theta,
+        "rope_scaling": scaling,
+        "tie_word_embeddings": arch.tie_embeddings,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "torch_dtype": dtype,
+    }
+    if arch.bos_token_id is not None:
+        out["bos_token_id"] = arch.bos_token_id
+    if arch.eos_token_ids:
+        eos = list(arch.eos_token_ids)
+        out["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    windows = arch.sliding_windows
+    if arch.family == "llama":
+        out["attention_bias"] = arch.qkv_bias
+        out["mlp_bias"] = arch.mlp_bias
+    elif arch.family == "mistral":
+        out["sliding_window"] = windows[0] if windows else None
+    elif arch.family == "phi3":
+        out.update(_phi3_fields(arch, scaling))
+    elif arch.family in ("qwen2", "qwen3"):
+        sliding = [i for i, w in enumerate(windows) if w is not None]
+        out["use_sliding_window"] = bool(sliding)
+        out["sliding_window"] = windows[sliding[0]] if sliding else None
+        out["max_window_layers"] = sliding[0] if sliding else arch.num_layers
+        if sliding:
+            out["layer_types"] = [
+                "sliding_attention" if w is not None else "full_attention" for w in windows
+            ]
+        if arch.family == "qwen3":
+            out["attention_bias"] = arch.qkv_bias
+    elif arch.family == "qwen3_moe":  # one window for every layer, or none
+        out.update(
+            use_sliding_window=bool(windows),
+            sliding_window=windows[0] if windows else None,
+            attention_bias=arch.qkv_bias,
+            intermediate_size=arch.dense_ffn_dim or arch.ffn_dim,
+            moe_intermediate_size=arch.ffn_dim,
+            num_experts=arch.num_experts,
+            num_experts_per_tok=arch.num_experts_per_token,
+            norm_topk_prob=arch.normalize_top_k,
+            decoder_sparse_step=1,
+            mlp_only_layers=list(arch.dense_layers),
+            router_aux_loss_coef=arch.router_aux_loss_coef,
+            output_router_logits=False,
+        )
+    elif arch.family in GEMMA_FAMILIES:
+        del out["hidden_act"]
+        out.update(gemma_hf_dict(arch))
+    elif arch.family == "mixtral":
+        out["sliding_window"] = windows[0] if windows else None
+        out["num_local_experts"] = arch.num_experts
+        out["num_experts_per_tok"] = arch.num_experts_per_token
+        out["router_aux_loss_coef"] = arch.router_aux_loss_coef
+        out["output_router_logits"] = False
+        out["router_jitter_noise"] = 0.0
+    return out
+
+
+def _phi3_fields(arch: Architecture, scaling: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """Phi-3's config.json fields: one window, partial RoPE, the original maximum at the
+    top level (where Phi3Config reads it), no pad/bos/eos defaults (1, 32000)."""
+    out = dict(
+        sliding_window=arch.sliding_windows[0] if arch.sliding_windows else None,
+        partial_rotary_factor=arch.rotary_fraction,
+        attention_bias=False, resid_pdrop=0.0, embd_pdrop=0.0, pad_token_id=None,
+        bos_token_id=arch.bos_token_id,
+        eos_token_id=arch.eos_token_ids[0] if len(arch.eos_token_ids) == 1
+        else list(arch.eos_token_ids) or None,
+    )  # fmt: skip
+    if scaling is not None:
+        out["original_max_position_embeddings"] = scaling["original_max_position_embeddings"]
+    return out
