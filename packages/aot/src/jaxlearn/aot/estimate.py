@@ -11,9 +11,11 @@ for Adam's two f32 moments by default) + gradients (one params shard) + the acti
 backward keeps (per layer and token: the layer input always; the matmul outputs with a dots
 policy or no remat; the named ones with `save_names:` (none on device with
 `offload_names:`); the [heads, seq] attention weights with no remat and einsum attention)
-+ temporaries, `calibration.temp_per_token` x tokens per microbatch (0 until a compile
-measured it). Time = max(compute, communication): compute = 6 x params x tokens (+ causal
-attention) x the remat recompute factor / devices, stretched by the pipeline bubble;
++ temporaries, a line (fixed + per token of a microbatch over the model shards) fitted
+to what compiled layouts needed beyond the rest (0 until a compile measured it).
+
+Time = max(compute, communication): compute = 6 x params x tokens (+ causal attention)
+x the remat recompute factor / devices, stretched by the pipeline bubble;
 communication = FSDP all-gathers (forward, backward) and gradient reduce-scatter per
 microbatch, the data-parallel gradient all-reduce, and the tensor-parallel activation
 all-reduces (4 per layer), each over the slower link when its mesh axis spans hosts.
@@ -68,7 +70,25 @@ class Calibration:
     """Figures measured on compiled layouts that the formulas cannot know."""
 
     opt_bytes_per_param_byte: float = 2.0
-    temp_per_token: float = 0.0
+    # (tokens per device and microbatch / model shards, temporaries measured) per compile.
+    temp_points: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+
+    def temp_bytes(self, tokens: float) -> int:
+        """Temporaries for `tokens`: a line fixed + per-token through the measured points
+        (least squares, both terms >= 0); through the origin with one point; 0 with none."""
+        pts = self.temp_points
+        if not pts:
+            return 0
+        xs = [float(t) for t, _ in pts]
+        ys = [max(0.0, r) for _, r in pts]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        var = sum((x - mx) ** 2 for x in xs)
+        if var == 0:
+            slope, fixed = my / mx if mx else 0.0, 0.0
+        else:
+            slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var)
+            fixed = max(0.0, my - slope * mx)
+        return int(fixed + slope * tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +208,8 @@ def estimate(shape: ModelShape, sizes: dict[str, int], rules: Any, target: Any, 
     tokens = shape.global_batch * shape.seq_len // max(1, batch_shards * microbatches)
     tokens //= max(1, sizes.get("seq", 1))
     acts = activation_bytes(shape, tokens, m, remat, attention) // max(1, stages)
-    temp = int(cal.temp_per_token * tokens / max(1, pipeline_microbatches))
+    # Temporaries scale with the tokens of one microbatch, split over the model axis.
+    temp = cal.temp_bytes(tokens / max(1, pipeline_microbatches) / m)
     # Compute: 6 N T, causal attention 6 L T seq d, remat recompute, pipeline bubble.
     global_tokens = shape.global_batch * shape.seq_len
     flops = 6.0 * shape.num_params * global_tokens

@@ -80,11 +80,11 @@ class _Estimator:
         if parts.get("params"):
             self.cal.opt_bytes_per_param_byte = (sum(parts.values()) - parts["params"]) / \
                 parts["params"]
-        est = self(layout)
-        tokens = self.tokens(layout)
-        if tokens:
-            measured = (train.required_bytes - est.floor_bytes) / tokens
-            self.cal.temp_per_token = max(self.cal.temp_per_token, measured)
+        if layout.pipeline_microbatches:
+            return  # A pipeline's schedule buffers are not a plain step's temporaries.
+        floor = self(layout).floor_bytes
+        tokens = self.tokens(layout) // layout.mesh.get("model", 1)
+        self.cal.temp_points.append((tokens, float(train.required_bytes - floor)))
 
     def tokens(self, layout: Layout) -> int:
         """Tokens per device in one (pipeline) microbatch."""
@@ -171,8 +171,13 @@ def shortlist_search(search: _Search, *, remat_policies: Sequence[str],
 
 def _rank(pool: list[Layout], est: _Estimator) -> list[tuple[Layout, Estimate]]:
     scored = [(lay, est(lay)) for lay in pool]
-    return sorted(scored, key=lambda le: (le[1].required_bytes > est.usable,
-                                          le[1].step_seconds, le[1].required_bytes))
+    def key(le: tuple[Layout, Estimate]) -> tuple[bool, float, int]:
+        e = le[1]
+        if e.required_bytes <= est.usable:  # Fitting first, fastest first.
+            return (False, e.step_seconds, e.required_bytes)
+        return (True, float(e.required_bytes), 0)  # Then the closest to fitting.
+
+    return sorted(scored, key=key)
 
 
 __all__ = ["layouts", "shortlist_search"]
