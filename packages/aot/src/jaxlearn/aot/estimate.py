@@ -209,7 +209,7 @@ def estimate(shape: ModelShape, sizes: dict[str, int], rules: Any, target: Any, 
     tokens //= max(1, sizes.get("seq", 1))
     acts = activation_bytes(shape, tokens, m, remat, attention) // max(1, stages)
     # Temporaries scale with the tokens of one microbatch, split over the model axis.
-    temp = cal.temp_bytes(tokens / max(1, pipeline_microbatches) / m)
+    temp = cal.temp_bytes(tokens / m)  # A pipeline holds all its microbatches' buffers.
     # Compute: 6 N T, causal attention 6 L T seq d, remat recompute, pipeline bubble.
     global_tokens = shape.global_batch * shape.seq_len
     flops = 6.0 * shape.num_params * global_tokens

@@ -1,34 +1,44 @@
-"""Automatic parallelism planning: compile candidate layouts for a target, keep what fits,
-rank by predicted step time, print the winner as a mesh rule.
+"""Automatic parallelism planning: search layouts for a target, compile the promising ones,
+keep what fits, rank by predicted step time, print the winner as a mesh rule.
 
     target = resolve_target("gpu-h100-8x4")
     result = plan(trainer_cfg, target, max_candidates=24)
     print(format_plan(result))        # table + the winning rule, ready to paste
 
 A layout is a mesh shape over `data`, `fsdp`, `model`, `expert` (product = the device count;
-the trainer has no pipeline parallelism yet), a remat policy for the repeated layer (when
+with a `pipeline` hook also a `pipeline` axis of 2 or 4 stages, the layer stack turned into
+a `PipelineStack` with its own microbatches), a remat policy for the repeated layer (when
 the model has one: `model.decoder.transformer.layer` by default, else the module configs
-whose `remat_spec` the recipe set; "none" turns remat off) and a number of gradient
-accumulation microbatches (`learner.num_microbatches`). Each candidate is the experiment's
-config (mesh rule and overrides applied) with the layout's modifiers applied on top, compiled
-by `jaxlearn.aot.compile.aot_compile`; see there for the memory check and the time model
+whose `remat_spec` the recipe set; "none" turns remat off), the self-attention
+implementation (einsum or blockwise, on every config with `num_heads` and an
+`implementation`) and a number of gradient accumulation microbatches
+(`learner.num_microbatches`). Each compiled candidate is the experiment's config (mesh rule
+and overrides applied) with the layout's modifiers applied on top, compiled by
+`jaxlearn.aot.compile.aot_compile`; see there for the memory check and the time model
 (predicted step time = max(compute at the stated MFU, collective bytes / link bandwidth),
 ranked by that, then by the no-overlap sum, then by memory).
 
-Candidates are pruned before compiling when they cannot help: the global batch (per
+Candidates are pruned when they cannot help (`jaxlearn.aot.space`): the global batch (per
 microbatch) must split evenly over the batch axes; a `model`/`expert`/`fsdp` axis must
 shard at least one parameter (else it only replicates work); `model` stays within one host
 or slice (the fast link) and at most `max_model_parallel`.
 
-Search, within `max_candidates` compilations (the baseline, i.e. the config as given,
-first):
-1. per (model, expert) group, the most-sharded layout (all remaining devices on `fsdp`);
-2. in groups where it fits, the least-sharded layout that still fits (pure data parallel,
-   then bisection over `fsdp`), and on multi-host targets `fsdp` = one host, `data` across
-   hosts;
-3. in groups where it does not fit, memory savers on it: stronger remat policies, then
-   gradient accumulation (with the strongest remat);
-4. with budget left, remat turned off on the best fitting layouts that use it.
+Two searches, within `max_candidates` compilations:
+
+- "estimate" (default, `jaxlearn.aot.shortlist`): every layout gets an analytic estimate
+  (`jaxlearn.aot.estimate`), calibrated on the baseline's compile; the best estimates are
+  compiled one at a time (re-calibrating) until `finalists` fit. A 7B model's step costs
+  tens of CPU seconds to compile, an estimate microseconds.
+- "compile": the baseline, then
+  1. per (model, expert) group, the most-sharded layout (all remaining devices on `fsdp`);
+  2. in groups where it fits, the least-sharded layout that still fits (pure data
+     parallel, then bisection over `fsdp`), and on multi-host targets `fsdp` = one host,
+     `data` across hosts;
+  3. in groups where it does not fit, memory savers on it: stronger remat policies, then
+     gradient accumulation (with the strongest remat);
+  4. with budget left, remat turned off on the best fitting layouts that use it.
+
+Either way the winner is a compiled layout: the printed rule is backed by a real compile.
 """
 
 from __future__ import annotations

@@ -80,19 +80,16 @@ class _Estimator:
         if parts.get("params"):
             self.cal.opt_bytes_per_param_byte = (sum(parts.values()) - parts["params"]) / \
                 parts["params"]
-        if layout.pipeline_microbatches:
-            return  # A pipeline's schedule buffers are not a plain step's temporaries.
         floor = self(layout).floor_bytes
         tokens = self.tokens(layout) // layout.mesh.get("model", 1)
         self.cal.temp_points.append((tokens, float(train.required_bytes - floor)))
 
     def tokens(self, layout: Layout) -> int:
-        """Tokens per device in one (pipeline) microbatch."""
+        """Tokens per device in one gradient accumulation microbatch."""
         sizes = layout.mesh
         shards = sizes.get("data", 1) * sizes.get("fsdp", 1) * sizes.get("expert", 1)
         n = self.shape.global_batch * max(1, self.shape.seq_len)
-        return n // max(1, shards * layout.num_microbatches * sizes.get("seq", 1)
-                        * max(1, layout.pipeline_microbatches))
+        return n // max(1, shards * layout.num_microbatches * sizes.get("seq", 1))
 
 
 def layouts(search: _Search, shape: ModelShape, remat: Sequence[str],
