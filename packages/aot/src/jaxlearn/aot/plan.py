@@ -578,8 +578,8 @@ def format_plan(result: PlanResult) -> str:
     else:
         lines += ["", f"winner: {result.winner.layout.describe()}",
                   "mesh rule (put it before the rules it should override; uses "
-                  "jaxlearn.mesh.{mesh_shape_from_axes, RematPolicyModifier, "
-                  "GradAccumulationModifier} and jaxlearn.module.RematSpec):",
+                  "names from jaxlearn.mesh, jaxlearn.module.RematSpec and, for a "
+                  "pipeline, jaxlearn.layers.{ScanStack, pipeline.pipeline_config}):",
                   result.rule or ""]
     return "\n".join(lines)
 
