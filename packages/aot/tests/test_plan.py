@@ -94,3 +94,31 @@ def test_planner_uses_gradient_accumulation_when_sharding_is_not_enough():
                   include_baseline=False)
     assert result.winner is not None, format_plan(result)
     assert result.winner.layout.num_microbatches > 1
+
+
+def test_estimate_search_finds_the_only_fitting_layout_of_the_brute_force():
+    """The known answer: every mesh of the space compiled, and an HBM between the smallest
+    and the second smallest requirement, so exactly one layout fits. The estimate-driven
+    search must find it while compiling fewer layouts than the brute force."""
+    from jaxlearn.aot.plan import Candidate, _as_layout
+    from jaxlearn.aot.space import Space
+
+    cfg = mlp_trainer_config(data=-1)
+    free = resolve_target("cpu-8")
+    everything = []
+    for options in Space(cfg, free, cfg.input.global_batch_size, 16).groups().values():
+        for sizes in options:
+            layout = _as_layout(sizes)
+            everything.append(Candidate(layout, aot_compile(apply_layout(cfg, layout, None),
+                                                            free)))
+    need = sorted(everything, key=lambda c: c.report.train.required_bytes)
+    lo, hi = (c.report.train.required_bytes for c in need[:2])
+    assert lo < hi
+    target = resolve_target("cpu-8", hbm_bytes=int((lo + hi) / 2 / DEFAULT_HBM_UTILIZATION))
+    result = plan(cfg, target, remat_target=None, microbatches=(1,), attention=(),
+                  finalists=1)
+    assert result.winner is not None and result.winner.fits, format_plan(result)
+    assert result.winner.layout == need[0].layout, format_plan(result)
+    assert len(result.candidates) < len(everything)  # Fewer compiles than brute force.
+    assert result.candidates[0].layout.baseline
+    assert result.winner.report.train.required_bytes == lo  # A real compile's figure.

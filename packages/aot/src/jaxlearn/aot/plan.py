@@ -1,46 +1,56 @@
-"""Automatic parallelism planning: compile candidate layouts for a target, keep what fits,
-rank by predicted step time, print the winner as a mesh rule.
+"""Automatic parallelism planning: search layouts for a target, compile the promising ones,
+keep what fits, rank by predicted step time, print the winner as a mesh rule.
 
     target = resolve_target("gpu-h100-8x4")
     result = plan(trainer_cfg, target, max_candidates=24)
     print(format_plan(result))        # table + the winning rule, ready to paste
 
 A layout is a mesh shape over `data`, `fsdp`, `model`, `expert` (product = the device count;
-the trainer has no pipeline parallelism yet), a remat policy for the repeated layer (when
+with a `pipeline` hook also a `pipeline` axis of 2 or 4 stages, the layer stack turned into
+a `PipelineStack` with its own microbatches), a remat policy for the repeated layer (when
 the model has one: `model.decoder.transformer.layer` by default, else the module configs
-whose `remat_spec` the recipe set; "none" turns remat off) and a number of gradient
-accumulation microbatches (`learner.num_microbatches`). Each candidate is the experiment's
-config (mesh rule and overrides applied) with the layout's modifiers applied on top, compiled
-by `jaxlearn.aot.compile.aot_compile`; see there for the memory check and the time model
+whose `remat_spec` the recipe set; "none" turns remat off), the self-attention
+implementation (einsum or blockwise, on every config with `num_heads` and an
+`implementation`) and a number of gradient accumulation microbatches
+(`learner.num_microbatches`). Each compiled candidate is the experiment's config (mesh rule
+and overrides applied) with the layout's modifiers applied on top, compiled by
+`jaxlearn.aot.compile.aot_compile`; see there for the memory check and the time model
 (predicted step time = max(compute at the stated MFU, collective bytes / link bandwidth),
 ranked by that, then by the no-overlap sum, then by memory).
 
-Candidates are pruned before compiling when they cannot help: the global batch (per
+Candidates are pruned when they cannot help (`jaxlearn.aot.space`): the global batch (per
 microbatch) must split evenly over the batch axes; a `model`/`expert`/`fsdp` axis must
 shard at least one parameter (else it only replicates work); `model` stays within one host
 or slice (the fast link) and at most `max_model_parallel`.
 
-Search, within `max_candidates` compilations (the baseline, i.e. the config as given,
-first):
-1. per (model, expert) group, the most-sharded layout (all remaining devices on `fsdp`);
-2. in groups where it fits, the least-sharded layout that still fits (pure data parallel,
-   then bisection over `fsdp`), and on multi-host targets `fsdp` = one host, `data` across
-   hosts;
-3. in groups where it does not fit, memory savers on it: stronger remat policies, then
-   gradient accumulation (with the strongest remat);
-4. with budget left, remat turned off on the best fitting layouts that use it.
+Two searches, within `max_candidates` compilations:
+
+- "estimate" (default, `jaxlearn.aot.shortlist`): every layout gets an analytic estimate
+  (`jaxlearn.aot.estimate`), calibrated on the baseline's compile; the best estimates are
+  compiled one at a time (re-calibrating) until `finalists` fit. A 7B model's step costs
+  tens of CPU seconds to compile, an estimate microseconds.
+- "compile": the baseline, then
+  1. per (model, expert) group, the most-sharded layout (all remaining devices on `fsdp`);
+  2. in groups where it fits, the least-sharded layout that still fits (pure data
+     parallel, then bisection over `fsdp`), and on multi-host targets `fsdp` = one host,
+     `data` across hosts;
+  3. in groups where it does not fit, memory savers on it: stronger remat policies, then
+     gradient accumulation (with the strongest remat);
+  4. with budget left, remat turned off on the best fitting layouts that use it.
+
+Either way the winner is a compiled layout: the printed rule is backed by a real compile.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from typing import Any, Callable, Optional, Sequence
 
 import jax
 
 from jaxlearn.aot.compile import aot_compile, batch_shapes, remat_settings
+from jaxlearn.aot.estimate import Estimate
 from jaxlearn.aot.report import (
     DEFAULT_HBM_UTILIZATION,
     DEFAULT_MFU,
@@ -49,13 +59,14 @@ from jaxlearn.aot.report import (
     human_bytes,
     human_seconds,
 )
+from jaxlearn.aot.space import Space
 from jaxlearn.aot.target import AOTError, Target
 from jaxlearn.config import ConfigBase, visit
 from jaxlearn.mesh import (
     GradAccumulationModifier,
     MeshShapeModifier,
     RematPolicyModifier,
-    logical_to_partition_spec,
+    SetMatchingModifier,
     mesh_shape_from_axes,
 )
 
@@ -63,7 +74,23 @@ PLAN_AXES = ("data", "fsdp", "model", "expert")
 DEFAULT_LAYER_PATH = r"model\.decoder\.transformer\.layer"
 DEFAULT_REMAT_POLICIES = ("dots_saveable", "nothing_saveable")
 DEFAULT_MICROBATCHES = (1, 2, 4, 8)
-KEEP = "keep"  # Remat as the config has it.
+DEFAULT_ATTENTION = ("einsum", "blockwise")
+DEFAULT_PIPELINE_STAGES = (2, 4)
+KEEP = "keep"  # Remat (or attention) as the config has it.
+IMPLEMENTATIONS = ("einsum", "dot_product_attention", "blockwise")
+# fn(num_stages, num_microbatches) -> (modifier config turning the layer stack into a
+# pipeline, that modifier as Python source for the printed rule); supplied by the caller
+# (the aot package does not import the layers).
+PipelineHook = Callable[[int, int], tuple[Any, str]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Knobs:
+    """Where the planner's non-mesh knobs act: the attention configs whose implementation
+    it varies (a path regex) and the hook that pipelines the layer stack."""
+
+    attention_target: Optional[str] = None
+    pipeline: Optional[PipelineHook] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +105,8 @@ class Layout:
     remat: str = KEEP
     num_microbatches: int = 1
     baseline: bool = False
+    attention: str = KEEP  # Self-attention `implementation`: "keep", "einsum", "blockwise".
+    pipeline_microbatches: int = 0  # With a `pipeline` axis > 1: the schedule's microbatches.
 
     @property
     def mesh(self) -> dict[str, int]:
@@ -87,7 +116,12 @@ class Layout:
         if self.baseline:
             return "baseline (config as given)"
         mesh = " ".join(f"{k}={v}" for k, v in self.sizes if v > 1) or "1 device"
-        return f"{mesh}; remat {self.remat}; microbatches {self.num_microbatches}"
+        out = f"{mesh}; remat {self.remat}; microbatches {self.num_microbatches}"
+        if self.attention != KEEP:
+            out += f"; attention {self.attention}"
+        if self.pipeline_microbatches:
+            out += f"; pipeline x{self.pipeline_microbatches} microbatches"
+        return out
 
 
 @dataclasses.dataclass
@@ -97,6 +131,7 @@ class Candidate:
     layout: Layout
     report: Optional[AOTReport] = None
     error: Optional[str] = None
+    estimate: Optional[Estimate] = None
 
     @property
     def fits(self) -> bool:
@@ -117,6 +152,9 @@ class Candidate:
             "fits": self.fits,
             "error": self.error,
         }
+        if self.estimate is not None:
+            out.update(estimated_required_bytes=self.estimate.required_bytes,
+                       estimated_step_seconds=self.estimate.step_seconds)
         if self.report is not None:
             t = self.report.train
             out.update(required_bytes=t.required_bytes, usable_hbm_bytes=t.usable_hbm_bytes,
@@ -143,6 +181,7 @@ class PlanResult:
     max_candidates: int
     pruned: dict[str, int]
     notes: list[str]
+    estimated: list[Candidate] = dataclasses.field(default_factory=list)  # Not compiled.
 
     def ranked(self) -> list[Candidate]:
         fitting = sorted((c for c in self.candidates if c.fits), key=Candidate.sort_key)
@@ -160,15 +199,12 @@ class PlanResult:
             "candidates": [c.to_dict() for c in self.ranked()],
             "winner": None if self.winner is None else self.winner.to_dict(),
             "mesh_rule": self.rule,
+            "estimated_not_compiled": [c.to_dict() for c in self.estimated],
             "notes": self.notes,
         }
 
 
 # ---- layouts ------------------------------------------------------------------------------
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def find_remat_target(cfg: ConfigBase) -> Optional[str]:
@@ -192,11 +228,32 @@ def find_remat_target(cfg: ConfigBase) -> Optional[str]:
     return None
 
 
-def layout_modifiers(layout: Layout, cfg: ConfigBase, remat_target: Optional[str]
-                     ) -> list[Any]:
+def find_attention_target(cfg: ConfigBase) -> Optional[str]:
+    """The regex of the attention configs (an `implementation` among IMPLEMENTATIONS and a
+    `num_heads`) the planner may switch between einsum and blockwise; None if none."""
+    paths: list[str] = []
+
+    def enter(path: str, value: Any) -> bool:
+        if isinstance(value, ConfigBase) and "num_heads" in value and \
+                getattr(value, "implementation", None) in IMPLEMENTATIONS:
+            paths.append(path)
+        return False
+
+    visit(cfg, enter)
+    return "|".join(re.escape(p) for p in paths) or None
+
+
+def layout_modifiers(layout: Layout, cfg: ConfigBase, remat_target: Optional[str],
+                     knobs: Optional[Knobs] = None) -> list[Any]:
     """The modifier configs that turn the base config into this layout."""
+    knobs = knobs or Knobs()
     mods: list[Any] = [MeshShapeModifier.default_config().set(
         mesh_shape=mesh_shape_from_axes(tuple(cfg.mesh_axis_names), **layout.mesh))]
+    if layout.attention != KEEP and knobs.attention_target is not None:
+        mods.append(SetMatchingModifier.default_config().set(
+            target=knobs.attention_target, field="implementation", value=layout.attention))
+    if layout.pipeline_microbatches and knobs.pipeline is not None:
+        mods.append(knobs.pipeline(layout.mesh["pipeline"], layout.pipeline_microbatches)[0])
     if remat_target is not None and layout.remat != KEEP:
         from jaxlearn.module import RematSpec
 
@@ -208,12 +265,13 @@ def layout_modifiers(layout: Layout, cfg: ConfigBase, remat_target: Optional[str
     return mods
 
 
-def apply_layout(cfg: ConfigBase, layout: Layout, remat_target: Optional[str]) -> ConfigBase:
+def apply_layout(cfg: ConfigBase, layout: Layout, remat_target: Optional[str],
+                 knobs: Optional[Knobs] = None) -> ConfigBase:
     """A clone of `cfg` with the layout's modifiers applied."""
     if layout.baseline:
         return cfg.clone()
     out = cfg.clone()
-    for mod in layout_modifiers(layout, out, remat_target):
+    for mod in layout_modifiers(layout, out, remat_target, knobs):
         out = mod.instantiate()(out)
     return out
 
@@ -227,11 +285,19 @@ def _policy_of(cfg: ConfigBase, remat_target: Optional[str]) -> str:
 
 
 def mesh_rule_literal(selector: str, layout: Layout, cfg: ConfigBase,
-                      remat_target: Optional[str]) -> str:
+                      remat_target: Optional[str], knobs: Optional[Knobs] = None) -> str:
     """The layout as a mesh rule `(regex, [modifiers])`, a Python literal to paste into an
     experiment's `mesh_rules` (names from `jaxlearn.mesh` and `jaxlearn.module`)."""
     sizes = ", ".join(f"{k}={v}" for k, v in layout.sizes if v > 1) or "data=1"
     lines = [f"(\"{selector}\", [", f"    mesh_shape_from_axes({sizes}),"]
+    knobs = knobs or Knobs()
+    if layout.attention != KEEP and knobs.attention_target is not None:
+        lines += ["    SetMatchingModifier.default_config().set(",
+                  f"        target=r\"{knobs.attention_target}\", field=\"implementation\",",
+                  f"        value={layout.attention!r}),"]
+    if layout.pipeline_microbatches and knobs.pipeline is not None:
+        text = knobs.pipeline(layout.mesh["pipeline"], layout.pipeline_microbatches)[1]
+        lines.append(f"    {text},")
     if remat_target is not None:
         policy = _policy_of(cfg, remat_target) if layout.remat == KEEP else layout.remat
         if policy != "mixed":
@@ -247,79 +313,6 @@ def mesh_rule_literal(selector: str, layout: Layout, cfg: ConfigBase,
     return "\n".join(lines)
 
 
-class _Space:
-    """Which layouts are worth compiling for this model, batch and target."""
-
-    def __init__(self, cfg: ConfigBase, target: Target, global_batch: int,
-                 max_model_parallel: int):
-        self.cfg = cfg
-        self.n = target.num_devices
-        self.per_granule = target.num_devices // target.num_granules
-        self.global_batch = global_batch
-        self.max_model = max_model_parallel
-        self.rules = cfg.mesh_axis_rules
-        from jaxlearn.module import flatten_specs
-
-        model = cfg.model.clone(name="model").instantiate()
-        self.param_specs = [s for _, s in flatten_specs(
-            model.create_parameter_specs_recursively())]
-        self.pruned: dict[str, int] = {}
-
-    def _prune(self, why: str) -> bool:
-        self.pruned[why] = self.pruned.get(why, 0) + 1
-        return False
-
-    def sharded_axes(self, sizes: dict[str, int]) -> set[str]:
-        used: set[str] = set()
-        for spec in self.param_specs:
-            ps = logical_to_partition_spec(spec.mesh_axes, self.rules, sizes, shape=spec.shape)
-            for entry in ps:
-                if entry is None:
-                    continue
-                used.update((entry,) if isinstance(entry, str) else entry)
-        return used
-
-    def batch_shards(self, sizes: dict[str, int]) -> int:
-        ps = logical_to_partition_spec(("batch", None), self.rules, sizes)
-        entry = ps[0] if len(ps) else None
-        if entry is None:
-            return 1
-        axes = (entry,) if isinstance(entry, str) else entry
-        return math.prod(sizes.get(a, 1) for a in axes)
-
-    def batch_ok(self, sizes: dict[str, int], microbatches: int) -> bool:
-        if self.global_batch % microbatches:
-            return False
-        return (self.global_batch // microbatches) % self.batch_shards(sizes) == 0
-
-    def valid(self, sizes: dict[str, int]) -> bool:
-        m = sizes["model"]
-        if m > 1 and (m > self.max_model or self.per_granule % m):
-            return self._prune("model axis beyond the fast link or max_model_parallel")
-        used = self.sharded_axes(sizes)
-        for axis in ("model", "expert", "fsdp"):
-            if sizes[axis] > 1 and axis not in used:
-                return self._prune(f"{axis} axis shards no parameter")
-        if not self.batch_ok(sizes, 1):
-            return self._prune("batch does not split over the batch axes")
-        return True
-
-    def groups(self) -> dict[tuple[int, int], list[dict[str, int]]]:
-        """(model, expert) -> valid sizes, most `fsdp` first."""
-        out: dict[tuple[int, int], list[dict[str, int]]] = {}
-        for m in _divisors(self.n):
-            for e in _divisors(self.n // m):
-                rest = self.n // (m * e)
-                options = []
-                for f in sorted(_divisors(rest), reverse=True):
-                    sizes = {"data": rest // f, "fsdp": f, "model": m, "expert": e}
-                    if self.valid(sizes):
-                        options.append(sizes)
-                if options:
-                    out[(m, e)] = options
-        return dict(sorted(out.items()))
-
-
 def _as_layout(sizes: dict[str, int], remat: str = KEEP, microbatches: int = 1) -> Layout:
     return Layout(tuple((a, sizes[a]) for a in PLAN_AXES), remat, microbatches)
 
@@ -330,11 +323,15 @@ def _as_layout(sizes: dict[str, int], remat: str = KEEP, microbatches: int = 1) 
 class _Search:
     """The compiled candidates so far, within the budget of `max_candidates`."""
 
-    def __init__(self, cfg: ConfigBase, target: Target, space: _Space,
+    def __init__(self, cfg: ConfigBase, target: Target, space: Space,
                  remat_target: Optional[str], max_candidates: int,
                  compile_layout: Callable[[ConfigBase], AOTReport],
-                 progress: Optional[Callable[[Candidate], None]]):
+                 progress: Optional[Callable[[Candidate], None]], knobs: Knobs):
         self.cfg = cfg
+        self.knobs = knobs
+        self.estimated: list[Candidate] = []  # Estimated, not compiled (best first).
+        self.notes: list[str] = []
+        self.hbm_utilization = DEFAULT_HBM_UTILIZATION
         self.target = target
         self.space = space
         self.remat_target = remat_target
@@ -344,14 +341,15 @@ class _Search:
         self.candidates: list[Candidate] = []
         self.seen: set[Layout] = set()
 
-    def run(self, layout: Layout) -> Optional[Candidate]:
+    def run(self, layout: Layout, estimate: Optional[Estimate] = None) -> Optional[Candidate]:
         """Compiles `layout` unless seen or out of budget (then None)."""
         if layout in self.seen or len(self.candidates) >= self.max_candidates:
             return None
         self.seen.add(layout)
-        cand = Candidate(layout)
+        cand = Candidate(layout, estimate=estimate)
         try:
-            cand.report = self.compile_layout(apply_layout(self.cfg, layout, self.remat_target))
+            cand.report = self.compile_layout(
+                apply_layout(self.cfg, layout, self.remat_target, self.knobs))
         except (AOTError, ValueError) as e:
             cand.error = str(e).splitlines()[0][:300]
         self.candidates.append(cand)
@@ -403,8 +401,8 @@ class _Search:
                       key=Candidate.sort_key)[:3]
         for cand in best:
             layout = cand.layout
-            current = _policy_of(apply_layout(self.cfg, layout, self.remat_target),
-                                 self.remat_target)
+            current = _policy_of(apply_layout(self.cfg, layout, self.remat_target,
+                                              self.knobs), self.remat_target)
             if current != "none":
                 self.run(Layout(layout.sizes, "none", layout.num_microbatches))
 
@@ -422,6 +420,11 @@ def plan(
     max_model_parallel: int = 16,
     include_baseline: bool = True,
     progress: Optional[Callable[[Candidate], None]] = None,
+    search: str = "estimate",
+    finalists: int = 2,
+    attention: Sequence[str] = DEFAULT_ATTENTION,
+    pipeline: Optional[PipelineHook] = None,
+    pipeline_stages: Sequence[int] = DEFAULT_PIPELINE_STAGES,
 ) -> PlanResult:
     """Searches layouts for `target` (see the module doc); at most `max_candidates`
     compilations.
@@ -434,6 +437,12 @@ def plan(
         remat_policies: policies to try when memory is short, weakest first.
         microbatches: gradient accumulation counts to try when memory is short.
         progress: called with each candidate once compiled.
+        search: "estimate" (rank every layout analytically, compile the best until
+            `finalists` fit: `jaxlearn.aot.shortlist`) or "compile" (the compile-driven
+            search of the module doc).
+        attention: self-attention implementations to try (empty: keep the config's).
+        pipeline: the hook that pipelines the layer stack (None: no pipeline layouts);
+            `pipeline_stages`: the stage counts to try.
     """
     if max_candidates < 1:
         raise AOTError(f"max_candidates must be >= 1, got {max_candidates}")
@@ -441,11 +450,31 @@ def plan(
         remat_target = find_remat_target(cfg)
     batch = {k: jax.ShapeDtypeStruct(shape, dtype)
              for k, (shape, dtype) in batch_shapes(cfg).items()}
-    space = _Space(cfg, target, int(next(iter(batch.values())).shape[0]), max_model_parallel)
-    search = _Search(cfg, target, space, remat_target, max_candidates,
-                     lambda c: aot_compile(c, target, mfu=mfu,
-                                           hbm_utilization=hbm_utilization, batch=batch),
-                     progress)
+    if search not in ("estimate", "compile"):
+        raise AOTError(f"search must be 'estimate' or 'compile', got {search!r}")
+    space = Space(cfg, target, int(next(iter(batch.values())).shape[0]), max_model_parallel)
+    knobs = Knobs(find_attention_target(cfg) if attention else None, pipeline)
+    found = _Search(cfg, target, space, remat_target, max_candidates,
+                    lambda c: aot_compile(c, target, mfu=mfu,
+                                          hbm_utilization=hbm_utilization, batch=batch),
+                    progress, knobs)
+    found.hbm_utilization = hbm_utilization
+    if search == "estimate":
+        from jaxlearn.aot.shortlist import shortlist_search
+
+        shortlist_search(found, remat_policies=remat_policies if remat_target else (),
+                         microbatches=microbatches, attentions=attention,
+                         pipeline_stages=pipeline_stages, finalists=finalists, mfu=mfu,
+                         include_baseline=include_baseline)
+        return _result(found)
+    _compile_search(found, remat_policies, microbatches, include_baseline)
+    return _result(found)
+
+
+def _compile_search(search: _Search, remat_policies: Sequence[str],
+                    microbatches: Sequence[int], include_baseline: bool) -> None:
+    """The compile-driven search (steps 1-4 of the module doc)."""
+    remat_target, space = search.remat_target, search.space
     groups = space.groups()
     if include_baseline:
         search.baseline()
@@ -467,7 +496,6 @@ def plan(
     # 4. Remat off where a fitting layout rematerialises.
     if remat_target is not None:
         search.remat_off()
-    return _result(search)
 
 
 def _one_host_fsdp(search: _Search, group: tuple[int, int],
@@ -482,7 +510,7 @@ def _one_host_fsdp(search: _Search, group: tuple[int, int],
 def _result(search: _Search) -> PlanResult:
     """The winner (fastest fitting candidate) and its mesh rule."""
     cfg, target, remat_target = search.cfg, search.target, search.remat_target
-    notes: list[str] = []
+    notes: list[str] = list(search.notes)
     if len(search.candidates) >= search.max_candidates:
         notes.append(f"stopped at max_candidates={search.max_candidates}; raise it to "
                      "search more")
@@ -496,9 +524,11 @@ def _result(search: _Search) -> PlanResult:
             if not as_layout.baseline:
                 rule = mesh_rule_literal(target.selector, as_layout, cfg, remat_target)
         else:
-            rule = mesh_rule_literal(target.selector, winner.layout, cfg, remat_target)
+            rule = mesh_rule_literal(target.selector, winner.layout, cfg, remat_target,
+                                     search.knobs)
     return PlanResult(target.selector, target.num_devices, search.candidates, winner, rule,
-                      remat_target, search.max_candidates, search.space.pruned, notes)
+                      remat_target, search.max_candidates, search.space.pruned, notes,
+                      search.estimated)
 
 
 def _baseline_layout(cfg: ConfigBase, cand: Candidate) -> Layout:
@@ -530,6 +560,13 @@ def format_plan(result: PlanResult) -> str:
     lines = [f"plan for {result.selector} ({result.num_devices} devices): "
              f"{len(result.candidates)} candidate(s) compiled (max {result.max_candidates})",
              "", format_table(rows), ""]
+    if result.estimated:
+        rows = [["#", "estimated, not compiled", "est. required", "est. t_step"]]
+        for i, c in enumerate(result.estimated, 1):
+            assert c.estimate is not None
+            rows.append([str(i), c.layout.describe(), human_bytes(c.estimate.required_bytes),
+                         human_seconds(c.estimate.step_seconds)])
+        lines += [format_table(rows), ""]
     if result.pruned:
         lines.append("pruned before compiling: " + "; ".join(
             f"{v} x {k}" for k, v in sorted(result.pruned.items())))
@@ -541,8 +578,8 @@ def format_plan(result: PlanResult) -> str:
     else:
         lines += ["", f"winner: {result.winner.layout.describe()}",
                   "mesh rule (put it before the rules it should override; uses "
-                  "jaxlearn.mesh.{mesh_shape_from_axes, RematPolicyModifier, "
-                  "GradAccumulationModifier} and jaxlearn.module.RematSpec):",
+                  "names from jaxlearn.mesh, jaxlearn.module.RematSpec and, for a "
+                  "pipeline, jaxlearn.layers.{ScanStack, pipeline.pipeline_config}):",
                   result.rule or ""]
     return "\n".join(lines)
 

@@ -74,6 +74,15 @@ def add_parsers(sub: Any, add_experiment_args: Callable[[argparse.ArgumentParser
     p.add_argument("--microbatches", default="1,2,4,8",
                    help="gradient accumulation counts to try when memory is short")
     p.add_argument("--max_model_parallel", type=int, default=16)
+    p.add_argument("--search", choices=("estimate", "compile"), default="estimate",
+                   help="estimate: rank every layout analytically, compile the best; "
+                        "compile: compile-driven search")
+    p.add_argument("--finalists", type=int, default=2,
+                   help="estimate search: stop once this many compiled layouts fit")
+    p.add_argument("--attention", default="einsum,blockwise",
+                   help="self-attention implementations to try ('' keeps the recipe's)")
+    p.add_argument("--pipeline_stages", default="2,4",
+                   help="pipeline stage counts to try ('' for none)")
 
 
 def _argv(args: argparse.Namespace) -> list[str]:
@@ -90,7 +99,9 @@ def _argv(args: argparse.Namespace) -> list[str]:
     if args.command == "plan":
         out += ["--max_candidates", str(args.max_candidates), "--remat_target",
                 args.remat_target, "--remat_policies", args.remat_policies, "--microbatches",
-                args.microbatches, "--max_model_parallel", str(args.max_model_parallel)]
+                args.microbatches, "--max_model_parallel", str(args.max_model_parallel),
+                "--search", args.search, "--finalists", str(args.finalists),
+                "--attention", args.attention, "--pipeline_stages", args.pipeline_stages]
     return out
 
 
@@ -139,6 +150,20 @@ def _inference_hook() -> Any:
     return compile_inference_steps
 
 
+def pipeline_hook(stages: int, microbatches: int) -> tuple[Any, str]:
+    """The modifier that turns every ScanStack into a PipelineStack (and its source), for
+    the planner (the aot package cannot import the layers)."""
+    from jaxlearn.layers import ScanStack
+    from jaxlearn.layers.pipeline import pipeline_config
+    from jaxlearn.mesh import ReplaceConfigModifier
+
+    mod = ReplaceConfigModifier.default_config().set(
+        match=ScanStack, replacement=pipeline_config(stages, microbatches))
+    text = ("ReplaceConfigModifier.default_config().set(match=ScanStack, "
+            f"replacement=pipeline_config({stages}, {microbatches}))")
+    return mod, text
+
+
 def cmd_aot(args: argparse.Namespace) -> int:
     rc = _devices_ready(args)
     if rc is not None:
@@ -176,8 +201,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     try:
         policies = tuple(p for p in args.remat_policies.split(",") if p)
         microbatches = tuple(int(m) for m in args.microbatches.split(",") if m)
+        stages = tuple(int(m) for m in args.pipeline_stages.split(",") if m)
     except ValueError:
-        raise UsageError(f"--microbatches: not integers: {args.microbatches!r}") from None
+        raise UsageError(f"--microbatches / --pipeline_stages: not integers: "
+                         f"{args.microbatches!r} / {args.pipeline_stages!r}") from None
+    attention = tuple(a for a in args.attention.split(",") if a)
 
     def progress(c: Any) -> None:
         status = "fits" if c.fits else ("error" if c.report is None else "does not fit")
@@ -187,7 +215,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         result = plan(cfg, target, max_candidates=args.max_candidates, mfu=args.mfu,
                       hbm_utilization=args.hbm_utilization, remat_target=remat_target,
                       remat_policies=policies, microbatches=microbatches,
-                      max_model_parallel=args.max_model_parallel, progress=progress)
+                      max_model_parallel=args.max_model_parallel, progress=progress,
+                      search=args.search, finalists=args.finalists, attention=attention,
+                      pipeline=pipeline_hook if stages else None, pipeline_stages=stages)
     except AOTError as e:
         raise UsageError(str(e)) from None
     if args.json:

@@ -51,6 +51,7 @@ from jaxlearn.layers.rope import (
     scaling_dict,
 )
 from jaxlearn.layers.transformer import (
+    ACTIVATION_NAMES,
     BaseStack,
     LoopStack,
     ScanStack,
@@ -59,6 +60,7 @@ from jaxlearn.layers.transformer import (
 )
 
 __all__ = [
+    "ACTIVATION_NAMES",
     "gemma_config",
     "gemma2_config",
     "gemma3_config",

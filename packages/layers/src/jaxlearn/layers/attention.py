@@ -257,6 +257,7 @@ class Attention(Module):
         q = with_logical_constraint(q, ("batch", "seq", "heads", "head_dim"))
         k = with_logical_constraint(k, ("batch", "seq", "kv_heads", "head_dim"))
         v = with_logical_constraint(v, ("batch", "seq", "kv_heads", "head_dim"))
+        q, k, v = (self.checkpoint_name(t, f"{n}_proj") for t, n in zip((q, k, v), "qkv"))
         return q, k, v
 
     def _attention(
@@ -345,7 +346,7 @@ class Attention(Module):
     def _output(self, o: jax.Array) -> jax.Array:
         """o [b, s, heads, head_dim] -> y [b, s, embed] through o_proj (+ o_bias)."""
         b, s = o.shape[:2]
-        p = self.parameters
+        o, p = self.checkpoint_name(o, "context"), self.parameters
         y = dense(o.reshape(b * s, *o.shape[2:]), p["o_proj"], dot=self._dot, in_dims=2)
         if "o_bias" in p:
             y = y + p["o_bias"].astype(y.dtype)

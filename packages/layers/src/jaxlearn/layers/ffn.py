@@ -101,7 +101,8 @@ class FeedForward(Module):
             pre = [both[:, : c.hidden_dim], both[:, c.hidden_dim :]]
         else:
             pre = [self._proj(x, n) for n in self._in_names()]
-        hs = [get_activation(a)(h) for a, h in zip(c.activation, pre)]
-        h = hs[0] * hs[1] if len(hs) == 2 else hs[0]  # [tokens, mlp]
+        hs = [get_activation(a)(self.checkpoint_name(h, "ffn_hidden"))
+              for a, h in zip(c.activation, pre)]
+        h = self.checkpoint_name(hs[0] * hs[1] if len(hs) == 2 else hs[0], "ffn_activation")
         y = self._proj(h, "wo").reshape(shape)
         return with_logical_constraint(y, ("batch", "seq", "embed")) if y.ndim == 3 else y

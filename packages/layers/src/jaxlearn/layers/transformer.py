@@ -37,6 +37,9 @@ from jaxlearn.module.context import fold_in_name
 
 Array = jax.Array
 _AXES = ("batch", "seq", "embed")
+# Activations a layer tags for 'save_names:' / 'offload_names:' remat policies.
+ACTIVATION_NAMES = ("q_proj", "k_proj", "v_proj", "context", "ffn_hidden", "ffn_activation",
+                    "residual")
 
 
 class TransformerLayer(Module):
@@ -74,7 +77,7 @@ class TransformerLayer(Module):
         cache, h = out if isinstance(out, tuple) else (None, out)
         if post:
             h = self.post_attention_norm(h)
-        x = x + h.astype(x.dtype)
+        x = self.checkpoint_name(x + h.astype(x.dtype), "residual")
         f = self.feed_forward(self.ffn_norm(x))
         if post:
             f = self.post_ffn_norm(f)
