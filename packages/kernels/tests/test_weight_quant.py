@@ -33,20 +33,35 @@ def test_quantize_matches_numpy(shape, axes):
     assert set(np.unique(np.abs(q).max(axis=axes))) <= {0, 127}
 
 
+def _numpy_matmul(x: np.ndarray, q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """The definition: per-row symmetric int8 activations, an exact integer dot, rescale."""
+    amax = np.abs(x).max(axis=1, keepdims=True)
+    sx = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+    xq = np.clip(np.round(x / sx), -127, 127).astype(np.int64)
+    return (xq @ q.astype(np.int64)).astype(np.float32) * sx * scale.reshape(1, -1)
+
+
 def test_matmul_matches_numpy_and_jits():
     rng = np.random.default_rng(1)
     w = rng.standard_normal((48, 80)).astype(np.float32)
     w8 = quantize_int8(w, (0,))
-    deq = np.asarray(w8.q, np.float32) * np.asarray(w8.scale)
+    q, s = np.asarray(w8.q), np.asarray(w8.scale[0])
+    deq = q.astype(np.float32) * s
     for m in (1, 4, 16):
         x = rng.standard_normal((m, 48)).astype(np.float32)
+        x[0] = 0.0  # A zero row (scale 1) gives zeros.
         y = jax.jit(int8_matmul)(jnp.asarray(x), w8.q, w8.scale[0])
         assert y.dtype == jnp.float32 and y.shape == (m, 80)
-        np.testing.assert_allclose(np.asarray(y), x @ deq, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(y), _numpy_matmul(x, q, s), rtol=1e-6, atol=1e-6)
+        assert not np.asarray(y)[0].any()
+        # Against the float matmul on the dequantized weight: the activation rounding
+        # costs at most half a step per element, sum_k |w_k| * step / 2 per output.
+        bound = (np.abs(x).max(1, keepdims=True) / 254.0) * np.abs(deq).sum(0, keepdims=True)
+        assert np.all(np.abs(np.asarray(y) - x @ deq) <= bound + 1e-5)
     xb = jnp.asarray(rng.standard_normal((3, 48)), jnp.bfloat16)
-    ref = np.asarray(xb.astype(jnp.float32)) @ deq
-    np.testing.assert_allclose(np.asarray(int8_matmul(xb, w8.q, w8.scale[0])), ref, rtol=1e-5,
-                               atol=1e-5)
+    ref = _numpy_matmul(np.asarray(xb.astype(jnp.float32)), q, s)
+    np.testing.assert_allclose(np.asarray(int8_matmul(xb, w8.q, w8.scale[0])), ref, rtol=1e-6,
+                               atol=1e-6)
 
 
 def test_take_rows_and_transpose():

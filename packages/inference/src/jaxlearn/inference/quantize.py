@@ -51,23 +51,24 @@ def dense_weights(module: Module) -> dict[str, tuple[int, ...]]:
 
 def quantize_params(model: Module, params: Any, mode: str = "int8") -> Any:
     """`params` (a tree like `model`'s) with its dense weights as `Int8Weight`s (see
-    module docstring). A stacked (scanned) stack's weights keep their leading layer axis:
-    scales are per layer and output channel."""
+    module docstring). A scanned stack's weights keep their leading layer axis: scales are
+    per layer and output channel."""
     check_quantize(mode)
 
-    def walk(module: Module, p: Any, lead: int) -> Any:
+    def walk(module: Module, p: Any) -> Any:
         out = dict(p)
+        own = module._create_layer_parameter_specs()  # The unstacked shapes.
         for name, axes in dense_weights(module).items():
             w = p.get(name)
-            if w is not None and not isinstance(w, Int8Weight):
+            if w is not None and name in own and not isinstance(w, Int8Weight):
+                lead = len(w.shape) - len(own[name].shape)  # Stacked layers: [layers, ...].
                 out[name] = quantize_int8(w, tuple(a + lead for a in axes))
-        stacked = getattr(module, "_stacked", {})
         for name, child in module.children.items():
             if isinstance(p.get(name), dict):
-                out[name] = walk(child, p[name], lead + (name in stacked))
+                out[name] = walk(child, p[name])
         return out
 
-    return walk(model, params, 0)
+    return walk(model, params)
 
 
 def params_nbytes(params: Any) -> int:
