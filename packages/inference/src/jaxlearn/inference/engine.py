@@ -209,10 +209,10 @@ class Engine(Configurable):
         prefix_caching: share the KV pages of prompt prefixes between requests
             (content-hashed full pages, reference counted, LRU-evicted when the pool
             needs pages); a prompt's cached full pages are not prefilled again.
-        quantize: None keeps the weights in their dtype; "int8": weight-only int8 (every
+        quantize: None keeps the weights in their dtype; "int8": int8 weights (every
             dense weight and a tied embedding/output head as int8 + float32 per-output-
             channel scales, converted once at load by `inference.quantize`; a quarter of
-            the f32 weight bytes; one device only).
+            the f32 weight bytes; matmuls quantize activations per row; one device only).
         mesh_shape: None serves on one device; else the mesh over all devices (one -1
             entry allowed), with `mesh_axis_names`. Params are placed by their logical
             axes through `axis_rules` (None: INFERENCE_AXIS_RULES, the training rules

@@ -1,5 +1,5 @@
-"""Weight-only int8 for inference: per-output-channel symmetric quantization and the matmul
-and row lookup that read the int8 weights.
+"""int8 weights for inference: per-output-channel symmetric quantization, the matmul (with
+int8 activations quantized per row on the fly) and the row lookup that read them.
 
     w8 = quantize_int8(w, contract_axes=(0,))    # w [in, out] -> Int8Weight, scale [1, out]
     y = int8_matmul(x2d, w8.q, w8.scale[0])      # x2d [tokens, in] -> [tokens, out] f32
