@@ -6,7 +6,8 @@ cache, batched prefill, fused decode bursts) on the ~60M Llama, greedy.
 
 Per-token latency is differential, like the peer's: (time to generate 1 + N tokens - time
 to generate 1 token) / N, with B identical-length prompts submitted together. bf16 means
-bf16 weights and compute (the peer: `model.to(torch.bfloat16)`).
+bf16 weights and compute (the peer: `model.to(torch.bfloat16)`); `--quantize int8` serves
+int8 weights (`Engine.Config.quantize`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from decode_common import continuous_workload
 
 
 def build_engine(c: dict[str, Any], dtype: str, *, max_batch: int, max_seq_len: int,
-                 decode_burst: int) -> Any:
+                 decode_burst: int, quantize: Any = None) -> Any:
     import jax
     import jax.numpy as jnp
 
@@ -37,7 +38,7 @@ def build_engine(c: dict[str, Any], dtype: str, *, max_batch: int, max_seq_len: 
     # No tokenizer: token ids in and out over the model's whole vocabulary, no BOS/EOS.
     settings = Engine.default_config().set(max_seq_len=max_seq_len, max_batch=max_batch,
                                            prefill_chunk=256, decode_burst=decode_burst,
-                                           max_queue=4096)
+                                           max_queue=4096, quantize=quantize)
     return settings.instantiate(model_cfg=cfg, params=params, tokenizer=None)
 
 
@@ -69,6 +70,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--decode-burst", type=int, default=8)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--quantize", default=None, choices=["int8"],
+                   help="Engine.Config.quantize: int8 weights (dynamic int8 activations)")
     args = p.parse_args()
     import jax
     import numpy as np
@@ -76,14 +79,14 @@ def main() -> None:
     c = model_cfg("llama")
     rng = np.random.default_rng(0)
     base = dict(bench="decode", framework="jaxlearn", version=jax.__version__, case=args.case,
-                dtype=args.dtype, decode_burst=args.decode_burst)
+                dtype=args.dtype, decode_burst=args.decode_burst, quantize=args.quantize)
     if args.quick:
         args.repeats, args.new = 2, 32
     if args.case == "latency":
         batches = [int(b) for b in args.batches.split(",")]
         eng = build_engine(c, args.dtype, max_batch=max(batches),
                            max_seq_len=args.prompt + args.new + 1,
-                           decode_burst=args.decode_burst)
+                           decode_burst=args.decode_burst, quantize=args.quantize)
         rows = []
         for b in batches:
             prompts = [rng.integers(0, c["vocab"], args.prompt).tolist() for _ in range(b)]
@@ -109,7 +112,7 @@ def main() -> None:
         prompts, outs, slots = continuous_workload(c["vocab"], quick=args.quick)
         eng = build_engine(c, args.dtype, max_batch=slots,
                            max_seq_len=max(map(len, prompts)) + max(outs) + 1,
-                           decode_burst=args.decode_burst)
+                           decode_burst=args.decode_burst, quantize=args.quantize)
         t0 = time.perf_counter()
         generate(eng, prompts, outs)  # Warm-up: compiles every program the workload needs.
         warm = time.perf_counter() - t0

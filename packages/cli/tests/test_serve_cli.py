@@ -179,6 +179,7 @@ def test_checkpoint_without_record_is_a_labelled_guess(tmp_path, capsys):
     (["--engine_set", "page_size=24"], "engine config: Engine.Config.page_size=24"),
     (["--engine_set", "max_btach=2"], "engine config: "),
     (["--max_batch", "0"], "Engine.Config.max_batch=0: must be >= 1"),
+    (["--quantize", "int4"], "Engine.Config.quantize='int4': must be None or one of int8"),
 ])
 def test_bad_engine_settings_are_one_line_errors(run, capsys, argv, message):
     out, _, _ = run

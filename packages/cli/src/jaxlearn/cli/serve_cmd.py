@@ -1,7 +1,7 @@
 """`jaxlearn serve` and `jaxlearn generate`.
 
     jaxlearn serve --model PATH [--host 127.0.0.1] [--port 8000] [--max_batch 8]
-                   [--dtype bfloat16] [--param_dtype bfloat16]
+                   [--dtype bfloat16] [--param_dtype bfloat16] [--quantize int8]
                    [--engine_set decode_burst=4 ...] [--print_config]
                    [--api_key KEY] [--allowed_hosts H,..] [--allowed_origins O,..]
                    [--max_connections N] [--header_timeout S]
@@ -41,7 +41,7 @@ from typing import Any, Optional, Sequence
 
 # Flags that set `Engine.Config` fields of the same name (None: the field's default).
 ENGINE_FLAGS = ("max_seq_len", "max_batch", "prefill_chunk", "kv_cache_tokens", "page_size",
-                "prefix_caching")
+                "prefix_caching", "quantize")
 _STEP_DIR = re.compile(r"step_(\d+)")
 PARAM_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -60,6 +60,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="dtype the weights are stored in (HF / GGUF; default float32); "
                         "bfloat16 with --dtype bfloat16 halves the weight memory and the "
                         "bytes each decode step reads")
+    p.add_argument("--quantize", default=None, metavar="int8",
+                   help="weight-only int8: dense weights and a tied output head become int8 "
+                        "+ per-channel scales at load (a quarter of the f32 weight memory)")
     p.add_argument("--max_seq_len", type=int, default=None,
                    help="prompt + generated tokens (default 2048)")
     p.add_argument("--max_batch", type=int, default=None,

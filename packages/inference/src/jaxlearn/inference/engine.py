@@ -41,6 +41,7 @@ from jaxlearn.inference.errors import InferenceError, QueueFullError, RequestErr
 from jaxlearn.inference.grammar import response_format_grammar
 from jaxlearn.inference.logprobs import TokenLogprob
 from jaxlearn.inference.metrics import Metrics
+from jaxlearn.inference.quantize import check_quantize, quantize_params
 from jaxlearn.inference.runner import ModelRunner, kv_window, next_pow2
 from jaxlearn.inference.sampling import SamplingParams
 from jaxlearn.inference.scheduler import Request, Scheduler
@@ -120,6 +121,10 @@ def check_settings(cfg: Any) -> int:
         raise ValueError(f"Engine.Config.page_size={ps}: must be a power of two <= 64")
     if cfg.fuse_projections and cfg.mesh_shape is not None:
         raise ValueError(f"Engine.Config.fuse_projections=True needs mesh_shape=None (one "
+                         f"device), got mesh_shape={cfg.mesh_shape}")
+    check_quantize(cfg.quantize)
+    if cfg.quantize is not None and cfg.mesh_shape is not None:
+        raise ValueError(f"Engine.Config.quantize={cfg.quantize!r} needs mesh_shape=None (one "
                          f"device), got mesh_shape={cfg.mesh_shape}")
     max_len = -(-cfg.max_seq_len // ps) * ps
     tokens = cfg.max_batch * max_len if cfg.kv_cache_tokens is None else cfg.kv_cache_tokens
@@ -204,10 +209,10 @@ class Engine(Configurable):
         prefix_caching: share the KV pages of prompt prefixes between requests
             (content-hashed full pages, reference counted, LRU-evicted when the pool
             needs pages); a prompt's cached full pages are not prefilled again.
-        window_page_release: when every attention layer of the model has a sliding
-            window, return the KV pages behind the window to the pool while a request
-            runs (`PageTable.trim`), so a request holds about window / page_size + 1 pages
-            once its prompt is in; models with a global layer keep every page.
+        window_page_release: when every attention layer has a sliding window, return the
+            KV pages behind it to the pool while a request runs (`PageTable.trim`).
+        quantize: None keeps the weights' dtype; "int8": dense weights and a tied head as
+            int8 + f32 per-channel scales (`inference.quantize`; one device only).
         mesh_shape: None serves on one device; else the mesh over all devices (one -1
             entry allowed), with `mesh_axis_names`. Params are placed by their logical
             axes through `axis_rules` (None: INFERENCE_AXIS_RULES, the training rules
@@ -226,6 +231,7 @@ class Engine(Configurable):
         fuse_projections: bool = False
         prefix_caching: bool = True
         window_page_release: bool = True
+        quantize: Optional[str] = None
         mesh_shape: Optional[tuple[int, ...]] = None
         mesh_axis_names: tuple[str, ...] = ("data", "fsdp", "model")
         axis_rules: Optional[tuple[tuple[str, Any], ...]] = None
@@ -241,6 +247,8 @@ class Engine(Configurable):
             model_cfg, params = layers.fuse_projections(model_cfg, params)
         self.model_cfg = model_cfg
         self.model: Module = model_cfg.instantiate()
+        if cfg.quantize is not None:
+            params = quantize_params(self.model, params, cfg.quantize)
         self.tokenizer = as_tokenizer(tokenizer) if tokenizer is not None else None
         self.model_name = cfg.model_name
         self.max_seq_len = cfg.max_seq_len

@@ -9,7 +9,8 @@ CPU lessons built in:
 - the custom VJP keeps bf16 backward dots bf16: the cotangent is cast to the operand dtype,
   dx uses the "NT" `dot_general` form and dW a 3-D einsum that YNNPACK accepts;
 - a one-row bf16 GEMV (batch-1 decode) is padded to two rows, which XLA would otherwise
-  upcast to f32 together with the whole weight.
+  upcast to f32 together with the whole weight;
+- an `Int8Weight` (weight-only int8 for serving) goes to `kernels.int8_matmul`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxlearn.config import REQUIRED, Configurable
+from jaxlearn.kernels import Int8Weight, int8_matmul
 from jaxlearn.module import FanAxes, Module, ParameterSpec, zeros
 
 _F32 = jnp.float32
@@ -130,7 +132,8 @@ def dense(
 
     Flattens x to [tokens, prod(in)] and w to [prod(in), prod(out)], casts w to x's dtype
     (the compute dtype), runs `dot` (default: the custom-VJP `matmul`) and restores the
-    shape. The result is in `out_dtype` (default x.dtype).
+    shape. The result is in `out_dtype` (default x.dtype). `w` may be an `Int8Weight`
+    whose scale has shape [1 x in_dims, *out] (see `jaxlearn.kernels.weight_quant`).
     """
     in_shape, out_shape = w.shape[:in_dims], w.shape[in_dims:]
     if tuple(x.shape[x.ndim - in_dims :]) != tuple(in_shape):
@@ -138,6 +141,11 @@ def dense(
     lead = x.shape[: x.ndim - in_dims]
     k, n = math.prod(in_shape), math.prod(out_shape)
     x2d = x.reshape(-1, k)
+    if isinstance(w, Int8Weight):
+        if dot is not None:
+            raise ValueError("dense: an int8 weight takes no injected dot (LoRA, int8/fp8)")
+        y = int8_matmul(x2d, w.q.reshape(k, n), w.scale.reshape(n))
+        return y.astype(out_dtype or x.dtype).reshape(*lead, *out_shape)
     x2d, padded = _pad_one_row(x2d)
     if dot is None:  # matmul casts w itself (and returns its gradient in w's dtype).
         y = matmul(x2d, w.reshape(k, n), out_dtype)

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxlearn.config import REQUIRED
+from jaxlearn.kernels import Int8Weight, take_rows
 from jaxlearn.layers.dense import DotGeneral, dense, maybe_dot
 from jaxlearn.module import FanAxes, Module, Normal, ParameterSpec, with_logical_constraint
 
@@ -61,6 +62,8 @@ class Embedding(Module):
 
 def _take_rows(w: jax.Array, ids: jax.Array) -> jax.Array:
     """w[ids] (rows). A 16-bit float table goes through `_take_rows_16` (below)."""
+    if isinstance(w, Int8Weight):  # Weight-only int8 with per-row scales (serving).
+        return take_rows(w, ids)
     if jnp.dtype(w.dtype).itemsize == 2 and jnp.issubdtype(w.dtype, jnp.floating):
         return _take_rows_16(w, ids)
     return jnp.take(w, ids, axis=0)

@@ -1,0 +1,78 @@
+"""Weight-only quantization of a model's params for serving (`Engine.Config.quantize`).
+
+`quantize_params(model, params, "int8")` returns the params with every dense weight
+replaced by a `jaxlearn.kernels.Int8Weight` (int8 values + float32 per-output-channel
+scales, computed once here): `Linear.weight`, the attention projections (`q/k/v/qkv/o_proj`),
+the feed-forward matrices (`wi`, `wi_0`, `wi_1`, `wi_fused`, `wo`) and the embedding table
+when it is tied as the output head (its per-row scales serve the lookup too). The layers'
+`dense()` then runs `kernels.int8_matmul` on them. Left in their dtype: norms, biases,
+an untied embedding table (a lookup reads a few rows per step), mixture-of-experts
+weights (einsum, not `dense()`) and every layer with an injected dot (LoRA adapters,
+int8/fp8 training dots), which `dense()` would otherwise bypass.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from jaxlearn.kernels import Int8Weight, quantize_int8
+from jaxlearn.layers import Attention, Decoder, Embedding, FeedForward, Linear
+from jaxlearn.module import Module
+
+QUANTIZE_MODES = ("int8",)
+
+_FFN_WEIGHTS = {name: (0,) for name in ("wi", "wi_0", "wi_1", "wi_fused", "wo")}
+_ATTENTION_WEIGHTS = {**{f"{n}_proj": (0,) for n in ("q", "k", "v", "qkv")}, "o_proj": (0, 1)}
+
+
+def check_quantize(mode: Optional[str]) -> None:
+    """ValueError (one line, naming the field) unless `mode` is None or a known mode."""
+    if mode is not None and mode not in QUANTIZE_MODES:
+        raise ValueError(f"Engine.Config.quantize={mode!r}: must be None or one of "
+                         f"{', '.join(QUANTIZE_MODES)}")
+
+
+def dense_weights(module: Module) -> dict[str, tuple[int, ...]]:
+    """{param name: contracted axes} of the weights `module` multiplies through `dense()`
+    with the default dot (see module docstring)."""
+    if getattr(module, "_dot", None) is not None:
+        return {}
+    if isinstance(module, Linear):
+        return {"weight": (0,)}
+    if isinstance(module, Attention):
+        return dict(_ATTENTION_WEIGHTS)
+    if isinstance(module, FeedForward):
+        return dict(_FFN_WEIGHTS)
+    parent = module.parent
+    if isinstance(module, Embedding) and isinstance(parent, Decoder):
+        return {"weight": (1,)} if parent.config.lm_head is None else {}
+    return {}
+
+
+def quantize_params(model: Module, params: Any, mode: str = "int8") -> Any:
+    """`params` (a tree like `model`'s) with its dense weights as `Int8Weight`s (see
+    module docstring). A scanned stack's weights keep their leading layer axis: scales are
+    per layer and output channel."""
+    check_quantize(mode)
+
+    def walk(module: Module, p: Any) -> Any:
+        out = dict(p)
+        own = module._create_layer_parameter_specs()  # The unstacked shapes.
+        for name, axes in dense_weights(module).items():
+            w = p.get(name)
+            if w is not None and name in own and not isinstance(w, Int8Weight):
+                lead = len(w.shape) - len(own[name].shape)  # Stacked layers: [layers, ...].
+                out[name] = quantize_int8(w, tuple(a + lead for a in axes))
+        for name, child in module.children.items():
+            if isinstance(p.get(name), dict):
+                out[name] = walk(child, p[name])
+        return out
+
+    return walk(model, params)
+
+
+def params_nbytes(params: Any) -> int:
+    """Bytes of a params tree (an `Int8Weight` counts its int8 values and f32 scales)."""
+    import jax
+
+    return sum(int(x.nbytes) for x in jax.tree.leaves(params))
