@@ -66,7 +66,8 @@ class Learner(Configurable):
         # Keep the matmul weights in the model's compute dtype (bf16) between steps, made
         # once per update inside the step, and run the forward/backward on that copy; the
         # optimizer keeps the f32 masters (`runtime.compute_copy`; not checkpointed). A
-        # no-op when the model computes in its parameters' dtype.
+        # no-op when the model computes in its parameters' dtype. Off by default: the
+        # 2-layer bf16 step measured no faster (0.94x its CPU time), for +2 B per weight.
         compute_param_copy: bool = False
 
     def __init__(self, cfg: "Learner.Config", *, total_steps: Optional[int] = None):
