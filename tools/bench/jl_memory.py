@@ -42,7 +42,7 @@ def llama_fsdp(n: int, dtype: str) -> dict:
                 for k, v in batch.items()}
     compiled = trainer.compile_train_step(abstract)
     mem = memory_figures(compiled)
-    state = trainer.abstract_state()
+    state = trainer.abstract_state(derived=True)
     return {"n": n, "batch": c["batch"], "argument_bytes": mem["argument"],
             "temp_bytes": mem["temp"], "output_bytes": mem["output"],
             "state_bytes": state_bytes_per_device(state), "state": state_breakdown(state)}

@@ -2,7 +2,7 @@
 steps, aggregated per XLA op and per category (YNNPACK dot fusions, other fusions,
 copies, scatters, ...), joined with the compiled HLO for each op's output shape.
 
-    python jl_profile.py --model llama --dtype bf16 [--steps 2] [--top 30]
+    python jl_profile.py --model llama --dtype bf16 [--steps 2] [--top 30] [--set PATH=VALUE]
 
 Prints a table and emits one BENCH_RESULT line with the per-category milliseconds per step.
 """
@@ -41,17 +41,22 @@ def main() -> None:
     p.add_argument("--nonfinite", default="skip")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--top", type=int, default=30)
+    p.add_argument("--set", action="append", default=[],
+                   help="trainer config override PATH=VALUE (repeatable)")
     args = p.parse_args()
     import jax
     from jl_train import build_trainer, random_batch
 
     c = model_cfg(args.model)
     trainer = build_trainer(c, dtype=args.dtype, stack=args.stack, remat=None,
-                            nonfinite=args.nonfinite, moe_method="ragged_dot")
+                            nonfinite=args.nonfinite, moe_method="ragged_dot",
+                            overrides=tuple(args.set))
     batch = trainer.global_batch(random_batch(c))
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), batch)
     step = trainer.compile_train_step(abstract)
+    cost = step.cost_analysis()
+    cost = (cost[0] if isinstance(cost, list) else cost) or {}
     hlo = step.as_text()
     shapes = {m.group(1): m.group(2) for m in re.finditer(r"%([\w.\-]+) = (\S+) ", hlo)}
     lines = {m.group(1): m.group(0) for m in re.finditer(r"%([\w.\-]+) = [^\n]*", hlo)}
@@ -96,6 +101,7 @@ def main() -> None:
         print(f"  {us / args.steps / 1e3:8.2f}  {name:34s} {shapes.get(name, '')[:40]:40s} "
               f"{(meta.group(1) if meta else '')[-60:]}")
     emit(bench="profile", framework="jaxlearn", model=args.model, dtype=args.dtype,
+         overrides=list(args.set), compiled_flops=float(cost.get("flops", 0.0)),
          op_ms_per_step=rnd(total), categories={k: rnd(v) for k, v in cats.items()},
          top=[[n, rnd(us / args.steps / 1e3)] for n, us in
               sorted(per_op.items(), key=lambda kv: -kv[1])[: args.top]])

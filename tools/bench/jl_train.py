@@ -134,7 +134,7 @@ def main() -> None:
                  out_shardings=(trainer.state_shardings, trainer._replicated), donate_argnums=(0,))
     with jax.set_mesh(trainer.mesh), trainer._logical():
         with Timer() as t_lower:
-            lowered = fn.lower(trainer.abstract_state(), abstract)
+            lowered = fn.lower(trainer.abstract_state(derived=True), abstract)
         with Timer() as t_comp:
             compiled = lowered.compile()
     cost = compiled.cost_analysis()

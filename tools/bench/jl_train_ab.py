@@ -8,8 +8,9 @@ times do not. Each variant is a list of trainer config overrides (`--set` syntax
         --variant chunked=model.loss_chunk_tokens=1024 --rounds 6
 
 Emits, per variant: median wall and process-CPU s/step, ratios to the first variant,
-compiled temp bytes and FLOPs, the loss after the last step (the variants train the same
-model from the same state, so it should agree to rounding).
+compiled temp and argument (state + batch) bytes and FLOPs, the loss after the last step
+(the variants train the same model from the same state, so it should agree to rounding).
+`--seq` / `--batch` override the model's sequence length and batch.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ def main() -> None:
     p.add_argument("--dtype", default="bf16", choices=["f32", "bf16"])
     p.add_argument("--stack", default="loop", choices=["loop", "scan"])
     p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--seq", type=int, default=None)
+    p.add_argument("--batch", type=int, default=None)
     p.add_argument("--variant", action="append", required=True,
                    help="NAME=OVERRIDE[;OVERRIDE...] (NAME= alone: no overrides)")
     p.add_argument("--rounds", type=int, default=6)
@@ -37,7 +40,7 @@ def main() -> None:
 
     import jax
 
-    c = model_cfg(args.model, layers=args.layers)
+    c = model_cfg(args.model, layers=args.layers, seq=args.seq, batch=args.batch)
     runs: list[dict[str, Any]] = []
     for spec in args.variant:
         name, _, rest = spec.partition("=")
@@ -55,6 +58,7 @@ def main() -> None:
         runs.append(dict(name=name, overrides=list(overrides), trainer=tr, batch=batch,
                          fn=compiled, state=tr.init_state(), wall=[], cpu=[], util=[],
                          temp_bytes=int(getattr(mem, "temp_size_in_bytes", 0) or 0),
+                         argument_bytes=int(getattr(mem, "argument_size_in_bytes", 0) or 0),
                          flops=float(cost.get("flops", 0.0)) if cost else None))
     for r in range(args.warmup + args.rounds):
         order = runs if r % 2 == 0 else runs[::-1]
@@ -74,6 +78,7 @@ def main() -> None:
                         step_cpu_s=rnd(cs), wall_ratio_to_first=rnd(base_wall / w, 3),
                         cpu_ratio_to_first=rnd(base_cpu / cs, 3),
                         cpu_util=rnd(med(run["util"]), 3), temp_bytes=run["temp_bytes"],
+                        argument_bytes=run["argument_bytes"],
                         compiled_flops=run["flops"], loss_last=rnd(run["loss"], 5)))
         log(f"{run['name']}: {w:.3f} s/step wall, {cs:.3f} cpu s; speed-up vs "
             f"{runs[0]['name']}: wall {base_wall / w:.3f}x, cpu {base_cpu / cs:.3f}x")

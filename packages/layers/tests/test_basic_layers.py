@@ -78,6 +78,21 @@ def test_feed_forward_rejects_bad_activation():
         ).instantiate()
 
 
+def test_bf16_embedding_gradient_sums_repeated_rows_in_f32():
+    """A token repeated many times: its row's gradient is the f32 sum rounded once to bf16,
+    not a bf16 running sum (which stops growing once each term is below half an ulp)."""
+    from jaxlearn.layers.embedding import _take_rows
+
+    w = jnp.zeros((4, 2), jnp.bfloat16)
+    ids = jnp.zeros((1, 1000), jnp.int32)
+    g = jnp.full((1, 1000, 2), 0.01, jnp.bfloat16)
+    dw = jax.vjp(lambda w: _take_rows(w, ids), w)[1](g)[0]
+    expect = jnp.asarray(1000 * float(g[0, 0, 0]), jnp.float32).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(dw[0], np.float32),
+                                  np.full((2,), float(expect), np.float32))
+    assert np.all(np.asarray(dw[1:], np.float32) == 0)
+
+
 def test_bf16_embedding_lookup_never_copies_the_table():
     """A bf16 gather on XLA:CPU converts the table; in a decode loop that whole-table copy
     was hoisted out of the loop and materialised every call. Values and gradients equal

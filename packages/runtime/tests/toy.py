@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlearn.config import REQUIRED, Configurable
-from jaxlearn.module import Module, Normal, ParameterSpec
+from jaxlearn.module import FanAxes, Module, Normal, ParameterSpec, ones
 
 
 class Bigram(Module):
@@ -29,6 +29,37 @@ class Bigram(Module):
         weights = batch["target_weights"]
         logp = jax.nn.log_softmax(logits.astype(jnp.float32))
         ce = -jnp.take_along_axis(logp, jnp.maximum(labels, 0)[..., None], axis=-1)[..., 0]
+        loss = jnp.sum(ce * weights) / jnp.maximum(jnp.sum(weights), 1.0)
+        return loss, {"num_target_tokens": jnp.sum(weights)}
+
+
+class FactoredBigram(Module):
+    """Embedding [vocab, dim] -> scale [dim] (read in f32) -> projection [dim, vocab], the
+    matmul weights read cast to the compute dtype (`dtype="bfloat16"`), as the layers do."""
+
+    class Config(Module.Config):
+        vocab_size: int = REQUIRED
+        dim: int = 8
+
+    def _create_layer_parameter_specs(self) -> dict[str, ParameterSpec]:
+        v, d = self.config.vocab_size, self.config.dim
+        init = Normal.default_config().set(stddev=0.3)
+        return {
+            "emb": ParameterSpec((v, d), ("vocab", "embed"), initializer=init,
+                                 fan_axes=FanAxes((1,), (0,))),
+            "scale": ParameterSpec((d,), ("embed",), initializer=ones()),
+            "proj": ParameterSpec((d, v), ("embed", "vocab"), initializer=init,
+                                  fan_axes=FanAxes((0,), (1,))),
+        }
+
+    def forward(self, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+        p = self.parameters
+        x = p["emb"][batch["input_ids"]].astype(self.dtype)
+        x = (x.astype(jnp.float32) * p["scale"].astype(jnp.float32)).astype(self.dtype)
+        logits = jnp.dot(x, p["proj"].astype(self.dtype), preferred_element_type=jnp.float32)
+        weights = batch["target_weights"]
+        logp = jax.nn.log_softmax(logits)
+        ce = -jnp.take_along_axis(logp, batch["target_labels"][..., None], axis=-1)[..., 0]
         loss = jnp.sum(ce * weights) / jnp.maximum(jnp.sum(weights), 1.0)
         return loss, {"num_target_tokens": jnp.sum(weights)}
 

@@ -129,7 +129,7 @@ def aot_compile(
         "train_step": analyze_compiled(
             "train_step", compiled, target, mesh_devices, mfu=mfu,
             hbm_utilization=hbm_utilization, compile_seconds=time.monotonic() - t0,
-            abstract_state=trainer.abstract_state(),
+            abstract_state=trainer.abstract_state(derived=True),
         )
     }
     if inference_steps is None:

@@ -132,7 +132,7 @@ def floor(experiment: str, selector: str, overrides: Sequence[str]) -> dict[str,
     cfg = final_config(experiment, selector, overrides)
     target = resolve_target(selector, topology="fake")
     trainer = build_trainer(cfg, target)
-    state = state_breakdown(trainer.abstract_state())
+    state = state_breakdown(trainer.abstract_state(derived=True))
     batch, seq = cfg.input.global_batch_size, cfg.input.seq_len
     per_device_batch = trainer.batch_sharding.shard_shape((batch, seq))[0]
     tokens = per_device_batch * seq // trainer.mesh.shape.get("seq", 1)

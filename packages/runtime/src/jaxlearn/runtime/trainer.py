@@ -42,7 +42,8 @@ from jaxlearn.mesh import (
 from jaxlearn.module import Module, functional, is_spec, logical_sharding
 from jaxlearn.resilience import nonfinite
 from jaxlearn.resilience.manager import Resilience
-from jaxlearn.runtime.learner import Learner, ema_update
+from jaxlearn.runtime.compute_copy import COPY_KEY, ComputeCopy
+from jaxlearn.runtime.learner import Learner, ema_update, microbatched_grads
 from jaxlearn.runtime.record import RECORD_FILE, RunRecord
 from jaxlearn.runtime.summary import SummaryWriter, format_flops, format_number
 from jaxlearn.runtime.trainer_support import (
@@ -131,6 +132,8 @@ class Trainer(Configurable):
         self.learner: Learner = cfg.learner.instantiate(total_steps=cfg.max_step)
         self.param_specs = self.model.create_parameter_specs_recursively()
         self.tx = self.learner.optimizer(self.param_specs)
+        self.copy = ComputeCopy(self.model.dtype if cfg.learner.compute_param_copy else None,
+                                self.param_specs)
         self._schedule = self.learner.schedule()
         self.param_shardings = jax.tree.map(
             lambda s: self._sharding(s.mesh_axes, s.shape), self.param_specs, is_leaf=is_spec
@@ -195,12 +198,12 @@ class Trainer(Configurable):
         }
         if self.learner.config.ema_decay is not None:
             state["ema"] = jax.tree.map(jnp.copy, params)
-        return state
+        return dict(state, **self.copy.state(params))
 
     def _state_shardings(self) -> State:
-        """Params per their specs; every optimizer-state leaf that mirrors a parameter (Adam's
-        mu/nu, EMA, ...) sharded like that parameter, so FSDP divides the whole state by N;
-        anything else (step counts, factored statistics) replicated."""
+        """Params per their specs; every state leaf that mirrors a parameter (Adam's mu/nu,
+        EMA, the compute copy, ...) sharded like that parameter, so FSDP divides the whole
+        state by N; anything else (PRNG key, step counts, factored statistics) replicated."""
         shapes = jax.eval_shape(self._init_state, jax.random.PRNGKey(0))
         by_path: dict[tuple[str, ...], tuple[Any, NamedSharding]] = {}
         for keypath, spec in jax.tree_util.tree_flatten_with_path(
@@ -217,15 +220,7 @@ class Trainer(Configurable):
                     return hit[1]
             return self._replicated
 
-        shardings: State = {
-            "params": self.param_shardings,
-            "opt_state": jax.tree_util.tree_map_with_path(opt_leaf, shapes["opt_state"]),
-            "prng_key": self._replicated,
-            "step": self._replicated,
-        }
-        if "ema" in shapes:
-            shardings["ema"] = self.param_shardings
-        return shardings
+        return dict(jax.tree_util.tree_map_with_path(opt_leaf, shapes))
 
     def init_state(self) -> State:
         """Fresh sharded state for `config.seed` (bit-identical for the same seed); with
@@ -243,14 +238,14 @@ class Trainer(Configurable):
                          donate_argnums=(0,))  # The loaded params become the state's.
             return fn(params, train_key)
 
-    def abstract_state(self) -> State:
-        """ShapeDtypeStructs with shardings: the restore target, and what AOT compiles for."""
+    def abstract_state(self, *, derived: bool = False) -> State:
+        """ShapeDtypeStructs with shardings of the checkpointed state (the restore target);
+        `derived=True`: of the whole state the step runs on (+ the compute copy), what AOT
+        compiles for."""
         shapes = jax.eval_shape(self._init_state, jax.random.PRNGKey(0))
-        return jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-            shapes,
-            self.state_shardings,
-        )
+        state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                             shapes, self.state_shardings)
+        return state if derived else self.copy.checkpointed(state)
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -260,44 +255,24 @@ class Trainer(Configurable):
         )
         return loss, (metrics, collection)
 
-    def _grads(self, params: Any, batch: Any, key: jax.Array) -> tuple[Any, ...]:
-        grad_fn = jax.value_and_grad(self._loss, has_aux=True)
-        n = self.learner.config.num_microbatches
-        if n == 1:
-            (loss, (metrics, collection)), grads = grad_fn(params, batch, key)
-            return loss, metrics, collection.state_updates, grads
-        # Gradient accumulation: microbatches weighted by their share of target tokens, so
-        # the result equals one step on the whole batch (for token-mean losses).
-        micro = jax.tree.map(lambda x: x.reshape(n, x.shape[0] // n, *x.shape[1:]), batch)
-        if "target_weights" in batch:
-            counts = micro["target_weights"].reshape(n, -1).sum(axis=1)
-        else:
-            counts = jnp.ones((n,), jnp.float32)
-        shares = counts / jnp.maximum(counts.sum(), 1e-9)
-        keys = jax.random.split(key, n)
-
-        def body(acc: Any, inp: Any) -> tuple[Any, Any]:
-            mb, k, share = inp
-            (loss, (metrics, collection)), grads = grad_fn(params, mb, k)
-            acc = jax.tree.map(lambda a, g: a + share * g, acc, grads)
-            return acc, (loss * share, metrics, collection.state_updates)
-
-        zeros = jax.tree.map(jnp.zeros_like, params)
-        grads, (losses, metrics, updates) = jax.lax.scan(body, zeros, (micro, keys, shares))
-        metrics = jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
-        updates = jax.tree.map(lambda u: u[-1], updates)
-        return losses.sum(), metrics, updates, grads
+    def _grads(self, state: State, batch: Any, key: jax.Array) -> tuple[Any, ...]:
+        """(loss, metrics, state updates, grads), microbatched; the forward reads the
+        compute copy when the state has one (grads are the masters')."""
+        grad_fn = jax.value_and_grad(
+            lambda p, b, k: self._loss(self.copy.forward(p, state), b, k), has_aux=True)
+        return microbatched_grads(grad_fn, state["params"], batch, key,
+                                  self.learner.config.num_microbatches)
 
     def _step(self, state: State, batch: Any) -> tuple[State, dict[str, jax.Array]]:
         key, step_key = jax.random.split(state["prng_key"])
-        params = state["params"]
-        loss, metrics, state_updates, grads = self._grads(params, batch, step_key)
-        kept: list[str] = [k for k in ("params", "opt_state", "ema") if k in state]
+        loss, metrics, state_updates, grads = self._grads(state, batch, step_key)
+        kept: list[str] = [k for k in ("params", "opt_state", "ema", COPY_KEY) if k in state]
 
         def update(old: dict[str, Any]) -> dict[str, Any]:
             updates, opt_state = self.tx.update(grads, old["opt_state"], old["params"])
             params = optax.apply_updates(old["params"], updates)
             new = {"params": merge_updates(params, state_updates), "opt_state": opt_state}
+            new.update(self.copy.state(new["params"]))
             if "ema" in old:
                 new["ema"] = ema_update(old["ema"], new["params"],
                                         self.learner.config.ema_decay)
@@ -333,7 +308,7 @@ class Trainer(Configurable):
             out_shardings=(self.state_shardings, self._replicated),
             donate_argnums=(0,) if donate else (),
         )
-        state = self.abstract_state()  # Outside the mesh: it may have no local devices.
+        state = self.abstract_state(derived=True)  # Outside the mesh: may have no devices.
         with jax.set_mesh(self.mesh), self._logical():
             return fn.lower(state, batch_abstract).compile()
 
@@ -477,10 +452,12 @@ class Trainer(Configurable):
         `state` (`keep_input`), so the checkpointer copies it to host in the background."""
         if run.writer is not None:  # No step is committed without its metrics (object stores).
             run.writer.flush()
-        run.state = run.guard.save(
-            run.checkpointer, run.step, run.state, data_iterator_state=run.data.get_state(),
-            config_text=self.run_record.config_text, metrics=run.last, snapshot=False,
+        saved = run.guard.save(
+            run.checkpointer, run.step, self.copy.checkpointed(run.state),
+            data_iterator_state=run.data.get_state(), config_text=self.run_record.config_text,
+            metrics=run.last, snapshot=False,
             extra_files={RECORD_FILE: self.run_record.to_json().encode()})
+        run.state = self.copy.attach(saved, self.state_shardings, run.state)
         run.keep_input = True
 
     def _stop_preempted(self, run: Run) -> None:
@@ -594,5 +571,5 @@ class Trainer(Configurable):
                                 ", ".join(p.name for p in skipped))
                 else:
                     log.info("resumed from step %d", step)
-                return state, int(step)
+                return self.copy.attach(state, self.state_shardings), int(step)
         return self.init_state(), 0
