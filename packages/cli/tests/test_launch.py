@@ -577,9 +577,9 @@ def test_launch_aot_check_uses_the_compiled_step(capsys):
                      r"\(temporaries .*, arguments .*\) of 15.20 GiB usable", err), err
 
 
-# tiny-llama with 65536 x 128 tokens per step: 1M tokens per CPU device, whose saved
+# tiny-llama with 131072 x 128 tokens per step: 2M tokens per CPU device, whose saved
 # activations (no remat) exceed the 16 GiB the catalogue gives a CPU device.
-TOO_BIG = ["--set", "input.global_batch_size=65536"]
+TOO_BIG = ["--set", "input.global_batch_size=131072"]
 
 
 def test_launch_refuses_a_recipe_that_does_not_fit(capsys, tmp_path):
@@ -628,7 +628,7 @@ def test_launch_uses_the_recorded_aot_matrix(capsys, tmp_path, monkeypatch, env_
     assert main(["launch", "k8s", "--image", "i", "--force", *train]) == 0
     assert "WARNING (--force)" in capsys.readouterr().err
     table = aot_matrix.render()
-    assert "| tiny-llama@cpu-8 --set input.global_batch_size=65536 | data8 | 1 |" in table
+    assert "| tiny-llama@cpu-8 --set input.global_batch_size=131072 | data8 | 1 |" in table
     original = recipes.EXPERIMENTS["tiny-llama"]
 
     def edited():

@@ -17,6 +17,7 @@ mesh rule edited since the compile makes its entry stale, and `render` marks it 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
 import os
@@ -109,17 +110,19 @@ def record(experiment: str, selector: str, overrides: Sequence[str], result: dic
     import jax
 
     path = path or matrix_path()
-    data = load(path)
     entry = {"experiment": experiment, "selector": selector, "overrides": list(overrides),
              "digest": config_digest(experiment, selector, overrides),
              "jax": jax.__version__, **result}
-    data["entries"][entry_key(experiment, selector, overrides)] = entry
-    data["entries"] = dict(sorted(data["entries"].items()))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=1, sort_keys=False)
-        f.write("\n")
-    os.replace(path + ".tmp", path)
+    with open(path + ".lock", "w") as lock:  # Pairs compiled side by side merge in turn.
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        data = load(path)
+        data["entries"][entry_key(experiment, selector, overrides)] = entry
+        data["entries"] = dict(sorted(data["entries"].items()))
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=1)
+            f.write("\n")
+        os.replace(path + ".tmp", path)
     return entry
 
 
@@ -187,7 +190,17 @@ def render(path: Optional[str] = None) -> str:
         except Exception:  # noqa: BLE001 - a recipe that no longer exists is stale
             fresh = False
         lines.append(_row(key, e, fresh))
+    missing = [f"{r}@{s}" for r, s in default_pairs() if f"{r}@{s}" not in data["entries"]]
+    if missing:
+        lines += ["", f"Not compiled yet ({len(missing)} pairs): " + ", ".join(missing) + "."]
     return "\n".join(lines) + "\n"
+
+
+def default_pairs() -> list[tuple[str, str]]:
+    """Every real-size recipe x every accelerator golden selector (`tools/aot_matrix.sh`)."""
+    from jaxlearn.experiments import REAL_SIZE, SELECTORS
+
+    return [(r, s) for r in REAL_SIZE for s in SELECTORS if not s.startswith("cpu")]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

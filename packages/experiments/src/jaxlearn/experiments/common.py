@@ -77,9 +77,10 @@ def large_model_mesh_rules(
 
     Every accelerator: parameters, gradients and optimizer state FSDP-sharded over every
     device (TPU: over the slice's ICI, data parallel across slices; GPU: across hosts too,
-    so a 70B model's state fits 32 GPUs), every transformer layer rematerialised (`nothing_saveable`: the backward keeps
-    one [tokens, dim] input per layer), attention blockwise (no [seq, seq] scores) and the
-    LM head + loss chunked (no [tokens, vocab] f32 logits). Trainium2 adds 4-way tensor
+    so a 70B model's state fits 32 GPUs), every transformer layer rematerialised
+    (`nothing_saveable`: the backward keeps one [tokens, dim] input per layer), attention
+    blockwise (no [seq, seq] scores) and the LM head + loss chunked (no [tokens, vocab]
+    f32 logits). Trainium2 adds 4-way tensor
     parallelism inside a chip group.
     `microbatches` ({family: n}, families as in `FAMILIES`): gradient accumulation where
     the per-device activations of the whole batch do not fit; sized for the golden
