@@ -70,8 +70,20 @@ def chunked_loss(tokens: int) -> Any:
     return SetFieldsModifier.default_config().set(fields={"model.loss_chunk_tokens": tokens})
 
 
+def moe_capacity(factor: float) -> Any:
+    """A modifier that routes every MoE layer through the GShard capacity dispatch
+    (`capacity_factor`: slots per expert per sequence = factor x S x k / E; assignments
+    beyond them are dropped): per-sequence groups that stay batch-sharded, where the
+    dropless path sorts the assignments of the whole global batch."""
+    return SetMatchingModifier.default_config().set(
+        target=r"model\.decoder\.transformer\..*feed_forward", field="capacity_factor",
+        value=factor)
+
+
 def large_model_mesh_rules(
     microbatches: Optional[Mapping[str, int]] = None,
+    *,
+    moe_capacity_factor: Optional[float] = None,
 ) -> tuple[tuple[str, Any], ...]:
     """Mesh rules for real-size models on every supported target.
 
@@ -82,6 +94,8 @@ def large_model_mesh_rules(
     blockwise (no [seq, seq] scores) and the LM head + loss chunked (no [tokens, vocab]
     f32 logits). Trainium2 adds 4-way tensor
     parallelism inside a chip group.
+    `moe_capacity_factor`: MoE layers use the capacity dispatch on accelerators (see
+    `moe_capacity`).
     `microbatches` ({family: n}, families as in `FAMILIES`): gradient accumulation where
     the per-device activations of the whole batch do not fit; sized for the golden
     selectors (`SELECTORS`), so that `jaxlearn aot` reports a fit there
@@ -103,6 +117,8 @@ def large_model_mesh_rules(
         platform = family.split("-")[0]
         mods = [layouts[platform], remat("nothing_saveable"), blockwise_attention(),
                 chunked_loss(_LOSS_CHUNK_TOKENS[platform])]
+        if moe_capacity_factor is not None:
+            mods.append(moe_capacity(moe_capacity_factor))
         if microbatches.get(family, 1) > 1:
             mods.append(grad_accumulation(microbatches[family]))
         rules.append((pattern, chain(*mods)))

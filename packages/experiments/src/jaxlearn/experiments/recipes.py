@@ -77,10 +77,11 @@ def tiny_moe() -> Trainer.Config:
 
 
 def _large(model: Any, *, seq_len: int, global_batch: int, max_step: int, lr: float,
-           microbatches: Optional[dict[str, int]] = None) -> Trainer.Config:
+           microbatches: Optional[dict[str, int]] = None,
+           moe_capacity_factor: Optional[float] = None) -> Trainer.Config:
     """A real-size pretraining recipe; `microbatches` ({hardware family: n}) sizes the
     gradient accumulation that makes the golden selector of each family fit
-    (`large_model_mesh_rules`)."""
+    (`large_model_mesh_rules`); `moe_capacity_factor` the MoE dispatch on accelerators."""
     return trainer_config(
         model,
         _input(seq_len=seq_len, global_batch_size=global_batch),
@@ -88,7 +89,7 @@ def _large(model: Any, *, seq_len: int, global_batch: int, max_step: int, lr: fl
         learning_rate=lr,
         warmup_steps=2000,
         save_every_n_steps=1000,
-        mesh_rules=large_model_mesh_rules(microbatches),
+        mesh_rules=large_model_mesh_rules(microbatches, moe_capacity_factor=moe_capacity_factor),
     )
 
 
@@ -123,7 +124,7 @@ def mixtral_8x7b() -> Trainer.Config:
     model = use_moe(model, num_experts=8, top_k=2)
     return _large(model, seq_len=4096, global_batch=1024, max_step=500_000, lr=3e-4,
                   microbatches={"tpu-v5e": 4, "tpu-v6e": 2, "gpu-h100": 8, "gpu-h200": 2,
-                                "gpu-b200": 2, "trn2": 8})
+                                "gpu-b200": 2, "trn2": 8}, moe_capacity_factor=1.25)
 
 
 def qwen3_8b() -> Trainer.Config:
@@ -141,7 +142,8 @@ def qwen3_30b_a3b() -> Trainer.Config:
     model = qwen3_moe_config(151936, 2048, 48, 32, 4, 768, 128, 8, head_dim=128,
                              rope_theta=1e6, dtype="bfloat16")
     return _large(model, seq_len=4096, global_batch=1024, max_step=500_000, lr=3e-4,
-                  microbatches={"tpu-v5e": 4, "gpu-h100": 4, "trn2": 8})
+                  microbatches={"tpu-v5e": 4, "tpu-v6e": 2, "gpu-h100": 16, "gpu-h200": 2,
+                                "gpu-b200": 4, "trn2": 8}, moe_capacity_factor=1.25)
 
 
 def _float32s(text: str) -> list[float]:
