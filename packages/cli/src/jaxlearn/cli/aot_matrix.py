@@ -152,16 +152,20 @@ def _gib(n: float) -> str:
 
 
 def _row(key: str, e: dict[str, Any], fresh: bool) -> str:
+    name = key if fresh else f"{key} (stale)"
+    wall = f"{e['wall_seconds'] / 60:.1f}" if "wall_seconds" in e else "-"
     if "error" in e:
-        return f"| {key} | - | - | - | - | - | - | NO (error: {e['error'][:120]}) | - | - |"
+        return (f"| {name} | - | - | - | - | - | - | NO (error: {e['error'][:120]}) | - | - | "
+                f"{wall} |")
     mesh = "x".join(f"{k}{v}" for k, v in e["mesh"].items() if v > 1) or "1"
     bound = "compute" if e["compute_seconds"] >= e["comm_seconds"] else "comm"
     fits = "yes" if e["fits"] else ("NO" if not e["train_step_fits"] else "NO (inference)")
-    return (f"| {key}{'' if fresh else ' (stale)'} | {mesh} | {e['num_microbatches']} | "
+    mfu = e["mfu_assumed"] * e["compute_seconds"] / max(e["step_seconds"], 1e-12)
+    return (f"| {name} | {mesh} | {e['num_microbatches']} | "
             f"{_gib(e['params_bytes'])} + {_gib(e['optimizer_bytes'])} | "
             f"{_gib(e['temp_bytes'])} | **{_gib(e['required_bytes'])}** | "
-            f"{_gib(e['usable_bytes'])} | {fits} | {e['step_seconds']:.2f} ({bound}) | "
-            f"{e['compile_seconds'] / 60:.1f} |")
+            f"{_gib(e['usable_bytes'])} | {fits} | {e['step_seconds']:.1f} ({bound}) | "
+            f"{mfu:.2f} | {e['compile_seconds'] / 60:.1f} / {wall} |")
 
 
 def render(path: Optional[str] = None) -> str:
@@ -176,12 +180,15 @@ def render(path: Optional[str] = None) -> str:
         "high). `params + opt` is the sharded f32 parameters + Adam state; `temp` every",
         "temporary (gradients, gathered layer weights, saved activations, loss chunks);",
         "`required` is what is checked against `usable` (0.95 x HBM). Step time: the aot time",
-        "model at MFU 0.5, max(compute, collectives). A row marked stale was compiled from a",
-        "config that has changed since; `jaxlearn launch` ignores it.",
+        "model, max(compute at MFU 0.5, collectives at link bandwidth); `FLOP util` = 0.5 x",
+        "compute / step time (hardware FLOPs, remat recompute included). Minutes: the train",
+        "step's compile / the whole `jaxlearn aot` run (train and inference steps) on the",
+        "machine that recorded it. A row marked stale was compiled from a config that has",
+        "changed since; `jaxlearn launch` ignores it.",
         "",
         "| pair | mesh | micro-batches | params + opt (GiB) | temp (GiB) | required (GiB) | "
-        "usable (GiB) | fits | step s (bound) | compile min |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "usable (GiB) | fits | step s (bound) | FLOP util | minutes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key, e in data["entries"].items():
         try:
