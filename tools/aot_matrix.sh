@@ -1,25 +1,23 @@
 #!/usr/bin/env bash
-# AOT-compiles every recipe for every hardware family (the golden selectors) and prints one
-# verdict line per pair; the JSON reports go to ${OUT:-aot_matrix}/. Exit status: the number
-# of pairs that do not fit or fail to compile (0: everything fits).
-#   tools/aot_matrix.sh                      # all recipes x all selectors
-#   tools/aot_matrix.sh llama2-7b tpu-v5p-512
+# The AOT matrix: compiles every real-size recipe for every accelerator family's golden
+# selector with `jaxlearn aot`, one pair at a time, records each verdict in
+# docs/aot_matrix.json (or $JAXLEARN_AOT_MATRIX) and rewrites docs/aot_matrix.md from it.
+# A pair's row is replaced when it is compiled again; the others stay. Exit status: the
+# number of pairs of this run that do not fit or fail to compile (0: everything fits).
+#   tools/aot_matrix.sh                          # all of them (hours on a small CPU)
+#   tools/aot_matrix.sh llama2-7b gpu-h100-8x4   # one pair; lists are space-separated
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-OUT="${OUT:-aot_matrix}"
-mkdir -p "$OUT"
-recipes=${1:-$("$ROOT/tools/jaxlearn" experiments | awk '{print $1}')}
-selectors=${2:-$("$ROOT/tools/jaxlearn" python -c \
-  "from jaxlearn.experiments import SELECTORS; print(' '.join(SELECTORS))")}
+JL="$ROOT/tools/jaxlearn"
+recipes=${1:-$("$JL" python -c "from jaxlearn.experiments import REAL_SIZE; print(*REAL_SIZE)")}
+selectors=${2:-$("$JL" python -c \
+  "from jaxlearn.experiments import SELECTORS; print(*(s for s in SELECTORS if s != 'cpu-8'))")}
 bad=0
 for r in $recipes; do
   for s in $selectors; do
-    if "$ROOT/tools/jaxlearn" aot --experiment "$r" --mesh_selector "$s" --json \
-        > "$OUT/$r@$s.json" 2> "$OUT/$r@$s.err"; then
-      echo "FITS      $r @ $s"
-    else
-      echo "NO        $r @ $s ($(tail -1 "$OUT/$r@$s.err"))"; bad=$((bad + 1))
-    fi
+    "$JL" python -m jaxlearn.cli.aot_matrix run --experiment "$r" --mesh_selector "$s" \
+      || bad=$((bad + 1))
   done
 done
+"$JL" python -m jaxlearn.cli.aot_matrix render >/dev/null
 exit "$bad"

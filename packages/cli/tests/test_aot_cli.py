@@ -3,6 +3,8 @@
 
 import json
 
+import jax
+
 from jaxlearn.cli.main import main
 
 
@@ -60,3 +62,25 @@ def test_plan_layouts_switch_attention_and_pipeline_through_printed_modifiers():
     assert isinstance(again.model.decoder.transformer, PipelineStack.Config)
     assert again.model.decoder.transformer.layer.self_attention.implementation == "blockwise"
     assert again.mesh_shape == out.mesh_shape
+
+
+def test_inference_cache_is_split_on_its_batch_axis_when_layers_equal_the_batch():
+    """8 layers and 8 batch shards: the layer-stacked KV cache [layers, batch, ...] of the
+    AOT inference steps is split over its batch axis, in and out, never over the layers."""
+    from jaxlearn.aot.compile import build_trainer, resolve_target
+    from jaxlearn.cli.main import final_config
+    from jaxlearn.inference.aot import compile_inference_steps
+
+    cfg = final_config("tiny-llama", "cpu-8", ["input.seq_len=64", "input.global_batch_size=8",
+                                               "model.decoder.transformer.num_layers=8"])
+    trainer = build_trainer(cfg, resolve_target("cpu-8"))
+    batch_spec = trainer.batch_sharding.spec[0]
+    for name, compiled in compile_inference_steps(trainer).items():
+        states_in = compiled.input_shardings[0][1]["decoder"]
+        states_out = compiled.output_shardings[0]["decoder"]
+        caches = [(i, o) for i, o in zip(jax.tree.leaves(states_in), jax.tree.leaves(states_out))]
+        stacked = [(i, o) for i, o in caches if len(i.spec) >= 2]
+        assert stacked, name
+        for i, o in stacked:  # [layers=8, batch=8, ...]
+            assert i.spec[0] is None and i.spec[1] == batch_spec, (name, i.spec)
+            assert o.spec[:2] == i.spec[:2], (name, o.spec)

@@ -69,6 +69,7 @@ def fit_cache(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         path = tmp_path_factory.mktemp("fit-cache")
         mp.setenv("JAXLEARN_FIT_CACHE", str(path))
+        mp.setenv("JAXLEARN_AOT_MATRIX", str(path / "aot_matrix.json"))  # None recorded.
         yield path
 
 
@@ -576,35 +577,70 @@ def test_launch_aot_check_uses_the_compiled_step(capsys):
                      r"\(temporaries .*, arguments .*\) of 15.20 GiB usable", err), err
 
 
+# tiny-llama with 131072 x 128 tokens per step: 2M tokens per CPU device, whose saved
+# activations (no remat) exceed the 16 GiB the catalogue gives a CPU device.
+TOO_BIG = ["--set", "input.global_batch_size=131072"]
+
+
 def test_launch_refuses_a_recipe_that_does_not_fit(capsys, tmp_path):
-    """llama2-7b at global batch 1024 x 4096 tokens over 32 H100s: 32 sequences per GPU
-    keep more activations than any HBM holds; refused in one line, --force warns and
-    writes, --no_fit_check does not look."""
-    train = ["--", "train", "--experiment", "llama2-7b", "--mesh_selector", "gpu-h100-8x4",
-             "--output_dir", "/shared/runs/7b"]
+    """Over the floor: refused in one line, --force warns and writes, --no_fit_check does
+    not look."""
+    train = ["--", "train", "--experiment", "tiny-llama", "--mesh_selector", "cpu-8",
+             "--output_dir", "/shared/runs/tiny", *TOO_BIG]
     script = tmp_path / "job.sbatch"
-    t0 = time.monotonic()
     assert main(["launch", "slurm", "--script", str(script), *train]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("jaxlearn: error: llama2-7b on gpu-h100-8x4 "
+    assert len(err) == 1 and err[0].startswith("jaxlearn: error: tiny-llama on cpu-8 "
                                                 "does not fit: at least "), err
     required = float(re.search(r"at least ([\d.]+) GiB per device", err[0]).group(1))
-    assert required > 300 and "of 76.00 GiB usable (0.95 x 80.00 GiB HBM)" in err[0]
+    assert required > 16 and "of 15.20 GiB usable (0.95 x 16.00 GiB HBM)" in err[0]
     assert "--force" in err[0] and "jaxlearn plan" in err[0] and not script.exists()
-    print(f"fit check of llama2-7b@gpu-h100-8x4: {time.monotonic() - t0:.1f}s")
     t0 = time.monotonic()
     assert main(["launch", "slurm", "--force", "--script", str(script), *train]) == 0
     assert time.monotonic() - t0 < 20  # Cached.
     err = capsys.readouterr().err
-    assert "WARNING (--force): llama2-7b on gpu-h100-8x4 does not fit" in err
+    assert "WARNING (--force): tiny-llama on cpu-8 does not fit" in err
     assert script.is_file()
     assert main(["launch", "slurm", "--no_fit_check", *train]) == 0
     assert "fit" not in capsys.readouterr().err
-    # The same recipe with 1 sequence per GPU and no saved matmul outputs: under the floor.
-    assert main(["launch", "slurm", "--script", str(script), *train,
-                 "--set", "input.global_batch_size=32", "--set",
-                 "model.decoder.transformer.layer.remat_spec.policy=nothing_saveable"]) == 0
-    assert "llama2-7b on gpu-h100-8x4 fits: at least" in capsys.readouterr().err
+
+
+def test_launch_uses_the_recorded_aot_matrix(capsys, tmp_path, monkeypatch, env_for_children):
+    """A pair recorded by the AOT matrix (a real `jaxlearn aot` compile) answers the fit
+    check with the compiled figure: refused without --force; a config changed since the
+    compile makes the entry stale and the floor answers again."""
+    from jaxlearn.cli import aot_matrix
+    from jaxlearn.experiments import recipes
+
+    matrix = tmp_path / "aot_matrix.json"
+    monkeypatch.setenv("JAXLEARN_AOT_MATRIX", str(matrix))
+    sets = TOO_BIG[1::2]
+    entry = aot_matrix.run("tiny-llama", "cpu-8", sets)
+    assert entry["fits"] is False and entry["required_bytes"] > 16 * 2**30, entry
+    assert entry["mesh"]["data"] == 8 and entry["params_bytes"] > 0
+    train = ["--", "train", "--experiment", "tiny-llama", "--mesh_selector", "cpu-8",
+             "--output_dir", "o", *TOO_BIG]
+    assert main(["launch", "k8s", "--image", "i", *train]) == 2
+    err = capsys.readouterr().err
+    need = entry["required_bytes"] / 2**30
+    assert f"tiny-llama on cpu-8 does not fit: the compiled step (docs/aot_matrix.json) " \
+           f"needs {need:.2f} GiB per device (params " in err, err
+    assert main(["launch", "k8s", "--image", "i", "--force", *train]) == 0
+    assert "WARNING (--force)" in capsys.readouterr().err
+    table = aot_matrix.render()
+    assert "| tiny-llama@cpu-8 --set input.global_batch_size=131072 | data8 | 1 |" in table
+    original = recipes.EXPERIMENTS["tiny-llama"]
+
+    def edited():
+        cfg = original()
+        cfg.learner.learning_rate = 1e-4
+        return cfg
+
+    monkeypatch.setitem(recipes.EXPERIMENTS, "tiny-llama", edited)
+    assert aot_matrix.lookup("tiny-llama", "cpu-8", sets) is None
+    assert "(stale)" in aot_matrix.render()
+    assert main(["launch", "k8s", "--image", "i", *train]) == 2
+    assert "does not fit: at least " in capsys.readouterr().err
 
 
 # ---- failures -------------------------------------------------------------------------------

@@ -19,6 +19,10 @@ Both run in a subprocess (the fake device count must be set before JAX starts) a
 cached as JSON under $JAXLEARN_FIT_CACHE (default ~/.cache/jaxlearn/fit), keyed by the
 sha256 of the final config's flat text (output paths left out), the selector, the method
 and the JAX version. A check that cannot run is reported (fits None), never a refusal.
+
+Before either, a fresh entry of the AOT matrix (`jaxlearn.cli.aot_matrix`: the compiled
+verdicts `tools/aot_matrix.sh` records in docs/aot_matrix.json, valid while the final
+config's digest matches) answers at once with the compiled figure.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ class Verdict:
     """What the check found (bytes per device).
 
     Attributes:
-        method: "floor" or "aot".
+        method: "floor", "aot" or "aot matrix" (a fresh recorded compile).
         fits: whether `required_bytes` <= `usable_bytes` (None: the check could not run).
         required_bytes: the floor or the compiled requirement.
         usable_bytes: hbm_utilization x HBM.
@@ -67,7 +71,8 @@ class Verdict:
             return f"could not check the fit ({self.error})"
         from jaxlearn.aot.report import human_bytes
 
-        what = "at least" if self.method == "floor" else "the compiled step needs"
+        what = {"floor": "at least", "aot": "the compiled step needs",
+                "aot matrix": "the compiled step (docs/aot_matrix.json) needs"}[self.method]
         parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in self.parts)
         return (f"{what} {human_bytes(self.required_bytes)} per device"
                 + (f" ({parts})" if parts else "")
@@ -150,13 +155,10 @@ def floor(experiment: str, selector: str, overrides: Sequence[str]) -> dict[str,
 def _cache_path(experiment: str, selector: str, overrides: Sequence[str], method: str) -> str:
     import jax
 
-    from jaxlearn.cli.main import final_config
-    from jaxlearn.config import to_flat_text
+    from jaxlearn.cli.aot_matrix import config_digest
 
-    text = to_flat_text(final_config(experiment, selector, overrides))
-    text = "\n".join(line for line in text.splitlines()
-                     if not re.match(r"(output_dir|checkpointer\.directory):", line))
-    key = hashlib.sha256(f"{text}\n{selector}\n{method}\n{jax.__version__}".encode())
+    digest = config_digest(experiment, selector, overrides)
+    key = hashlib.sha256(f"{digest}\n{method}\n{jax.__version__}".encode())
     root = os.environ.get("JAXLEARN_FIT_CACHE") or os.path.join(
         os.path.expanduser("~"), ".cache", "jaxlearn", "fit")
     return os.path.join(root, key.hexdigest()[:32] + ".json")
@@ -191,9 +193,30 @@ def _measure(experiment: str, selector: str, overrides: Sequence[str], aot: bool
             "parts": [["temporaries", step["temp_bytes"]], ["arguments", step["argument_bytes"]]]}
 
 
+def _from_matrix(experiment: str, selector: str, overrides: Sequence[str]) -> Optional[Verdict]:
+    """The AOT matrix's compiled verdict (`jaxlearn.cli.aot_matrix`) while it is fresh."""
+    from jaxlearn.cli.aot_matrix import lookup
+
+    try:
+        e = lookup(experiment, selector, overrides)
+    except ValueError:  # An unreadable matrix file: fall back to the other checks.
+        return None
+    if e is None or "error" in e:
+        return None
+    parts = (("params", int(e["params_bytes"])), ("optimizer state", int(e["optimizer_bytes"])),
+             ("temporaries", int(e["temp_bytes"])))
+    usable = int(HBM_UTILIZATION * e["hbm_bytes"])
+    return Verdict("aot matrix", int(e["required_bytes"]) <= usable, int(e["required_bytes"]),
+                   usable, int(e["hbm_bytes"]), parts)
+
+
 def check_fit(experiment: str, selector: str, overrides: Sequence[str], *, aot: bool = False
               ) -> Verdict:
-    """The floor (or with `aot` the compiled figure) of the recipe on `selector`, cached."""
+    """The recorded AOT matrix verdict when it matches the config, else the floor (or with
+    `aot` the compiled figure) of the recipe on `selector`, cached."""
+    recorded = _from_matrix(experiment, selector, overrides)
+    if recorded is not None:
+        return recorded
     method = "aot" if aot else "floor"
     path = _cache_path(experiment, selector, overrides, method)
     try:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from jaxlearn.checkpoint import Checkpointer
 from jaxlearn.mesh import (
@@ -10,6 +10,7 @@ from jaxlearn.mesh import (
     GradAccumulationModifier,
     MeshShapeModifier,
     RematPolicyModifier,
+    SetFieldsModifier,
     SetMatchingModifier,
     hybrid_mesh_shape_from_axes,
     mesh_shape_from_axes,
@@ -67,29 +68,81 @@ def grad_accumulation(n: int) -> Any:
     return GradAccumulationModifier.default_config().set(num_microbatches=n)
 
 
-def large_model_mesh_rules(*, gpu_microbatches: int = 1) -> tuple[tuple[str, Any], ...]:
+# Hardware families of `large_model_mesh_rules`, each its own rule (selector regex).
+FAMILIES = {
+    "tpu-v5e": r"tpu-v5e-.*",
+    "tpu-v5p": r"tpu-v(5p|4)-.*",
+    "tpu-v6e": r"tpu-v6e-.*",
+    "gpu-h100": r"gpu-h100-.*",
+    "gpu-h200": r"gpu-h200-.*",
+    "gpu-b200": r"gpu-b200-.*",
+    "trn2": r"trn2-.*",
+}
+# Global tokens per chunk of the fused LM head + cross entropy: about 1,024 tokens per
+# device on a 256-device TPU slice or Trainium2 node group, 2,048 on 32 GPUs.
+_LOSS_CHUNK_TOKENS = {"tpu": 2**18, "gpu": 2**16, "trn2": 2**18}
+
+
+def chunked_loss(tokens: int) -> Any:
+    """A modifier that computes the LM head and cross entropy `tokens` (global) tokens at a
+    time (`jaxlearn.kernels.chunked_loss`): the f32 logits of the whole batch never exist."""
+    return SetFieldsModifier.default_config().set(fields={"model.loss_chunk_tokens": tokens})
+
+
+def moe_capacity(factor: float) -> Any:
+    """A modifier that routes every MoE layer through the GShard capacity dispatch
+    (`capacity_factor`: slots per expert per sequence = factor x S x k / E; assignments
+    beyond them are dropped): per-sequence groups that stay batch-sharded, where the
+    dropless path sorts the assignments of the whole global batch."""
+    return SetMatchingModifier.default_config().set(
+        target=r"model\.decoder\.transformer\..*feed_forward", field="capacity_factor",
+        value=factor)
+
+
+def large_model_mesh_rules(
+    microbatches: Optional[Mapping[str, int]] = None,
+    *,
+    moe_capacity_factor: Optional[float] = None,
+) -> tuple[tuple[str, Any], ...]:
     """Mesh rules for real-size models on every supported target.
 
-    TPU: FSDP over the slice (ICI), data parallel across slices (DCN), remat per layer.
-    GPU (8 per host, NVLink): FSDP within a host, data parallel across hosts.
-    Trainium2: FSDP with 4-way tensor parallelism inside a chip group.
-    CPU: FSDP over every device (for AOT checks and smoke runs).
-    Accelerators run attention blockwise; CPU keeps the einsum path.
+    Every accelerator: parameters, gradients and optimizer state FSDP-sharded over every
+    device (TPU: over the slice's ICI, data parallel across slices; GPU: across hosts too,
+    so a 70B model's state fits 32 GPUs), every transformer layer rematerialised
+    (`nothing_saveable`: the backward keeps one [tokens, dim] input per layer), attention
+    blockwise (no [seq, seq] scores) and the LM head + loss chunked (no [tokens, vocab]
+    f32 logits). Trainium2 adds 4-way tensor
+    parallelism inside a chip group.
+    `moe_capacity_factor`: MoE layers use the capacity dispatch on accelerators (see
+    `moe_capacity`).
+    `microbatches` ({family: n}, families as in `FAMILIES`): gradient accumulation where
+    the per-device activations of the whole batch do not fit; sized for the golden
+    selectors (`SELECTORS`), so that `jaxlearn aot` reports a fit there
+    (`docs/aot_matrix.md`).
+    CPU: FSDP over every device (for AOT checks and smoke runs), einsum attention.
     """
-    tpu = chain(mesh(hybrid_mesh_shape_from_axes(ici={"fsdp": -1}, dcn={"data": -1})),
-                remat("nothing_saveable"), blockwise_attention())
-    gpu_mods = [mesh(hybrid_mesh_shape_from_axes(ici={"fsdp": -1}, dcn={"data": -1})),
-                remat("dots_with_no_batch_dims_saveable"), blockwise_attention()]
-    if gpu_microbatches > 1:
-        gpu_mods.append(grad_accumulation(gpu_microbatches))
-    return (
-        (r"tpu-v5e-.*", tpu),
-        (r"tpu-v(5p|6e|4)-.*", tpu),
-        (r"gpu-(h100|h200|b200)-.*", chain(*gpu_mods)),
-        (r"trn2-.*", chain(mesh(mesh_shape_from_axes(fsdp=-1, model=4)), remat(),
-                           blockwise_attention())),
-        (r"cpu-.*", mesh(mesh_shape_from_axes(fsdp=-1))),
-    )
+    microbatches = dict(microbatches or {})
+    unknown = set(microbatches) - set(FAMILIES)
+    if unknown:
+        raise ValueError(f"large_model_mesh_rules: unknown families {sorted(unknown)}; "
+                         f"known: {sorted(FAMILIES)}")
+    fsdp_all = mesh(mesh_shape_from_axes(fsdp=-1))
+    # TPU: FSDP over the slice (ICI), data parallel across slices (DCN) of a multi-slice job.
+    layouts = {"tpu": mesh(hybrid_mesh_shape_from_axes(ici={"fsdp": -1}, dcn={"data": -1})),
+               "gpu": fsdp_all,
+               "trn2": mesh(mesh_shape_from_axes(fsdp=-1, model=4))}
+    rules = []
+    for family, pattern in FAMILIES.items():
+        platform = family.split("-")[0]
+        mods = [layouts[platform], remat("nothing_saveable"), blockwise_attention(),
+                chunked_loss(_LOSS_CHUNK_TOKENS[platform])]
+        if moe_capacity_factor is not None:
+            mods.append(moe_capacity(moe_capacity_factor))
+        if microbatches.get(family, 1) > 1:
+            mods.append(grad_accumulation(microbatches[family]))
+        rules.append((pattern, chain(*mods)))
+    rules.append((r"cpu-.*", mesh(mesh_shape_from_axes(fsdp=-1))))
+    return tuple(rules)
 
 
 def small_model_mesh_rules() -> tuple[tuple[str, Any], ...]:

@@ -8,7 +8,7 @@ arXiv:2404.14219). Every recipe carries mesh rules for CPU, TPU (v4/v5e/v5p/v6e)
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -92,7 +92,11 @@ def tiny_moe() -> Trainer.Config:
 
 
 def _large(model: Any, *, seq_len: int, global_batch: int, max_step: int, lr: float,
-           gpu_microbatches: int = 1) -> Trainer.Config:
+           microbatches: Optional[dict[str, int]] = None,
+           moe_capacity_factor: Optional[float] = None) -> Trainer.Config:
+    """A real-size pretraining recipe; `microbatches` ({hardware family: n}) sizes the
+    gradient accumulation that makes the golden selector of each family fit
+    (`large_model_mesh_rules`); `moe_capacity_factor` the MoE dispatch on accelerators."""
     return trainer_config(
         model,
         _input(seq_len=seq_len, global_batch_size=global_batch),
@@ -100,21 +104,23 @@ def _large(model: Any, *, seq_len: int, global_batch: int, max_step: int, lr: fl
         learning_rate=lr,
         warmup_steps=2000,
         save_every_n_steps=1000,
-        mesh_rules=large_model_mesh_rules(gpu_microbatches=gpu_microbatches),
+        mesh_rules=large_model_mesh_rules(microbatches, moe_capacity_factor=moe_capacity_factor),
     )
 
 
 def llama2_7b() -> Trainer.Config:
     """Llama 2 7B: 32 layers, d=4096, 32 heads (MHA), FFN 11008, vocab 32000, seq 4096."""
     model = llama_config(32000, 4096, 32, 32, 32, 11008, rope_theta=10000.0, dtype="bfloat16")
-    return _large(model, seq_len=4096, global_batch=1024, max_step=500_000, lr=3e-4)
+    return _large(model, seq_len=4096, global_batch=1024, max_step=500_000, lr=3e-4,
+                  microbatches={"gpu-h100": 4, "trn2": 4})
 
 
 def llama2_70b() -> Trainer.Config:
     """Llama 2 70B: 80 layers, d=8192, 64 heads / 8 KV heads, FFN 28672, vocab 32000."""
     model = llama_config(32000, 8192, 80, 64, 8, 28672, rope_theta=10000.0, dtype="bfloat16")
     return _large(model, seq_len=4096, global_batch=1024, max_step=500_000, lr=1.5e-4,
-                  gpu_microbatches=4)
+                  microbatches={"tpu-v5e": 4, "tpu-v6e": 2, "gpu-h100": 16,
+                                "gpu-h200": 2, "gpu-b200": 2, "trn2": 16})
 
 
 def llama3_8b() -> Trainer.Config:
@@ -122,7 +128,8 @@ def llama3_8b() -> Trainer.Config:
     RoPE theta 500000, seq 8192."""
     model = llama_config(128256, 4096, 32, 32, 8, 14336, rope_theta=500000.0,
                          dtype="bfloat16")
-    return _large(model, seq_len=8192, global_batch=512, max_step=500_000, lr=3e-4)
+    return _large(model, seq_len=8192, global_batch=512, max_step=500_000, lr=3e-4,
+                  microbatches={"tpu-v5e": 2, "gpu-h100": 4, "trn2": 4})
 
 
 def mixtral_8x7b() -> Trainer.Config:
@@ -131,7 +138,8 @@ def mixtral_8x7b() -> Trainer.Config:
     model = llama_config(32000, 4096, 32, 32, 8, 14336, rope_theta=1e6, dtype="bfloat16")
     model = use_moe(model, num_experts=8, top_k=2)
     return _large(model, seq_len=4096, global_batch=1024, max_step=500_000, lr=3e-4,
-                  gpu_microbatches=2)
+                  microbatches={"tpu-v5e": 4, "tpu-v6e": 2, "gpu-h100": 8, "gpu-h200": 2,
+                                "gpu-b200": 2, "trn2": 8}, moe_capacity_factor=1.25)
 
 
 def qwen3_8b() -> Trainer.Config:
@@ -139,7 +147,8 @@ def qwen3_8b() -> Trainer.Config:
     FFN 12288, vocab 151936, RoPE theta 1e6, untied head, seq 4096."""
     model = qwen3_config(151936, 4096, 36, 32, 8, 12288, head_dim=128, rope_theta=1e6,
                          dtype="bfloat16")
-    return _large(model, seq_len=4096, global_batch=1024, max_step=500_000, lr=3e-4)
+    return _large(model, seq_len=4096, global_batch=1024, max_step=500_000, lr=3e-4,
+                  microbatches={"tpu-v5e": 2, "gpu-h100": 4, "trn2": 4})
 
 
 def qwen3_30b_a3b() -> Trainer.Config:
@@ -148,7 +157,8 @@ def qwen3_30b_a3b() -> Trainer.Config:
     model = qwen3_moe_config(151936, 2048, 48, 32, 4, 768, 128, 8, head_dim=128,
                              rope_theta=1e6, dtype="bfloat16")
     return _large(model, seq_len=4096, global_batch=1024, max_step=500_000, lr=3e-4,
-                  gpu_microbatches=2)
+                  microbatches={"tpu-v5e": 4, "tpu-v6e": 2, "gpu-h100": 16, "gpu-h200": 2,
+                                "gpu-b200": 4, "trn2": 8}, moe_capacity_factor=1.25)
 
 
 def _float32s(text: str) -> list[float]:
@@ -181,7 +191,8 @@ def phi3_5_mini() -> Trainer.Config:
                "original_max_position_embeddings": 4096}  # fmt: skip
     model = phi3_config(32064, 3072, 32, 32, 32, 8192, rope_theta=10000.0, rope_scaling=scaling,
                         sliding_window=262144, norm_eps=1e-5, dtype="bfloat16")  # fmt: skip
-    return _large(model, seq_len=4096, global_batch=1024, max_step=500_000, lr=3e-4)
+    return _large(model, seq_len=4096, global_batch=1024, max_step=500_000, lr=3e-4,
+                  microbatches={"gpu-h100": 2, "trn2": 4})
 
 
 def gemma2_9b() -> Trainer.Config:
@@ -189,7 +200,8 @@ def gemma2_9b() -> Trainer.Config:
     8 KV heads of head_dim 256, GeGLU FFN 14336, vocab 256000, tied, attention and final
     logits soft-capped at 50 / 30, query_pre_attn_scalar 256, seq 8192."""
     model = gemma2_config(256000, 3584, 42, 16, 8, 14336, head_dim=256, dtype="bfloat16")
-    return _large(model, seq_len=8192, global_batch=512, max_step=500_000, lr=3e-4)
+    return _large(model, seq_len=8192, global_batch=512, max_step=500_000, lr=3e-4,
+                  microbatches={"tpu-v5e": 2, "tpu-v6e": 2, "gpu-h100": 4, "trn2": 4})
 
 
 def _smollm2_135m() -> Any:
@@ -266,6 +278,9 @@ EXPERIMENTS = {
     "lora": lora,
 }
 DEFAULT_EXPERIMENT = "tiny-llama"
+# The pretraining recipes at published sizes: the rows of the AOT matrix (docs/aot_matrix.md).
+REAL_SIZE = ("llama2-7b", "llama2-70b", "llama3-8b", "mixtral-8x7b", "qwen3-8b",
+             "qwen3-30b-a3b", "phi3.5-mini", "gemma2-9b")
 
 
 def get_experiment(name: str) -> Trainer.Config:

@@ -9,6 +9,7 @@ The KV cache is sharded over the batch axes (whichever of its dims is the batch)
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import jax
@@ -59,25 +60,38 @@ def compile_inference_steps(
     model = trainer.model
     params = trainer.abstract_state()["params"]
 
-    def init(p: Any) -> Any:
-        return functional(model, None, p, (b, cache_len), method="init_states",
+    def init(p: Any, rows: int) -> Any:
+        return functional(model, None, p, (rows, cache_len), method="init_states",
                           is_training=False)[0]
 
-    states = jax.eval_shape(init, params)
+    def batch_sharded(tree: Any, other: Any) -> Any:
+        """`tree`'s leaves with their batch axis (the one that differs in `other`, traced
+        with another batch size) sharded like the batch: a layer-stacked cache whose
+        layer count equals the batch size is not mistaken for the batch."""
+        def shard(leaf: Any, alt: Any) -> Any:
+            axes = tuple("batch" if n != m else None for n, m in zip(leaf.shape, alt.shape))
+            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
+                                        sharding=trainer._sharding(axes, leaf.shape))
+        return jax.tree.map(shard, tree, other)
 
-    def shard(leaf: Any) -> Any:
-        axes: list = [None] * leaf.ndim
-        if b in leaf.shape:
-            axes[list(leaf.shape).index(b)] = "batch"
-        sharding = trainer._sharding(tuple(axes), leaf.shape)
-        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
-
-    states = jax.tree.map(shard, states)
+    states = batch_sharded(*(jax.eval_shape(functools.partial(init, rows=r), params)
+                             for r in (b, b + 1)))
     out: dict[str, Any] = {}
     with jax.set_mesh(trainer.mesh):
         for name, method, steps in (("prefill", "prefill", s), ("decode_step", "extend_step", 1)):
-            ids = jax.ShapeDtypeStruct((b, steps), jnp.int32,
-                                       sharding=trainer._sharding(("batch", None), (b, steps)))
-            fn = jax.jit(_call(model, method), donate_argnums=(1,))
-            out[name] = fn.lower(params, states, ids).compile()
+            fn = _call(model, method)
+            ids, results = [], []
+            for rows in (b, b + 1):
+                ids.append(jax.ShapeDtypeStruct((rows, steps), jnp.int32))
+                st = states if rows == b else jax.eval_shape(
+                    functools.partial(init, rows=rows), params)
+                results.append(jax.eval_shape(fn, params, st, ids[-1]))
+            outs = batch_sharded(*results)
+            ids_b = jax.ShapeDtypeStruct((b, steps), jnp.int32,
+                                         sharding=trainer._sharding(("batch", None), (b, steps)))
+            # Outputs sharded as the inputs (the donated cache is updated in place), not
+            # left to the compiler, which may replicate a whole cache on every device.
+            jitted = jax.jit(fn, donate_argnums=(1,),
+                             out_shardings=jax.tree.map(lambda x: x.sharding, outs))
+            out[name] = jitted.lower(params, states, ids_b).compile()
     return out
