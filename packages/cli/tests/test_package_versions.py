@@ -14,7 +14,7 @@ ALLOWED = {
     "resilience": {"config", "mesh", "checkpoint"}, "launch": {"config"},
     "runtime": {"config", "module", "mesh", "checkpoint", "resilience", "text"},
     "aot": {"config", "module", "mesh", "checkpoint", "runtime"},
-    "inference": {"config", "module", "layers", "mesh", "checkpoint", "text"},
+    "inference": {"config", "module", "kernels", "layers", "mesh", "checkpoint", "text"},
     "serve": {"config", "module", "layers", "mesh", "checkpoint", "text", "inference"},
     "families": {"config", "module", "layers"},
     "interop": {"config", "module", "layers", "families", "mesh", "checkpoint", "inference",
