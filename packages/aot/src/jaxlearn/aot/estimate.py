@@ -114,7 +114,8 @@ class Estimate:
         return max(self.compute_seconds, self.comm_seconds)
 
 
-def _find(cfg: Any, field: str) -> Optional[Any]:
+def find_int_field(cfg: Any, field: str) -> Optional[Any]:
+    """The first (depth-first) config under `cfg` whose `field` is an int, or None."""
     found: list[Any] = []
 
     def enter(path: str, value: Any) -> bool:
@@ -135,10 +136,10 @@ def model_shape(cfg: ConfigBase, param_specs: Sequence[Any], global_batch: int) 
     base = dict(param_specs=tuple(param_specs), param_bytes=2 if "16" in pdtype else 4,
                 compute_bytes=2 if "16" in dtype else 4, global_batch=global_batch,
                 seq_len=seq)
-    stack = _find(cfg, "num_layers")
+    stack = find_int_field(cfg, "num_layers")
     layer = getattr(stack, "layer", None)
     attn, ffn = getattr(layer, "self_attention", None), getattr(layer, "feed_forward", None)
-    dim = getattr(_find(cfg, "dim"), "dim", None)
+    dim = getattr(find_int_field(cfg, "dim"), "dim", None)
     if stack is None or attn is None or ffn is None or not isinstance(dim, int):
         return ModelShape(**base)  # type: ignore[arg-type]
     head_dim = attn.head_dim or dim // attn.num_heads

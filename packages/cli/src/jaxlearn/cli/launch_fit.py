@@ -83,22 +83,6 @@ class Verdict:
 # ---- the floor, in the subprocess ----------------------------------------------------------
 
 
-def _find(cfg: Any, field: str) -> Optional[Any]:
-    """The first (depth-first) config under `cfg` whose `field` is an int."""
-    from jaxlearn.config import ConfigBase, visit
-
-    found: list[Any] = []
-
-    def enter(path: str, value: Any) -> bool:
-        if not found and isinstance(value, ConfigBase) and field in value \
-                and isinstance(getattr(value, field), int):
-            found.append(value)
-        return bool(found)
-
-    visit(cfg, enter)
-    return found[0] if found else None
-
-
 def activation_bytes(cfg: Any, tokens: int, model_shards: int) -> int:
     """Bytes the backward pass keeps of a transformer stack's activations, per device,
     for `tokens` tokens per device and the heads/MLP split `model_shards` ways.
@@ -107,10 +91,12 @@ def activation_bytes(cfg: Any, tokens: int, model_shards: int) -> int:
     policy, or no remat, the matmul outputs too (q, k, v, attention output, MLP inputs and
     output); with no remat and einsum attention, the attention weights (heads x seq). 0
     when the config has no stack of `num_layers` layers with `self_attention`."""
-    stack = _find(cfg, "num_layers")
+    from jaxlearn.aot.estimate import find_int_field
+
+    stack = find_int_field(cfg, "num_layers")
     layer = getattr(stack, "layer", None)
     attn, ffn = getattr(layer, "self_attention", None), getattr(layer, "feed_forward", None)
-    dim = getattr(_find(cfg, "dim"), "dim", None)
+    dim = getattr(find_int_field(cfg, "dim"), "dim", None)
     if stack is None or attn is None or ffn is None or not isinstance(dim, int):
         return 0
     head_dim = attn.head_dim or dim // attn.num_heads
