@@ -126,20 +126,25 @@ def main() -> None:
     p.add_argument("--stack", default="scan", choices=["scan", "loop"],
                    help="layer stack of the loaded model (serve loads scan)")
     p.add_argument("--trace", action="store_true", help="also profile one call per case")
+    p.add_argument("--engine", action="append", default=[], metavar="FIELD=VALUE",
+                   help="an Engine.Config override (repeatable), e.g. decode_burst=16")
     args = p.parse_args()
+    overrides = {k: json.loads(v) for k, v in (e.split("=", 1) for e in args.engine)}
     names = {"f32": "float32", "bf16": "bfloat16"}
     model = args.model or _default_model()
     for pair in args.dtypes.split(","):
         dt, pdt = (names[x] for x in pair.split("/"))
         loaded = load_pretrained(model, dtype=dt, param_dtype=pdt, stack=args.stack)
         weight_mb = sum(x.nbytes for x in jax.tree.leaves(loaded.params)) / 2**20
-        cfg = Engine.default_config().set(max_seq_len=512, max_batch=8, kv_cache_tokens=4096)
+        cfg = Engine.default_config().set(max_seq_len=512, max_batch=8, kv_cache_tokens=4096,
+                                          **overrides)
         engine = cfg.instantiate(model_cfg=loaded.config, params=loaded.params,
                                  tokenizer=loaded)
         for rows in (int(r) for r in args.rows.split(",")):
             measure(engine, rows, args.tokens)  # Compiles.
             for rep in range(args.repeats):
                 rec = dict(dtypes=pair, stack=args.stack, rows=rows, repeat=rep, tokens=args.tokens,
+                           engine=overrides,
                            weight_mb=round(weight_mb, 1), **measure(engine, rows, args.tokens))
                 print(json.dumps(rec), flush=True)
             if args.trace:

@@ -73,6 +73,7 @@ def server_specs(peers: Path, port: int, max_batch: int, max_len: int) -> dict[s
         "jaxlearn-bf16": dict(cmd=[*jl, "--dtype", "bfloat16"], health="/health", body=ignore),
         "jaxlearn-bf16w": dict(cmd=[*jl, "--dtype", "bfloat16", "--param_dtype", "bfloat16"],
                                health="/health", body=ignore),
+        "jaxlearn-int8": dict(cmd=[*jl, "--quantize", "int8"], health="/health", body=ignore),
         "vllm": dict(
             cmd=[str(peers / "vllm/bin/python"), "-m", "vllm.entrypoints.openai.api_server",
                  "--model", str(models / "SmolLM2-135M-Instruct-hf"), *host,

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from jaxlearn.layers import DotGeneral, Linear, dense, einsum, matmul
+from jaxlearn.layers.dense import matmul_nt
 from jaxlearn.module import functional
 
 BF16 = jnp.bfloat16
@@ -55,6 +56,28 @@ def test_matmul_custom_vjp_matches_autodiff_f32():
     ref = jax.grad(lambda x, w: loss(jnp.dot, x, w), argnums=(0, 1))(x, w)
     for a, b in zip(ours, ref):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_matmul_nt_equals_dense_of_transpose_with_gradients():
+    """The tied-head form x @ w.T on the stored [out, in] layout: values and gradients of
+    dense(x, w.T) in f32; bf16 operands in every dot, f32 gradient for f32 weights."""
+    w = _rand(1, (10, 8))
+    for shape in ((2, 3, 8), (1, 1, 8)):  # [1, 1, in] is the padded one-row GEMV.
+        x, g = _rand(0, shape), _rand(2, (*shape[:-1], 10))
+        np.testing.assert_allclose(matmul_nt(x, w), dense(x, w.T), rtol=1e-5, atol=1e-5)
+        ours = jax.grad(lambda x, w: jnp.sum(matmul_nt(x, w) * g), argnums=(0, 1))(x, w)
+        ref = jax.grad(lambda x, w: jnp.sum(jnp.dot(x, w.T) * g), argnums=(0, 1))(x, w)
+        for a, b in zip(ours, ref):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    x = _rand(0, (1, 8), BF16)
+    y = matmul_nt(x, w, out_dtype=jnp.float32)
+    assert y.shape == (1, 10) and y.dtype == jnp.float32
+    jaxpr = jax.make_jaxpr(jax.grad(lambda x, w: jnp.sum(matmul_nt(x, w)), argnums=(0, 1)))(x, w)
+    dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert len(dots) == 2 and "concatenate" in str(jaxpr)  # dx and dw (forward: unused).
+    for eqn in dots:
+        assert all(v.aval.dtype == BF16 for v in eqn.invars), eqn
+    assert jax.grad(lambda w: jnp.sum(matmul_nt(x, w)))(w).dtype == jnp.float32
 
 
 def test_einsum_custom_vjp_matches_autodiff_f32():

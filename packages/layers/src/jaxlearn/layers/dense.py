@@ -96,6 +96,40 @@ def _einsum_bwd(spec: str, out_dtype: Any, res: Any, g: jax.Array) -> tuple[jax.
 einsum.defvjp(_einsum_fwd, _einsum_bwd)
 
 
+def matmul_nt(x: jax.Array, w: jax.Array, *, out_dtype: Any = None) -> jax.Array:
+    """x [..., in] times w [out, in] (a tied embedding used as the LM head) -> [..., out].
+
+    The "NT" form: XLA:CPU runs it on the stored layout, where `dense(x, w.T)` copies (f32)
+    or converts (bf16) the whole table on every call."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2d, padded = _pad_one_row(x.reshape(-1, k))
+    y = _matmul_nt(x2d, w, out_dtype)
+    return (y[:1] if padded else y).reshape(*lead, w.shape[0])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _matmul_nt(x: jax.Array, w: jax.Array, out_dtype: Any) -> jax.Array:
+    dims = (((1,), (1,)), ((), ()))
+    y = lax.dot_general(x, w.astype(x.dtype), dims, preferred_element_type=_F32)
+    return y.astype(out_dtype or x.dtype)
+
+
+def _matmul_nt_fwd(x: jax.Array, w: jax.Array, out_dtype: Any) -> tuple[jax.Array, Any]:
+    wc = w.astype(x.dtype)
+    return _matmul_nt(x, wc, out_dtype), (x, wc, jnp.zeros((0,), w.dtype))
+
+
+def _matmul_nt_bwd(out_dtype: Any, res: Any, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+    x, w, w_dtype = res
+    g = g.astype(x.dtype)
+    dx = jnp.dot(g, w, preferred_element_type=_F32)  # [tokens, out] @ [out, in]
+    dw = jnp.einsum("bnm,bnk->mk", g[None], x[None], preferred_element_type=_F32)
+    return dx.astype(x.dtype), dw.astype(w_dtype.dtype)
+
+
+_matmul_nt.defvjp(_matmul_nt_fwd, _matmul_nt_bwd)
+
+
 # ---- injectable dots ---------------------------------------------------------------------
 
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from jaxlearn.config import REQUIRED
 from jaxlearn.kernels import Int8Weight, take_rows
-from jaxlearn.layers.dense import DotGeneral, dense, maybe_dot
+from jaxlearn.layers.dense import DotGeneral, dense, matmul_nt, maybe_dot
 from jaxlearn.module import FanAxes, Module, Normal, ParameterSpec, with_logical_constraint
 
 
@@ -57,6 +57,8 @@ class Embedding(Module):
     def attend(self, x: jax.Array, *, out_dtype: Any = jnp.float32) -> jax.Array:
         """x [batch, seq, embed] -> logits [batch, seq, vocab] (f32 by default)."""
         w = self.parameters["weight"]
+        if self._dot is None and not isinstance(w, Int8Weight):
+            return matmul_nt(x.astype(self.dtype), w, out_dtype=out_dtype)
         return dense(x.astype(self.dtype), w.T, dot=self._dot, out_dtype=out_dtype)
 
 
