@@ -134,7 +134,7 @@ class ModelRunner:
             self._rep: Any = rep
         else:
             self._pool_sh = self._rep = None
-        self._jit_prefill = self._jit(self._prefill, static=("lp_k", "prompt_k"))
+        self._jit_prefill = self._jit(self._prefill, static=("mode", "lp_k", "prompt_k"))
         self._jit_decode = self._jit(self._decode, static=("steps", "mode", "lp_k"))
         self._jit_logits = jax.jit(self._logits)
         rows_kw: dict[str, Any] = {} if mesh is None else {"out_shardings": (self._rep,) * 2}
@@ -221,6 +221,7 @@ class ModelRunner:
         pen: Optional[dict[str, Array]],
         allow: Optional[Array],
         *,
+        mode: Mode,
         lp_k: Optional[int],
         prompt_k: Optional[int],
     ) -> tuple[Any, Array, Array, dict[str, Array]]:
@@ -249,7 +250,7 @@ class ModelRunner:
             1, mode="drop")
         count_rows = jnp.where((start == 0)[:, None], 0, counts[slots]) + added
         counts = counts.at[slots].set(count_rows)
-        tok = sample_tokens(logits[:, 0], seen_rows, mode="filter", vocab_limit=self.vocab_limit,
+        tok = sample_tokens(logits[:, 0], seen_rows, mode=mode, vocab_limit=self.vocab_limit,
                             counts=count_rows, pen=pen, allow=allow, **samp)
         out["tok"] = tok
         if lp_k is not None:
@@ -358,6 +359,7 @@ class ModelRunner:
         targets: Optional[list[np.ndarray]] = None,
         penalties: Optional[dict[str, np.ndarray]] = None,
         allow: Optional[np.ndarray] = None,
+        mode: Mode = "filter",
         lp_k: Optional[int] = None,
         prompt_k: Optional[int] = None,
     ) -> dict[str, Any]:
@@ -367,7 +369,8 @@ class ModelRunner:
         gen_from[i]: first position of generated tokens (default: none in the chunk);
         targets[i] (len <= bucket): the id following each chunk position, scored when
         prompt_k is not None; penalties: `penalties.pack` arrays for next_pow2(n) rows;
-        allow: grammar bit rows [next_pow2(n), words] (`grammar.fill_masks`).
+        allow: grammar bit rows [next_pow2(n), words] (`grammar.fill_masks`); mode: the
+        static sampler variant (`sampling.batch_mode`; "filter" serves every row).
         Returns host arrays cut to n rows: "tok" [n], with lp_k "lp" / "top_ids" /
         "top_lp", with prompt_k "prompt" (the same, per position [n, bucket, ...])."""
         n = len(slots)
@@ -400,6 +403,7 @@ class ModelRunner:
             self._row_sampling(sampling, rows),
             penalties,
             allow,
+            mode=mode,
             lp_k=lp_k,
             prompt_k=prompt_k,
         )

@@ -430,6 +430,7 @@ class Scheduler:
             penalties=penalties.pack(params, next_pow2(len(reqs)), self.runner.vocab_size),
             allow=self._masks([r.matcher if r.prefilled + len(c) == len(r.context) else None
                                for r, c in batch]),
+            mode=batch_mode(params),
             lp_k=static_k([p.logprobs for p in params]),
             prompt_k=static_k([p.prompt_logprobs for p in params]) if scoring else None,
         )

@@ -96,17 +96,28 @@ def quantize_int8(w: Any, contract_axes: Sequence[int]) -> Int8Weight:
     return Int8Weight(jnp.asarray(q), jnp.asarray(scale))
 
 
-def int8_matmul(x2d: jax.Array, q2d: jax.Array, scale: jax.Array) -> jax.Array:
+def int8_matmul(x2d: jax.Array, q2d: jax.Array, scale: jax.Array, *,
+                transposed: bool = False) -> jax.Array:
     """x2d [tokens, in] (any float dtype) @ (q2d [in, out] int8 * scale [out]) -> [tokens,
     out] float32, as an int8 x int8 -> int32 dot: each row of x is quantized on the fly
     (symmetric, its own scale max|x_row| / 127) and the int32 result is scaled by the row
-    and channel scales (see module docstring)."""
-    if q2d.dtype != jnp.int8 or x2d.ndim != 2 or q2d.ndim != 2 or x2d.shape[1] != q2d.shape[0]:
-        raise ValueError(f"int8_matmul: expects x2d [tokens, in] and int8 q2d [in, out], got "
+    and channel scales (see module docstring). `transposed`: q2d is stored [out, in] (a
+    tied embedding table read as the output head), contracted on its stored layout.
+    One row is padded to two: XLA:CPU converts the whole weight to f32 for a one-row
+    int8 dot, on every call."""
+    k_axis = 1 if transposed else 0
+    if (q2d.dtype != jnp.int8 or x2d.ndim != 2 or q2d.ndim != 2
+            or x2d.shape[1] != q2d.shape[k_axis]):
+        layout = "[out, in]" if transposed else "[in, out]"
+        raise ValueError(f"int8_matmul: expects x2d [tokens, in] and int8 q2d {layout}, got "
                          f"{x2d.shape} and {q2d.dtype}{list(q2d.shape)}")
+    rows = x2d.shape[0]
+    if rows == 1:
+        x2d = jnp.concatenate([x2d, jnp.zeros_like(x2d)], axis=0)
     xq, sx = quantize_rows(x2d)
-    acc = lax.dot_general(xq, q2d, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
-    return acc.astype(jnp.float32) * sx * scale.reshape(1, -1).astype(jnp.float32)
+    dims = (((1,), (k_axis,)), ((), ()))
+    acc = lax.dot_general(xq, q2d, dims, preferred_element_type=jnp.int32)[:rows]
+    return acc.astype(jnp.float32) * sx[:rows] * scale.reshape(1, -1).astype(jnp.float32)
 
 
 def quantize_rows(x2d: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxlearn.config import REQUIRED
-from jaxlearn.kernels import Int8Weight, take_rows
+from jaxlearn.kernels import Int8Weight, int8_matmul, take_rows
 from jaxlearn.layers.dense import DotGeneral, dense, matmul_nt, maybe_dot
 from jaxlearn.module import FanAxes, Module, Normal, ParameterSpec, with_logical_constraint
 
@@ -57,7 +57,11 @@ class Embedding(Module):
     def attend(self, x: jax.Array, *, out_dtype: Any = jnp.float32) -> jax.Array:
         """x [batch, seq, embed] -> logits [batch, seq, vocab] (f32 by default)."""
         w = self.parameters["weight"]
-        if self._dot is None and not isinstance(w, Int8Weight):
+        if isinstance(w, Int8Weight) and self._dot is None:
+            x2d = x.reshape(-1, x.shape[-1])
+            y = int8_matmul(x2d, w.q, w.scale[:, 0], transposed=True)
+            return y.astype(out_dtype).reshape(*x.shape[:-1], w.shape[0])
+        if self._dot is None:
             return matmul_nt(x.astype(self.dtype), w, out_dtype=out_dtype)
         return dense(x.astype(self.dtype), w.T, dot=self._dot, out_dtype=out_dtype)
 
