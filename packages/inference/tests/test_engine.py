@@ -24,7 +24,7 @@ def test_chunked_batched_prefill_into_pages_equals_full_prefill(engine, cfg, par
     """Two prompts prefilled together in 16-token chunks into scattered pages: the pool
     holds the keys/values of a one-shot contiguous prefill, and the sampled tokens are the
     argmax of its last logits."""
-    from jaxlearn.layers import paged
+    from jaxlearn.kernels import paged
 
     runner = engine.runner
     prompts = [POOL[1][:40], POOL[2][:23]]  # 16 + 16 + 8 and 16 + 7 tokens.

@@ -8,16 +8,22 @@ test_arch.py; GGUF: test_gemma_gguf.py.)"""
 
 import dataclasses
 import json
-import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from parity import (
+    FIXTURES,
+    assert_export_roundtrip,
+    assert_paged_greedy_matches,
+    export_check_classes,
+    reference,
+    run_logits,
+)
 from safetensors.numpy import load_file
 
-from jaxlearn.inference import Engine
 from jaxlearn.interop import (
     export_hf,
     load_hf,
@@ -25,24 +31,9 @@ from jaxlearn.interop import (
 from jaxlearn.layers import LoopStack, ScanStack
 from jaxlearn.module import functional
 
-FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 VARIANTS = ["gemma2", "gemma3_text"]  # fixture hf_<name>: the HF model_type
 HF_CLASS = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
             "gemma3_text": "Gemma3ForCausalLM"}
-
-
-def reference(name):
-    return np.load(FIXTURES / f"hf_{name}" / "reference.npz", allow_pickle=False)
-
-
-def run_logits(config, params, ids):
-    model = config.instantiate()
-    fn = jax.jit(
-        lambda p, x: functional(
-            model, None, p, ({"input_ids": x},), method="logits", is_training=False
-        )[0]
-    )
-    return np.asarray(fn(params, jnp.asarray(ids)))
 
 
 @pytest.mark.parametrize("name,stack", [(n, s) for n in VARIANTS for s in ("scan", "loop")])
@@ -64,18 +55,7 @@ def test_logits_match_transformers(name, stack):
 def test_greedy_tokens_through_the_paged_engine_match_transformers(name):
     """Both prompts batched, 4-token pages and 4-token prefill chunks (the 5-token prompt
     takes two chunks; the 17 tokens span five pages, past the windows of 4 / 5)."""
-    loaded = load_hf(FIXTURES / f"hf_{name}")
-    ref = reference(name)
-    assert float(ref["greedy_margin"]) > 1e-3  # no near-ties in the reference
-    engine = (
-        Engine.default_config()
-        .set(max_seq_len=32, max_batch=2, page_size=4, prefill_chunk=4, decode_burst=4)
-        .instantiate(model_cfg=loaded.config, params=loaded.params, tokenizer=None)
-    )
-    new = ref["greedy_ids"].shape[1]
-    prompts = [[int(t) for t in row] for row in ref["prompt_ids"]]
-    results = engine.generate(prompts, max_new_tokens=new, temperature=0.0, ignore_eos=True)
-    np.testing.assert_array_equal([r.tokens for r in results], ref["greedy_ids"])
+    assert_paged_greedy_matches(name)
 
 
 def test_architecture_and_params_are_read():
@@ -108,39 +88,20 @@ def test_architecture_and_params_are_read():
 
 @pytest.mark.parametrize("name", VARIANTS)
 def test_export_then_load_gives_identical_params(name, tmp_path):
-    loaded = load_hf(FIXTURES / f"hf_{name}")
-    out = export_hf(
-        tmp_path / "export",
-        loaded.config,
-        loaded.params,
-        bos_token_id=loaded.bos_token_id,
-        eos_token_ids=loaded.eos_token_ids,
-        max_position_embeddings=loaded.architecture.max_position_embeddings,
-    )
-    cfg = json.loads((out / "config.json").read_text())
+    cfg = assert_export_roundtrip(name, tmp_path)
     assert cfg["architectures"] == [HF_CLASS[name]]
     assert cfg["hidden_activation"] == "gelu_pytorch_tanh" and "hidden_act" not in cfg
-    again = load_hf(out)
-    assert again.architecture == loaded.architecture
-    jax.tree.map(np.testing.assert_array_equal, again.params, loaded.params)
-    original = load_file(str(FIXTURES / f"hf_{name}" / "model.safetensors"))
-    exported = load_file(str(out / "model.safetensors"))
-    assert sorted(exported) == sorted(original)
-    for tensor, value in original.items():
-        np.testing.assert_array_equal(exported[tensor], value, err_msg=tensor)
 
 
 def test_transformers_loads_our_exports_with_same_logits():
     """Recorded by make_gemma_fixtures.py --stage export: transformers loaded each
     directory export_hf wrote (fixture round trips, fresh `gemma2_config` /
     `gemma3_config` models, the Gemma 3 one of 7 layers in a LoopStack)."""
-    check = json.loads((FIXTURES / "gemma_export_check.json").read_text())["cases"]
+    classes = export_check_classes("gemma_export_check.json")
     natives = {"native_gemma2", "native_gemma3"}
-    assert set(check) == {f"roundtrip_{n}" for n in VARIANTS} | natives
-    for case, result in check.items():
-        assert result["hf_class"] == HF_CLASS[case.split("_")[1]], case
-        assert result["max_abs_logit_error"] <= 1e-4, (case, result)
-        assert result["logit_scale"] > 1.0, case
+    assert set(classes) == {f"roundtrip_{n}" for n in VARIANTS} | natives
+    for case, hf_class in classes.items():
+        assert hf_class == HF_CLASS[case.split("_")[1]], case
 
 
 def test_lora_steps_on_gemma2_lower_the_loss_merge_and_export(tmp_path):

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from parity import FIXTURES, assert_export_roundtrip, export_check_classes, reference, run_logits
 from safetensors.numpy import load_file, save_file
 
 from jaxlearn.families.tree import flatten
@@ -22,9 +23,7 @@ from jaxlearn.interop import (
     load_hf,
     load_pretrained,
 )
-from jaxlearn.module import functional
 
-FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 # Chat templates of real model families, shared with jaxlearn.text's tests.
 TEXT_FIXTURES = pathlib.Path(__file__).parents[2] / "text" / "tests" / "fixtures"
 FAMILIES = ["llama", "mistral", "qwen2", "mixtral"]
@@ -36,18 +35,8 @@ HF_CLASS = {
 }
 
 
-def reference(name):
-    return np.load(FIXTURES / f"hf_{name}" / "reference.npz", allow_pickle=False)
-
-
 def logits(loaded, ids):
-    model = loaded.model()
-    fn = jax.jit(
-        lambda p, x: functional(
-            model, None, p, ({"input_ids": x},), method="logits", is_training=False
-        )[0]
-    )
-    return np.asarray(fn(loaded.params, jnp.asarray(ids)))
+    return run_logits(loaded.config, loaded.params, ids)
 
 
 def copy_fixture(name, tmp_path):
@@ -191,26 +180,8 @@ def test_unsupported_configs_are_clear_errors(tmp_path):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_export_then_load_gives_identical_params(family, tmp_path):
-    loaded = load_hf(FIXTURES / f"hf_{family}")
-    out = export_hf(
-        tmp_path / "export",
-        loaded.config,
-        loaded.params,
-        bos_token_id=loaded.bos_token_id,
-        eos_token_ids=loaded.eos_token_ids,
-        max_position_embeddings=loaded.architecture.max_position_embeddings,
-    )
-    cfg = json.loads((out / "config.json").read_text())
+    cfg = assert_export_roundtrip(family, tmp_path)  # the exported tensors are HF's own
     assert cfg["architectures"] == [HF_CLASS[family]]
-    again = load_hf(out)
-    assert again.architecture == loaded.architecture
-    jax.tree.map(np.testing.assert_array_equal, again.params, loaded.params)
-    # The exported tensors are the original HF tensors.
-    original = load_file(str(FIXTURES / f"hf_{family}" / "model.safetensors"))
-    exported = load_file(str(out / "model.safetensors"))
-    assert sorted(exported) == sorted(original)
-    for name, value in original.items():
-        np.testing.assert_array_equal(exported[name], value, err_msg=name)
 
 
 def test_sharded_bf16_export(tmp_path):
@@ -232,7 +203,7 @@ def test_transformers_loads_our_exports_with_same_logits():
     """Recorded by make_fixtures.py --stage export (torch is not in the test env): HF
     transformers loaded each directory written by export_hf (round trips of the fixtures
     and freshly initialised jaxlearn models) and compared logits with jaxlearn's."""
-    check = json.loads((FIXTURES / "export_check.json").read_text())["cases"]
+    classes = export_check_classes("export_check.json")
     expected = {f"roundtrip_{f}": HF_CLASS[f] for f in FAMILIES}
     expected.update(
         native_llama3_tied="LlamaForCausalLM",
@@ -241,10 +212,7 @@ def test_transformers_loads_our_exports_with_same_logits():
         native_mistral="MistralForCausalLM",
         native_mixtral="MixtralForCausalLM",
     )
-    assert {k: v["hf_class"] for k, v in check.items()} == expected
-    for name, result in check.items():
-        assert result["max_abs_logit_error"] <= 1e-4, (name, result)
-        assert result["logit_scale"] > 1.0, name  # not a trivial comparison
+    assert classes == expected
 
 
 def _tiny_tokenizer():

@@ -5,40 +5,31 @@ and past the original maximum length, Phi-3's greedy tokens through the paged En
 export -> import is the identity, and transformers loads our exports (recorded)."""
 
 import json
-import pathlib
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
+from parity import (
+    FIXTURES,
+    assert_export_roundtrip,
+    export_check_classes,
+    paged_greedy,
+    reference,
+    run_logits,
+)
 from safetensors.numpy import load_file
 
-from jaxlearn.inference import Engine
 from jaxlearn.interop import (
     UnsupportedModelError,
     architecture_from_config,
-    export_hf,
     load_hf,
 )
 from jaxlearn.layers import LongRopeFrequencyScaling
-from jaxlearn.module import functional
 
-FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 VARIANTS = ["phi3", "llama_yarn", "llama_dynamic"]
 
 
-def reference(name):
-    return np.load(FIXTURES / f"hf_{name}" / "reference.npz", allow_pickle=False)
-
-
-def logits(config, params, ids):
-    model = config.instantiate()
-    fn = jax.jit(
-        lambda p, x: functional(
-            model, None, p, ({"input_ids": x},), method="logits", is_training=False
-        )[0]
-    )
-    return np.asarray(fn(params, jnp.asarray(ids)))
+logits = run_logits
 
 
 @pytest.mark.parametrize(
@@ -91,43 +82,21 @@ def test_phi3_greedy_tokens_through_the_paged_engine_match_transformers():
     assert float(ref["greedy_margin"]) > 1e-3
     cases = [("prompt_ids", "greedy_ids", 4), ("long_prompt_ids", "long_greedy_ids", 32)]
     for prompt_key, want_key, chunk in cases:
-        engine = (
-            Engine.default_config()
-            .set(max_seq_len=32, max_batch=2, page_size=4, prefill_chunk=chunk, decode_burst=4)
-            .instantiate(model_cfg=loaded.config, params=loaded.params, tokenizer=None)
-        )
-        prompts = [[int(t) for t in row] for row in ref[prompt_key]]
-        new = ref[want_key].shape[1]
-        results = engine.generate(prompts, max_new_tokens=new, temperature=0.0, ignore_eos=True)
-        np.testing.assert_array_equal([r.tokens for r in results], ref[want_key])
+        tokens = paged_greedy(loaded, ref[prompt_key], ref[want_key].shape[1], prefill_chunk=chunk)
+        np.testing.assert_array_equal(tokens, ref[want_key])
 
 
 @pytest.mark.parametrize("name", VARIANTS)
 def test_export_then_load_gives_identical_params(name, tmp_path):
-    loaded = load_hf(FIXTURES / f"hf_{name}")
-    out = export_hf(tmp_path / "export", loaded.config, loaded.params,
-                    bos_token_id=loaded.bos_token_id, eos_token_ids=loaded.eos_token_ids,
-                    max_position_embeddings=loaded.architecture.max_position_embeddings)
-    cfg = json.loads((out / "config.json").read_text())
+    cfg = assert_export_roundtrip(name, tmp_path)
     assert cfg["model_type"] == ("phi3" if name == "phi3" else "llama")
-    again = load_hf(out)
-    assert again.architecture == loaded.architecture
-    jax.tree.map(np.testing.assert_array_equal, again.params, loaded.params)
-    original = load_file(str(FIXTURES / f"hf_{name}" / "model.safetensors"))
-    exported = load_file(str(out / "model.safetensors"))
-    assert sorted(exported) == sorted(original)
-    for k in original:
-        np.testing.assert_array_equal(exported[k], original[k], err_msg=k)
 
 
 def test_transformers_loaded_our_exports():
-    check = json.loads((FIXTURES / "phi3_export_check.json").read_text())
-    cases = check["cases"]
-    assert sorted(cases) == ["native_phi3", *(f"roundtrip_{n}" for n in sorted(VARIANTS))]
-    for name, case in cases.items():
-        want = "Phi3ForCausalLM" if "phi3" in name else "LlamaForCausalLM"
-        assert case["hf_class"] == want, name
-        assert case["max_abs_logit_error"] <= 1e-4 and case["logit_scale"] > 1.0, name
+    classes = export_check_classes("phi3_export_check.json")
+    assert sorted(classes) == ["native_phi3", *(f"roundtrip_{n}" for n in sorted(VARIANTS))]
+    for name, hf_class in classes.items():
+        assert hf_class == ("Phi3ForCausalLM" if "phi3" in name else "LlamaForCausalLM"), name
 
 
 # ---- GGUF --------------------------------------------------------------------------------

@@ -8,15 +8,21 @@ llama.cpp's own tensor map (`gguf.get_tensor_name_map`) holds the same model, a
 
 import dataclasses
 import json
-import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from parity import (
+    FIXTURES,
+    assert_export_roundtrip,
+    assert_paged_greedy_matches,
+    export_check_classes,
+    reference,
+    run_logits,
+)
 from safetensors.numpy import load_file
 
-from jaxlearn.inference import Engine
 from jaxlearn.interop import (
     ParameterMismatchError,
     UnsupportedModelError,
@@ -29,24 +35,13 @@ from jaxlearn.interop import (
 from jaxlearn.layers import RMSNorm, qwen3_config, qwen3_moe_config
 from jaxlearn.module import functional
 
-FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 DENSE = ["qwen3", "qwen3_tied"]
 MOE = ["qwen3_moe", "qwen3_moe_step"]  # dense layers: always a LoopStack
 VARIANTS = DENSE + MOE
 
 
-def reference(name):
-    return np.load(FIXTURES / f"hf_{name}" / "reference.npz", allow_pickle=False)
-
-
 def logits(loaded, ids):
-    model = loaded.model()
-    fn = jax.jit(
-        lambda p, x: functional(
-            model, None, p, ({"input_ids": x},), method="logits", is_training=False
-        )[0]
-    )
-    return np.asarray(fn(loaded.params, jnp.asarray(ids)))
+    return run_logits(loaded.config, loaded.params, ids)
 
 
 @pytest.mark.parametrize(
@@ -64,18 +59,7 @@ def test_logits_match_transformers(name, stack):
 def test_greedy_tokens_through_the_paged_engine_match_transformers(name):
     """Both prompts batched, 4-token pages and 4-token prefill chunks (the 5-token prompt
     takes two chunks; the 17 tokens span five pages, past the window of 5)."""
-    loaded = load_hf(FIXTURES / f"hf_{name}")
-    ref = reference(name)
-    assert float(ref["greedy_margin"]) > 1e-3  # no near-ties in the reference
-    engine = (
-        Engine.default_config()
-        .set(max_seq_len=32, max_batch=2, page_size=4, prefill_chunk=4, decode_burst=4)
-        .instantiate(model_cfg=loaded.config, params=loaded.params, tokenizer=None)
-    )
-    new = ref["greedy_ids"].shape[1]
-    prompts = [[int(t) for t in row] for row in ref["prompt_ids"]]
-    results = engine.generate(prompts, max_new_tokens=new, temperature=0.0, ignore_eos=True)
-    np.testing.assert_array_equal([r.tokens for r in results], ref["greedy_ids"])
+    assert_paged_greedy_matches(name)
 
 
 def test_architecture_and_params_are_read():
@@ -100,40 +84,20 @@ def test_architecture_and_params_are_read():
 
 @pytest.mark.parametrize("name", VARIANTS)
 def test_export_then_load_gives_identical_params(name, tmp_path):
-    loaded = load_hf(FIXTURES / f"hf_{name}")
-    out = export_hf(
-        tmp_path / "export",
-        loaded.config,
-        loaded.params,
-        bos_token_id=loaded.bos_token_id,
-        eos_token_ids=loaded.eos_token_ids,
-        max_position_embeddings=loaded.architecture.max_position_embeddings,
-    )
-    cfg = json.loads((out / "config.json").read_text())
+    cfg = assert_export_roundtrip(name, tmp_path)
     family = "qwen3_moe" if name in MOE else "qwen3"
     hf_class = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[family]
     assert cfg["architectures"] == [hf_class] and cfg["model_type"] == family
-    again = load_hf(out)
-    assert again.architecture == loaded.architecture
-    jax.tree.map(np.testing.assert_array_equal, again.params, loaded.params)
-    original = load_file(str(FIXTURES / f"hf_{name}" / "model.safetensors"))
-    exported = load_file(str(out / "model.safetensors"))
-    assert sorted(exported) == sorted(original)
-    for tensor, value in original.items():
-        np.testing.assert_array_equal(exported[tensor], value, err_msg=tensor)
 
 
 def test_transformers_loads_our_exports_with_same_logits():
     """Recorded by make_qwen3_fixtures.py --stage export: transformers loaded each
     directory export_hf wrote (fixture round trips, fresh `qwen3_config` models)."""
-    check = json.loads((FIXTURES / "qwen3_export_check.json").read_text())["cases"]
+    classes = export_check_classes("qwen3_export_check.json")
     natives = {"native_qwen3", "native_qwen3_tied_bias", "native_qwen3_moe"}
-    assert set(check) == {f"roundtrip_{n}" for n in VARIANTS} | natives
-    for case, result in check.items():
-        want = "Qwen3MoeForCausalLM" if "moe" in case else "Qwen3ForCausalLM"
-        assert result["hf_class"] == want, case
-        assert result["max_abs_logit_error"] <= 1e-4, (case, result)
-        assert result["logit_scale"] > 1.0, case
+    assert set(classes) == {f"roundtrip_{n}" for n in VARIANTS} | natives
+    for case, hf_class in classes.items():
+        assert hf_class == ("Qwen3MoeForCausalLM" if "moe" in case else "Qwen3ForCausalLM"), case
 
 
 def test_qwen3_config_is_read_back_and_bad_variants_are_refused():
@@ -317,18 +281,10 @@ def test_lora_fine_tuned_qwen3_merges_and_exports_as_qwen3(tmp_path):
         ],
     )
     ids = reference("qwen3")["input_ids"]
-
-    def run(config, p):
-        batch = ({"input_ids": jnp.asarray(ids)},)
-        model = config.instantiate()
-        return np.asarray(
-            functional(model, None, p, batch, method="logits", is_training=False)[0]
-        )
-
-    tuned = run(cfg, params)
+    tuned = run_logits(cfg, params, ids)
     assert np.abs(tuned - reference("qwen3")["logits"]).max() > 1e-2  # the adapters matter
     plain, merged = merge_lora(cfg, params)
-    np.testing.assert_allclose(run(plain, merged), tuned, rtol=0, atol=1e-4)  # f32 sums
+    np.testing.assert_allclose(run_logits(plain, merged, ids), tuned, rtol=0, atol=1e-4)
     again = load_hf(export_hf(tmp_path / "tuned", plain, merged))
     assert again.architecture.family == "qwen3" and again.architecture.sliding_windows
     jax.tree.map(np.testing.assert_array_equal, again.params, jax.tree.map(np.asarray, merged))

@@ -4,7 +4,8 @@ with a paged KV cache), sampling, continuous-batching scheduler, OpenAI-compatib
 See packages/inference/README.md.
 """
 
-from jaxlearn.inference.engine import INFERENCE_AXIS_RULES, Engine, GenerationResult
+from jaxlearn.inference.engine import Engine, GenerationResult
+from jaxlearn.inference.engine_setup import INFERENCE_AXIS_RULES
 from jaxlearn.inference.errors import (
     InferenceError,
     MissingDependencyError,

@@ -33,25 +33,27 @@ from typing import Any, Iterator, Optional, Sequence, Union, cast
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from jaxlearn import layers
 from jaxlearn.config import REQUIRED, Configurable
+from jaxlearn.inference.engine_setup import (
+    SpecFn,
+    build_mesh,
+    check_settings,
+    engine_axis_rules,
+    param_shardings,
+    restore_params,
+)
 from jaxlearn.inference.errors import InferenceError, QueueFullError, RequestError
 from jaxlearn.inference.grammar import response_format_grammar
 from jaxlearn.inference.logprobs import TokenLogprob
 from jaxlearn.inference.metrics import Metrics
-from jaxlearn.inference.quantize import check_quantize, quantize_params
+from jaxlearn.inference.quantize import quantize_params
 from jaxlearn.inference.runner import ModelRunner, kv_window, next_pow2
 from jaxlearn.inference.sampling import SamplingParams
 from jaxlearn.inference.scheduler import Request, Scheduler
-from jaxlearn.mesh import (
-    DEFAULT_AXIS_RULES,
-    logical_to_partition_spec,
-    make_mesh,
-    merge_axis_rules,
-)
-from jaxlearn.module import Module, is_spec
+from jaxlearn.module import Module
 from jaxlearn.text.detokenize import Delta
 from jaxlearn.text.protocol import as_tokenizer
 
@@ -59,10 +61,6 @@ log = logging.getLogger(__name__)
 
 Prompt = Union[str, Sequence[int]]
 Stop = Union[None, str, int, Sequence[Union[str, int]]]
-
-# Serving shards parameters like training, but never the batch: slots come and go.
-INFERENCE_AXIS_RULES = merge_axis_rules(DEFAULT_AXIS_RULES, (("batch", None), ("seq", None)))
-
 
 @dataclasses.dataclass
 class GenerationResult:
@@ -107,58 +105,6 @@ def _is_prompt_list(prompt: Any) -> bool:
     return isinstance(prompt, (list, tuple)) and any(
         isinstance(p, (str, list, tuple, np.ndarray)) for p in prompt
     )
-
-
-def check_settings(cfg: Any) -> int:
-    """Validates an `Engine.Config`; returns the KV pool size in tokens. Each error names
-    the field and its value."""
-    for name, low in (("max_seq_len", 2), ("max_batch", 1), ("prefill_chunk", 1),
-                      ("decode_burst", 1), ("max_queue", 1)):
-        if getattr(cfg, name) < low:
-            raise ValueError(f"Engine.Config.{name}={getattr(cfg, name)}: must be >= {low}")
-    ps = cfg.page_size
-    if ps < 1 or ps & (ps - 1) or ps > 64:
-        raise ValueError(f"Engine.Config.page_size={ps}: must be a power of two <= 64")
-    if cfg.fuse_projections and cfg.mesh_shape is not None:
-        raise ValueError(f"Engine.Config.fuse_projections=True needs mesh_shape=None (one "
-                         f"device), got mesh_shape={cfg.mesh_shape}")
-    check_quantize(cfg.quantize)
-    if cfg.quantize is not None and cfg.mesh_shape is not None:
-        raise ValueError(f"Engine.Config.quantize={cfg.quantize!r} needs mesh_shape=None (one "
-                         f"device), got mesh_shape={cfg.mesh_shape}")
-    max_len = -(-cfg.max_seq_len // ps) * ps
-    tokens = cfg.max_batch * max_len if cfg.kv_cache_tokens is None else cfg.kv_cache_tokens
-    if tokens < max_len:
-        raise ValueError(f"Engine.Config.kv_cache_tokens={tokens}: cannot hold one request of "
-                         f"max_seq_len={cfg.max_seq_len} tokens")
-    return int(tokens)
-
-
-def build_mesh(cfg: Any) -> Optional[Mesh]:
-    """The mesh of an `Engine.Config` (None: one device)."""
-    if cfg.mesh_shape is None:
-        return None
-    try:
-        return make_mesh(cfg.mesh_shape, cfg.mesh_axis_names)
-    except ValueError as e:
-        raise ValueError(f"Engine.Config.mesh_shape={cfg.mesh_shape} with mesh_axis_names="
-                         f"{cfg.mesh_axis_names}: {e}") from None
-
-
-def param_shardings(model: Module, mesh: Mesh, axis_rules: Any) -> Any:
-    """NamedSharding per parameter of `model` from its logical axes and `axis_rules`."""
-    specs = model.create_parameter_specs_recursively()
-    return jax.tree.map(
-        lambda s: NamedSharding(
-            mesh, logical_to_partition_spec(s.mesh_axes, axis_rules, mesh, shape=s.shape)
-        ),
-        specs,
-        is_leaf=is_spec,
-    )
-
-
-def _axis_rules(cfg: Any) -> Any:
-    return tuple(cfg.axis_rules) if cfg.axis_rules is not None else INFERENCE_AXIS_RULES
 
 
 def _resolve_add_bos(add_bos: Optional[bool], tokenizer: Any) -> bool:
@@ -253,12 +199,12 @@ class Engine(Configurable):
         self.model_name = cfg.model_name
         self.max_seq_len = cfg.max_seq_len
         self.max_batch = cfg.max_batch
-        self.axis_rules = _axis_rules(cfg)
+        self.axis_rules = engine_axis_rules(cfg)
         self.mesh = build_mesh(cfg)
         spec_fn = None
         if self.mesh is not None:
             params = jax.device_put(params, self.param_shardings(self.mesh))
-            spec_fn = _SpecFn(self.axis_rules, self.mesh)
+            spec_fn = SpecFn(self.axis_rules, self.mesh)
         else:  # Host (numpy) params would be copied to the device on every call.
             params = jax.device_put(params)
         self.vocab_size = int(
@@ -338,7 +284,8 @@ class Engine(Configurable):
         mesh = build_mesh(engine_cfg)
         shardings = None
         if mesh is not None:
-            shardings = param_shardings(model_cfg.instantiate(), mesh, _axis_rules(engine_cfg))
+            rules = engine_axis_rules(engine_cfg)
+            shardings = param_shardings(model_cfg.instantiate(), mesh, rules)
         params, _ = restore_params(directory, model_cfg, step=step, use_ema=use_ema,
                                    shardings=shardings)
         return cast(Engine, engine_cfg.instantiate(model_cfg=model_cfg, params=params,
@@ -547,53 +494,3 @@ class Engine(Configurable):
                 except Exception:  # pragma: no cover - nothing more to do
                     log.exception("could not reset the KV cache")
                     raise InferenceError("engine is unusable after a device failure") from None
-
-
-class _SpecFn:
-    """Hashable logical-axes -> PartitionSpec function (part of jit's cache key)."""
-
-    def __init__(self, rules: Any, mesh: Mesh):
-        self.rules, self.mesh = tuple(rules), mesh
-
-    def __call__(self, axes: Any) -> Any:
-        return logical_to_partition_spec(axes, self.rules, self.mesh, strict=False)
-
-    def __hash__(self) -> int:
-        return hash((self.rules, id(self.mesh)))
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _SpecFn) and (other.rules, other.mesh) == (self.rules, self.mesh)
-
-
-def restore_params(directory: Union[str, Path], model_cfg: Any, *, step: Optional[int] = None,
-                   use_ema: bool = False, shardings: Any = None) -> tuple[Any, int]:
-    """(params, step) of a jaxlearn checkpoint: only the params (or, with use_ema, the EMA
-    params) of `step` (default: the newest step that verifies) are read, into `shardings`
-    (a tree like the params; default: the default device). `directory` is a Checkpointer
-    directory (holding `step_*/`) or a training output_dir (holding `checkpoints/`)."""
-    from jaxlearn.checkpoint import Checkpointer, CheckpointNotFoundError
-
-    root = Path(directory)
-    if not any(root.glob("step_*")) and (root / "checkpoints").is_dir():
-        root = root / "checkpoints"
-    if getattr(model_cfg, "name", None) is REQUIRED:
-        model_cfg = model_cfg.clone(name="model")
-    model = model_cfg.instantiate()
-    shapes = jax.eval_shape(model.initialize_parameters_recursively, jax.random.key(0))
-    if shardings is not None:
-        shapes = jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings)
-    key = "ema" if use_ema else "params"
-    ckpt = Checkpointer.default_config().set(directory=str(root)).instantiate()
-    try:
-        if step is None:
-            found = ckpt.restore_latest({key: shapes}, partial=True)
-            if found is None:
-                raise CheckpointNotFoundError(f"no checkpoint steps under {root}")
-            step, tree = found
-        else:
-            tree = ckpt.restore(step, {key: shapes}, partial=True)
-    finally:
-        ckpt.close()
-    log.info("restored %s of step %d from %s", key, step, root)
-    return tree[key], int(step)

@@ -1,4 +1,4 @@
-"""PageTable: the host-side allocator of the paged KV pool (`jaxlearn.layers.paged`).
+"""PageTable: the host-side allocator of the paged KV pool (`jaxlearn.kernels.paged`).
 
 A request holds a slot (a row of the table) and ceil(tokens / page_size) pages, taken
 from one free list shared by every slot as it grows and returned when it finishes or is

@@ -13,7 +13,7 @@ the same layer code as training:
   compacted list of decoding rows (any slots), writing one token per row per step.
 - `logits`: a cache-free forward for `Engine.logits`.
 
-KV memory is one pool of pages per layer ([num_pages, *page], `jaxlearn.layers.paged`),
+KV memory is one pool of pages per layer ([num_pages, *page], `jaxlearn.kernels.paged`),
 allocated once and donated to every call. The scheduler's
 `PageTable` hands pages to requests as they grow; a call receives its rows' page tables,
 cut to the `time_len` window it needs. Page 0 belongs to nobody: padding rows and

@@ -16,8 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxlearn.config import REQUIRED, InstantiableConfig
-from jaxlearn.kernels import blockwise_attention, ring_attention
-from jaxlearn.layers import paged
+from jaxlearn.kernels import blockwise_attention, paged, ring_attention
 from jaxlearn.layers.dense import DotGeneral, dense, einsum, maybe_dot
 from jaxlearn.layers.rope import RotaryEmbedding
 from jaxlearn.module import (
@@ -32,7 +31,7 @@ from jaxlearn.module import (
 IMPLEMENTATIONS = ("einsum", "dot_product_attention", "blockwise", "ring")
 _NEG = float(jnp.finfo(jnp.float32).min)
 # Pages of keys [kv_heads, head_dim, page_size], of values [kv_heads, page_size, head_dim]:
-# the layouts `_core`'s two einsums read them in (see `jaxlearn.layers.paged`).
+# the layouts `_core`'s two einsums read them in (see `jaxlearn.kernels.paged`).
 _PAGE_LAYOUT = {"key": "kdt", "value": "ktd"}
 KVCache = dict[str, jax.Array]  # {"key", "value": [batch, max_len, kv_heads, head_dim]}
 
@@ -187,7 +186,7 @@ class Attention(Module):
 
     def init_paged_states(self, num_pages: int, page_size: int) -> KVCache:
         """An empty page pool: key [num_pages, kv_heads, head_dim, page_size], value
-        [num_pages, kv_heads, page_size, head_dim] (see `jaxlearn.layers.paged`; 16-bit
+        [num_pages, kv_heads, page_size, head_dim] (see `jaxlearn.kernels.paged`; 16-bit
         compute dtypes are stored as uint16 bits)."""
         args = (num_pages, page_size, self.num_kv_heads, self.head_dim, self.dtype)
         return {name: paged.init_pool(*args, layout=_PAGE_LAYOUT[name]) for name in _PAGE_LAYOUT}

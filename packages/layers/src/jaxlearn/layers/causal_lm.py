@@ -129,7 +129,7 @@ class CausalLM(Module):
         return {"time_step": t, "decoder": cache}, logits
 
     def init_paged_states(self, num_pages: int, page_size: int) -> dict[str, Any]:
-        """{"decoder": per-layer page pools} (`jaxlearn.layers.paged`); a call adds its rows'
+        """{"decoder": per-layer page pools} (`jaxlearn.kernels.paged`); a call adds its rows'
         "time_step" [batch] and "page_table" [batch, pages]."""
         return {"decoder": self.decoder.init_paged_states(num_pages, page_size)}
 

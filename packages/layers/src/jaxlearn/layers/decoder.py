@@ -95,7 +95,7 @@ class Decoder(Module):
         return self.transformer.init_states(batch_size, max_len)
 
     def init_paged_states(self, num_pages: int, page_size: int) -> Any:
-        """Empty per-layer page pools (see `jaxlearn.layers.paged`)."""
+        """Empty per-layer page pools (see `jaxlearn.kernels.paged`)."""
         return self.transformer.init_paged_states(num_pages, page_size)
 
     def prefill(
@@ -123,7 +123,7 @@ class Decoder(Module):
         (cache, logits [batch, steps, vocab]).
 
         page_table [batch, pages]: `cache` is a paged pool (`init_paged_states`; see
-        `jaxlearn.layers.paged`).
+        `jaxlearn.kernels.paged`).
         logits_index [batch, k]: only the logits of those steps, [batch, k, vocab] (e.g. the
         last prompt token of a prefill chunk: the LM head is a large share of a chunk)."""
         x = self.emb(input_ids)

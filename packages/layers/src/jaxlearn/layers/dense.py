@@ -1,5 +1,5 @@
-"""Dense matmuls: `dense()`, the injectable `DotGeneral`, the bf16-friendly custom-VJP
-`matmul`/`einsum`, and the `Linear` module.
+"""Dense matmuls: `dense()`, the injectable `DotGeneral` and the `Linear` module, over the
+bf16-friendly custom-VJP `matmul`/`einsum` of `jaxlearn.kernels.matmul` (re-exported).
 
 CPU lessons built in:
 - activations are flattened to [tokens, in] around every dense matmul (3-D dW contractions
@@ -15,86 +15,18 @@ CPU lessons built in:
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from jaxlearn.config import REQUIRED, Configurable
 from jaxlearn.kernels import Int8Weight, int8_matmul
+from jaxlearn.kernels.matmul import einsum, matmul
 from jaxlearn.module import FanAxes, Module, ParameterSpec, zeros
 
-_F32 = jnp.float32
-
-
-# ---- custom-VJP matmul ----------------------------------------------------------------------
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def matmul(x: jax.Array, w: jax.Array, out_dtype: Any = None) -> jax.Array:
-    """x [tokens, in] @ w [in, out] -> [tokens, out] in `out_dtype` (default x.dtype),
-    accumulated in f32, with a backward whose dots stay in the operands' dtype.
-
-    `w` may be wider than x (f32 master weights with bf16 compute): it is cast to x.dtype
-    for the dot, and its gradient is returned in w's dtype straight from the f32
-    accumulator (no bf16 rounding and no bf16 -> f32 convert pass per weight)."""
-    return jnp.dot(x, w.astype(x.dtype), preferred_element_type=_F32).astype(out_dtype or x.dtype)
-
-
-def _matmul_fwd(x: jax.Array, w: jax.Array, out_dtype: Any) -> tuple[jax.Array, Any]:
-    wc = w.astype(x.dtype)
-    y = jnp.dot(x, wc, preferred_element_type=_F32).astype(out_dtype or x.dtype)
-    return y, (x, wc, jnp.zeros((0,), w.dtype))  # The last: w's dtype, for the gradient.
-
-
-def _matmul_bwd(out_dtype: Any, res: Any, g: jax.Array) -> tuple[jax.Array, jax.Array]:
-    x, w, w_dtype = res
-    g = g.astype(x.dtype)
-    # dx = g @ w.T as the "NT" dot_general form; dW = x.T @ g as a 3-D einsum.
-    dx = lax.dot_general(g, w, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
-    dw = jnp.einsum("bnk,bnm->km", x[None], g[None], preferred_element_type=_F32)
-    return dx.astype(x.dtype), dw.astype(w_dtype.dtype)
-
-
-matmul.defvjp(_matmul_fwd, _matmul_bwd)
-
-
-def _einsum_parts(spec: str) -> tuple[str, str, str]:
-    lhs, out = spec.replace(" ", "").split("->")
-    a, b = lhs.split(",")
-    return a, b, out
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
-def einsum(spec: str, a: jax.Array, b: jax.Array, out_dtype: Any = None) -> jax.Array:
-    """Two-operand `jnp.einsum` with f32 accumulation whose backward casts the cotangent
-    to the operand dtype (so bf16 attention einsums stay bf16 in the backward pass).
-    Every index must appear in at least two of (a, b, out)."""
-    return jnp.einsum(spec, a, b, preferred_element_type=_F32).astype(out_dtype or a.dtype)
-
-
-def _einsum_fwd(spec: str, a: jax.Array, b: jax.Array, out_dtype: Any) -> tuple[jax.Array, Any]:
-    return einsum(spec, a, b, out_dtype), (a, b)
-
-
-def _einsum_bwd(spec: str, out_dtype: Any, res: Any, g: jax.Array) -> tuple[jax.Array, jax.Array]:
-    a, b = res
-    sa, sb, so = _einsum_parts(spec)
-    g = g.astype(a.dtype)
-    # Both operands get a leading size-1 contracted axis `z`: XLA's DotDecomposer then
-    # canonicalises the dot, so a dW-style gradient (e.g. "eni,eno->eio" of an expert
-    # matmul, which contracts the lhs's middle dim) stays bf16 instead of being upcast.
-    z = next(ch for ch in "zyxwvutsrqponmlkjihgfedcba" if ch not in spec)
-    da = jnp.einsum(f"{z}{so},{z}{sb}->{sa}", g[None], b[None], preferred_element_type=_F32)
-    db = jnp.einsum(f"{z}{sa},{z}{so}->{sb}", a[None], g[None], preferred_element_type=_F32)
-    return da.astype(a.dtype), db.astype(b.dtype)
-
-
-einsum.defvjp(_einsum_fwd, _einsum_bwd)
-
+__all__ = ["DotGeneral", "Linear", "dense", "einsum", "matmul", "maybe_dot"]
 
 def matmul_nt(x: jax.Array, w: jax.Array, *, out_dtype: Any = None) -> jax.Array:
     """x [..., in] times w [out, in] (a tied embedding used as the LM head) -> [..., out].

@@ -296,7 +296,7 @@ class ScanStack(BaseStack):
         page_table: Optional[Array] = None,
     ) -> tuple[Any, Array]:
         """(cache, x). With `page_table` the stacked pools ride in the scan carry and each
-        layer writes / reads its own `layer_index` (see `jaxlearn.layers.paged`)."""
+        layer writes / reads its own `layer_index` (see `jaxlearn.kernels.paged`)."""
         if page_table is not None:
             return paged_scan(self._scan, cache, x, time_step, positions, page_table)
 

@@ -1,0 +1,91 @@
+"""The bf16-friendly custom-VJP `matmul` and two-operand `einsum` the layers' dense
+projections and attention einsums run on.
+
+Every dot accumulates in f32 (`preferred_element_type`) with operands in the compute
+dtype. The custom VJPs keep bf16 backward dots bf16 on XLA:CPU: the cotangent is cast to
+the operand dtype, dx uses the "NT" `dot_general` form and dW a 3-D einsum that YNNPACK
+accepts (`matmul_grads`, shared with the straight-through gradient of
+`quantized_training.int8_matmul`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = ["einsum", "matmul", "matmul_grads"]
+
+_F32 = jnp.float32
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def matmul(x: jax.Array, w: jax.Array, out_dtype: Any = None) -> jax.Array:
+    """x [tokens, in] @ w [in, out] -> [tokens, out] in `out_dtype` (default x.dtype),
+    accumulated in f32, with a backward whose dots stay in the operands' dtype.
+
+    `w` may be wider than x (f32 master weights with bf16 compute): it is cast to x.dtype
+    for the dot, and its gradient is returned in w's dtype straight from the f32
+    accumulator (no bf16 rounding and no bf16 -> f32 convert pass per weight)."""
+    return jnp.dot(x, w.astype(x.dtype), preferred_element_type=_F32).astype(out_dtype or x.dtype)
+
+
+def matmul_grads(x: jax.Array, w: jax.Array, g: jax.Array, w_dtype: Any) -> tuple:
+    """(dx [tokens, in] in x.dtype, dw [in, out] in `w_dtype`) of `x @ w` for the cotangent
+    g [tokens, out]: both dots in x.dtype with f32 accumulation, dx = g @ w.T as the "NT"
+    dot_general form and dW = x.T @ g as a 3-D einsum."""
+    g, w = g.astype(x.dtype), w.astype(x.dtype)
+    dx = lax.dot_general(g, w, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
+    dw = jnp.einsum("bnk,bnm->km", x[None], g[None], preferred_element_type=_F32)
+    return dx.astype(x.dtype), dw.astype(w_dtype)
+
+
+def _matmul_fwd(x: jax.Array, w: jax.Array, out_dtype: Any) -> tuple[jax.Array, Any]:
+    wc = w.astype(x.dtype)
+    y = jnp.dot(x, wc, preferred_element_type=_F32).astype(out_dtype or x.dtype)
+    return y, (x, wc, jnp.zeros((0,), w.dtype))  # The last: w's dtype, for the gradient.
+
+
+def _matmul_bwd(out_dtype: Any, res: Any, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+    x, w, w_dtype = res
+    return matmul_grads(x, w, g, w_dtype.dtype)
+
+
+matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+def _einsum_parts(spec: str) -> tuple[str, str, str]:
+    lhs, out = spec.replace(" ", "").split("->")
+    a, b = lhs.split(",")
+    return a, b, out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
+def einsum(spec: str, a: jax.Array, b: jax.Array, out_dtype: Any = None) -> jax.Array:
+    """Two-operand `jnp.einsum` with f32 accumulation whose backward casts the cotangent
+    to the operand dtype (so bf16 attention einsums stay bf16 in the backward pass).
+    Every index must appear in at least two of (a, b, out)."""
+    return jnp.einsum(spec, a, b, preferred_element_type=_F32).astype(out_dtype or a.dtype)
+
+
+def _einsum_fwd(spec: str, a: jax.Array, b: jax.Array, out_dtype: Any) -> tuple[jax.Array, Any]:
+    return einsum(spec, a, b, out_dtype), (a, b)
+
+
+def _einsum_bwd(spec: str, out_dtype: Any, res: Any, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+    a, b = res
+    sa, sb, so = _einsum_parts(spec)
+    g = g.astype(a.dtype)
+    # Both operands get a leading size-1 contracted axis `z`: XLA's DotDecomposer then
+    # canonicalises the dot, so a dW-style gradient (e.g. "eni,eno->eio" of an expert
+    # matmul, which contracts the lhs's middle dim) stays bf16 instead of being upcast.
+    z = next(ch for ch in "zyxwvutsrqponmlkjihgfedcba" if ch not in spec)
+    da = jnp.einsum(f"{z}{so},{z}{sb}->{sa}", g[None], b[None], preferred_element_type=_F32)
+    db = jnp.einsum(f"{z}{sa},{z}{so}->{sb}", a[None], g[None], preferred_element_type=_F32)
+    return da.astype(a.dtype), db.astype(b.dtype)
+
+
+einsum.defvjp(_einsum_fwd, _einsum_bwd)
