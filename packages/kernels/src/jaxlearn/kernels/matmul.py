@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["einsum", "matmul", "matmul_grads"]
+__all__ = ["einsum", "matmul", "matmul_grads", "matmul_nt"]
 
 _F32 = jnp.float32
 
@@ -55,6 +55,33 @@ def _matmul_bwd(out_dtype: Any, res: Any, g: jax.Array) -> tuple[jax.Array, jax.
 
 
 matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def matmul_nt(x: jax.Array, w: jax.Array, out_dtype: Any = None) -> jax.Array:
+    """x [tokens, in] times w [out, in] -> [tokens, out] (x @ w.T: a tied embedding table
+    read as the LM head), contracted on w's stored layout: XLA:CPU copies (f32) or
+    converts to f32 (bf16) the whole table for `matmul(x, w.T)`, on every call. f32
+    accumulation; the backward's dots stay in the operands' dtype, w's gradient in w's."""
+    dims = (((1,), (1,)), ((), ()))
+    y = lax.dot_general(x, w.astype(x.dtype), dims, preferred_element_type=_F32)
+    return y.astype(out_dtype or x.dtype)
+
+
+def _matmul_nt_fwd(x: jax.Array, w: jax.Array, out_dtype: Any) -> tuple[jax.Array, Any]:
+    wc = w.astype(x.dtype)
+    return matmul_nt(x, wc, out_dtype), (x, wc, jnp.zeros((0,), w.dtype))
+
+
+def _matmul_nt_bwd(out_dtype: Any, res: Any, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+    x, w, w_dtype = res
+    g = g.astype(x.dtype)
+    dx = jnp.dot(g, w, preferred_element_type=_F32)  # [tokens, out] @ [out, in]
+    dw = jnp.einsum("bnm,bnk->mk", g[None], x[None], preferred_element_type=_F32)
+    return dx.astype(x.dtype), dw.astype(w_dtype.dtype)
+
+
+matmul_nt.defvjp(_matmul_nt_fwd, _matmul_nt_bwd)
 
 
 def _einsum_parts(spec: str) -> tuple[str, str, str]:

@@ -24,42 +24,11 @@ import jax.numpy as jnp
 from jaxlearn.config import REQUIRED, Configurable
 from jaxlearn.kernels import Int8Weight, int8_matmul
 from jaxlearn.kernels.matmul import einsum, matmul
+from jaxlearn.kernels.matmul import matmul_nt as nt_matmul
 from jaxlearn.module import FanAxes, Module, ParameterSpec, zeros
 
-__all__ = ["DotGeneral", "Linear", "dense", "einsum", "matmul", "maybe_dot"]
+__all__ = ["DotGeneral", "Linear", "dense", "einsum", "matmul", "matmul_nt", "maybe_dot"]
 
-def matmul_nt(x: jax.Array, w: jax.Array, *, out_dtype: Any = None) -> jax.Array:
-    """x [..., in] times w [out, in] (a tied embedding used as the LM head) -> [..., out].
-
-    The "NT" form: XLA:CPU runs it on the stored layout, where `dense(x, w.T)` copies (f32)
-    or converts (bf16) the whole table on every call."""
-    lead, k = x.shape[:-1], x.shape[-1]
-    x2d, padded = _pad_one_row(x.reshape(-1, k))
-    y = _matmul_nt(x2d, w, out_dtype)
-    return (y[:1] if padded else y).reshape(*lead, w.shape[0])
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _matmul_nt(x: jax.Array, w: jax.Array, out_dtype: Any) -> jax.Array:
-    dims = (((1,), (1,)), ((), ()))
-    y = lax.dot_general(x, w.astype(x.dtype), dims, preferred_element_type=_F32)
-    return y.astype(out_dtype or x.dtype)
-
-
-def _matmul_nt_fwd(x: jax.Array, w: jax.Array, out_dtype: Any) -> tuple[jax.Array, Any]:
-    wc = w.astype(x.dtype)
-    return _matmul_nt(x, wc, out_dtype), (x, wc, jnp.zeros((0,), w.dtype))
-
-
-def _matmul_nt_bwd(out_dtype: Any, res: Any, g: jax.Array) -> tuple[jax.Array, jax.Array]:
-    x, w, w_dtype = res
-    g = g.astype(x.dtype)
-    dx = jnp.dot(g, w, preferred_element_type=_F32)  # [tokens, out] @ [out, in]
-    dw = jnp.einsum("bnm,bnk->mk", g[None], x[None], preferred_element_type=_F32)
-    return dx.astype(x.dtype), dw.astype(w_dtype.dtype)
-
-
-_matmul_nt.defvjp(_matmul_nt_fwd, _matmul_nt_bwd)
 
 
 # ---- injectable dots ---------------------------------------------------------------------
@@ -84,6 +53,15 @@ def _pad_one_row(x2d: jax.Array) -> tuple[jax.Array, bool]:
     if x2d.shape[0] == 1 and jnp.dtype(x2d.dtype).itemsize < 4:
         return jnp.concatenate([x2d, jnp.zeros_like(x2d)], axis=0), True
     return x2d, False
+
+
+def matmul_nt(x: jax.Array, w: jax.Array, *, out_dtype: Any = None) -> jax.Array:
+    """x [..., in] times w [out, in] (a tied embedding used as the LM head) -> [..., out]
+    (`kernels.matmul.matmul_nt`, one low-precision row padded to two)."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2d, padded = _pad_one_row(x.reshape(-1, k))
+    y = nt_matmul(x2d, w, out_dtype)
+    return (y[:1] if padded else y).reshape(*lead, w.shape[0])
 
 
 def dense(
