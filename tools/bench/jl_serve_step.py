@@ -135,11 +135,12 @@ def main() -> None:
     for pair in args.dtypes.split(","):
         dt, pdt = (names[x] for x in pair.split("/"))
         loaded = load_pretrained(model, dtype=dt, param_dtype=pdt, stack=args.stack)
-        weight_mb = sum(x.nbytes for x in jax.tree.leaves(loaded.params)) / 2**20
         cfg = Engine.default_config().set(max_seq_len=512, max_batch=8, kv_cache_tokens=4096,
                                           **overrides)
         engine = cfg.instantiate(model_cfg=loaded.config, params=loaded.params,
                                  tokenizer=loaded)
+        # The served weights (int8 values + scales with quantize="int8").
+        weight_mb = sum(x.nbytes for x in jax.tree.leaves(engine.runner.params)) / 2**20
         for rows in (int(r) for r in args.rows.split(",")):
             measure(engine, rows, args.tokens)  # Compiles.
             for rep in range(args.repeats):
