@@ -2,8 +2,11 @@
 `matmul`/`einsum`, and the `Linear` module.
 
 CPU lessons built in:
-- activations are flattened to [tokens, in] around every dense matmul (3-D dW contractions
-  make XLA materialise big transposes);
+- the default dot keeps the activations' leading dims ([batch, seq, in] @ [in, out]): XLA
+  collapses them to tokens itself, per device after partitioning, so a sequence sharded
+  over devices stays sharded (a [batch * seq] reshape of a batch- and seq-sharded array
+  makes GSPMD all-gather the sequence when a device holds several rows); injected dots
+  (int8/fp8, LoRA) get [tokens, in];
 - every dot accumulates in f32 (`preferred_element_type`), operands stay in the compute
   dtype (f32 master params are cast at use);
 - the custom VJP keeps bf16 backward dots bf16: the cotangent is cast to the operand dtype,
@@ -35,7 +38,7 @@ _F32 = jnp.float32
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def matmul(x: jax.Array, w: jax.Array, out_dtype: Any = None) -> jax.Array:
-    """x [tokens, in] @ w [in, out] -> [tokens, out] in `out_dtype` (default x.dtype),
+    """x [..., in] @ w [in, out] -> [..., out] in `out_dtype` (default x.dtype),
     accumulated in f32, with a backward whose dots stay in the operands' dtype.
 
     `w` may be wider than x (f32 master weights with bf16 compute): it is cast to x.dtype
@@ -53,9 +56,11 @@ def _matmul_fwd(x: jax.Array, w: jax.Array, out_dtype: Any) -> tuple[jax.Array, 
 def _matmul_bwd(out_dtype: Any, res: Any, g: jax.Array) -> tuple[jax.Array, jax.Array]:
     x, w, w_dtype = res
     g = g.astype(x.dtype)
-    # dx = g @ w.T as the "NT" dot_general form; dW = x.T @ g as a 3-D einsum.
-    dx = lax.dot_general(g, w, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
-    dw = jnp.einsum("bnk,bnm->km", x[None], g[None], preferred_element_type=_F32)
+    # dx = g @ w.T as the "NT" dot_general form; dW = x.T @ g contracting every leading
+    # dim, with a leading size-1 one (the 3-D einsum form YNNPACK accepts).
+    dx = lax.dot_general(g, w, (((g.ndim - 1,), (1,)), ((), ())), preferred_element_type=_F32)
+    lead = tuple(range(x.ndim))  # of x[None]: the added dim and x's leading dims
+    dw = lax.dot_general(x[None], g[None], ((lead, lead), ((), ())), preferred_element_type=_F32)
     return dx.astype(x.dtype), dw.astype(w_dtype.dtype)
 
 
@@ -130,9 +135,10 @@ def dense(
 ) -> jax.Array:
     """x [..., *in] times w [*in, *out] -> [..., *out] (`in_dims` leading dims of w contract).
 
-    Flattens x to [tokens, prod(in)] and w to [prod(in), prod(out)], casts w to x's dtype
-    (the compute dtype), runs `dot` (default: the custom-VJP `matmul`) and restores the
-    shape. The result is in `out_dtype` (default x.dtype). `w` may be an `Int8Weight`
+    Flattens x's in dims to prod(in) and w to [prod(in), prod(out)], casts w to x's dtype
+    (the compute dtype), runs `dot` (default: the custom-VJP `matmul`, on x's leading dims
+    as they are; an injected dot or an int8 weight gets x as [tokens, in]) and restores
+    the shape. The result is in `out_dtype` (default x.dtype). `w` may be an `Int8Weight`
     whose scale has shape [1 x in_dims, *out] (see `jaxlearn.kernels.weight_quant`).
     """
     in_shape, out_shape = w.shape[:in_dims], w.shape[in_dims:]
@@ -140,6 +146,10 @@ def dense(
         raise ValueError(f"dense: input {x.shape} does not end in the weight's in dims {in_shape}")
     lead = x.shape[: x.ndim - in_dims]
     k, n = math.prod(in_shape), math.prod(out_shape)
+    if dot is None and not isinstance(w, Int8Weight) and math.prod(lead) > 1 and len(lead) > 1:
+        # The custom-VJP matmul casts w itself (and returns its gradient in w's dtype).
+        y = matmul(x.reshape(*lead, k), w.reshape(k, n), out_dtype)
+        return y.reshape(*lead, *out_shape)
     x2d = x.reshape(-1, k)
     if isinstance(w, Int8Weight):
         if dot is not None:
