@@ -2,11 +2,9 @@
 `matmul`/`einsum`, and the `Linear` module.
 
 CPU lessons built in:
-- the default dot keeps the activations' leading dims ([batch, seq, in] @ [in, out]): XLA
-  collapses them to tokens itself, per device after partitioning, so a sequence sharded
-  over devices stays sharded (a [batch * seq] reshape of a batch- and seq-sharded array
-  makes GSPMD all-gather the sequence when a device holds several rows); injected dots
-  (int8/fp8, LoRA) get [tokens, in];
+- the default dot keeps x's leading dims ([batch, seq, in]; XLA collapses them per device,
+  so a sharded sequence stays sharded: GSPMD gathers a batch- and seq-sharded array to
+  reshape it to [batch * seq]); injected dots (int8/fp8, LoRA) get [tokens, in];
 - every dot accumulates in f32 (`preferred_element_type`), operands stay in the compute
   dtype (f32 master params are cast at use);
 - the custom VJP keeps bf16 backward dots bf16: the cotangent is cast to the operand dtype,
@@ -56,8 +54,7 @@ def _matmul_fwd(x: jax.Array, w: jax.Array, out_dtype: Any) -> tuple[jax.Array, 
 def _matmul_bwd(out_dtype: Any, res: Any, g: jax.Array) -> tuple[jax.Array, jax.Array]:
     x, w, w_dtype = res
     g = g.astype(x.dtype)
-    # dx = g @ w.T as the "NT" dot_general form; dW = x.T @ g contracting every leading
-    # dim, with a leading size-1 one (the 3-D einsum form YNNPACK accepts).
+    # dx = g @ w.T ("NT" form); dW = x.T @ g over every leading dim and a size-1 one.
     dx = lax.dot_general(g, w, (((g.ndim - 1,), (1,)), ((), ())), preferred_element_type=_F32)
     lead = tuple(range(x.ndim))  # of x[None]: the added dim and x's leading dims
     dw = lax.dot_general(x[None], g[None], ((lead, lead), ((), ())), preferred_element_type=_F32)
@@ -147,7 +144,6 @@ def dense(
     lead = x.shape[: x.ndim - in_dims]
     k, n = math.prod(in_shape), math.prod(out_shape)
     if dot is None and not isinstance(w, Int8Weight) and math.prod(lead) > 1 and len(lead) > 1:
-        # The custom-VJP matmul casts w itself (and returns its gradient in w's dtype).
         y = matmul(x.reshape(*lead, k), w.reshape(k, n), out_dtype)
         return y.reshape(*lead, *out_shape)
     x2d = x.reshape(-1, k)
