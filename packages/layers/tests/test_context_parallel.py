@@ -131,6 +131,7 @@ def test_per_device_temp_memory_falls_with_the_sequence_shards_at_batch_4():
         mesh = Mesh(np.array(jax.devices()[:n]).reshape(1, n), ("data", "seq"))
         temp[n] = _compiled_step(model, params, batch, mesh)[0].memory_analysis(
         ).temp_size_in_bytes
-    # Activations are per device chunk: 4x fewer tokens, well over 2x less temp memory
-    # (gathering the sequence for the matmuls would keep them near one device's).
-    assert temp[4] * 2 < temp[1], temp
+    # Activations are per device chunk: 4x fewer tokens, ~4x less temp memory (3.8x
+    # measured: 8.06 -> 2.12 MB); gathering the sequence around the matmuls and saving
+    # per-tile masks in the scanned stack gave 2.5x (29.8 -> 11.7 MB).
+    assert temp[4] * 3 < temp[1], temp
