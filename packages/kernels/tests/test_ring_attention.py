@@ -100,3 +100,18 @@ def test_per_device_gradient_memory_falls_with_the_ring_size():
     # measured: 54.7 -> 17.5 MiB); one device runs plain blockwise_attention (42.7 MiB).
     assert temp[8] * 4 < temp[2] * 1.5, temp
     assert temp[8] * 2 < temp[1], temp
+
+
+def test_gradient_through_a_scanned_stack_saves_no_per_tile_values():
+    from test_blockwise_attention import _scanned_grad_temp_bytes
+
+    mesh = _mesh(seq=4)
+
+    def attend(x):
+        x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(None, "seq")))
+        return ring_attention(x, x, x, mesh=mesh, spec=(None, "seq"), block_q=64, block_k=64)
+
+    small, large = (_scanned_grad_temp_bytes(attend, s) for s in (2048, 4096))
+    # Per device: chunks of 512 / 1024 tokens; per-tile masks of a chunk hoisted out of
+    # the scanned loop would grow x4 per doubling.
+    assert large < 2.5 * small, (small, large)

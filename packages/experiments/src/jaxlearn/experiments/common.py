@@ -48,11 +48,11 @@ def ring_attention() -> Any:
 
 
 def context_parallel_mesh_rules() -> tuple[tuple[str, Any], ...]:
-    """Mesh rules for one long row per step: the sequence split over every device (`seq`
-    axis, ring attention) on every target. The layers flatten [batch, seq] to tokens
-    around each matmul, which keeps the sequence sharded only while each data replica
-    holds one row: so the batch is 1 here, and data parallelism means global batch =
-    data-axis size."""
+    """Mesh rules for long rows: the sequence split over every device (`seq` axis, ring
+    attention) on every target. The layers keep [batch, seq] around every matmul, so
+    the sequence stays sharded with any number of rows per device (with the default
+    dot; an injected int8/fp8/LoRA dot flattens to tokens and needs one row per data
+    replica)."""
     return ((r".*", chain(mesh(mesh_shape_from_axes(seq=-1)), ring_attention())),)
 
 

@@ -147,6 +147,13 @@ def _forward(st: _Static, q, k, v, qpos, kpos, qseg, kseg, kvalid, out_dtype=Non
     f32; +inf on a row that saw no key)."""
     b, sq, h, d = q.shape
     kvh = k.shape[2]
+    # Under a differentiated `lax.scan` (a scanned layer stack) JAX hoists whatever depends
+    # only on the scan's loop invariants out of the loop, into nested loops too: the masks
+    # (functions of positions and segment ids alone) would be computed for every tile up
+    # front and saved, [q_blocks, k_blocks, b, kv, g, bq, bk]. Tying them to q keeps them
+    # in the loop, computed per tile.
+    q, qpos, kpos, qseg, kseg, kvalid = lax.optimization_barrier(
+        (q, qpos, kpos, qseg, kseg, kvalid))
     qg = q.reshape(b, sq, kvh, h // kvh, d)
     k_side = tuple(_blocks(x, st.block_k) for x in (k, v, kpos, kseg, kvalid))
 

@@ -4,8 +4,11 @@ the whole batch.
 `head_cross_entropy(x, w, labels, weights, ...)` is `cross_entropy(x @ w, ...)` summed
 (plus the z-loss and an optional logit soft cap) for hidden states x [batch, seq, dim] and
 a head weight w [dim, vocab]. The sequence is cut into chunks of about `chunk_tokens`
-tokens (all batch rows together, so a batch-sharded x stays sharded); a `lax.scan` runs
-one chunk at a time: logits [chunk, vocab] (f32 accumulation), logsumexp, label logit,
+tokens (all batch rows together, so a batch-sharded x stays sharded); chunk j of a row
+holds its tokens j, j + n, j + 2n, ... (n chunks), so a sequence sharded over devices
+stays sharded too: every chunk is spread over all the sequence shards and none is
+gathered (the sums do not depend on the order of the tokens). A `lax.scan` runs one
+chunk at a time: logits [batch, chunk, vocab] (f32 accumulation), logsumexp, label logit,
 "correct", and, when differentiated, the gradient at once (Liger-style fused linear cross
 entropy): dlogits = w_t ((1 + 2 z lse_t) softmax_t - onehot_t), dx_chunk = dlogits @ wᵀ,
 dW += x_chunkᵀ dlogits (f32). The custom VJP's backward only scales dx and dW by the
@@ -41,35 +44,34 @@ def chunk_length(seq: int, batch: int, chunk_tokens: int) -> int:
 def _chunk_terms(
     xc: Array, wc: Array, labels: Array, cap: Optional[float]
 ) -> tuple[Array, Array, Array, Array, Array, Optional[Array]]:
-    """One chunk: xc [n, dim], wc [dim, vocab], labels [n] -> (ce [n], lse [n],
-    correct [n], logits [n, vocab] (capped), onehot mask [n, vocab], tanh [n, vocab] or
-    None when uncapped)."""
-    logits = lax.dot_general(xc, wc, (((1,), (0,)), ((), ())), preferred_element_type=_F32)
+    """One chunk: xc [b, c, dim], wc [dim, vocab], labels [b, c] -> (ce [b, c],
+    lse [b, c], correct [b, c], logits [b, c, vocab] (capped), onehot mask [b, c, vocab],
+    tanh [b, c, vocab] or None when uncapped)."""
+    logits = lax.dot_general(xc, wc, (((2,), (0,)), ((), ())), preferred_element_type=_F32)
     t = None
     if cap is not None:
         t = jnp.tanh(logits / cap)
         logits = cap * t
     m = jnp.max(logits, axis=-1)
-    lse = m + jnp.log(jnp.sum(jnp.exp(logits - m[:, None]), axis=-1))
+    lse = m + jnp.log(jnp.sum(jnp.exp(logits - m[..., None]), axis=-1))
     safe = jnp.where(labels >= 0, labels, 0)
-    onehot = lax.broadcasted_iota(jnp.int32, logits.shape, 1) == safe[:, None]
+    onehot = lax.broadcasted_iota(jnp.int32, logits.shape, 2) == safe[..., None]
     label_logit = jnp.sum(jnp.where(onehot, logits, 0.0), axis=-1)
     correct = (label_logit >= m).astype(_F32)
     return lse - label_logit, lse, correct, logits, onehot, t
 
 
 def _to_chunks(a: Array, c: int) -> Array:
-    """[batch, seq, ...] -> [seq // c, batch * c, ...]."""
+    """[batch, seq, ...] -> [n, batch, c, ...] (n = seq // c): chunk j holds tokens
+    j, j + n, ..., j + (c - 1) n of every row (seq's sharding goes to the c axis)."""
     b, s = a.shape[:2]
-    a = a.reshape(b, s // c, c, *a.shape[2:])
-    return jnp.moveaxis(a, 1, 0).reshape(s // c, b * c, *a.shape[3:])
+    return jnp.moveaxis(a.reshape(b, c, s // c, *a.shape[2:]), 2, 0)
 
 
-def _from_chunks(a: Array, b: int) -> Array:
-    """[n, batch * c, ...] -> [batch, n * c, ...] (inverse of `_to_chunks`)."""
-    n, bc = a.shape[:2]
-    a = a.reshape(n, b, bc // b, *a.shape[2:])
-    return jnp.moveaxis(a, 0, 1).reshape(b, n * (bc // b), *a.shape[3:])
+def _from_chunks(a: Array) -> Array:
+    """[n, batch, c, ...] -> [batch, c * n, ...] (inverse of `_to_chunks`)."""
+    n, b, c = a.shape[:3]
+    return jnp.moveaxis(a, 0, 2).reshape(b, c * n, *a.shape[3:])
 
 
 def _sums(ce: Array, lse: Array, correct: Array, w: Array, z: float) -> Array:
@@ -104,20 +106,20 @@ def _fused_fwd(x: Array, w: Array, labels: Array, weights: Array, cfg: tuple) ->
         acc, dw = carry
         xc, lc, vc = xs
         ce, lse, correct, logits, onehot, t = _chunk_terms(xc, wc, lc, cap)
-        p = jnp.exp(logits - lse[:, None])
+        p = jnp.exp(logits - lse[..., None])
         scale = vc * (1.0 + 2.0 * z * lse) if z else vc
-        dl = scale[:, None] * p - jnp.where(onehot, vc[:, None], 0.0)
+        dl = scale[..., None] * p - jnp.where(onehot, vc[..., None], 0.0)
         if t is not None:
             dl = dl * (1.0 - jnp.square(t))
         dl = dl.astype(x.dtype)
-        dxc = lax.dot_general(dl, wc, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
-        dw = dw + jnp.einsum("bnk,bnm->km", xc[None], dl[None], preferred_element_type=_F32)
+        dxc = lax.dot_general(dl, wc, (((2,), (1,)), ((), ())), preferred_element_type=_F32)
+        dw = dw + jnp.einsum("zbck,zbcm->km", xc[None], dl[None], preferred_element_type=_F32)
         return (acc + _sums(ce, lse, correct, vc, z), dw), dxc.astype(x.dtype)
 
     xs = (_to_chunks(x, c), _to_chunks(labels, c), _to_chunks(weights, c))
     init = (jnp.zeros((4,), _F32), jnp.zeros(w.shape, _F32))
     (sums, dw), dx = lax.scan(body, init, xs)
-    res = (_from_chunks(dx, x.shape[0]), dw, jnp.zeros((0,), w.dtype), labels, weights)
+    res = (_from_chunks(dx), dw, jnp.zeros((0,), w.dtype), labels, weights)
     return sums, res
 
 

@@ -24,7 +24,7 @@ _F32 = jnp.float32
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def matmul(x: jax.Array, w: jax.Array, out_dtype: Any = None) -> jax.Array:
-    """x [tokens, in] @ w [in, out] -> [tokens, out] in `out_dtype` (default x.dtype),
+    """x [..., in] @ w [in, out] -> [..., out] in `out_dtype` (default x.dtype),
     accumulated in f32, with a backward whose dots stay in the operands' dtype.
 
     `w` may be wider than x (f32 master weights with bf16 compute): it is cast to x.dtype
@@ -34,12 +34,15 @@ def matmul(x: jax.Array, w: jax.Array, out_dtype: Any = None) -> jax.Array:
 
 
 def matmul_grads(x: jax.Array, w: jax.Array, g: jax.Array, w_dtype: Any) -> tuple:
-    """(dx [tokens, in] in x.dtype, dw [in, out] in `w_dtype`) of `x @ w` for the cotangent
-    g [tokens, out]: both dots in x.dtype with f32 accumulation, dx = g @ w.T as the "NT"
-    dot_general form and dW = x.T @ g as a 3-D einsum."""
+    """(dx [..., in] in x.dtype, dw [in, out] in `w_dtype`) of `x @ w` for the cotangent
+    g [..., out]: both dots in x.dtype with f32 accumulation, dx = g @ w.T as the "NT"
+    dot_general form and dW = x.T @ g contracting a leading size-1 dim and every leading
+    dim of x (the 3-D form XLA:CPU keeps in bf16; x's leading dims are never merged, so
+    a sharded sequence stays sharded)."""
     g, w = g.astype(x.dtype), w.astype(x.dtype)
-    dx = lax.dot_general(g, w, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
-    dw = jnp.einsum("bnk,bnm->km", x[None], g[None], preferred_element_type=_F32)
+    dx = lax.dot_general(g, w, (((g.ndim - 1,), (1,)), ((), ())), preferred_element_type=_F32)
+    lead = tuple(range(x.ndim))  # of x[None]: the added dim and x's leading dims
+    dw = lax.dot_general(x[None], g[None], ((lead, lead), ((), ())), preferred_element_type=_F32)
     return dx.astype(x.dtype), dw.astype(w_dtype)
 
 
@@ -59,11 +62,11 @@ matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def matmul_nt(x: jax.Array, w: jax.Array, out_dtype: Any = None) -> jax.Array:
-    """x [tokens, in] times w [out, in] -> [tokens, out] (x @ w.T: a tied embedding table
-    read as the LM head), contracted on w's stored layout: XLA:CPU copies (f32) or
-    converts to f32 (bf16) the whole table for `matmul(x, w.T)`, on every call. f32
-    accumulation; the backward's dots stay in the operands' dtype, w's gradient in w's."""
-    dims = (((1,), (1,)), ((), ()))
+    """x [..., in] times w [out, in] -> [..., out] (x @ w.T: a tied embedding table read as
+    the LM head), contracted on w's stored layout: XLA:CPU copies (f32) or converts to f32
+    (bf16) the whole table for `matmul(x, w.T)`, on every call. f32 accumulation; the
+    backward's dots stay in the operands' dtype, w's gradient comes in w's dtype."""
+    dims = (((x.ndim - 1,), (1,)), ((), ()))
     y = lax.dot_general(x, w.astype(x.dtype), dims, preferred_element_type=_F32)
     return y.astype(out_dtype or x.dtype)
 
@@ -76,8 +79,9 @@ def _matmul_nt_fwd(x: jax.Array, w: jax.Array, out_dtype: Any) -> tuple[jax.Arra
 def _matmul_nt_bwd(out_dtype: Any, res: Any, g: jax.Array) -> tuple[jax.Array, jax.Array]:
     x, w, w_dtype = res
     g = g.astype(x.dtype)
-    dx = jnp.dot(g, w, preferred_element_type=_F32)  # [tokens, out] @ [out, in]
-    dw = jnp.einsum("bnm,bnk->mk", g[None], x[None], preferred_element_type=_F32)
+    dx = jnp.dot(g, w, preferred_element_type=_F32)  # [..., out] @ [out, in]
+    lead = tuple(range(x.ndim))  # of g[None] / x[None]: the added dim and the leading dims
+    dw = lax.dot_general(g[None], x[None], ((lead, lead), ((), ())), preferred_element_type=_F32)
     return dx.astype(x.dtype), dw.astype(w_dtype.dtype)
 
 

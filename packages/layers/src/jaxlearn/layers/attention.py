@@ -237,14 +237,13 @@ class Attention(Module):
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [batch, seq, embed] -> q [b, s, heads, d], k, v [b, s, kv_heads, d] (RoPE'd)."""
         p = self.parameters
-        x2d = x.reshape(-1, x.shape[-1])  # [tokens, embed]
         names = ("qkv",) if self.config.fused_qkv else ("q", "k", "v")
         out = []
         for name in names:
-            y = dense(x2d, p[f"{name}_proj"], dot=self._dot)
+            y = dense(x, p[f"{name}_proj"], dot=self._dot)  # [b, s, heads, d]
             if f"{name}_bias" in p:
                 y = y + p[f"{name}_bias"].astype(y.dtype)
-            out.append(y.reshape(*x.shape[:2], *y.shape[1:]))
+            out.append(y)
         if self.config.fused_qkv:  # [b, s, heads + 2 kv_heads, d] -> q, k, v
             h, kv = self.config.num_heads, self.num_kv_heads
             out = [out[0][:, :, :h], out[0][:, :, h : h + kv], out[0][:, :, h + kv :]]
@@ -344,12 +343,11 @@ class Attention(Module):
 
     def _output(self, o: jax.Array) -> jax.Array:
         """o [b, s, heads, head_dim] -> y [b, s, embed] through o_proj (+ o_bias)."""
-        b, s = o.shape[:2]
         o, p = self.checkpoint_name(o, "context"), self.parameters
-        y = dense(o.reshape(b * s, *o.shape[2:]), p["o_proj"], dot=self._dot, in_dims=2)
+        y = dense(o, p["o_proj"], dot=self._dot, in_dims=2)
         if "o_bias" in p:
             y = y + p["o_bias"].astype(y.dtype)
-        return with_logical_constraint(y.reshape(b, s, -1), ("batch", "seq", "embed"))
+        return with_logical_constraint(y, ("batch", "seq", "embed"))
 
     def _core(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
         """q [b, s, heads, d], k/v [b, t, kv_heads, d], mask [b|1, s, t] -> [b, s, heads, d]."""

@@ -2,8 +2,9 @@
 bf16-friendly custom-VJP `matmul`/`einsum` of `jaxlearn.kernels.matmul` (re-exported).
 
 CPU lessons built in:
-- activations are flattened to [tokens, in] around every dense matmul (3-D dW contractions
-  make XLA materialise big transposes);
+- the default dot keeps x's leading dims ([batch, seq, in]; XLA collapses them per device,
+  so a sharded sequence stays sharded: GSPMD gathers a batch- and seq-sharded array to
+  reshape it to [batch * seq]); injected dots (int8/fp8, LoRA) get [tokens, in];
 - every dot accumulates in f32 (`preferred_element_type`), operands stay in the compute
   dtype (f32 master params are cast at use);
 - the custom VJP keeps bf16 backward dots bf16: the cotangent is cast to the operand dtype,
@@ -57,9 +58,12 @@ def _pad_one_row(x2d: jax.Array) -> tuple[jax.Array, bool]:
 
 def matmul_nt(x: jax.Array, w: jax.Array, *, out_dtype: Any = None) -> jax.Array:
     """x [..., in] times w [out, in] (a tied embedding used as the LM head) -> [..., out]
-    (`kernels.matmul.matmul_nt`, one low-precision row padded to two)."""
+    (`kernels.matmul.matmul_nt` on x's leading dims as they are; one low-precision row is
+    padded to two)."""
     lead, k = x.shape[:-1], x.shape[-1]
-    x2d, padded = _pad_one_row(x.reshape(-1, k))
+    if math.prod(lead) > 1:
+        return nt_matmul(x, w, out_dtype)
+    x2d, padded = _pad_one_row(x.reshape(1, k))
     y = nt_matmul(x2d, w, out_dtype)
     return (y[:1] if padded else y).reshape(*lead, w.shape[0])
 
@@ -74,9 +78,10 @@ def dense(
 ) -> jax.Array:
     """x [..., *in] times w [*in, *out] -> [..., *out] (`in_dims` leading dims of w contract).
 
-    Flattens x to [tokens, prod(in)] and w to [prod(in), prod(out)], casts w to x's dtype
-    (the compute dtype), runs `dot` (default: the custom-VJP `matmul`) and restores the
-    shape. The result is in `out_dtype` (default x.dtype). `w` may be an `Int8Weight`
+    Flattens x's in dims to prod(in) and w to [prod(in), prod(out)], casts w to x's dtype
+    (the compute dtype), runs `dot` (default: the custom-VJP `matmul`, on x's leading dims
+    as they are; an injected dot or an int8 weight gets x as [tokens, in]) and restores
+    the shape. The result is in `out_dtype` (default x.dtype). `w` may be an `Int8Weight`
     whose scale has shape [1 x in_dims, *out] (see `jaxlearn.kernels.weight_quant`).
     """
     in_shape, out_shape = w.shape[:in_dims], w.shape[in_dims:]
@@ -84,6 +89,9 @@ def dense(
         raise ValueError(f"dense: input {x.shape} does not end in the weight's in dims {in_shape}")
     lead = x.shape[: x.ndim - in_dims]
     k, n = math.prod(in_shape), math.prod(out_shape)
+    if dot is None and not isinstance(w, Int8Weight) and math.prod(lead) > 1 and len(lead) > 1:
+        y = matmul(x.reshape(*lead, k), w.reshape(k, n), out_dtype)
+        return y.reshape(*lead, *out_shape)
     x2d = x.reshape(-1, k)
     if isinstance(w, Int8Weight):
         if dot is not None:

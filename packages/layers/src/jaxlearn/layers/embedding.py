@@ -91,10 +91,10 @@ def _take_rows_16_fwd(w: jax.Array, ids: jax.Array) -> tuple[jax.Array, Any]:
 
 def _take_rows_16_bwd(res: Any, g: jax.Array) -> tuple[jax.Array, None]:
     ids, table = res  # table: [rows, 0], for the gradient's row count and dtype.
-    flat = g.reshape(-1, g.shape[-1]).astype(jnp.float32)
     # Rows of repeated ids are summed in f32 and rounded once (a 16-bit sum would round
-    # at every repeat of a frequent token).
-    dw = jnp.zeros((table.shape[0], g.shape[-1]), jnp.float32).at[ids.reshape(-1)].add(flat)
+    # at every repeat of a frequent token). ids and g keep their [batch, seq] layout.
+    dw = jnp.zeros((table.shape[0], g.shape[-1]), jnp.float32).at[ids].add(
+        g.astype(jnp.float32))
     return dw.astype(table.dtype), None
 
 

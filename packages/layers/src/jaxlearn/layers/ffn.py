@@ -35,7 +35,7 @@ class FeedForward(Module):
     Gated (two activations, e.g. ("silu", "linear") = SwiGLU, ("gelu_tanh", "linear") =
     GeGLU): wo(act0(x @ wi_0) * act1(x @ wi_1)). Params `wi_0`, `wi_1` [embed, mlp],
     `wo` [mlp, embed]. Plain (one activation): wo(act(x @ wi)), params `wi`, `wo`.
-    Runs on [tokens, embed] (flattened once) between the two reshapes.
+    Keeps x's [batch, seq] layout (see `dense`).
     """
 
     class Config(Module.Config):
@@ -94,15 +94,14 @@ class FeedForward(Module):
 
     def forward(self, x: jax.Array) -> jax.Array:
         c = self.config
-        shape = x.shape
-        x = x.astype(self.dtype).reshape(-1, shape[-1])  # [tokens, embed]
+        x = x.astype(self.dtype)
         if c.fused_gate:
-            both = self._proj(x, "wi_fused")  # [tokens, 2 * mlp]
-            pre = [both[:, : c.hidden_dim], both[:, c.hidden_dim :]]
+            both = self._proj(x, "wi_fused")  # [..., 2 * mlp]
+            pre = [both[..., : c.hidden_dim], both[..., c.hidden_dim :]]
         else:
             pre = [self._proj(x, n) for n in self._in_names()]
         hs = [get_activation(a)(self.checkpoint_name(h, "ffn_hidden"))
               for a, h in zip(c.activation, pre)]
         h = self.checkpoint_name(hs[0] * hs[1] if len(hs) == 2 else hs[0], "ffn_activation")
-        y = self._proj(h, "wo").reshape(shape)
+        y = self._proj(h, "wo")
         return with_logical_constraint(y, ("batch", "seq", "embed")) if y.ndim == 3 else y
