@@ -111,6 +111,7 @@ def large_model_mesh_rules(
     microbatches: Optional[Mapping[str, int]] = None,
     *,
     seq_shards: Optional[Mapping[str, int]] = None,
+    model_shards: Optional[Mapping[str, int]] = None,
     moe_capacity_factor: Optional[float] = None,
 ) -> tuple[tuple[str, Any], ...]:
     """Mesh rules for real-size models on every supported target.
@@ -134,17 +135,23 @@ def large_model_mesh_rules(
     (`sequence_sharded_fsdp`), so each device holds 1/n of a sequence's activations at
     the same state per device. Each FSDP shard must hold one row per microbatch (see
     `context_parallel_mesh_rules`): n x the microbatches of the plain FSDP layout.
+    `model_shards` ({family: n}, TPU families): tensor parallelism inside the slice, an
+    ICI `model` axis of n devices (FSDP over the rest): heads, MLP hidden (of every
+    expert too) and vocabulary split n ways, so each device gathers 1/n of a layer's
+    weights; n x the microbatches of plain FSDP, for one row per FSDP shard.
     CPU: FSDP over every device (for AOT checks and smoke runs), einsum attention.
     """
     microbatches, seq_shards = dict(microbatches or {}), dict(seq_shards or {})
-    unknown = (set(microbatches) | set(seq_shards)) - set(FAMILIES)
+    model_shards = dict(model_shards or {})
+    unknown = (set(microbatches) | set(seq_shards) | set(model_shards)) - set(FAMILIES)
     if unknown:
         raise ValueError(f"large_model_mesh_rules: unknown families {sorted(unknown)}; "
                          f"known: {sorted(FAMILIES)}")
-    not_tpu = sorted(f for f, n in seq_shards.items() if n > 1 and not f.startswith("tpu"))
-    if not_tpu:
-        raise ValueError(f"large_model_mesh_rules: seq_shards is for TPU families; got "
-                         f"{not_tpu}")
+    for name, shards in (("seq_shards", seq_shards), ("model_shards", model_shards)):
+        not_tpu = sorted(f for f, n in shards.items() if n > 1 and not f.startswith("tpu"))
+        if not_tpu:
+            raise ValueError(f"large_model_mesh_rules: {name} is for TPU families; got "
+                             f"{not_tpu}")
     fsdp_all = mesh(mesh_shape_from_axes(fsdp=-1))
     # TPU: FSDP over the slice (ICI), data parallel across slices (DCN) of a multi-slice job.
     layouts = {"tpu": mesh(hybrid_mesh_shape_from_axes(ici={"fsdp": -1}, dcn={"data": -1})),
@@ -153,11 +160,15 @@ def large_model_mesh_rules(
     rules = []
     for family, pattern in FAMILIES.items():
         platform = family.split("-")[0]
-        seq = seq_shards.get(family, 1)
+        seq, tp = seq_shards.get(family, 1), model_shards.get(family, 1)
         if seq > 1:
             mods = [mesh(hybrid_mesh_shape_from_axes(ici={"fsdp": -1, "seq": seq},
                                                      dcn={"data": -1})),
                     sequence_sharded_fsdp(), remat("nothing_saveable"), ring_attention()]
+        elif tp > 1:
+            mods = [mesh(hybrid_mesh_shape_from_axes(ici={"fsdp": -1, "model": tp},
+                                                     dcn={"data": -1})),
+                    remat("nothing_saveable"), blockwise_attention()]
         else:
             mods = [layouts[platform], remat("nothing_saveable"), blockwise_attention()]
         mods.append(chunked_loss(_LOSS_CHUNK_TOKENS[platform]))

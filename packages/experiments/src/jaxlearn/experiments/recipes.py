@@ -94,11 +94,12 @@ def tiny_moe() -> Trainer.Config:
 def _large(model: Any, *, seq_len: int, global_batch: int, max_step: int, lr: float,
            microbatches: Optional[dict[str, int]] = None,
            seq_shards: Optional[dict[str, int]] = None,
+           model_shards: Optional[dict[str, int]] = None,
            moe_capacity_factor: Optional[float] = None) -> Trainer.Config:
-    """A real-size pretraining recipe; `microbatches` and `seq_shards` ({hardware family:
-    n}) size the gradient accumulation and context parallelism that make the golden
-    selector of each family fit (`large_model_mesh_rules`); `moe_capacity_factor` the MoE
-    dispatch on accelerators."""
+    """A real-size pretraining recipe; `microbatches`, `seq_shards` and `model_shards`
+    ({hardware family: n}) size the gradient accumulation, context and tensor parallelism
+    that make the golden selector of each family fit (`large_model_mesh_rules`);
+    `moe_capacity_factor` the MoE dispatch on accelerators."""
     return trainer_config(
         model,
         _input(seq_len=seq_len, global_batch_size=global_batch),
@@ -107,6 +108,7 @@ def _large(model: Any, *, seq_len: int, global_batch: int, max_step: int, lr: fl
         warmup_steps=2000,
         save_every_n_steps=1000,
         mesh_rules=large_model_mesh_rules(microbatches, seq_shards=seq_shards,
+                                          model_shards=model_shards,
                                           moe_capacity_factor=moe_capacity_factor),
     )
 
@@ -142,8 +144,9 @@ def mixtral_8x7b() -> Trainer.Config:
     model = llama_config(32000, 4096, 32, 32, 8, 14336, rope_theta=1e6, dtype="bfloat16")
     model = use_moe(model, num_experts=8, top_k=2)
     return _large(model, seq_len=4096, global_batch=1024, max_step=500_000, lr=3e-4,
-                  microbatches={"tpu-v5e": 4, "tpu-v6e": 2, "gpu-h100": 8, "gpu-h200": 2,
-                                "gpu-b200": 2, "trn2": 8}, moe_capacity_factor=1.25)
+                  microbatches={"tpu-v5e": 16, "tpu-v6e": 2, "gpu-h100": 8, "gpu-h200": 2,
+                                "gpu-b200": 2, "trn2": 8},
+                  model_shards={"tpu-v5e": 4}, moe_capacity_factor=1.25)
 
 
 def qwen3_8b() -> Trainer.Config:
