@@ -6,6 +6,7 @@ from typing import Any, Mapping, Optional
 
 from jaxlearn.checkpoint import Checkpointer
 from jaxlearn.mesh import (
+    AxisRulesModifier,
     ChainModifier,
     GradAccumulationModifier,
     MeshShapeModifier,
@@ -99,9 +100,18 @@ def moe_capacity(factor: float) -> Any:
         value=factor)
 
 
+def sequence_sharded_fsdp() -> Any:
+    """A modifier that shards the parameters' `embed` axis over `fsdp` and `seq` together:
+    with a `seq` axis in the mesh, the state stays split over every device (as under plain
+    FSDP) while the activations split their sequence over `seq`."""
+    return AxisRulesModifier.default_config().set(rules=(("embed", ("fsdp", "seq")),))
+
+
 def large_model_mesh_rules(
     microbatches: Optional[Mapping[str, int]] = None,
     *,
+    seq_shards: Optional[Mapping[str, int]] = None,
+    model_shards: Optional[Mapping[str, int]] = None,
     moe_capacity_factor: Optional[float] = None,
 ) -> tuple[tuple[str, Any], ...]:
     """Mesh rules for real-size models on every supported target.
@@ -119,13 +129,29 @@ def large_model_mesh_rules(
     the per-device activations of the whole batch do not fit; sized for the golden
     selectors (`SELECTORS`), so that `jaxlearn aot` reports a fit there
     (`docs/aot_matrix.md`).
+    `seq_shards` ({family: n}, TPU families): where one sequence per chip still does not
+    fit, context parallelism inside the slice: an ICI `seq` axis of n devices (FSDP over
+    the rest), ring attention, and the parameters sharded over `fsdp` x `seq`
+    (`sequence_sharded_fsdp`), so each device holds 1/n of a sequence's activations at
+    the same state per device. Each FSDP shard must hold one row per microbatch (see
+    `context_parallel_mesh_rules`): n x the microbatches of the plain FSDP layout.
+    `model_shards` ({family: n}, TPU families): tensor parallelism inside the slice, an
+    ICI `model` axis of n devices (FSDP over the rest): heads, MLP hidden (of every
+    expert too) and vocabulary split n ways, so each device gathers 1/n of a layer's
+    weights; n x the microbatches of plain FSDP, for one row per FSDP shard.
     CPU: FSDP over every device (for AOT checks and smoke runs), einsum attention.
     """
-    microbatches = dict(microbatches or {})
-    unknown = set(microbatches) - set(FAMILIES)
+    microbatches, seq_shards = dict(microbatches or {}), dict(seq_shards or {})
+    model_shards = dict(model_shards or {})
+    unknown = (set(microbatches) | set(seq_shards) | set(model_shards)) - set(FAMILIES)
     if unknown:
         raise ValueError(f"large_model_mesh_rules: unknown families {sorted(unknown)}; "
                          f"known: {sorted(FAMILIES)}")
+    for name, shards in (("seq_shards", seq_shards), ("model_shards", model_shards)):
+        not_tpu = sorted(f for f, n in shards.items() if n > 1 and not f.startswith("tpu"))
+        if not_tpu:
+            raise ValueError(f"large_model_mesh_rules: {name} is for TPU families; got "
+                             f"{not_tpu}")
     fsdp_all = mesh(mesh_shape_from_axes(fsdp=-1))
     # TPU: FSDP over the slice (ICI), data parallel across slices (DCN) of a multi-slice job.
     layouts = {"tpu": mesh(hybrid_mesh_shape_from_axes(ici={"fsdp": -1}, dcn={"data": -1})),
@@ -134,8 +160,18 @@ def large_model_mesh_rules(
     rules = []
     for family, pattern in FAMILIES.items():
         platform = family.split("-")[0]
-        mods = [layouts[platform], remat("nothing_saveable"), blockwise_attention(),
-                chunked_loss(_LOSS_CHUNK_TOKENS[platform])]
+        seq, tp = seq_shards.get(family, 1), model_shards.get(family, 1)
+        if seq > 1:
+            mods = [mesh(hybrid_mesh_shape_from_axes(ici={"fsdp": -1, "seq": seq},
+                                                     dcn={"data": -1})),
+                    sequence_sharded_fsdp(), remat("nothing_saveable"), ring_attention()]
+        elif tp > 1:
+            mods = [mesh(hybrid_mesh_shape_from_axes(ici={"fsdp": -1, "model": tp},
+                                                     dcn={"data": -1})),
+                    remat("nothing_saveable"), blockwise_attention()]
+        else:
+            mods = [layouts[platform], remat("nothing_saveable"), blockwise_attention()]
+        mods.append(chunked_loss(_LOSS_CHUNK_TOKENS[platform]))
         if moe_capacity_factor is not None:
             mods.append(moe_capacity(moe_capacity_factor))
         if microbatches.get(family, 1) > 1:

@@ -93,10 +93,13 @@ def tiny_moe() -> Trainer.Config:
 
 def _large(model: Any, *, seq_len: int, global_batch: int, max_step: int, lr: float,
            microbatches: Optional[dict[str, int]] = None,
+           seq_shards: Optional[dict[str, int]] = None,
+           model_shards: Optional[dict[str, int]] = None,
            moe_capacity_factor: Optional[float] = None) -> Trainer.Config:
-    """A real-size pretraining recipe; `microbatches` ({hardware family: n}) sizes the
-    gradient accumulation that makes the golden selector of each family fit
-    (`large_model_mesh_rules`); `moe_capacity_factor` the MoE dispatch on accelerators."""
+    """A real-size pretraining recipe; `microbatches`, `seq_shards` and `model_shards`
+    ({hardware family: n}) size the gradient accumulation, context and tensor parallelism
+    that make the golden selector of each family fit (`large_model_mesh_rules`);
+    `moe_capacity_factor` the MoE dispatch on accelerators."""
     return trainer_config(
         model,
         _input(seq_len=seq_len, global_batch_size=global_batch),
@@ -104,7 +107,9 @@ def _large(model: Any, *, seq_len: int, global_batch: int, max_step: int, lr: fl
         learning_rate=lr,
         warmup_steps=2000,
         save_every_n_steps=1000,
-        mesh_rules=large_model_mesh_rules(microbatches, moe_capacity_factor=moe_capacity_factor),
+        mesh_rules=large_model_mesh_rules(microbatches, seq_shards=seq_shards,
+                                          model_shards=model_shards,
+                                          moe_capacity_factor=moe_capacity_factor),
     )
 
 
@@ -119,8 +124,9 @@ def llama2_70b() -> Trainer.Config:
     """Llama 2 70B: 80 layers, d=8192, 64 heads / 8 KV heads, FFN 28672, vocab 32000."""
     model = llama_config(32000, 8192, 80, 64, 8, 28672, rope_theta=10000.0, dtype="bfloat16")
     return _large(model, seq_len=4096, global_batch=1024, max_step=500_000, lr=1.5e-4,
-                  microbatches={"tpu-v5e": 4, "tpu-v6e": 2, "gpu-h100": 16,
-                                "gpu-h200": 2, "gpu-b200": 2, "trn2": 16})
+                  microbatches={"tpu-v5e": 16, "tpu-v6e": 2, "gpu-h100": 16,
+                                "gpu-h200": 2, "gpu-b200": 2, "trn2": 16},
+                  seq_shards={"tpu-v5e": 4})
 
 
 def llama3_8b() -> Trainer.Config:
@@ -138,8 +144,9 @@ def mixtral_8x7b() -> Trainer.Config:
     model = llama_config(32000, 4096, 32, 32, 8, 14336, rope_theta=1e6, dtype="bfloat16")
     model = use_moe(model, num_experts=8, top_k=2)
     return _large(model, seq_len=4096, global_batch=1024, max_step=500_000, lr=3e-4,
-                  microbatches={"tpu-v5e": 4, "tpu-v6e": 2, "gpu-h100": 8, "gpu-h200": 2,
-                                "gpu-b200": 2, "trn2": 8}, moe_capacity_factor=1.25)
+                  microbatches={"tpu-v5e": 16, "tpu-v6e": 2, "gpu-h100": 8, "gpu-h200": 2,
+                                "gpu-b200": 2, "trn2": 8},
+                  model_shards={"tpu-v5e": 4}, moe_capacity_factor=1.25)
 
 
 def qwen3_8b() -> Trainer.Config:
@@ -201,7 +208,8 @@ def gemma2_9b() -> Trainer.Config:
     logits soft-capped at 50 / 30, query_pre_attn_scalar 256, seq 8192."""
     model = gemma2_config(256000, 3584, 42, 16, 8, 14336, head_dim=256, dtype="bfloat16")
     return _large(model, seq_len=8192, global_batch=512, max_step=500_000, lr=3e-4,
-                  microbatches={"tpu-v5e": 2, "tpu-v6e": 2, "gpu-h100": 4, "trn2": 4})
+                  microbatches={"tpu-v5e": 4, "tpu-v6e": 2, "gpu-h100": 4, "trn2": 4},
+                  seq_shards={"tpu-v5e": 2})
 
 
 def _smollm2_135m() -> Any:
