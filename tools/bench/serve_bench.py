@@ -1,6 +1,6 @@
 """Serving benchmark: `jaxlearn serve` against vLLM CPU and llama.cpp over the HTTP API.
 
-    python3 tools/bench/serve_bench.py [--servers jaxlearn,jaxlearn-bf16,vllm,llamacpp]
+    python3 tools/bench/serve_bench.py [--servers jaxlearn,jaxlearn-int8,vllm,llamacpp]
         [--rounds 2] [--concurrency 1,8,32] [--max_tokens 32] [--prompt_words 48]
         [--peers ~/.cache/serve-peers] [--out tools/bench/results/serve.jsonl]
 
