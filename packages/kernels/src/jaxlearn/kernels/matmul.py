@@ -11,6 +11,7 @@ accepts (`matmul_grads`, shared with the straight-through gradient of
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import jax
@@ -60,12 +61,21 @@ def _matmul_bwd(out_dtype: Any, res: Any, g: jax.Array) -> tuple[jax.Array, jax.
 matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def matmul_nt(x: jax.Array, w: jax.Array, out_dtype: Any = None) -> jax.Array:
     """x [..., in] times w [out, in] -> [..., out] (x @ w.T: a tied embedding table read as
     the LM head), contracted on w's stored layout: XLA:CPU copies (f32) or converts to f32
     (bf16) the whole table for `matmul(x, w.T)`, on every call. f32 accumulation; the
-    backward's dots stay in the operands' dtype, w's gradient comes in w's dtype."""
+    backward's dots stay in the operands' dtype, w's gradient comes in w's dtype. A single
+    low-precision row is padded to two (XLA upcasts a one-row bf16 dot and its weight)."""
+    if math.prod(x.shape[:-1]) == 1 and jnp.dtype(x.dtype).itemsize < 4:
+        x2 = x.reshape(1, x.shape[-1])
+        y = _matmul_nt(jnp.concatenate([x2, jnp.zeros_like(x2)]), w, out_dtype)[:1]
+        return y.reshape(*x.shape[:-1], w.shape[0])
+    return _matmul_nt(x, w, out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _matmul_nt(x: jax.Array, w: jax.Array, out_dtype: Any = None) -> jax.Array:
     dims = (((x.ndim - 1,), (1,)), ((), ()))
     y = lax.dot_general(x, w.astype(x.dtype), dims, preferred_element_type=_F32)
     return y.astype(out_dtype or x.dtype)
@@ -73,7 +83,7 @@ def matmul_nt(x: jax.Array, w: jax.Array, out_dtype: Any = None) -> jax.Array:
 
 def _matmul_nt_fwd(x: jax.Array, w: jax.Array, out_dtype: Any) -> tuple[jax.Array, Any]:
     wc = w.astype(x.dtype)
-    return matmul_nt(x, wc, out_dtype), (x, wc, jnp.zeros((0,), w.dtype))
+    return _matmul_nt(x, wc, out_dtype), (x, wc, jnp.zeros((0,), w.dtype))
 
 
 def _matmul_nt_bwd(out_dtype: Any, res: Any, g: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -85,7 +95,7 @@ def _matmul_nt_bwd(out_dtype: Any, res: Any, g: jax.Array) -> tuple[jax.Array, j
     return dx.astype(x.dtype), dw.astype(w_dtype.dtype)
 
 
-matmul_nt.defvjp(_matmul_nt_fwd, _matmul_nt_bwd)
+_matmul_nt.defvjp(_matmul_nt_fwd, _matmul_nt_bwd)
 
 
 def _einsum_parts(spec: str) -> tuple[str, str, str]:

@@ -24,8 +24,7 @@ import jax.numpy as jnp
 
 from jaxlearn.config import REQUIRED, Configurable
 from jaxlearn.kernels import Int8Weight, int8_matmul
-from jaxlearn.kernels.matmul import einsum, matmul
-from jaxlearn.kernels.matmul import matmul_nt as nt_matmul
+from jaxlearn.kernels.matmul import einsum, matmul, matmul_nt
 from jaxlearn.module import FanAxes, Module, ParameterSpec, zeros
 
 __all__ = ["DotGeneral", "Linear", "dense", "einsum", "matmul", "matmul_nt", "maybe_dot"]
@@ -54,18 +53,6 @@ def _pad_one_row(x2d: jax.Array) -> tuple[jax.Array, bool]:
     if x2d.shape[0] == 1 and jnp.dtype(x2d.dtype).itemsize < 4:
         return jnp.concatenate([x2d, jnp.zeros_like(x2d)], axis=0), True
     return x2d, False
-
-
-def matmul_nt(x: jax.Array, w: jax.Array, *, out_dtype: Any = None) -> jax.Array:
-    """x [..., in] times w [out, in] (a tied embedding used as the LM head) -> [..., out]
-    (`kernels.matmul.matmul_nt` on x's leading dims as they are; one low-precision row is
-    padded to two)."""
-    lead, k = x.shape[:-1], x.shape[-1]
-    if math.prod(lead) > 1:
-        return nt_matmul(x, w, out_dtype)
-    x2d, padded = _pad_one_row(x.reshape(1, k))
-    y = nt_matmul(x2d, w, out_dtype)
-    return (y[:1] if padded else y).reshape(*lead, w.shape[0])
 
 
 def dense(
