@@ -66,7 +66,8 @@ def test_plan_layouts_switch_attention_and_pipeline_through_printed_modifiers():
 
 def test_inference_cache_is_split_on_its_batch_axis_when_layers_equal_the_batch():
     """8 layers and 8 batch shards: the layer-stacked KV cache [layers, batch, ...] of the
-    AOT inference steps is split over its batch axis, in and out, never over the layers."""
+    AOT inference steps is split over its batch axis, in and out, never over the layers.
+    Prefill returns the last position's logits only, as the engine's prefill."""
     from jaxlearn.aot.compile import build_trainer, resolve_target
     from jaxlearn.cli.main import final_config
     from jaxlearn.inference.aot import compile_inference_steps
@@ -76,6 +77,8 @@ def test_inference_cache_is_split_on_its_batch_axis_when_layers_equal_the_batch(
     trainer = build_trainer(cfg, resolve_target("cpu-8"))
     batch_spec = trainer.batch_sharding.spec[0]
     for name, compiled in compile_inference_steps(trainer).items():
+        logits = compiled.out_info[1]
+        assert logits.shape[1:] == (1, cfg.model.decoder.vocab_size), (name, logits.shape)
         states_in = compiled.input_shardings[0][1]["decoder"]
         states_out = compiled.output_shardings[0]["decoder"]
         caches = [(i, o) for i, o in zip(jax.tree.leaves(states_in), jax.tree.leaves(states_out))]

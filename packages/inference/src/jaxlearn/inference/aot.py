@@ -1,9 +1,11 @@
 """AOT compilation of the inference steps (prefill and one decode step) for `jaxlearn aot`.
 
-The same `CausalLM.prefill` / `extend_step` layer code the engine runs (here with a
-contiguous batch-sharded cache rather than the engine's replicated page pool), lowered
-for the trainer's mesh with abstract (sharded) parameters, so the AOT report covers
-serving memory too.
+The same `CausalLM.extend_step` layer code the engine runs (here with a contiguous
+batch-sharded cache rather than the engine's replicated page pool), lowered for the
+trainer's mesh with abstract (sharded) parameters, so the AOT report covers serving memory
+too. Prefill computes the logits of each prompt's last position only, as the engine's
+prefill does (`logits_index`): a [batch, prompt, vocab] logits tensor would dominate the
+memory of a long prompt with a large vocabulary and is never made when serving.
 The KV cache is sharded over the batch axes (whichever of its dims is the batch).
 """
 
@@ -18,9 +20,12 @@ import jax.numpy as jnp
 from jaxlearn.module import functional
 
 
-def _call(model: Any, method: str) -> Any:
+def _step(model: Any, *, last_only: bool) -> Any:
+    """(params, states, ids [batch, steps]) -> (states, logits): `extend_step`; with
+    `last_only`, logits [batch, 1, vocab] of the last step only."""
     def fn(params: Any, states: Any, ids: jax.Array) -> Any:
-        return functional(model, None, params, (states, ids), method=method,
+        last = jnp.full((ids.shape[0], 1), ids.shape[1] - 1, jnp.int32) if last_only else None
+        return functional(model, None, params, (states, ids, last), method="extend_step",
                           is_training=False)[0]
 
     return fn
@@ -78,8 +83,8 @@ def compile_inference_steps(
                              for r in (b, b + 1)))
     out: dict[str, Any] = {}
     with jax.set_mesh(trainer.mesh):
-        for name, method, steps in (("prefill", "prefill", s), ("decode_step", "extend_step", 1)):
-            fn = _call(model, method)
+        for name, steps in (("prefill", s), ("decode_step", 1)):
+            fn = _step(model, last_only=name == "prefill")
             ids, results = [], []
             for rows in (b, b + 1):
                 ids.append(jax.ShapeDtypeStruct((rows, steps), jnp.int32))
