@@ -61,15 +61,25 @@ def _matmul_bwd(out_dtype: Any, res: Any, g: jax.Array) -> tuple[jax.Array, jax.
 matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
+def pad_single_row(x2d: jax.Array, *, any_dtype: bool = False) -> jax.Array:
+    """x2d [1, in] -> [2, in] (a zero row appended) where XLA:CPU would otherwise convert
+    the whole weight to f32 for a one-row dot, on every call: a low-precision (bf16, f16)
+    x, or any x with `any_dtype` (an int8 dot). Other inputs come back unchanged; slice
+    the product back to x2d's rows."""
+    if x2d.shape[0] == 1 and (any_dtype or jnp.dtype(x2d.dtype).itemsize < 4):
+        return jnp.concatenate([x2d, jnp.zeros_like(x2d)], axis=0)
+    return x2d
+
+
 def matmul_nt(x: jax.Array, w: jax.Array, out_dtype: Any = None) -> jax.Array:
     """x [..., in] times w [out, in] -> [..., out] (x @ w.T: a tied embedding table read as
     the LM head), contracted on w's stored layout: XLA:CPU copies (f32) or converts to f32
     (bf16) the whole table for `matmul(x, w.T)`, on every call. f32 accumulation; the
     backward's dots stay in the operands' dtype, w's gradient comes in w's dtype. A single
-    low-precision row is padded to two (XLA upcasts a one-row bf16 dot and its weight)."""
-    if math.prod(x.shape[:-1]) == 1 and jnp.dtype(x.dtype).itemsize < 4:
-        x2 = x.reshape(1, x.shape[-1])
-        y = _matmul_nt(jnp.concatenate([x2, jnp.zeros_like(x2)]), w, out_dtype)[:1]
+    low-precision row is padded to two (`pad_single_row`)."""
+    if math.prod(x.shape[:-1]) == 1:
+        x2 = pad_single_row(x.reshape(1, x.shape[-1]))
+        y = _matmul_nt(x2, w, out_dtype)[:1]
         return y.reshape(*x.shape[:-1], w.shape[0])
     return _matmul_nt(x, w, out_dtype)
 

@@ -32,6 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxlearn.kernels.matmul import pad_single_row
+
 __all__ = ["Int8Weight", "int8_matmul", "quantize_int8", "quantize_rows", "take_rows"]
 
 _QMAX = 127.0
@@ -103,8 +105,7 @@ def int8_matmul(x2d: jax.Array, q2d: jax.Array, scale: jax.Array, *,
     (symmetric, its own scale max|x_row| / 127) and the int32 result is scaled by the row
     and channel scales (see module docstring). `transposed`: q2d is stored [out, in] (a
     tied embedding table read as the output head), contracted on its stored layout.
-    One row is padded to two: XLA:CPU converts the whole weight to f32 for a one-row
-    int8 dot, on every call."""
+    One row is padded to two (`pad_single_row`)."""
     k_axis = 1 if transposed else 0
     if (q2d.dtype != jnp.int8 or x2d.ndim != 2 or q2d.ndim != 2
             or x2d.shape[1] != q2d.shape[k_axis]):
@@ -112,9 +113,7 @@ def int8_matmul(x2d: jax.Array, q2d: jax.Array, scale: jax.Array, *,
         raise ValueError(f"int8_matmul: expects x2d [tokens, in] and int8 q2d {layout}, got "
                          f"{x2d.shape} and {q2d.dtype}{list(q2d.shape)}")
     rows = x2d.shape[0]
-    if rows == 1:
-        x2d = jnp.concatenate([x2d, jnp.zeros_like(x2d)], axis=0)
-    xq, sx = quantize_rows(x2d)
+    xq, sx = quantize_rows(pad_single_row(x2d, any_dtype=True))
     dims = (((1,), (k_axis,)), ((), ()))
     acc = lax.dot_general(xq, q2d, dims, preferred_element_type=jnp.int32)[:rows]
     return acc.astype(jnp.float32) * sx[:rows] * scale.reshape(1, -1).astype(jnp.float32)

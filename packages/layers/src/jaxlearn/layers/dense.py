@@ -9,8 +9,8 @@ CPU lessons built in:
   dtype (f32 master params are cast at use);
 - the custom VJP keeps bf16 backward dots bf16: the cotangent is cast to the operand dtype,
   dx uses the "NT" `dot_general` form and dW a 3-D einsum that YNNPACK accepts;
-- a one-row bf16 GEMV (batch-1 decode) is padded to two rows, which XLA would otherwise
-  upcast to f32 together with the whole weight;
+- a one-row bf16 GEMV (batch-1 decode) is padded to two rows (`kernels.matmul.pad_single_row`),
+  which XLA would otherwise upcast to f32 together with the whole weight;
 - an `Int8Weight` (weight-only int8 for serving) goes to `kernels.int8_matmul`.
 """
 
@@ -20,11 +20,10 @@ import math
 from typing import Any, Optional
 
 import jax
-import jax.numpy as jnp
 
 from jaxlearn.config import REQUIRED, Configurable
 from jaxlearn.kernels import Int8Weight, int8_matmul
-from jaxlearn.kernels.matmul import einsum, matmul, matmul_nt
+from jaxlearn.kernels.matmul import einsum, matmul, matmul_nt, pad_single_row
 from jaxlearn.module import FanAxes, Module, ParameterSpec, zeros
 
 __all__ = ["DotGeneral", "Linear", "dense", "einsum", "matmul", "matmul_nt", "maybe_dot"]
@@ -46,13 +45,6 @@ class DotGeneral(Configurable):
 
     def __call__(self, x: jax.Array, w: jax.Array) -> jax.Array:
         return matmul(x, w)
-
-
-def _pad_one_row(x2d: jax.Array) -> tuple[jax.Array, bool]:
-    """Pads a [1, in] low-precision GEMV operand to [2, in] (see module docstring)."""
-    if x2d.shape[0] == 1 and jnp.dtype(x2d.dtype).itemsize < 4:
-        return jnp.concatenate([x2d, jnp.zeros_like(x2d)], axis=0), True
-    return x2d, False
 
 
 def dense(
@@ -85,14 +77,13 @@ def dense(
             raise ValueError("dense: an int8 weight takes no injected dot (LoRA, int8/fp8)")
         y = int8_matmul(x2d, w.q.reshape(k, n), w.scale.reshape(n))
         return y.astype(out_dtype or x.dtype).reshape(*lead, *out_shape)
-    x2d, padded = _pad_one_row(x2d)
+    rows = x2d.shape[0]
+    x2d = pad_single_row(x2d)
     if dot is None:  # matmul casts w itself (and returns its gradient in w's dtype).
         y = matmul(x2d, w.reshape(k, n), out_dtype)
     else:
         y = dot(x2d, w.reshape(k, n).astype(x.dtype)).astype(out_dtype or x.dtype)
-    if padded:
-        y = y[:1]
-    return y.reshape(*lead, *out_shape)
+    return y[:rows].reshape(*lead, *out_shape)
 
 
 def maybe_dot(cfg: Optional[DotGeneral.Config]) -> Optional[DotGeneral]:
