@@ -254,3 +254,19 @@ def test_blockwise_prefill_plus_extend_equals_forward():
     cache, y0 = jcall(m, p, cache, X[:, :5], method="prefill")
     cache, y1 = jcall(m, p, cache, X[:, 5:8], jnp.int32(5), method="extend_step")
     np.testing.assert_allclose(jnp.concatenate([y0, y1], 1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_auto_is_blockwise_from_blockwise_min_seq_on_and_einsum_below():
+    """The default `implementation="auto"` picks per call: a prompt of at least
+    `blockwise_min_seq` positions runs the blockwise kernel (bit-equal to
+    implementation="blockwise"), a shorter one einsum (bit-equal to "einsum")."""
+    kw = dict(num_kv_heads=2, block_q=4, block_k=4)
+    auto, p = make(blockwise_min_seq=8, **kw)
+    assert Attention.default_config().implementation == "auto"
+    ein, _ = make(implementation="einsum", **kw)
+    blk, _ = make(implementation="blockwise", **kw)
+    x = jax.random.normal(jax.random.key(3), (2, 12, E))
+    for s, same, other in ((12, blk, ein), (8, blk, ein), (7, ein, blk)):
+        got = jcall(auto, p, x[:, :s])
+        np.testing.assert_array_equal(got, jcall(same, p, x[:, :s]), err_msg=f"seq {s}")
+        assert not np.array_equal(got, jcall(other, p, x[:, :s])), f"seq {s}"

@@ -44,7 +44,11 @@ def _current_attention(cfg: Any, target: Optional[str]) -> str:
 
     def enter(path: str, value: Any) -> bool:
         if isinstance(value, ConfigBase) and pattern.fullmatch(path):
-            found.append(str(value.implementation))
+            impl = str(value.implementation)
+            if impl == "auto":  # The layer's choice at the training sequence length.
+                seq = getattr(getattr(cfg, "input", None), "seq_len", 0)
+                impl = "blockwise" if seq >= value.blockwise_min_seq else "einsum"
+            found.append(impl)
         return False
 
     visit(cfg, enter)

@@ -124,7 +124,7 @@ def llama2_70b() -> Trainer.Config:
     """Llama 2 70B: 80 layers, d=8192, 64 heads / 8 KV heads, FFN 28672, vocab 32000."""
     model = llama_config(32000, 8192, 80, 64, 8, 28672, rope_theta=10000.0, dtype="bfloat16")
     return _large(model, seq_len=4096, global_batch=1024, max_step=500_000, lr=1.5e-4,
-                  microbatches={"tpu-v5e": 16, "tpu-v6e": 2, "gpu-h100": 16,
+                  microbatches={"tpu-v5e": 16, "tpu-v6e": 4, "gpu-h100": 16,
                                 "gpu-h200": 2, "gpu-b200": 2, "trn2": 16},
                   seq_shards={"tpu-v5e": 4})
 
@@ -208,8 +208,8 @@ def gemma2_9b() -> Trainer.Config:
     logits soft-capped at 50 / 30, query_pre_attn_scalar 256, seq 8192."""
     model = gemma2_config(256000, 3584, 42, 16, 8, 14336, head_dim=256, dtype="bfloat16")
     return _large(model, seq_len=8192, global_batch=512, max_step=500_000, lr=3e-4,
-                  microbatches={"tpu-v5e": 4, "tpu-v6e": 2, "gpu-h100": 4, "trn2": 4},
-                  seq_shards={"tpu-v5e": 2})
+                  microbatches={"tpu-v5e": 8, "tpu-v6e": 2, "gpu-h100": 4, "trn2": 4},
+                  model_shards={"tpu-v5e": 4})
 
 
 def _smollm2_135m() -> Any:

@@ -132,7 +132,7 @@ def build_config(
     stack: str = "scan",
     dtype: Optional[str] = None,
     param_dtype: Optional[str] = None,
-    attention_implementation: str = "einsum",
+    attention_implementation: str = "auto",
     moe_dropless_method: str = "ragged_dot",
     name: str = "model",
 ) -> Any:

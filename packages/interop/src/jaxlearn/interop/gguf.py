@@ -413,7 +413,7 @@ def load_gguf(
     stack: str = "scan",
     dtype: Optional[str] = None,
     param_dtype: Optional[str] = None,
-    attention_implementation: str = "einsum",
+    attention_implementation: str = "auto",
     moe_dropless_method: str = "ragged_dot",
 ) -> LoadedModel:
     """Loads a GGUF file: hyperparameters, dequantised params, tokenizer, chat template.

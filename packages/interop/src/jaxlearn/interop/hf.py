@@ -241,7 +241,7 @@ def load_hf(
     stack: str = "scan",
     dtype: Optional[str] = None,
     param_dtype: Optional[str] = None,
-    attention_implementation: str = "einsum",
+    attention_implementation: str = "auto",
     moe_dropless_method: str = "ragged_dot",
 ) -> LoadedModel:
     """Loads an HF model directory (config.json + safetensors [+ tokenizer files]).

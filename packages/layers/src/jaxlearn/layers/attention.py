@@ -28,7 +28,7 @@ from jaxlearn.module import (
     zeros,
 )
 
-IMPLEMENTATIONS = ("einsum", "dot_product_attention", "blockwise", "ring")
+IMPLEMENTATIONS = ("auto", "einsum", "dot_product_attention", "blockwise", "ring")
 _NEG = float(jnp.finfo(jnp.float32).min)
 # Pages of keys [kv_heads, head_dim, page_size], of values [kv_heads, page_size, head_dim]:
 # the layouts `_core`'s two einsums read them in (see `jaxlearn.kernels.paged`).
@@ -86,12 +86,17 @@ class Attention(Module):
         causal: bool = True
         sliding_window: Optional[int] = None  # Keys at distance >= window are hidden.
         query_scale: Optional[float] = None  # None: head_dim ** -0.5.
-        implementation: str = "einsum"  # "einsum" | "dot_product_attention" | "blockwise" | "ring"
+        # "auto" | "einsum" | "dot_product_attention" | "blockwise" | "ring".
         # "blockwise" (`jaxlearn.kernels.blockwise_attention`, forward and prefill; decode
         # uses einsum): query / key block sizes of the flash-style loop. "ring": the same,
-        # as `ring_attention` over the mesh axes the logical `seq` axis maps to.
+        # as `ring_attention` over the mesh axes the logical `seq` axis maps to. "auto":
+        # blockwise for a call of at least `blockwise_min_seq` query positions, einsum for
+        # shorter ones (on CPU, one Attention layer's fwd + bwd: blockwise 1.2-1.5x faster
+        # at seq 1024, 2.1-2.5x at 4096, 0.85-0.9x at 256-512; `tools/bench/jl_attention.py`).
+        implementation: str = "auto"
         block_q: int = 512
         block_k: int = 512
+        blockwise_min_seq: int = 1024
         dot: Optional[DotGeneral.Config] = None
         # One `qkv_proj` [embed, heads + 2 kv_heads, head_dim] (and `qkv_bias`) in place of
         # q/k/v_proj: one matmul instead of three (decode on CPU: a GEMV each has a fixed
@@ -286,12 +291,15 @@ class Attention(Module):
             positions = jnp.broadcast_to(q_index, (b, s))
         q, k, v = self._project_qkv(x, positions)
         extra: Any
-        if c.implementation in ("blockwise", "ring") and (cache is None or time_step is None):
+        impl = c.implementation
+        if impl == "auto":
+            impl = "blockwise" if s >= c.blockwise_min_seq else "einsum"
+        if impl in ("blockwise", "ring") and (cache is None or time_step is None):
             kw: dict[str, Any] = dict(
                 causal=c.causal, sliding_window=c.sliding_window, scale=self._scale,
                 logit_soft_cap=c.logit_soft_cap, block_q=c.block_q, block_k=c.block_k)
             ring = logical_partition_spec(("batch", "seq", "heads", "head_dim"))
-            if c.implementation == "ring" and ring is not None:  # no mesh: one device
+            if impl == "ring" and ring is not None:  # no mesh: one device
                 o = ring_attention(q, k, v, mesh=ring[0], spec=ring[1], positions=q_index,
                                    segment_ids=segment_ids, **kw)
             else:

@@ -30,7 +30,7 @@ def llama_config(
     mlp_bias: bool = False,
     tie_embeddings: bool = False,
     stack: str = "scan",
-    attention_implementation: str = "einsum",
+    attention_implementation: str = "auto",
     dtype: Optional[str] = None,
     remat_policy: Optional[str] = None,
     z_loss_weight: float = 0.0,
