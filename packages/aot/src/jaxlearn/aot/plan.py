@@ -77,7 +77,7 @@ DEFAULT_MICROBATCHES = (1, 2, 4, 8)
 DEFAULT_ATTENTION = ("einsum", "blockwise")
 DEFAULT_PIPELINE_STAGES = (2, 4)
 KEEP = "keep"  # Remat (or attention) as the config has it.
-IMPLEMENTATIONS = ("einsum", "dot_product_attention", "blockwise")
+IMPLEMENTATIONS = ("auto", "einsum", "dot_product_attention", "blockwise")
 # fn(num_stages, num_microbatches) -> (modifier config turning the layer stack into a
 # pipeline, that modifier as Python source for the printed rule); supplied by the caller
 # (the aot package does not import the layers).
@@ -241,6 +241,16 @@ def find_attention_target(cfg: ConfigBase) -> Optional[str]:
 
     visit(cfg, enter)
     return "|".join(re.escape(p) for p in paths) or None
+
+
+def attention_at_train_seq(cfg: ConfigBase, attention: ConfigBase) -> str:
+    """The implementation `attention` (an attention config) runs at the training sequence
+    length: the layer config's own `implementation_at` (which resolves "auto"), or its
+    `implementation` as written for configs without one."""
+    resolve = getattr(attention, "implementation_at", None)
+    if resolve is None:
+        return str(attention.implementation)
+    return str(resolve(int(getattr(getattr(cfg, "input", None), "seq_len", 0))))
 
 
 def layout_modifiers(layout: Layout, cfg: ConfigBase, remat_target: Optional[str],

@@ -25,6 +25,7 @@ from jaxlearn.aot.plan import (
     _baseline_layout,
     _policy_of,
     _Search,
+    attention_at_train_seq,
 )
 from jaxlearn.aot.space import Space
 
@@ -44,11 +45,7 @@ def _current_attention(cfg: Any, target: Optional[str]) -> str:
 
     def enter(path: str, value: Any) -> bool:
         if isinstance(value, ConfigBase) and pattern.fullmatch(path):
-            impl = str(value.implementation)
-            if impl == "auto":  # The layer's choice at the training sequence length.
-                seq = getattr(getattr(cfg, "input", None), "seq_len", 0)
-                impl = "blockwise" if seq >= value.blockwise_min_seq else "einsum"
-            found.append(impl)
+            found.append(attention_at_train_seq(cfg, value))
         return False
 
     visit(cfg, enter)

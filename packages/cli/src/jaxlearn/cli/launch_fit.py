@@ -108,9 +108,7 @@ def activation_bytes(cfg: Any, tokens: int, model_shards: int) -> int:
     if policy is None or _KEEPS_DOTS.fullmatch(policy):
         per_token += (q + 2 * kv + mlp) // model_shards + 2 * dim
     seq = cfg.input.seq_len
-    scores = attn.implementation == "einsum" or (
-        attn.implementation == "auto" and seq < attn.blockwise_min_seq)
-    if policy is None and scores:
+    if policy is None and attn.implementation_at(seq) == "einsum":
         per_token += attn.num_heads // max(1, model_shards) * seq
     dtype_bytes = 4 if str(getattr(cfg.model, "dtype", "")) == "float32" else 2
     return int(stack.num_layers * tokens * per_token * dtype_bytes)

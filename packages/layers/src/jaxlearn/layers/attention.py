@@ -104,6 +104,14 @@ class Attention(Module):
         # sharded. Params convert with `composition.fuse_projection_params`.
         fused_qkv: bool = False
 
+        def implementation_at(self, seq: int) -> str:
+            """The implementation a call with `seq` query positions runs ("auto" resolved).
+            The one place the rule lives: the AOT planner and `launch`'s floor estimate
+            call it on the config they hold."""
+            if self.implementation != "auto":
+                return str(self.implementation)
+            return "blockwise" if seq >= self.blockwise_min_seq else "einsum"
+
     def __init__(self, cfg: "Attention.Config", *, parent: Optional[Module] = None):
         super().__init__(cfg, parent=parent)
         c = self.config
@@ -291,9 +299,7 @@ class Attention(Module):
             positions = jnp.broadcast_to(q_index, (b, s))
         q, k, v = self._project_qkv(x, positions)
         extra: Any
-        impl = c.implementation
-        if impl == "auto":
-            impl = "blockwise" if s >= c.blockwise_min_seq else "einsum"
+        impl = c.implementation_at(s)
         if impl in ("blockwise", "ring") and (cache is None or time_step is None):
             kw: dict[str, Any] = dict(
                 causal=c.causal, sliding_window=c.sliding_window, scale=self._scale,

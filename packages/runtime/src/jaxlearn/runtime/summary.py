@@ -24,6 +24,7 @@ import math
 import os
 import sys
 import time
+import uuid
 from typing import Any, Optional, TextIO
 
 import numpy as np
@@ -88,8 +89,10 @@ class SummaryWriter(Configurable):
             from tensorboardX import SummaryWriter as TBWriter
 
             _check_tensorboard_backend(output_dir)
+            # tensorboardX names the file by the second and the host; on an object store a
+            # resumed writer within the same second would overwrite the first one's events.
             self._tb = TBWriter(storage.join(output_dir, "tensorboard"),
-                                flush_secs=FLUSH_SECS,
+                                flush_secs=FLUSH_SECS, filename_suffix=f".{uuid.uuid4().hex[:8]}",
                                 purge_step=resumed_at + 1 if resumed_at else None)
         if cfg.jsonl:
             path = storage.join(output_dir, "metrics.jsonl")
