@@ -9,7 +9,8 @@
 fake device count), then merges its per-device figures into the matrix JSON
 (`$JAXLEARN_AOT_MATRIX`, default the checkout's `docs/aot_matrix.json`) under
 `EXPERIMENT@SELECTOR` (plus ` --set ...` when overridden), keyed also by the digest of the
-final config. `lookup` gives the entry only while that digest still matches: a recipe or
+final config (less the output paths and the checkpointer's settings, which the compiled
+steps do not depend on). `lookup` gives the entry only while that digest still matches: a recipe or
 mesh rule edited since the compile makes its entry stale, and `render` marks it so.
 `jaxlearn launch` (`launch_fit.check_fit`) uses a fresh entry instead of its floor estimate.
 """
@@ -37,14 +38,17 @@ def matrix_path() -> str:
         os.path.join(_DOCS, "aot_matrix.json"))
 
 
+_NOT_COMPILED = re.compile(r"output_dir:|checkpointer\.")
+
+
 def config_digest(experiment: str, selector: str, overrides: Sequence[str]) -> str:
-    """sha256 of the final config's flat text (output paths left out) and the selector."""
+    """sha256 of the final config's flat text and the selector, without what the compiled
+    steps do not depend on (the output paths, the checkpointer's settings)."""
     from jaxlearn.cli.main import final_config
     from jaxlearn.config import to_flat_text
 
     text = to_flat_text(final_config(experiment, selector, overrides))
-    text = "\n".join(line for line in text.splitlines()
-                     if not re.match(r"(output_dir|checkpointer\.directory):", line))
+    text = "\n".join(line for line in text.splitlines() if not _NOT_COMPILED.match(line))
     return hashlib.sha256(f"{text}\n{selector}".encode()).hexdigest()
 
 
