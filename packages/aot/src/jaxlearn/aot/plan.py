@@ -243,16 +243,6 @@ def find_attention_target(cfg: ConfigBase) -> Optional[str]:
     return "|".join(re.escape(p) for p in paths) or None
 
 
-def attention_at_train_seq(cfg: ConfigBase, attention: ConfigBase) -> str:
-    """The implementation `attention` (an attention config) runs at the training sequence
-    length: the layer config's own `implementation_at` (which resolves "auto"), or its
-    `implementation` as written for configs without one."""
-    resolve = getattr(attention, "implementation_at", None)
-    if resolve is None:
-        return str(attention.implementation)
-    return str(resolve(int(getattr(getattr(cfg, "input", None), "seq_len", 0))))
-
-
 def layout_modifiers(layout: Layout, cfg: ConfigBase, remat_target: Optional[str],
                      knobs: Optional[Knobs] = None) -> list[Any]:
     """The modifier configs that turn the base config into this layout."""

@@ -25,12 +25,21 @@ from jaxlearn.aot.plan import (
     _baseline_layout,
     _policy_of,
     _Search,
-    attention_at_train_seq,
 )
 from jaxlearn.aot.space import Space
 
 MAX_MISSES = 3  # Compiled estimated-best layouts that did not fit before giving up.
 SHOWN = 8  # Estimated layouts listed (not compiled) in the result.
+
+
+def attention_at_train_seq(cfg: Any, attention: Any) -> str:
+    """The implementation `attention` (an attention config) runs at the training sequence
+    length: the layer config's own `implementation_at` (which resolves "auto"), or its
+    `implementation` as written for configs without one."""
+    resolve = getattr(attention, "implementation_at", None)
+    if resolve is None:
+        return str(attention.implementation)
+    return str(resolve(int(getattr(getattr(cfg, "input", None), "seq_len", 0))))
 
 
 def _current_attention(cfg: Any, target: Optional[str]) -> str:
