@@ -183,8 +183,9 @@ def plan_memory(rn: Runner, reps: int) -> None:
 
 
 def plan_profile(rn: Runner, reps: int) -> None:
-    for dtype in ("bf16", "f32"):
-        rn.run("profile", "jax", "jl_profile.py", "--dtype", dtype)
+    for model in ("llama", "mixtral"):
+        for dtype in ("bf16", "f32"):
+            rn.run("profile", "jax", "jl_profile.py", "--model", model, "--dtype", dtype)
 
 
 def main() -> None:
