@@ -7,7 +7,8 @@ cache, batched prefill, fused decode bursts) on the ~60M Llama, greedy.
 Per-token latency is differential, like the peer's: (time to generate 1 + N tokens - time
 to generate 1 token) / N, with B identical-length prompts submitted together. bf16 means
 bf16 weights and compute (the peer: `model.to(torch.bfloat16)`); `--quantize int8` serves
-int8 weights (`Engine.Config.quantize`).
+int8 weights (`Engine.Config.quantize`). `--trace` adds, per batch, where one generate
+call's XLA op time goes (`ops`; the suite runs bf16 with it).
 """
 
 from __future__ import annotations
@@ -70,6 +71,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--decode-burst", type=int, default=8)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--trace", action="store_true",
+                   help="latency case: also profile one generate call per batch (XLA op ms by "
+                        "category, `jl_profile.trace_op_ms`), emitted as `ops` per row")
     p.add_argument("--quantize", default=None, choices=["int8"],
                    help="Engine.Config.quantize: int8 weights (dynamic int8 activations)")
     args = p.parse_args()
@@ -102,6 +106,10 @@ def main() -> None:
                        tokens_per_s=rnd(b / per_tok), e2e_s=rnd(med(tn)),
                        e2e_new_tokens_per_s=rnd(b * (1 + args.new) / med(tn)),
                        first_call_s=rnd(first))
+            if args.trace:
+                from jl_profile import trace_op_ms
+
+                row["ops"] = trace_op_ms(lambda: generate(eng, prompts, [1 + args.new] * b))
             log(f"jaxlearn decode {args.dtype} B{b}: {row}")
             rows.append(row)
         r = eng.runner

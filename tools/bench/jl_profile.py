@@ -17,6 +17,7 @@ import os
 import re
 import tempfile
 from collections import defaultdict
+from typing import Any, Callable
 
 from common import emit, model_cfg, rnd
 
@@ -31,6 +32,33 @@ def category(name: str, hlo_line: str) -> str:
         if key in name:
             return key
     return "other fusion"
+
+
+def trace_op_ms(call: Callable[[], Any], top: int = 8) -> dict[str, Any]:
+    """Per-category and top XLA op milliseconds (summed over threads) of one `call()`,
+    from a JAX profiler trace: {"op_ms", "categories", "top"}."""
+    import jax
+
+    d = tempfile.mkdtemp(prefix="jltrace_")
+    jax.profiler.start_trace(d, create_perfetto_trace=True)
+    call()
+    jax.profiler.stop_trace()
+    with gzip.open(glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"),
+                             recursive=True)[0]) as f:
+        trace = json.load(f)
+    per_op: dict[str, float] = defaultdict(float)
+    for e in trace["traceEvents"] if isinstance(trace, dict) else trace:
+        name = e.get("name", "")
+        if e.get("ph") == "X" and re.match(r"[a-z_\-]+(\.\d+)+$|[a-z_]+$", name):
+            per_op[name] += float(e.get("dur", 0.0)) / 1e3
+    cats: dict[str, float] = defaultdict(float)
+    for name, ms in per_op.items():
+        cats[category(name, "")] += ms
+    ranked = sorted(cats.items(), key=lambda x: -x[1])
+    return dict(op_ms=round(sum(per_op.values()), 1),
+                categories={k: round(v, 1) for k, v in ranked},
+                top=[[n, round(v, 1)]
+                     for n, v in sorted(per_op.items(), key=lambda x: -x[1])[:top]])
 
 
 def main() -> None:

@@ -23,7 +23,6 @@ import argparse
 import functools
 import importlib.util
 import json
-import re
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -80,35 +79,9 @@ def measure(engine: Any, rows: int, tokens: int) -> dict[str, float]:
 
 def trace_ops(engine: Any, rows: int, tokens: int, top: int = 8) -> dict[str, Any]:
     """Per-category and top XLA op milliseconds of one traced generate call."""
-    import glob
-    import gzip
-    import os
-    import tempfile
-    from collections import defaultdict
+    from jl_profile import trace_op_ms
 
-    import jax
-    from jl_profile import category
-
-    d = tempfile.mkdtemp(prefix="jlserve_")
-    jax.profiler.start_trace(d, create_perfetto_trace=True)
-    measure(engine, rows, tokens)
-    jax.profiler.stop_trace()
-    with gzip.open(glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"),
-                             recursive=True)[0]) as f:
-        trace = json.load(f)
-    per_op: dict[str, float] = defaultdict(float)
-    for e in trace["traceEvents"] if isinstance(trace, dict) else trace:
-        name = e.get("name", "")
-        if e.get("ph") == "X" and re.match(r"[a-z_\-]+(\.\d+)+$|[a-z_]+$", name):
-            per_op[name] += float(e.get("dur", 0.0)) / 1e3
-    cats: dict[str, float] = defaultdict(float)
-    for name, ms in per_op.items():
-        cats[category(name, "")] += ms
-    ranked = sorted(cats.items(), key=lambda x: -x[1])
-    return dict(op_ms=round(sum(per_op.values()), 1),
-                categories={k: round(v, 1) for k, v in ranked},
-                top=[[n, round(v, 1)]
-                     for n, v in sorted(per_op.items(), key=lambda x: -x[1])[:top]])
+    return trace_op_ms(lambda: measure(engine, rows, tokens), top)
 
 
 def main() -> None:

@@ -163,7 +163,10 @@ def plan_decode(rn: Runner, reps: int) -> None:
     pairs = []
     for dtype in ("f32", "bf16"):
         for case in ("latency", "continuous"):
-            pairs.append((("decode", "jax", "jl_decode.py", "--case", case, "--dtype", dtype, *q),
+            # The latency runs also trace one call per batch after timing it (`ops`).
+            trace = ["--trace"] if case == "latency" else []
+            pairs.append((("decode", "jax", "jl_decode.py", "--case", case, "--dtype", dtype, *q,
+                           *trace),
                           ("decode", "torch", "pt_decode.py", "--case", case, "--dtype", dtype,
                            *q)))
     alternate(rn, reps, pairs)
