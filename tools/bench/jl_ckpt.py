@@ -8,9 +8,10 @@
    digests included). The first (set-up) save is reported on its own, and one save with
    `snapshot=True` (copy to host before returning) for reference.
 2. Restore time of that state (verification on).
-3. The raw disk write bandwidth (numpy + fsync of the same number of bytes) in the same
-   process, measured right before each timed save + commit: this VM's disk swings 0.3-2.5
-   GB/s from one minute to the next, so `write_vs_raw` is the median of the per-pair
+3. The raw disk write bandwidth of the same number of bytes, fsynced (the faster of one
+   numpy file and 8 threads writing 16 MiB files, `bench_checkpoint.raw_write_bandwidth`)
+   in the same process, measured right before each timed save + commit: this VM's disk
+   swings from one minute to the next, so `write_vs_raw` is the median of the per-pair
    ratios, not one median over another. Also the reused
    packages/checkpoint/bench/bench_checkpoint.py on a state of the same size.
 

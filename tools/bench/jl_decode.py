@@ -8,7 +8,7 @@ Per-token latency is differential, like the peer's: (time to generate 1 + N toke
 to generate 1 token) / N, with B identical-length prompts submitted together. bf16 means
 bf16 weights and compute (the peer: `model.to(torch.bfloat16)`); `--quantize int8` serves
 int8 weights (`Engine.Config.quantize`). `--trace` adds, per batch, where one generate
-call's XLA op time goes (`ops`; the suite runs bf16 with it).
+call's XLA op time goes (`ops`; the suite's latency runs use it).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ import gzip
 import json
 import os
 import re
+import shutil
 import tempfile
 from collections import defaultdict
 from typing import Any, Callable
@@ -34,20 +35,28 @@ def category(name: str, hlo_line: str) -> str:
     return "other fusion"
 
 
-def trace_op_ms(call: Callable[[], Any], top: int = 8) -> dict[str, Any]:
-    """Per-category and top XLA op milliseconds (summed over threads) of one `call()`,
-    from a JAX profiler trace: {"op_ms", "categories", "top"}."""
+def trace_events(call: Callable[[], Any]) -> list[dict[str, Any]]:
+    """The Perfetto trace events of one `call()` under the JAX profiler."""
     import jax
 
     d = tempfile.mkdtemp(prefix="jltrace_")
-    jax.profiler.start_trace(d, create_perfetto_trace=True)
-    call()
-    jax.profiler.stop_trace()
-    with gzip.open(glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"),
-                             recursive=True)[0]) as f:
-        trace = json.load(f)
+    try:
+        jax.profiler.start_trace(d, create_perfetto_trace=True)
+        call()
+        jax.profiler.stop_trace()
+        with gzip.open(glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"),
+                                 recursive=True)[0]) as f:
+            trace = json.load(f)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    return trace["traceEvents"] if isinstance(trace, dict) else trace
+
+
+def trace_op_ms(call: Callable[[], Any], top: int = 8) -> dict[str, Any]:
+    """Per-category and top XLA op milliseconds (summed over threads) of one `call()`,
+    from a JAX profiler trace: {"op_ms", "categories", "top"}."""
     per_op: dict[str, float] = defaultdict(float)
-    for e in trace["traceEvents"] if isinstance(trace, dict) else trace:
+    for e in trace_events(call):
         name = e.get("name", "")
         if e.get("ph") == "X" and re.match(r"[a-z_\-]+(\.\d+)+$|[a-z_]+$", name):
             per_op[name] += float(e.get("dur", 0.0)) / 1e3
@@ -93,16 +102,14 @@ def main() -> None:
         for _ in range(2):
             state, s = step(state, batch)
             float(s["loss"])
-        d = tempfile.mkdtemp(prefix="jlprof_")
-        jax.profiler.start_trace(d, create_perfetto_trace=True)
-        for _ in range(args.steps):
-            state, s = step(state, batch)
-            float(s["loss"])
-        jax.profiler.stop_trace()
-    files = glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True)
-    with gzip.open(files[0]) as f:
-        trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+
+        def profiled_steps() -> None:
+            nonlocal state
+            for _ in range(args.steps):
+                state, s = step(state, batch)
+                float(s["loss"])
+
+        events = trace_events(profiled_steps)
     per_op: dict[str, float] = defaultdict(float)
     count: dict[str, int] = defaultdict(int)
     step_us = 0.0
