@@ -58,3 +58,51 @@ def test_positions_past_the_table_write_page_zero_only():
     out = np.asarray(paged.write_pages(pool, new, jnp.asarray([7, 8]), table))  # "tkd"
     assert out[4, 3].sum() == 1  # Row 0 position 7 -> page 4 slot 3; position 8 -> page 0.
     assert out[0].sum() >= 1 and out[[1, 2, 3]].sum() == 0  # Row 1: both past the end.
+
+
+@given(
+    seed=st.integers(0, 2**16),
+    steps=st.integers(1, 3),
+    group=st.sampled_from([1, 2, 4]),
+    dtype=st.sampled_from(["float32", "bfloat16"]),
+    soft_cap=st.sampled_from([None, 2.0]),
+)
+def test_paged_attention_matches_numpy_over_the_window(seed, steps, group, dtype, soft_cap):
+    rng = np.random.default_rng(seed)
+    b, pages, num_pages, kv, d = 3, 3, 12, 2, 8
+    h = kv * group
+    table = rng.permutation(np.arange(1, num_pages))[: b * pages].reshape(b, pages)
+    keys = rng.normal(size=(2, num_pages, PS, kv, d))  # Logical [layers, pages, t, k, d].
+    vals = rng.normal(size=(2, num_pages, PS, kv, d))
+    store = paged.storage_dtype(dtype)
+
+    def stored(x, layout):  # [layers, pages, t, k, d] -> the pool in `layout`, as stored.
+        x = jnp.transpose(jnp.asarray(x, dtype), (0, 1, *(2 + "tkd".index(c) for c in layout)))
+        return jax.lax.bitcast_convert_type(x, store) if store == jnp.uint16 else x
+
+    kpool, vpool = stored(keys, "kdt"), stored(vals, "ktd")
+    q = jnp.asarray(rng.normal(size=(b, steps, h, d)), dtype)
+    # Each row's queries sit at the end of its own prefix (ragged rows), causal.
+    end = rng.integers(steps, pages * PS + 1, size=b)
+    qpos = end[:, None] - steps + np.arange(steps)  # [b, s]
+    mask = np.arange(pages * PS)[None, None, :] <= qpos[:, :, None]  # [b, s, T]
+    layer = 1
+    kp = paged.gather_page_blocks(kpool, jnp.asarray(table), dtype, jnp.int32(layer))
+    vp = paged.gather_page_blocks(vpool, jnp.asarray(table), dtype, jnp.int32(layer))
+    assert kp.shape == (b, pages, kv, d, PS) and vp.shape == (b, pages, kv, PS, d)
+    got = paged.paged_attention(q, kp, vp, jnp.asarray(mask), scale=0.3, logit_soft_cap=soft_cap)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    # Reference: float64 over the window in position order, from the values as stored.
+    as64 = lambda x: np.asarray(jnp.asarray(x, dtype).astype(jnp.float32), np.float64)  # noqa: E731
+    kw = as64(keys)[layer][table].reshape(b, pages * PS, kv, d)
+    vw = as64(vals)[layer][table].reshape(b, pages * PS, kv, d)
+    qg = as64(q).reshape(b, steps, kv, group, d)
+    logits = np.einsum("bskgd,btkd->bskgt", qg, kw) * 0.3
+    if soft_cap is not None:
+        logits = soft_cap * np.tanh(logits / soft_cap)
+    logits = np.where(mask[:, :, None, None], logits, -np.inf)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    want = np.einsum("bskgt,btkd->bskgd", p, vw).reshape(b, steps, h, d)
+    tol = 1e-5 if dtype == "float32" else 3e-2
+    np.testing.assert_allclose(np.asarray(got.astype(jnp.float32)), want, rtol=tol, atol=tol)

@@ -1,0 +1,72 @@
+"""A/B of decode attention's two paged paths in one process, generate calls interleaved.
+
+    python jl_decode_ab.py --dtype bf16 --batches 1,4,16
+
+Two engines on the ~60M Llama (as `jl_decode.py --case latency`): `window` gathers each
+row's pages into a window in position order and runs one dot over it (the path of
+prefill chunks); `pages` attends over the pages themselves (`paged.paged_attention`, the
+decode default; `jaxlearn.layers.attention._PAGE_MAJOR_MAX_ROWS` picks between them when
+the programs are traced). Per batch and round, each engine runs a 1-token and a
+(1 + --new)-token generate call; ms/token is the differential of the medians, as in
+jl_decode.py. (That both paths give the same logits is tested: packages/layers/tests/
+test_paged.py, packages/kernels/tests/test_paged.py.)
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from common import emit, log, med, model_cfg, rnd
+from jl_decode import build_engine, generate
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--dtype", default="bf16", choices=["f32", "bf16"])
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--new", type=int, default=64)
+    p.add_argument("--batches", default="1,4,16")
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args()
+    import jax
+    import numpy as np
+
+    import jaxlearn.layers.attention as attention
+
+    c = model_cfg("llama")
+    batches = [int(b) for b in args.batches.split(",")]
+    rng = np.random.default_rng(0)
+    prompts = {b: [rng.integers(0, c["vocab"], args.prompt).tolist() for _ in range(b)]
+               for b in batches}
+    engines: dict[str, Any] = {}
+    default = attention._PAGE_MAJOR_MAX_ROWS
+    for name, rows in (("window", 0), ("pages", default)):
+        attention._PAGE_MAJOR_MAX_ROWS = rows  # Read when the engine's programs are traced.
+        eng = build_engine(c, args.dtype, max_batch=max(batches),
+                           max_seq_len=args.prompt + args.new + 1, decode_burst=8)
+        for b in batches:  # Compile every program this engine runs below.
+            generate(eng, prompts[b], [1] * b)
+            generate(eng, prompts[b], [1 + args.new] * b)
+        engines[name] = eng
+    attention._PAGE_MAJOR_MAX_ROWS = default
+    rows_out = []
+    for b in batches:
+        t1: dict[str, list[float]] = {n: [] for n in engines}
+        tn: dict[str, list[float]] = {n: [] for n in engines}
+        for _ in range(args.rounds):
+            for n, eng in engines.items():
+                t1[n].append(generate(eng, prompts[b], [1] * b))
+                tn[n].append(generate(eng, prompts[b], [1 + args.new] * b))
+        ms = {n: 1e3 * (med(tn[n]) - med(t1[n])) / args.new for n in engines}
+        row = dict(batch=b, window_ms_per_token=rnd(ms["window"]),
+                   pages_ms_per_token=rnd(ms["pages"]),
+                   speedup=rnd(ms["window"] / ms["pages"]))
+        log(f"decode A/B {args.dtype} B{b}: {row}")
+        rows_out.append(row)
+    emit(bench="decode_ab", dtype=args.dtype, prompt=args.prompt, new_tokens=args.new,
+         rounds=args.rounds, version=jax.__version__, rows=rows_out)
+
+
+if __name__ == "__main__":
+    main()
