@@ -22,7 +22,7 @@ from decode_common import continuous_workload
 
 
 def build_engine(c: dict[str, Any], dtype: str, *, max_batch: int, max_seq_len: int,
-                 decode_burst: int, quantize: Any = None) -> Any:
+                 decode_burst: int, quantize: Any = None, fuse_projections: bool = False) -> Any:
     import jax
     import jax.numpy as jnp
 
@@ -39,7 +39,8 @@ def build_engine(c: dict[str, Any], dtype: str, *, max_batch: int, max_seq_len: 
     # No tokenizer: token ids in and out over the model's whole vocabulary, no BOS/EOS.
     settings = Engine.default_config().set(max_seq_len=max_seq_len, max_batch=max_batch,
                                            prefill_chunk=256, decode_burst=decode_burst,
-                                           max_queue=4096, quantize=quantize)
+                                           max_queue=4096, quantize=quantize,
+                                           fuse_projections=fuse_projections)
     return settings.instantiate(model_cfg=cfg, params=params, tokenizer=None)
 
 

@@ -1,15 +1,18 @@
-"""A/B of decode attention's two paged paths in one process, generate calls interleaved.
+"""A/B of two decode engines in one process, generate calls interleaved.
 
-    python jl_decode_ab.py --dtype bf16 --batches 1,4,16
+    python jl_decode_ab.py --dtype bf16 --batches 1,4,16 [--compare attention|fuse]
 
-Two engines on the ~60M Llama (as `jl_decode.py --case latency`): `window` gathers each
-row's pages into a window in position order and runs one dot over it (the path of
-prefill chunks); `pages` attends over the pages themselves (`paged.paged_attention`, the
-decode default; `jaxlearn.layers.attention._PAGE_MAJOR_MAX_ROWS` picks between them when
-the programs are traced). Per batch and round, each engine runs a 1-token and a
+Two engines on the ~60M Llama (as `jl_decode.py --case latency`). `--compare attention`:
+`window` gathers each row's pages into a window in position order and runs one dot over
+it (the path of prefill chunks) vs `pages`, attention over the pages themselves
+(`paged.paged_attention`, the decode default; `jaxlearn.layers.attention.
+_PAGE_MAJOR_MAX_ROWS` picks between them when the programs are traced). `--compare fuse`:
+the default engine (`base`) vs `Engine.Config.fuse_projections=True` (`fused`: one q/k/v
+and one gate/up matmul per layer). Per batch and round, each engine runs a 1-token and a
 (1 + --new)-token generate call; ms/token is the differential of the medians, as in
-jl_decode.py. (That both paths give the same logits is tested: packages/layers/tests/
-test_paged.py, packages/kernels/tests/test_paged.py.)
+jl_decode.py; `speedup` is the first variant's ms/token over the second's. (That the
+variants give the same logits is tested: packages/layers/tests/test_paged.py and
+test_composition_helpers.py, packages/kernels/tests/test_paged.py.)
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ def main() -> None:
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--batches", default="1,4,16")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--compare", default="attention", choices=["attention", "fuse"])
     args = p.parse_args()
     import jax
     import numpy as np
@@ -41,10 +45,14 @@ def main() -> None:
                for b in batches}
     engines: dict[str, Any] = {}
     default = attention._PAGE_MAJOR_MAX_ROWS
-    for name, rows in (("window", 0), ("pages", default)):
+    variants = ([("window", 0, False), ("pages", default, False)]
+                if args.compare == "attention"
+                else [("base", default, False), ("fused", default, True)])
+    for name, rows, fuse in variants:
         attention._PAGE_MAJOR_MAX_ROWS = rows  # Read when the engine's programs are traced.
         eng = build_engine(c, args.dtype, max_batch=max(batches),
-                           max_seq_len=args.prompt + args.new + 1, decode_burst=8)
+                           max_seq_len=args.prompt + args.new + 1, decode_burst=8,
+                           fuse_projections=fuse)
         for b in batches:  # Compile every program this engine runs below.
             generate(eng, prompts[b], [1] * b)
             generate(eng, prompts[b], [1 + args.new] * b)
@@ -59,13 +67,14 @@ def main() -> None:
                 t1[n].append(generate(eng, prompts[b], [1] * b))
                 tn[n].append(generate(eng, prompts[b], [1 + args.new] * b))
         ms = {n: 1e3 * (med(tn[n]) - med(t1[n])) / args.new for n in engines}
-        row = dict(batch=b, window_ms_per_token=rnd(ms["window"]),
-                   pages_ms_per_token=rnd(ms["pages"]),
-                   speedup=rnd(ms["window"] / ms["pages"]))
+        first, second = (v[0] for v in variants)
+        row = {"batch": b, f"{first}_ms_per_token": rnd(ms[first]),
+               f"{second}_ms_per_token": rnd(ms[second]),
+               "speedup": rnd(ms[first] / ms[second])}
         log(f"decode A/B {args.dtype} B{b}: {row}")
         rows_out.append(row)
-    emit(bench="decode_ab", dtype=args.dtype, prompt=args.prompt, new_tokens=args.new,
-         rounds=args.rounds, version=jax.__version__, rows=rows_out)
+    emit(bench="decode_ab", compare=args.compare, dtype=args.dtype, prompt=args.prompt,
+         new_tokens=args.new, rounds=args.rounds, version=jax.__version__, rows=rows_out)
 
 
 if __name__ == "__main__":

@@ -29,9 +29,9 @@ the pool's layout (a row gather of contiguous pages), and QK^T / PV are dots bat
 The window path (`gather_pages`, then one dot over the window) has to transpose the
 gathered pages into position order first, a copy of 16-64-element runs. Decode of the
 ~60M Llama (8 layers, pages of 16, window 256), the two paths interleaved in one process:
-page-major is 1.03x / 1.12x / 1.44x faster in bf16 and 1.00x / 1.14x / 1.38x in f32 at
-batch 1 / 4 / 16. The gather of whole pages remains (in bf16 fused with the uint16 ->
-bf16 bitcast).
+page-major is 1.02-1.10x / 1.06-1.10x / 1.33-1.39x faster in bf16 and 0.96x / 1.16x /
+1.21x in f32 at batch 1 / 4 / 16 (tools/bench/jl_decode_ab.py). The gather of whole
+pages remains (in bf16 fused with the uint16 -> bf16 bitcast).
 
 A 16-bit float pool is stored as its raw bits (uint16; `init_pool`), and only the
 gathered windows and the new entries are bitcast: XLA:CPU runs bf16 gathers/scatters
