@@ -31,7 +31,8 @@ from jaxlearn.module import (
 IMPLEMENTATIONS = ("auto", "einsum", "dot_product_attention", "blockwise", "ring")
 _NEG = float(jnp.finfo(jnp.float32).min)
 # Pages of keys [kv_heads, head_dim, page_size], of values [kv_heads, page_size, head_dim]:
-# the layouts `_core`'s two einsums read them in (see `jaxlearn.kernels.paged`).
+# the layouts `_core`'s two einsums read them in, and the ones `paged.paged_attention`
+# takes (see `jaxlearn.kernels.paged`).
 _PAGE_LAYOUT = {"key": "kdt", "value": "ktd"}
 KVCache = dict[str, jax.Array]  # {"key", "value": [batch, max_len, kv_heads, head_dim]}
 
