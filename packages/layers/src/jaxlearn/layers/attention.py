@@ -299,7 +299,6 @@ class Attention(Module):
         if positions is None:
             positions = jnp.broadcast_to(q_index, (b, s))
         q, k, v = self._project_qkv(x, positions)
-        extra: Any
         impl = c.implementation_at(s)
         if impl in ("blockwise", "ring") and (cache is None or time_step is None):
             kw: dict[str, Any] = dict(
@@ -313,55 +312,77 @@ class Attention(Module):
                 o = blockwise_attention(q, k, v, q_positions=q_index, k_positions=q_index,
                                         q_segment_ids=segment_ids, k_segment_ids=segment_ids, **kw)
             return self._output(o), (k, v)
-        if cache is None or time_step is None:
-            k_all, v_all, extra = k, v, (k, v)
-            mask = make_mask(
-                q_index,
-                jnp.arange(s, dtype=jnp.int32),
-                causal=c.causal,
-                sliding_window=c.sliding_window,
-                q_segment_ids=segment_ids,
-                kv_segment_ids=segment_ids,
+        if cache is not None and time_step is not None:
+            o, extra = self._attend_cache(
+                q, k, v, cache, time_step, q_index, page_table, layer_index
             )
-        else:
-            if page_table is None:
-                k_all = _write(cache["key"], k, time_step)
-                v_all = _write(cache["value"], v, time_step)
-                extra = {"key": k_all, "value": v_all}
-                kv_len = k_all.shape[1]
-            else:  # Write first: the gather then depends on the write (no pool copy).
-                extra = {
-                    name: paged.write_pages(
-                        cache[name], new, t, page_table, layer_index, _PAGE_LAYOUT[name]
-                    )
-                    for name, new in (("key", k), ("value", v))
-                }
-                kv_len = page_table.shape[1] * _page_size(extra)
-            mask = make_mask(
-                q_index,
-                jnp.arange(kv_len, dtype=jnp.int32),
-                causal=c.causal,
-                sliding_window=c.sliding_window,
-                kv_end=t + s,
+            return self._output(o), extra
+        mask = make_mask(
+            q_index,
+            jnp.arange(s, dtype=jnp.int32),
+            causal=c.causal,
+            sliding_window=c.sliding_window,
+            q_segment_ids=segment_ids,
+            kv_segment_ids=segment_ids,
+        )
+        o = self._core(q, k.astype(q.dtype), v.astype(q.dtype), mask)  # [b, s, h, d]
+        return self._output(o), (k, v)
+
+    def _attend_cache(
+        self,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        cache: KVCache,
+        time_step: jax.Array,
+        q_index: jax.Array,
+        page_table: Optional[jax.Array],
+        layer_index: Optional[jax.Array],
+    ) -> tuple[jax.Array, KVCache]:
+        """Writes this call's k/v [b, s, kv_heads, d] at time_step (scalar or [b]) into the
+        cache (contiguous, or the page pool with `page_table`) and attends q over it.
+
+        Returns (o [b, s, heads, d], the updated cache)."""
+        c = self.config
+        b, s = q.shape[:2]
+        t = jnp.broadcast_to(jnp.asarray(time_step, jnp.int32), (b,))
+        if page_table is None:
+            k_all = _write(cache["key"], k, time_step)
+            v_all = _write(cache["value"], v, time_step)
+            extra = {"key": k_all, "value": v_all}
+            kv_len = k_all.shape[1]
+        else:  # Write first: the gather then depends on the write (no pool copy).
+            extra = {
+                name: paged.write_pages(
+                    cache[name], new, t, page_table, layer_index, _PAGE_LAYOUT[name]
+                )
+                for name, new in (("key", k), ("value", v))
+            }
+            kv_len = page_table.shape[1] * _page_size(extra)
+        mask = make_mask(
+            q_index,
+            jnp.arange(kv_len, dtype=jnp.int32),
+            causal=c.causal,
+            sliding_window=c.sliding_window,
+            kv_end=t + s,
+        )
+        if page_table is not None and _page_major(c, s * (c.num_heads // self.num_kv_heads)):
+            kp, vp = (
+                paged.gather_page_blocks(extra[name], page_table, q.dtype, layer_index)
+                for name in ("key", "value")
             )
-            if page_table is not None and _page_major(c, s * (c.num_heads // self.num_kv_heads)):
-                kp, vp = (
-                    paged.gather_page_blocks(extra[name], page_table, q.dtype, layer_index)
-                    for name in ("key", "value")
+            o = paged.paged_attention(
+                q, kp, vp, mask, scale=self._scale, logit_soft_cap=c.logit_soft_cap
+            )
+            return o, extra
+        if page_table is not None:
+            k_all, v_all = (
+                paged.gather_pages(
+                    extra[name], page_table, self.dtype, layer_index, _PAGE_LAYOUT[name]
                 )
-                o = paged.paged_attention(
-                    q, kp, vp, mask, scale=self._scale, logit_soft_cap=c.logit_soft_cap
-                )
-                return self._output(o), extra
-            if page_table is not None:
-                k_all, v_all = (
-                    paged.gather_pages(
-                        extra[name], page_table, self.dtype, layer_index, _PAGE_LAYOUT[name]
-                    )
-                    for name in ("key", "value")
-                )
-        o = self._core(q, k_all.astype(q.dtype), v_all.astype(q.dtype), mask)  # [b, s, h, d]
-        return self._output(o), extra
+                for name in ("key", "value")
+            )
+        return self._core(q, k_all.astype(q.dtype), v_all.astype(q.dtype), mask), extra
 
     @property
     def _scale(self) -> float:
