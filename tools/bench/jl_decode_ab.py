@@ -8,11 +8,14 @@ it (the path of prefill chunks) vs `pages`, attention over the pages themselves
 (`paged.paged_attention`, the decode default; `jaxlearn.layers.attention.
 _PAGE_MAJOR_MAX_ROWS` picks between them when the programs are traced). `--compare fuse`:
 the default engine (`base`) vs `Engine.Config.fuse_projections=True` (`fused`: one q/k/v
-and one gate/up matmul per layer). Per batch and round, each engine runs a 1-token and a
-(1 + --new)-token generate call; ms/token is the differential of the medians, as in
-jl_decode.py; `speedup` is the first variant's ms/token over the second's. (That the
-variants give the same logits is tested: packages/layers/tests/test_paged.py and
-test_composition_helpers.py, packages/kernels/tests/test_paged.py.)
+and one gate/up matmul per layer). `--compare onednn`: `xla`, every dot on XLA's own (the
+default) vs `onednn`, where the bf16 decode matmuls run on oneDNN
+(`jaxlearn.kernels.onednn.ENABLED = True` while tracing; f32 is the same in both). Per
+batch and round, each engine runs a 1-token and a (1 + --new)-token generate call;
+ms/token is the differential of the medians, as in jl_decode.py; `speedup` is the first
+variant's ms/token over the second's. (That the variants give the same logits is
+tested: packages/layers/tests/test_paged.py and test_composition_helpers.py,
+packages/kernels/tests/test_paged.py and test_onednn.py.)
 """
 
 from __future__ import annotations
@@ -31,12 +34,13 @@ def main() -> None:
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--batches", default="1,4,16")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--compare", default="attention", choices=["attention", "fuse"])
+    p.add_argument("--compare", default="attention", choices=["attention", "fuse", "onednn"])
     args = p.parse_args()
     import jax
     import numpy as np
 
     import jaxlearn.layers.attention as attention
+    from jaxlearn.kernels import onednn
 
     c = model_cfg("llama")
     batches = [int(b) for b in args.batches.split(",")]
@@ -44,12 +48,17 @@ def main() -> None:
     prompts = {b: [rng.integers(0, c["vocab"], args.prompt).tolist() for _ in range(b)]
                for b in batches}
     engines: dict[str, Any] = {}
-    default = attention._PAGE_MAJOR_MAX_ROWS
-    variants = ([("window", 0, False), ("pages", default, False)]
-                if args.compare == "attention"
-                else [("base", default, False), ("fused", default, True)])
-    for name, rows, fuse in variants:
-        attention._PAGE_MAJOR_MAX_ROWS = rows  # Read when the engine's programs are traced.
+    page, dnn = attention._PAGE_MAJOR_MAX_ROWS, onednn.ENABLED
+    # (name, page-major rows, fused projections, oneDNN on) of each variant.
+    variants = {"attention": [("window", 0, False, dnn), ("pages", page, False, dnn)],
+                "fuse": [("base", page, False, dnn), ("fused", page, True, dnn)],
+                "onednn": [("xla", page, False, False), ("onednn", page, False, True)]
+                }[args.compare]
+    if args.compare == "onednn":
+        log(f"oneDNN: {onednn.unavailable_reason() or 'available'}")
+    for name, rows, fuse, dnn_on in variants:
+        # Both constants are read when the engine's programs are traced.
+        attention._PAGE_MAJOR_MAX_ROWS, onednn.ENABLED = rows, dnn_on
         eng = build_engine(c, args.dtype, max_batch=max(batches),
                            max_seq_len=args.prompt + args.new + 1, decode_burst=8,
                            fuse_projections=fuse)
@@ -57,7 +66,7 @@ def main() -> None:
             generate(eng, prompts[b], [1] * b)
             generate(eng, prompts[b], [1 + args.new] * b)
         engines[name] = eng
-    attention._PAGE_MAJOR_MAX_ROWS = default
+    attention._PAGE_MAJOR_MAX_ROWS, onednn.ENABLED = page, dnn
     rows_out = []
     for b in batches:
         t1: dict[str, list[float]] = {n: [] for n in engines}

@@ -9,8 +9,10 @@ CPU lessons built in:
   dtype (f32 master params are cast at use);
 - the custom VJP keeps bf16 backward dots bf16: the cotangent is cast to the operand dtype,
   dx uses the "NT" `dot_general` form and dW a 3-D einsum that YNNPACK accepts;
-- a one-row bf16 GEMV (batch-1 decode) is padded to two rows (`kernels.matmul.pad_single_row`),
-  which XLA would otherwise upcast to f32 together with the whole weight;
+- a one-row bf16 GEMV is padded to two rows (`kernels.matmul.pad_single_row`), which XLA
+  would upcast to f32 together with the whole weight; with `JAXLEARN_ONEDNN=1` a few bf16
+  rows go to oneDNN instead (`kernels.onednn`, opt-in: slower than XLA in a whole decode
+  step on the hosts measured);
 - an `Int8Weight` (weight-only int8 for serving) goes to `kernels.int8_matmul`.
 """
 
@@ -22,7 +24,7 @@ from typing import Any, Optional
 import jax
 
 from jaxlearn.config import REQUIRED, Configurable
-from jaxlearn.kernels import Int8Weight, int8_matmul
+from jaxlearn.kernels import Int8Weight, int8_matmul, onednn
 from jaxlearn.kernels.matmul import einsum, matmul, matmul_nt, pad_single_row
 from jaxlearn.module import FanAxes, Module, ParameterSpec, zeros
 
@@ -77,12 +79,13 @@ def dense(
             raise ValueError("dense: an int8 weight takes no injected dot (LoRA, int8/fp8)")
         y = int8_matmul(x2d, w.q.reshape(k, n), w.scale.reshape(n))
         return y.astype(out_dtype or x.dtype).reshape(*lead, *out_shape)
-    rows = x2d.shape[0]
-    x2d = pad_single_row(x2d)
+    rows, w2d = x2d.shape[0], w.reshape(k, n)
+    if dot is not None or not onednn.eligible(x2d, w2d.astype(x.dtype)):
+        x2d = pad_single_row(x2d)
     if dot is None:  # matmul casts w itself (and returns its gradient in w's dtype).
-        y = matmul(x2d, w.reshape(k, n), out_dtype)
+        y = matmul(x2d, w2d, out_dtype)
     else:
-        y = dot(x2d, w.reshape(k, n).astype(x.dtype)).astype(out_dtype or x.dtype)
+        y = dot(x2d, w2d.astype(x.dtype)).astype(out_dtype or x.dtype)
     return y[:rows].reshape(*lead, *out_shape)
 
 
