@@ -41,8 +41,8 @@ __all__ = ["ENABLED", "MAX_ROWS", "bf16_matmul", "eligible", "unavailable_reason
 
 TARGET = "jaxlearn_onednn_matmul"
 # Largest row count sent to oneDNN. Measured (jl_gemv.py, llama-60m shapes): oneDNN at
-# M = 16 still reads weights 2-4x faster than XLA's bf16 dot; past a few dozen rows the
-# dot is compute-bound and XLA's own GEMM is the better-tested path.
+# M = 16 still reads weights 1.5-2.7x faster than XLA's bf16 dot; past a few dozen rows
+# the dot is compute-bound and XLA's own GEMM is the better-tested path.
 MAX_ROWS = 16
 # Whether `eligible` may say yes at all (read when a program is traced).
 ENABLED = os.environ.get("JAXLEARN_ONEDNN", "0") == "1"
