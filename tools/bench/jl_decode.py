@@ -22,7 +22,8 @@ from decode_common import continuous_workload
 
 
 def build_engine(c: dict[str, Any], dtype: str, *, max_batch: int, max_seq_len: int,
-                 decode_burst: int, quantize: Any = None, fuse_projections: bool = False) -> Any:
+                 decode_burst: int, quantize: Any = None, fuse_projections: bool = False,
+                 weight_layout: str = "auto") -> Any:
     import jax
     import jax.numpy as jnp
 
@@ -40,7 +41,8 @@ def build_engine(c: dict[str, Any], dtype: str, *, max_batch: int, max_seq_len: 
     settings = Engine.default_config().set(max_seq_len=max_seq_len, max_batch=max_batch,
                                            prefill_chunk=256, decode_burst=decode_burst,
                                            max_queue=4096, quantize=quantize,
-                                           fuse_projections=fuse_projections)
+                                           fuse_projections=fuse_projections,
+                                           weight_layout=weight_layout)
     return settings.instantiate(model_cfg=cfg, params=params, tokenizer=None)
 
 

@@ -1,6 +1,6 @@
 """A/B of two decode engines in one process, generate calls interleaved.
 
-    python jl_decode_ab.py --dtype bf16 --batches 1,4,16 [--compare attention|fuse]
+    python jl_decode_ab.py --dtype bf16 --batches 1,4,16 [--compare attention|fuse|onednn|layout]
 
 Two engines on the ~60M Llama (as `jl_decode.py --case latency`). `--compare attention`:
 `window` gathers each row's pages into a window in position order and runs one dot over
@@ -10,7 +10,10 @@ _PAGE_MAJOR_MAX_ROWS` picks between them when the programs are traced). `--compa
 the default engine (`base`) vs `Engine.Config.fuse_projections=True` (`fused`: one q/k/v
 and one gate/up matmul per layer). `--compare onednn`: `xla`, every dot on XLA's own (the
 default) vs `onednn`, where the bf16 decode matmuls run on oneDNN
-(`jaxlearn.kernels.onednn.ENABLED = True` while tracing; f32 is the same in both). Per
+(`jaxlearn.kernels.onednn.ENABLED = True` while tracing; f32 is the same in both).
+`--compare layout`: `in_out`, dense weights in their trained [in, out] layout, vs
+`out_in`, stored [out, in] (`Engine.Config.weight_layout`; "auto", the default, picks
+`out_in` for bf16 weights on one CPU device). Per
 batch and round, each engine runs a 1-token and a (1 + --new)-token generate call;
 ms/token is the differential of the medians, as in jl_decode.py; `speedup` is the first
 variant's ms/token over the second's. (That the variants give the same logits is
@@ -34,7 +37,8 @@ def main() -> None:
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--batches", default="1,4,16")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--compare", default="attention", choices=["attention", "fuse", "onednn"])
+    p.add_argument("--compare", default="attention",
+                   choices=["attention", "fuse", "onednn", "layout"])
     args = p.parse_args()
     import jax
     import numpy as np
@@ -49,19 +53,23 @@ def main() -> None:
                for b in batches}
     engines: dict[str, Any] = {}
     page, dnn = attention._PAGE_MAJOR_MAX_ROWS, onednn.ENABLED
-    # (name, page-major rows, fused projections, oneDNN on) of each variant.
-    variants = {"attention": [("window", 0, False, dnn), ("pages", page, False, dnn)],
-                "fuse": [("base", page, False, dnn), ("fused", page, True, dnn)],
-                "onednn": [("xla", page, False, False), ("onednn", page, False, True)]
+    # (name, page-major rows, fused projections, oneDNN on, weight layout) of each variant.
+    variants = {"attention": [("window", 0, False, dnn, "auto"),
+                              ("pages", page, False, dnn, "auto")],
+                "fuse": [("base", page, False, dnn, "auto"), ("fused", page, True, dnn, "auto")],
+                "onednn": [("xla", page, False, False, "auto"),
+                           ("onednn", page, False, True, "auto")],
+                "layout": [("in_out", page, False, dnn, "in_out"),
+                           ("out_in", page, False, dnn, "out_in")],
                 }[args.compare]
     if args.compare == "onednn":
         log(f"oneDNN: {onednn.unavailable_reason() or 'available'}")
-    for name, rows, fuse, dnn_on in variants:
+    for name, rows, fuse, dnn_on, layout in variants:
         # Both constants are read when the engine's programs are traced.
         attention._PAGE_MAJOR_MAX_ROWS, onednn.ENABLED = rows, dnn_on
         eng = build_engine(c, args.dtype, max_batch=max(batches),
                            max_seq_len=args.prompt + args.new + 1, decode_burst=8,
-                           fuse_projections=fuse)
+                           fuse_projections=fuse, weight_layout=layout)
         for b in batches:  # Compile every program this engine runs below.
             generate(eng, prompts[b], [1] * b)
             generate(eng, prompts[b], [1 + args.new] * b)

@@ -143,3 +143,27 @@ def test_linear_bias_and_injected_dot():
     np.testing.assert_allclose(
         y2, 2 * (x @ params["weight"]) + params["bias"], rtol=1e-5, atol=1e-5
     )
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, BF16])
+@pytest.mark.parametrize("x_shape,w_shape,in_dims", [
+    ((2, 3, 8), (8, 4, 5), 1),     # q_proj-like, [b, s, in] with 2 leading dims
+    ((1, 1, 8), (8, 6), 1),        # one decode row (bf16: padded to two)
+    ((4, 1, 8), (8, 6), 1),        # a decode batch
+    ((2, 3, 4, 5), (4, 5, 8), 2),  # o_proj [heads, head_dim, embed]
+])
+def test_dense_on_a_transposed_weight_equals_the_trained_layout(dtype, x_shape, w_shape, in_dims):
+    """`TransposedWeight` (serving: stored [out, in]) gives dense's result on the weight
+    as trained: f32 within rounding of the summation order, bf16 within its rounding of
+    the f32 products (both accumulate in f32)."""
+    from jaxlearn.kernels import transpose_weight
+
+    x, w = _rand(0, x_shape, dtype), _rand(1, w_shape, dtype)
+    want = dense(x, w, in_dims=in_dims, out_dtype=jnp.float32)
+    got = dense(x, transpose_weight(w, in_dims), in_dims=in_dims, out_dtype=jnp.float32)
+    assert got.shape == want.shape == (*x_shape[: len(x_shape) - in_dims], *w_shape[in_dims:])
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    assert dense(x, transpose_weight(w, in_dims), in_dims=in_dims).dtype == dtype
+    with pytest.raises(ValueError, match="transposed weight takes no injected dot"):
+        dense(x, transpose_weight(w, in_dims), in_dims=in_dims,
+              dot=DotGeneral.default_config().instantiate())

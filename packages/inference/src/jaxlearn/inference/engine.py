@@ -53,6 +53,7 @@ from jaxlearn.inference.quantize import quantize_params
 from jaxlearn.inference.runner import ModelRunner, kv_window, next_pow2
 from jaxlearn.inference.sampling import SamplingParams
 from jaxlearn.inference.scheduler import Request, Scheduler
+from jaxlearn.inference.weight_layout import apply_weight_layout
 from jaxlearn.module import Module
 from jaxlearn.text.detokenize import Delta
 from jaxlearn.text.protocol import as_tokenizer
@@ -159,6 +160,10 @@ class Engine(Configurable):
             KV pages behind it to the pool while a request runs (`PageTable.trim`).
         quantize: None keeps the weights' dtype; "int8": dense weights and a tied head as
             int8 + f32 per-channel scales (`inference.quantize`; one device only).
+        weight_layout: "auto" stores 16-bit dense weights [out, in] on one CPU device
+            (XLA:CPU's bf16 decode dots read them 1.05-2.25x faster), "out_in" every
+            float dense weight, "in_out" keeps the trained layout
+            (`inference.weight_layout`).
         mesh_shape: None serves on one device; else the mesh over all devices (one -1
             entry allowed), with `mesh_axis_names`. Params are placed by their logical
             axes through `axis_rules` (None: INFERENCE_AXIS_RULES, the training rules
@@ -178,6 +183,7 @@ class Engine(Configurable):
         prefix_caching: bool = True
         window_page_release: bool = True
         quantize: Optional[str] = None
+        weight_layout: str = "auto"
         mesh_shape: Optional[tuple[int, ...]] = None
         mesh_axis_names: tuple[str, ...] = ("data", "fsdp", "model")
         axis_rules: Optional[tuple[tuple[str, Any], ...]] = None
@@ -195,6 +201,8 @@ class Engine(Configurable):
         self.model: Module = model_cfg.instantiate()
         if cfg.quantize is not None:
             params = quantize_params(self.model, params, cfg.quantize)
+        params = apply_weight_layout(self.model, params, cfg.weight_layout,
+                                     mesh_shape=cfg.mesh_shape, quantize=cfg.quantize)
         self.tokenizer = as_tokenizer(tokenizer) if tokenizer is not None else None
         self.model_name = cfg.model_name
         self.max_seq_len = cfg.max_seq_len

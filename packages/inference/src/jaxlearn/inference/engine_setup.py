@@ -13,6 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxlearn.config import REQUIRED
 from jaxlearn.inference.quantize import check_quantize
+from jaxlearn.inference.weight_layout import check_weight_layout
 from jaxlearn.mesh import (
     DEFAULT_AXIS_RULES,
     logical_to_partition_spec,
@@ -41,6 +42,7 @@ def check_settings(cfg: Any) -> int:
         raise ValueError(f"Engine.Config.fuse_projections=True needs mesh_shape=None (one "
                          f"device), got mesh_shape={cfg.mesh_shape}")
     check_quantize(cfg.quantize)
+    check_weight_layout(cfg.weight_layout, cfg.mesh_shape)
     if cfg.quantize is not None and cfg.mesh_shape is not None:
         raise ValueError(f"Engine.Config.quantize={cfg.quantize!r} needs mesh_shape=None (one "
                          f"device), got mesh_shape={cfg.mesh_shape}")

@@ -13,7 +13,7 @@ int8/fp8 training dots), which `dense()` would otherwise bypass.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from jaxlearn.kernels import Int8Weight, quantize_int8
 from jaxlearn.layers import Attention, Decoder, Embedding, FeedForward, Linear
@@ -49,26 +49,36 @@ def dense_weights(module: Module) -> dict[str, tuple[int, ...]]:
     return {}
 
 
-def quantize_params(model: Module, params: Any, mode: str = "int8") -> Any:
-    """`params` (a tree like `model`'s) with its dense weights as `Int8Weight`s (see
-    module docstring). A scanned stack's weights keep their leading layer axis: scales are
-    per layer and output channel."""
-    check_quantize(mode)
+def map_dense_weights(model: Module, params: Any, fn: Callable[[Any, tuple[int, ...]], Any]
+                      ) -> Any:
+    """`params` (a tree like `model`'s) with each dense weight `w` (see `dense_weights`)
+    replaced by `fn(w, contracted axes)`. A scanned stack's weights keep their leading
+    layer axis; the axes passed to `fn` count it."""
 
     def walk(module: Module, p: Any) -> Any:
         out = dict(p)
         own = module._create_layer_parameter_specs()  # The unstacked shapes.
         for name, axes in dense_weights(module).items():
             w = p.get(name)
-            if w is not None and name in own and not isinstance(w, Int8Weight):
+            if w is not None and name in own:
                 lead = len(w.shape) - len(own[name].shape)  # Stacked layers: [layers, ...].
-                out[name] = quantize_int8(w, tuple(a + lead for a in axes))
+                out[name] = fn(w, tuple(a + lead for a in axes))
         for name, child in module.children.items():
             if isinstance(p.get(name), dict):
                 out[name] = walk(child, p[name])
         return out
 
     return walk(model, params)
+
+
+def quantize_params(model: Module, params: Any, mode: str = "int8") -> Any:
+    """`params` (a tree like `model`'s) with its dense weights as `Int8Weight`s (see
+    module docstring). A scanned stack's weights keep their leading layer axis: scales are
+    per layer and output channel."""
+    check_quantize(mode)
+    return map_dense_weights(
+        model, params,
+        lambda w, axes: w if isinstance(w, Int8Weight) else quantize_int8(w, axes))
 
 
 def params_nbytes(params: Any) -> int:

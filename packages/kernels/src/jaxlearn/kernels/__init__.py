@@ -3,14 +3,17 @@
 from jaxlearn.kernels.blockwise_attention import blockwise_attention
 from jaxlearn.kernels.chunked_loss import head_cross_entropy
 from jaxlearn.kernels.ring_attention import ring_attention
+from jaxlearn.kernels.weight_layout import TransposedWeight, transpose_weight
 from jaxlearn.kernels.weight_quant import Int8Weight, int8_matmul, quantize_int8, take_rows
 
 __all__ = [
     "Int8Weight",
+    "TransposedWeight",
     "blockwise_attention",
     "head_cross_entropy",
     "int8_matmul",
     "quantize_int8",
     "ring_attention",
     "take_rows",
+    "transpose_weight",
 ]

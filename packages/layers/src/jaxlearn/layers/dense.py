@@ -13,7 +13,9 @@ CPU lessons built in:
   would upcast to f32 together with the whole weight; with `JAXLEARN_ONEDNN=1` a few bf16
   rows go to oneDNN instead (`kernels.onednn`, opt-in: slower than XLA in a whole decode
   step on the hosts measured);
-- an `Int8Weight` (weight-only int8 for serving) goes to `kernels.int8_matmul`.
+- an `Int8Weight` (weight-only int8 for serving) goes to `kernels.int8_matmul`;
+- a `TransposedWeight` (a serving weight stored [out, in], `kernels.weight_layout`: faster
+  for XLA:CPU's bf16 small-M dots) goes to `matmul_nt`, contracted on its stored layout.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any, Optional
 import jax
 
 from jaxlearn.config import REQUIRED, Configurable
-from jaxlearn.kernels import Int8Weight, int8_matmul, onednn
+from jaxlearn.kernels import Int8Weight, TransposedWeight, int8_matmul, onednn
 from jaxlearn.kernels.matmul import einsum, matmul, matmul_nt, pad_single_row
 from jaxlearn.module import FanAxes, Module, ParameterSpec, zeros
 
@@ -63,13 +65,21 @@ def dense(
     (the compute dtype), runs `dot` (default: the custom-VJP `matmul`, on x's leading dims
     as they are; an injected dot or an int8 weight gets x as [tokens, in]) and restores
     the shape. The result is in `out_dtype` (default x.dtype). `w` may be an `Int8Weight`
-    whose scale has shape [1 x in_dims, *out] (see `jaxlearn.kernels.weight_quant`).
+    whose scale has shape [1 x in_dims, *out] (see `jaxlearn.kernels.weight_quant`), or a
+    `TransposedWeight` (stored [prod(out), prod(in)], `jaxlearn.kernels.weight_layout`).
     """
     in_shape, out_shape = w.shape[:in_dims], w.shape[in_dims:]
     if tuple(x.shape[x.ndim - in_dims :]) != tuple(in_shape):
         raise ValueError(f"dense: input {x.shape} does not end in the weight's in dims {in_shape}")
     lead = x.shape[: x.ndim - in_dims]
     k, n = math.prod(in_shape), math.prod(out_shape)
+    if isinstance(w, TransposedWeight):
+        if dot is not None:
+            raise ValueError("dense: a transposed weight takes no injected dot (LoRA, int8/fp8)")
+        # x as [tokens, in]: XLA canonicalises a dot with more leading dims to rhs [in, out]
+        # and would transpose the weight back (a copy hoisted out of the decode loop).
+        y = matmul_nt(x.reshape(-1, k), w.t, out_dtype)
+        return y.reshape(*lead, *out_shape)
     if dot is None and not isinstance(w, Int8Weight) and math.prod(lead) > 1 and len(lead) > 1:
         y = matmul(x.reshape(*lead, k), w.reshape(k, n), out_dtype)
         return y.reshape(*lead, *out_shape)
