@@ -142,6 +142,8 @@ def test_connection_cap_answers_429_and_recovers(server):
             s.close()
     assert _wait(lambda: httpd.open_connections == 0)
     assert call(server, "GET", "/v1/models", headers=AUTH)[0] == 200
+    # The server counts that connection closed only after the client has its response.
+    assert _wait(lambda: httpd.open_connections == 0)
     metrics = call(server, "GET", "/metrics", headers=AUTH)[1].decode()
     assert 'jaxlearn_http_requests_total{code="429",path="other"}' in metrics
     assert "jaxlearn_http_connections_open 1" in metrics  # The /metrics request itself.
