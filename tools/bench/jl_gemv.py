@@ -19,7 +19,8 @@ write bytes). Formulations (w: [K, N] "nn", or its transpose [N, K] "nt"; x is f
   f32_nn / f32_nt         f32 dot
   f32_hi_nn               f32 dot, precision=HIGHEST
   bf16_nn / bf16_nt       bf16 x bf16 dot, preferred_element_type f32
-  bf16_pad_nn             the same with M=1 padded to 2 rows (dense.py's bf16 GEMV path)
+  bf16_pad_nn / _nt       the same with M=1 padded to 2 rows (dense.py's bf16 GEMV path;
+                          _nt: the serving engine's bf16 layout, `TransposedWeight`)
   bf16up_nn / bf16up_nt   bf16 weights converted to f32 inside the program, f32 dot
   dnn_nn / dnn_nt         bf16 x bf16 -> f32 on oneDNN (`jaxlearn.kernels.onednn`, the
                           dense path for a few bf16 rows; skipped where it is unavailable)
@@ -48,7 +49,7 @@ MODELS: dict[str, dict[str, tuple[int, int]]] = {
     "1b": {"qkv": (2048, 3072), "o": (2048, 2048), "gate_up": (2048, 16384),
            "down": (8192, 2048), "lm_head": (2048, 49152)},
 }
-FORMS = ("f32_nn", "f32_nt", "f32_hi_nn", "bf16_nn", "bf16_nt", "bf16_pad_nn",
+FORMS = ("f32_nn", "f32_nt", "f32_hi_nn", "bf16_nn", "bf16_nt", "bf16_pad_nn", "bf16_pad_nt",
          "bf16up_nn", "bf16up_nt", "dnn_nn", "dnn_nt", "i8_f32_nn", "i8_f32_nt",
          "i8_bf16_nn", "i8_bf16_nt", "i8i8_nn", "i8i8_nt", "red_f32_nt", "red_f32_nn",
          "red_bf16_nt", "red_bf16_nn", "red_i8_nt", "red_i8_nn")
@@ -236,7 +237,7 @@ def main() -> None:
                 continue
             for m in (int(v) for v in args.ms.split(",")):
                 cases = [build(f, m, k, n, args.min_mb) for f in forms
-                         if not (f == "bf16_pad_nn" and m != 1)]
+                         if not (f.startswith("bf16_pad_") and m != 1)]
                 for row in measure_round_robin(cases, args.repeats, read):
                     row = dict(model=model, shape=shape_name, **row)
                     log(f"{model:13s} {shape_name:8s} M={m:<3d} {row['form']:12s} "

@@ -161,7 +161,7 @@ class Engine(Configurable):
         quantize: None keeps the weights' dtype; "int8": dense weights and a tied head as
             int8 + f32 per-channel scales (`inference.quantize`; one device only).
         weight_layout: "auto" stores 16-bit dense weights [out, in] on one CPU device
-            (XLA:CPU's bf16 decode dots read them 1.05-2.25x faster), "out_in" every
+            (XLA:CPU's bf16 decode dots read them 1.0-1.5x faster), "out_in" every
             float dense weight, "in_out" keeps the trained layout
             (`inference.weight_layout`).
         mesh_shape: None serves on one device; else the mesh over all devices (one -1

@@ -1,8 +1,8 @@
 """The stored layout of the weights an `Engine` serves (`Engine.Config.weight_layout`).
 
 A trained dense weight is `[*in, *out]`. On XLA:CPU a bf16 dot with few rows (decode)
-reads the same weight 1.05-2.25x faster stored `[out, in]`, and no slower at prefill's
-hundreds of rows; f32 dots are faster `[in, out]` (`jaxlearn.kernels.weight_layout`). So:
+reads the same weight 1.0-1.5x faster stored `[out, in]`; f32 dots are faster `[in, out]`
+(`jaxlearn.kernels.weight_layout`). So:
 
 - "auto" (default): on one CPU device, without `quantize`, every 16-bit float dense
   weight is stored `[out, in]`; f32 weights, int8 weights and any other backend or a mesh

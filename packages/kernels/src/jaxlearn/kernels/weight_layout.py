@@ -6,9 +6,9 @@
 A layer's dense weight is `[*in, *out]` (the contracted dims first). XLA:CPU's bf16 dots
 with few rows read a weight stored `[out, in]` (K contiguous per output column) faster
 than the same weight stored `[in, out]`: `tools/bench/jl_gemv.py` forms `bf16_nt` vs
-`bf16_nn`, 1.05-2.25x at M = 1 / 4 / 16 on the llama-60m shapes, and not slower at the
-prefill's M = 64-1024. f32 dots are the other way round (nn 1.1-1.5x faster), so the
-inference engine transposes 16-bit weights only (`Engine.Config.weight_layout`).
+`bf16_nn`, 1.0-1.5x at M = 1 / 4 / 16 on the llama-60m shapes (2-vCPU AMD EPYC). f32 dots
+are the other way round (`f32_nt` 0.5-1.1x of `f32_nn`), so the inference engine
+transposes 16-bit weights only (`Engine.Config.weight_layout`).
 
 A `TransposedWeight` is a pytree of one array `t` `[*lead, prod(out), prod(in)]` (lead: a
 scanned stack's layer axis, which `lax.scan` slices off like any leaf) with the weight's
