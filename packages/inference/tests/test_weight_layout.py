@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from conftest import make_engine, tiny_config, tiny_params
 
+from jaxlearn.inference.quantize import quantize_params
 from jaxlearn.inference.weight_layout import apply_weight_layout
 from jaxlearn.kernels import Int8Weight, TransposedWeight
 
@@ -54,8 +55,8 @@ def test_auto_transposes_the_16_bit_dense_weights_only(stack, tied):
     # f32 weights, a mesh, or int8 weights keep the trained layout under "auto".
     f32 = tiny_params(cfg)
     assert not any(_IS_W(v) for v in _paths(apply_weight_layout(model, f32, "auto")).values())
-    for kw in (dict(mesh_shape=(1, 8, 1)), dict(quantize="int8")):
-        kept = _paths(apply_weight_layout(model, params, "auto", **kw))
+    for tree, kw in ((params, dict(mesh_shape=(1, 8, 1))), (quantize_params(model, params), {})):
+        kept = _paths(apply_weight_layout(model, tree, "auto", **kw))
         assert not any(isinstance(v, TransposedWeight) for v in kept.values())
     # "out_in" moves f32 weights too; "in_out" moves nothing.
     forced = _paths(apply_weight_layout(model, f32, "out_in"))

@@ -202,7 +202,7 @@ class Engine(Configurable):
         if cfg.quantize is not None:
             params = quantize_params(self.model, params, cfg.quantize)
         params = apply_weight_layout(self.model, params, cfg.weight_layout,
-                                     mesh_shape=cfg.mesh_shape, quantize=cfg.quantize)
+                                     mesh_shape=cfg.mesh_shape)
         self.tokenizer = as_tokenizer(tokenizer) if tokenizer is not None else None
         self.model_name = cfg.model_name
         self.max_seq_len = cfg.max_seq_len

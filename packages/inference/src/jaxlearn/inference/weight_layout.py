@@ -4,8 +4,8 @@ A trained dense weight is `[*in, *out]`. On XLA:CPU a bf16 dot with few rows (de
 reads the same weight 1.0-1.5x faster stored `[out, in]`; f32 dots are faster `[in, out]`
 (`jaxlearn.kernels.weight_layout`). So:
 
-- "auto" (default): on one CPU device, without `quantize`, every 16-bit float dense
-  weight is stored `[out, in]`; f32 weights, int8 weights and any other backend or a mesh
+- "auto" (default): on one CPU device every 16-bit float dense weight is stored
+  `[out, in]`; f32 weights, int8 weights (`quantize`) and any other backend or a mesh
   keep the trained layout;
 - "out_in": every float dense weight stored `[out, in]` (one device only);
 - "in_out": the trained layout.
@@ -49,14 +49,14 @@ def _transposable(w: Any, axes: tuple[int, ...], only_16bit: bool) -> bool:
     return axes == tuple(range(axes[0], axes[0] + len(axes))) and axes[-1] < len(w.shape) - 1
 
 
-def apply_weight_layout(model: Module, params: Any, layout: str, *, mesh_shape: Any = None,
-                        quantize: Optional[str] = None) -> Any:
-    """`params` with their dense weights stored as `layout` says (see module docstring)."""
+def apply_weight_layout(model: Module, params: Any, layout: str, *,
+                        mesh_shape: Any = None) -> Any:
+    """`params` with their dense weights stored as `layout` says (see module docstring);
+    `Int8Weight`s (`quantize`) are left as they are."""
     check_weight_layout(layout, mesh_shape)
     if layout == "in_out":
         return params
-    if layout == "auto" and (mesh_shape is not None or quantize is not None
-                             or jax.default_backend() != "cpu"):
+    if layout == "auto" and (mesh_shape is not None or jax.default_backend() != "cpu"):
         return params
     only_16bit = layout == "auto"
 
