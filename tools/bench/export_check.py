@@ -159,12 +159,13 @@ def export_stage(out: pathlib.Path, init: str | None, question: str | None,
         cases = [c for c in _tiny_cases() if not only or c[0] in only.split(",")]
     for name, config, params, tok, chat in cases:
         case = out / name
-        hf = export_hf(case / "hf", config, params, tokenizer=tok, chat_template=chat)
+        hf = export_hf(case / "hf", config, params, tokenizer=tok, chat_template=chat,
+                       overwrite=True)  # a rerun into the same --out replaces its exports
         messages = [{"role": "user", "content": question}] if question else MESSAGES
         ref = _reference(config, params, hf, messages, new_tokens)
         for dtype in GGUF_DTYPES:
             export_gguf(case / f"model.{dtype}.gguf", config, params, tokenizer=tok,
-                        chat_template=chat, dtype=dtype)  # fmt: skip
+                        chat_template=chat, dtype=dtype, overwrite=True)  # fmt: skip
         np.save(case / "logits.npy", ref.pop("logits"))
         ref["template"] = chat.source if chat is not None else None
         (case / "reference.json").write_text(json.dumps(ref, indent=1))

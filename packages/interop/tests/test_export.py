@@ -351,7 +351,7 @@ def test_bad_inputs_raise_one_clear_error(tmp_path, bpe, model):
                     tokenizer=BYTES)  # fmt: skip
     with pytest.raises(TokenizerError, match="cannot export a tokenizer of type dict"):
         export_gguf(path, config, params, tokenizer={"a": 1})
-    assert not path.exists() and not (tmp_path / "bad.gguf.tmp").exists()
+    assert not path.exists() and not list(tmp_path.glob("*bad.gguf*"))  # nor a temp
     with pytest.raises(UnsupportedModelError, match="layers have different sliding windows"):
         mixed = tiny_config(stack="loop")
         mixed.decoder.transformer.layer.self_attention.qkv_bias = True
@@ -361,3 +361,78 @@ def test_bad_inputs_raise_one_clear_error(tmp_path, bpe, model):
         ]
         mixed.decoder.transformer.layers[1].self_attention.sliding_window = 4
         export_gguf(path, mixed, random_params(mixed, 9), tokenizer=bpe)
+
+
+# ---- where exports land: refused targets, whole replacement, no leftovers -------------------
+
+
+def _params_equal(a, b):
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
+def test_hf_export_over_a_sharded_model_replaces_it_whole(tmp_path, bpe, model):
+    """A directory holding a sharded model (index + shards, like the one a fine-tune
+    started from) is refused without overwrite; with it, the new export replaces the
+    directory whole: no old index or shard is left to be read under the new config."""
+    config, params, ids, ref = model
+    target = tmp_path / "model"
+    old = random_params(config, 5)
+    export_hf(target, config, old, tokenizer=bpe, max_shard_bytes=64 * 1024)
+    shards = sorted(p.name for p in target.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 1 and (target / "model.safetensors.index.json").exists()
+    before = {p.name: p.read_bytes() for p in target.iterdir()}
+    with pytest.raises(InteropError, match=r"model: already exists and is not empty; pass "
+                                           r"overwrite=True to replace it"):
+        export_hf(target, config, params, tokenizer=bpe)
+    assert {p.name: p.read_bytes() for p in target.iterdir()} == before
+    export_hf(target, config, params, tokenizer=bpe, overwrite=True)
+    names = {p.name for p in target.iterdir()}
+    assert "model.safetensors" in names and not any(
+        n.startswith("model-") or n.endswith(".index.json") for n in names), names
+    loaded = load_pretrained(target)
+    _params_equal(loaded.params, params)
+    np.testing.assert_array_equal(logits_of(loaded.config, loaded.params, ids), ref)
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]  # no temp or aside left
+
+
+def test_export_refuses_the_wrong_kind_of_target_before_any_work(tmp_path, bpe, model):
+    """Params that cannot be converted show that the target is checked first: the error is
+    about the target, and nothing is written next to it."""
+    config, params, _, _ = model
+    broken = jax.tree.map(lambda x: x, params)
+    del broken["decoder"]["output_norm"]
+    directory = tmp_path / "dir.gguf"
+    directory.mkdir()
+    with pytest.raises(InteropError, match=r"dir.gguf: is an existing directory, but the "
+                                           r"export writes one file there"):
+        export_gguf(directory, config, broken, tokenizer=bpe, overwrite=True)
+    file = tmp_path / "file"
+    file.write_text("x")
+    with pytest.raises(InteropError, match=r"file: is an existing file, but the export "
+                                           r"writes a directory there"):
+        export_hf(file, config, broken, tokenizer=bpe, overwrite=True)
+    with pytest.raises(InteropError, match=r"file: already exists and is not empty"):
+        export_gguf(file, config, broken, tokenizer=bpe)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir.gguf", "file"]
+    assert not any(directory.iterdir()) and file.read_text() == "x"
+
+
+def test_gguf_export_over_a_file_needs_overwrite_and_replaces_it(tmp_path, bpe, model):
+    config, params, ids, ref = model
+    path = tmp_path / "m.gguf"
+    export_gguf(path, config, random_params(config, 5), tokenizer=bpe)
+    old = path.read_bytes()
+    with pytest.raises(InteropError, match="pass overwrite=True"):
+        export_gguf(path, config, params, tokenizer=bpe)
+    assert path.read_bytes() == old
+    export_gguf(path, config, params, tokenizer=bpe, overwrite=True)
+    loaded = load_pretrained(path)
+    _params_equal(loaded.params, params)
+    assert [p.name for p in tmp_path.iterdir()] == ["m.gguf"]
+
+
+def test_empty_target_directory_needs_no_overwrite(tmp_path, model):
+    config, params, _, _ = model
+    (tmp_path / "empty").mkdir()
+    out = export_hf(tmp_path / "empty", config, params)
+    _params_equal(load_pretrained(out).params, params)

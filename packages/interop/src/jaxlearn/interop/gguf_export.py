@@ -22,7 +22,6 @@ written F16 (llama.cpp's fallback).
 
 from __future__ import annotations
 
-import os
 import pathlib
 from typing import Any, Iterable, Optional
 
@@ -31,6 +30,7 @@ import numpy as np
 from jaxlearn.families.arch import Architecture, architecture_from_config
 from jaxlearn.families.gemma import GEMMA_FAMILIES
 from jaxlearn.families.names import family
+from jaxlearn.interop.atomic import prepare_output, write_atomically
 from jaxlearn.interop.errors import (
     InteropError,
     UnsupportedModelError,
@@ -211,19 +211,24 @@ def export_gguf(
     eos_token_ids: Iterable[int] = (),
     pad_token_id: Optional[int] = None,
     context_length: Optional[int] = None,
+    overwrite: bool = False,
 ) -> dict[str, int]:
     """Writes a GGUF file of a jaxlearn `CausalLM` with its tokenizer and chat template.
 
     tokenizer: a `tokenizers.Tokenizer`, or jaxlearn's `ByteTokenizer` / `HFTokenizer`
     (see `tokenizer_export.export_tokenizer` for how special ids are chosen).
     context_length: `{arch}.context_length` (default: the config's, else 4096).
-    Returns {GGML type name: number of tensors}. Everything is checked before the file is
-    opened; the file appears only once complete (written to `path + ".tmp"`, then renamed).
-    Raises InteropError for an unknown dtype, ParameterMismatchError for params that do not
-    match the config, UnsupportedModelError for configs GGUF cannot express and
-    TokenizerError for a tokenizer larger than the model's vocab.
+    Returns {GGML type name: number of tensors}. `path` is checked first: a directory is
+    refused, and so is a non-empty file unless `overwrite`; then everything else is
+    checked before anything is written. The file appears only once complete
+    (`jaxlearn.interop.atomic`: written to a hidden temp next to `path`, then renamed over
+    it); a kill mid-export leaves the previous file as it was.
+    Raises InteropError for such a `path` or an unknown dtype, ParameterMismatchError for
+    params that do not match the config, UnsupportedModelError for configs GGUF cannot
+    express and TokenizerError for a tokenizer larger than the model's vocab.
     """
     g = _require_gguf()
+    prepare_output(path, kind="file", overwrite=overwrite)
     if dtype not in DTYPES:
         raise InteropError(f"export_gguf: dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     arch = architecture_from_config(config)
@@ -240,26 +245,22 @@ def export_gguf(
             pad_token_id=pad_token_id,
         )
     types = {n: _tensor_type(n, v, dtype) for n, v in tensors.items()}
-    out = pathlib.Path(path)
-    tmp = out.with_name(out.name + ".tmp")
-    w = g.GGUFWriter(str(tmp), arch=arch_name)
-    try:
-        w.add_name(name)
-        w.add_file_type(int(g.LlamaFileType[_FILE_TYPES[dtype]]))
-        w.add_quantization_version(g.GGML_QUANT_VERSION)
-        _write_architecture(w, arch, context_length or arch.max_position_embeddings or 4096)
-        _write_tokenizer(w, tok, chat_template, arch.vocab_size)
-        for n, value in tensors.items():
-            _add_tensor(w, n, value, types[n])
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-    except BaseException:
-        w.close()
-        tmp.unlink(missing_ok=True)
-        raise
-    w.close()
-    os.replace(tmp, out)
+    with write_atomically(path, kind="file", overwrite=overwrite) as tmp:
+        w = g.GGUFWriter(str(tmp), arch=arch_name)
+        context = context_length or arch.max_position_embeddings or 4096
+        try:
+            w.add_name(name)
+            w.add_file_type(int(g.LlamaFileType[_FILE_TYPES[dtype]]))
+            w.add_quantization_version(g.GGML_QUANT_VERSION)
+            _write_architecture(w, arch, context)
+            _write_tokenizer(w, tok, chat_template, arch.vocab_size)
+            for n, value in tensors.items():
+                _add_tensor(w, n, value, types[n])
+            w.write_header_to_file()
+            w.write_kv_data_to_file()
+            w.write_tensors_to_file()
+        finally:
+            w.close()
     counts: dict[str, int] = {}
     for t in types.values():
         counts[t] = counts.get(t, 0) + 1

@@ -36,6 +36,7 @@ from jaxlearn.families.arch import Architecture, architecture_from_config, build
 from jaxlearn.families.checks import check_layers_present
 from jaxlearn.families.hf_config import architecture_from_hf, hf_config_dict
 from jaxlearn.families.tree import assemble_params, layer_layouts, split_params, stack_kind
+from jaxlearn.interop.atomic import prepare_output, write_atomically
 from jaxlearn.interop.convert import read_tensors, write_tensors
 from jaxlearn.interop.errors import (
     InteropError,
@@ -312,6 +313,7 @@ def export_hf(
     max_position_embeddings: Optional[int] = None,
     dtype: str = "float32",
     max_shard_bytes: Optional[int] = None,
+    overwrite: bool = False,
 ) -> pathlib.Path:
     """Writes an HF model directory for a jaxlearn `CausalLM` (config + params): config.json,
     model.safetensors (or shards + index when larger than `max_shard_bytes`) and
@@ -321,6 +323,12 @@ def export_hf(
     special_tokens_map.json and chat_template.jinja, as transformers saves them. Special
     ids not given come from the chat template's token texts, then the tokenizer.
     dtype: "float32", "bfloat16" or "float16".
+
+    The directory appears whole (`jaxlearn.interop.atomic`: written into a hidden temp
+    directory next to `path`, then renamed into place). `path` may be missing or an empty
+    directory; a non-empty one is refused (InteropError, before any conversion) unless
+    `overwrite`, and then replaced whole: no file of the old model (an index, shards)
+    survives. A kill mid-export leaves the previous directory as it was.
 
     Raises UnsupportedModelError if the config has features HF
     Llama/Mistral/Qwen2/Qwen3/Mixtral/Qwen3-MoE cannot express (the message names the
@@ -334,6 +342,7 @@ def export_hf(
     )
 
     out = pathlib.Path(path)
+    prepare_output(out, kind="dir", overwrite=overwrite)
     arch = architecture_from_config(config, max_position_embeddings=max_position_embeddings)
     top, layers = split_params(config.instantiate(), params)
     tensors = write_tensors(arch, "hf", top, layers)
@@ -353,24 +362,24 @@ def export_hf(
     eos = gen.get("eos_token_id")
     arch.eos_token_ids = tuple(eos) if isinstance(eos, list) else () if eos is None else (eos,)
     state = {k: _cast_for_export(v, dtype) for k, v in tensors.items()}
-    out.mkdir(parents=True, exist_ok=True)
-    _save_safetensors(out, state, max_shard_bytes)
     hf = hf_config_dict(arch, dtype=dtype)
     if "pad_token_id" in gen:
         hf["pad_token_id"] = gen["pad_token_id"]
-    (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    if tok is not None:
-        write_hf_tokenizer_files(
-            out, tok, chat_template, model_max_length=hf["max_position_embeddings"]
-        )
+    with write_atomically(out, kind="dir", overwrite=overwrite) as tmp:
+        _save_safetensors(tmp, state, max_shard_bytes)
+        (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        if tok is not None:
+            write_hf_tokenizer_files(
+                tmp, tok, chat_template, model_max_length=hf["max_position_embeddings"]
+            )
     return out
 
 
 def export_pretrained(path: str | pathlib.Path, loaded: LoadedModel, **kwargs: Any) -> pathlib.Path:
     """`export_hf` of a `LoadedModel` (e.g. a GGUF file -> an HF directory), carrying its
     tokenizer, chat template, BOS/EOS ids and context length. kwargs: dtype,
-    max_shard_bytes."""
+    max_shard_bytes, overwrite."""
     arch = loaded.architecture
     return export_hf(
         path,
