@@ -95,3 +95,63 @@ def test_bad_exports_are_one_line_errors(tmp_path, capsys, argv, message):
     assert main(["export", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+def test_export_over_a_sharded_model_needs_overwrite_and_replaces_it(tmp_path, capsys):
+    """The output directory holds another model in shards (index + shard files, like the
+    directory a fine-tune started from): refused without --overwrite; with it the export
+    replaces the directory whole, so loading it reads the run's params, not old shards."""
+    from safetensors.numpy import load_file
+
+    from jaxlearn.interop import export_hf
+    from jaxlearn.interop.hf import hf_params_to_state
+
+    cfg, params = _run(tmp_path / "run", "tiny-llama", SMALL)
+    model_cfg = cfg.model.clone(name="model")
+    old = jax.tree.map(lambda x: np.asarray(x) + 0.5, params)
+    want = hf_params_to_state(model_cfg, jax.device_get(params))
+    out = tmp_path / "hf"
+    export_hf(out, model_cfg, old, max_shard_bytes=sum(v.nbytes for v in want.values()) // 3)
+    before = sorted(p.name for p in out.iterdir())
+    assert "model.safetensors.index.json" in before and len(before) > 3
+    argv = ["export", "--model", str(tmp_path / "run"), "--format", "hf", "--output", str(out)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"jaxlearn: error: --output {out}: already exists and is not empty; pass "
+                   "--overwrite to replace it"], err
+    assert sorted(p.name for p in out.iterdir()) == before
+    assert main(argv + ["--overwrite"]) == 0
+    names = sorted(p.name for p in out.iterdir())
+    assert "model.safetensors" in names and not any(
+        n.startswith("model-") or n.endswith(".index.json") for n in names), names
+    got = load_file(str(out / "model.safetensors"))
+    assert sorted(got) == sorted(want)
+    for name, value in want.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "run"]
+
+
+@pytest.mark.parametrize("fmt,make,message", [
+    ("gguf", lambda p: p.mkdir(), "is an existing directory, but the export writes one file"),
+    ("hf", lambda p: p.write_text("x"), "is an existing file, but the export writes a dir"),
+])
+def test_export_checks_the_output_before_loading_the_model(tmp_path, capsys, fmt, make,
+                                                           message):
+    """--model is no model at all: the --output error shows the check comes first."""
+    out = tmp_path / "out"
+    make(out)
+    assert main(["export", "--model", str(tmp_path), "--format", fmt, "--output", str(out),
+                 "--overwrite"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"jaxlearn: error: --output {out}: "), err
+    assert message in err[0], err
+
+
+def test_export_never_overwrites_the_model_it_reads(tmp_path, capsys):
+    _run(tmp_path / "run", "tiny-llama", SMALL)
+    assert main(["export", "--model", str(tmp_path / "run" / "checkpoints"), "--format",
+                 "hf", "--output", str(tmp_path / "run"), "--overwrite"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds --model" in err[0], err
+    assert (tmp_path / "run" / "run.json").exists()
+    assert (tmp_path / "run" / "checkpoints").is_dir()

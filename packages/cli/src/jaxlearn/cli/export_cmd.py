@@ -2,6 +2,7 @@
 
     jaxlearn export --model RUN_DIR|CKPT|HF_DIR|FILE.gguf --format hf --output DIR
     jaxlearn export --model RUN_DIR --format gguf --output FILE.gguf [--dtype q8_0]
+    jaxlearn export ... --output DIR_OR_FILE_THAT_EXISTS --overwrite
 
 A jaxlearn run is rebuilt from its run record like `serve` does (`serve_cmd.run_config`):
 the model config, the tokenizer the run trained with and the chat template its data was
@@ -10,6 +11,14 @@ verifies (or `--step`). LoRA adapters are folded into the base weights first
 (`jaxlearn.layers.merge_lora`), so the export is a plain model of its family. An HF
 directory or GGUF file is converted (its tokenizer and template travel with it). The
 writers are `jaxlearn.interop.export_hf` / `export_gguf`; every failure is one line.
+
+`--output` is checked before the model is read: a GGUF output that is a directory, an HF
+output that is a file, and (without `--overwrite`) one that exists and is not empty are
+refused; `--overwrite` never replaces a directory that holds `--model`. The output appears
+whole (`jaxlearn.interop.atomic`): it is written into a hidden temp next to it and renamed
+into place, an existing HF directory replaced whole (no old index or shards stay beside
+the new files). A killed export leaves the previous output as it was, plus a hidden temp
+that the next export to that output deletes.
 """
 
 from __future__ import annotations
@@ -31,7 +40,11 @@ def add_parsers(sub: Any) -> None:
                    help="a jaxlearn run (output_dir, checkpoints/ or step dir), an HF model "
                         "directory or a .gguf file")
     p.add_argument("--format", required=True, choices=("hf", "gguf"))
-    p.add_argument("--output", required=True, help="directory (hf) or file (gguf) to write")
+    p.add_argument("--output", required=True,
+                   help="directory (hf) or file (gguf) to write; missing or empty, unless "
+                        "--overwrite")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing --output whole (written aside, then renamed in)")
     p.add_argument("--dtype", default="f32", choices=GGUF_DTYPES,
                    help="stored weight type (hf: f32/f16/bf16; gguf: also q8_0)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
@@ -69,6 +82,24 @@ def _leaf_names(tree: Any) -> list[str]:
     return []
 
 
+def _check_output(args: argparse.Namespace, model: Path) -> None:
+    """Refuses an `--output` the export may not write, before the model is read."""
+    from jaxlearn.cli.main import UsageError
+    from jaxlearn.interop import InteropError
+    from jaxlearn.interop.atomic import prepare_output
+
+    try:
+        target = prepare_output(args.output, kind="dir" if args.format == "hf" else "file",
+                                overwrite=args.overwrite, label=f"--output {args.output}",
+                                overwrite_flag="--overwrite")
+    except InteropError as e:
+        raise UsageError(str(e)) from None
+    source = model.resolve()
+    if target == source or target in source.parents:
+        raise UsageError(f"--output {args.output}: holds --model {args.model}, which "
+                         "--overwrite would delete; write the export elsewhere")
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from jaxlearn.cli.main import UsageError
     from jaxlearn.cli.serve_cmd import checkpoint_location
@@ -79,6 +110,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise UsageError(f"--model {args.model}: no such file or directory")
     if args.format == "hf" and args.dtype not in HF_DTYPES:
         raise UsageError(f"--dtype {args.dtype}: HF export stores f32, f16 or bf16")
+    _check_output(args, path)
     t0 = time.monotonic()
     try:
         location = checkpoint_location(path)
@@ -95,10 +127,11 @@ def cmd_export(args: argparse.Namespace) -> int:
             raise UsageError(f"--model {args.model}: the model has no tokenizer to export")
         if args.format == "hf":
             export_hf(args.output, config, params, tokenizer=tokenizer, chat_template=template,
-                      dtype=HF_DTYPES[args.dtype])
+                      dtype=HF_DTYPES[args.dtype], overwrite=args.overwrite)
         else:
             export_gguf(args.output, config, params, tokenizer=tokenizer,
-                        chat_template=template, dtype=args.dtype, name=path.name or "model")
+                        chat_template=template, dtype=args.dtype, name=path.name or "model",
+                        overwrite=args.overwrite)
     except (InteropError, ValueError, OSError) as e:  # ValueError: config / text errors.
         raise UsageError(f"export: {e}") from None
     print(f"jaxlearn: wrote {args.format} {args.output} ({args.dtype}) in "
