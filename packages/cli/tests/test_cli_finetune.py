@@ -243,6 +243,43 @@ def test_bad_init_from_is_one_line(tmp_path, capsys, make, message):
     assert message in err and err.count("\n") == 0 and str(path) in err
 
 
+def test_init_from_with_only_pytorch_weights_is_one_line(model_dir, tmp_path, capsys):
+    """An HF directory with only `pytorch_model.bin`: one line naming it and saying that
+    only safetensors are read, before the output directory is created."""
+    path = tmp_path / "torch-only"
+    shutil.copytree(model_dir, path)
+    (path / "model.safetensors").rename(path / "pytorch_model.bin")
+    out = tmp_path / "runs" / "ft"
+    for argv in (["config"], ["train", "--output_dir", str(out), "--max_step", "1", *FAST]):
+        assert main([*argv, "--experiment", "finetune", "--init_from", str(path)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"--init_from {path}: " in err[0], err
+        assert "pytorch_model.bin" in err[0] and "only safetensors are read" in err[0], err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_init_from_failing_after_setup_leaves_no_empty_output_dir(model_dir, tmp_path,
+                                                                   capsys):
+    """Weights that do not fit config.json fail when the trainer loads them, after the
+    output directory was made: one line naming --init_from, and the directories the
+    command created are removed again (they are still empty)."""
+    from safetensors.numpy import load_file, save_file
+
+    path = tmp_path / "truncated"
+    shutil.copytree(model_dir, path)
+    tensors = load_file(str(path / "model.safetensors"))
+    del tensors["model.norm.weight"]
+    save_file(tensors, str(path / "model.safetensors"))
+    out = tmp_path / "runs" / "ft"
+    assert main(["train", "--experiment", "finetune", "--init_from", str(path),
+                 "--output_dir", str(out), "--max_step", "1", *FAST]) == 2
+    err = [line for line in capsys.readouterr().err.strip().splitlines()
+           if not line.startswith("jaxlearn: training ")]  # the start line, then the error
+    assert len(err) == 1 and err[0].startswith(f"jaxlearn: error: --init_from {path}: "), err
+    assert "model.norm.weight" in err[0], err
+    assert not (tmp_path / "runs").exists()
+
+
 def test_lora_from_init_from_trains_only_the_adapters(model_dir, tmp_path):
     """`lora` on the pretrained model: the LoRA layers survive --init_from, step 1's loss
     is the base model's (adapters start as a no-op), and after training every base weight

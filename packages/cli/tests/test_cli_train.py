@@ -115,3 +115,16 @@ def test_serve_matches_checkpoint_configs_written_before_new_fields():
     assert not same_model(changed, text)
     other = to_flat_text(final_config("tiny-moe", None, []))
     assert not same_model(other, text)
+
+
+def test_output_dir_with_dotdot_creates_nothing_on_the_way(tmp_path):
+    """`--output_dir x/../run` is `run`: `x` is never created, and the run records the
+    path it wrote."""
+    from jaxlearn.config import from_flat_text
+
+    assert main(["train", "--experiment", "tiny-llama", "--output_dir",
+                 os.path.join(str(tmp_path), "x", "..", "run"), "--max_step", "1",
+                 *FAST]) == 0
+    assert sorted(os.listdir(tmp_path)) == ["run"]
+    cfg = from_flat_text((tmp_path / "run" / "config.txt").read_text())
+    assert cfg.output_dir == os.path.realpath(tmp_path / "run")

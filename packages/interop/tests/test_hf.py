@@ -161,6 +161,19 @@ def test_missing_unexpected_and_mismatched_tensors_are_listed(tmp_path):
         assert text in str(err)
 
 
+def test_pickle_only_weights_are_refused_unread(tmp_path):
+    """PyTorch pickles are never unpickled: a directory holding only those says so."""
+    out = copy_fixture("llama", tmp_path)
+    (out / "model.safetensors").rename(out / "pytorch_model.bin")
+    message = (rf"{out}: holds only PyTorch pickle weights \(pytorch_model.bin\); only "
+               r"safetensors are read \(pickles are never unpickled\)")
+    with pytest.raises(InteropError, match=message):
+        load_pretrained(out)
+    (out / "pytorch_model.bin").unlink()
+    with pytest.raises(InteropError, match=rf"{out}: no \*.safetensors files"):
+        load_pretrained(out)
+
+
 def test_unsupported_configs_are_clear_errors(tmp_path):
     out = copy_fixture("llama", tmp_path)
     cfg = json.loads((out / "config.json").read_text())

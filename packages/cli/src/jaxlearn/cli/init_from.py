@@ -88,11 +88,12 @@ def _pretrained_model(cfg: Any, arch: Any) -> Any:
 def _hf(p: pathlib.Path) -> tuple[Any, Any, Any]:
     """(architecture, tokenizer config, ChatTemplate or None) of an HF directory."""
     from jaxlearn.interop import architecture_from_hf
-    from jaxlearn.interop.hf import read_json
+    from jaxlearn.interop.hf import check_safetensors, read_json
     from jaxlearn.text.hf_files import load_hf_tokenizer
     from jaxlearn.text.tokenizers import HFTokenizer
 
     arch = architecture_from_hf(read_json(p / "config.json"), where=str(p / "config.json"))
+    check_safetensors(p)  # weights in a format that is read at all, before any run starts
     if not (p / "tokenizer.json").exists():
         raise InitFromUsageError(f"--init_from {p}: no tokenizer.json (the model's tokenizer "
                                  "is needed to tokenize the training data)")

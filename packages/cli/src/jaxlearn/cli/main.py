@@ -207,6 +207,7 @@ def run_config(args: argparse.Namespace) -> tuple[Any, str, list[str]]:
     """(final config, mesh selector, every override in order) for train/config's flags."""
     from jaxlearn.config import ConfigError, apply_override
 
+    _normalize_output_dir(args)
     selector = resolve_selector(args.mesh_selector)
     cfg = final_config(args.experiment, selector, args.overrides, validate=False,
                        init_from=args.init_from)
@@ -235,7 +236,19 @@ def _warn_other_hardware(selector: str) -> None:
               f"uses that mesh's rule on {here.platform}", file=sys.stderr)
 
 
-def _check_output_dir(path: str) -> None:
+def _normalize_output_dir(args: argparse.Namespace) -> None:
+    """A local `--output_dir` with `..` becomes the real path it names (`x/../run` is
+    `run`), so making it never creates `x` on the way; other paths stay as given."""
+    from jaxlearn.checkpoint import storage
+
+    path = args.output_dir
+    if path is not None and not storage.is_remote(path) and ".." in path.split(os.sep):
+        args.output_dir = os.path.realpath(path)
+
+
+def _check_output_dir(path: str) -> list[str]:
+    """Creates a local `path` (checks a remote one's backend); returns the directories it
+    created, deepest first, for `_remove_if_empty`."""
     from jaxlearn.checkpoint import StorageError, storage
 
     if storage.is_remote(path):
@@ -243,13 +256,27 @@ def _check_output_dir(path: str) -> None:
             storage.resolve(path)  # Backend package, credentials, bucket.
         except StorageError as e:
             raise UsageError(f"--output_dir {_one_line(e)}") from None
-        return
+        return []
+    created, missing = [], os.path.abspath(path)
+    while not os.path.lexists(missing) and missing != os.path.dirname(missing):
+        created.append(missing)
+        missing = os.path.dirname(missing)
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:
         raise UsageError(f"--output_dir {path}: cannot create it ({e.strerror})") from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise UsageError(f"--output_dir {path}: not writable")
+    return created
+
+
+def _remove_if_empty(created: list[str]) -> None:
+    """Removes the directories `_check_output_dir` created (deepest first) while empty."""
+    for directory in created:
+        try:
+            os.rmdir(directory)
+        except OSError:
+            return
 
 
 _SUPERVISOR_FLAGS = {"--supervise": False, "--max_restarts": True, "--restart_backoff_s": True}
@@ -284,6 +311,7 @@ def _one_line(e: BaseException) -> str:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    _normalize_output_dir(args)
     if args.supervise:
         return _supervise(args)
     launch_cmd.start_distributed(args)  # Multi-process: join before any JAX use.
@@ -296,11 +324,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         inputs.iterator(0, 1)  # Bad data fails here, before anything is written.
     except (ConfigError, ValueError, OSError) as e:
         raise UsageError(str(e)) from None
-    from jaxlearn.checkpoint import CheckpointStructureError, NoGoodCheckpointError
-    from jaxlearn.resilience.failures import Preempted, ResilienceError
-    from jaxlearn.resilience.manager import CheckpointSaveFailed
-    from jaxlearn.runtime.data import DataError
-    from jaxlearn.runtime.init_from import InitFromError
     from jaxlearn.runtime.record import RunRecord
     from jaxlearn.runtime.trainer import TrainerError
 
@@ -318,14 +341,29 @@ def cmd_train(args: argparse.Namespace) -> int:
         trainer = cfg.instantiate(run_record=record)
     except (ConfigError, TrainerError) as e:
         raise UsageError(str(e)) from None
-    _check_output_dir(args.output_dir)
+    created = _check_output_dir(args.output_dir)
+    try:
+        return _run_trainer(args, trainer, elastic)
+    except BaseException:  # An early failure leaves no empty directory behind.
+        _remove_if_empty(created)
+        raise
+
+
+def _run_trainer(args: argparse.Namespace, trainer: Any, elastic: Any) -> int:
+    from jaxlearn.checkpoint import CheckpointStructureError, NoGoodCheckpointError
+    from jaxlearn.interop import InteropError
+    from jaxlearn.resilience.failures import Preempted, ResilienceError
+    from jaxlearn.resilience.manager import CheckpointSaveFailed
+    from jaxlearn.runtime.data import DataError
+    from jaxlearn.runtime.init_from import InitFromError
+
     if elastic is not None:
         elastic.record()
     print(f"jaxlearn: training {args.experiment} on {len(trainer.mesh.devices.flat)} device(s) "
           f"(mesh {dict(trainer.mesh.shape)}), output in {args.output_dir}", file=sys.stderr)
     try:
         last = trainer.run()
-    except InitFromError as e:  # The pretrained params do not fit the model.
+    except (InitFromError, InteropError) as e:  # The pretrained params do not fit the model.
         raise UsageError(f"--init_from {args.init_from}: {_one_line(e)}") from None
     except (CheckpointStructureError, NoGoodCheckpointError, DataError) as e:
         # Another model's checkpoint, all checkpoints damaged, another input's state.

@@ -109,9 +109,7 @@ class SafetensorsReader:
             for name, file in weight_map.items():
                 self._where[name] = self._shard(index, name, file)
         else:
-            files = sorted(p for p in directory.glob("*.safetensors") if p.is_file())
-            if not files:
-                raise InteropError(f"{directory}: no *.safetensors files (and no {INDEX_FILE})")
+            files = check_safetensors(directory)
             for path in files:
                 for name in self._open(path).keys():
                     self._where[name] = path
@@ -176,6 +174,25 @@ class SafetensorsReader:
         except Exception as e:  # e.g. the index names a tensor its shard does not hold
             where = self._where.get(self._stored.get(name, name), self.directory)
             raise MalformedFileError(f"{where}: tensor {name}: {_one_line(e)}") from None
+
+
+PICKLE_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt")  # PyTorch pickles: never read
+
+
+def check_safetensors(directory: pathlib.Path) -> list[pathlib.Path]:
+    """The *.safetensors files of `directory` (none needed when it has an index); raises a
+    one-line InteropError naming it when it has neither, saying so when it holds only
+    PyTorch pickle weights (`pytorch_model.bin`), which are never unpickled."""
+    files = sorted(p for p in directory.glob("*.safetensors") if p.is_file())
+    if files or (directory / INDEX_FILE).exists():
+        return files
+    pickles = sorted({p.name for pattern in PICKLE_WEIGHTS for p in directory.glob(pattern)})
+    if pickles:
+        shown = ", ".join(pickles[:3]) + (f" and {len(pickles) - 3} more" if pickles[3:] else "")
+        raise InteropError(
+            f"{directory}: holds only PyTorch pickle weights ({shown}); only safetensors are "
+            "read (pickles are never unpickled): convert them to model.safetensors first")
+    raise InteropError(f"{directory}: no *.safetensors files (and no {INDEX_FILE})")
 
 
 _TEXT_PREFIXES = ("model.language_model.", "language_model.")
