@@ -214,14 +214,16 @@ def test_serve_http_flags(monkeypatch):
 
     monkeypatch.delenv("JAXLEARN_API_KEY", raising=False)
     assert opts() == {"api_key": None, "allowed_hosts": [], "allowed_origins": [],
-                      "limits": {"header_timeout": 10.0}}
+                      "limits": {"header_timeout": 3.0}}
     monkeypatch.setenv("JAXLEARN_API_KEY", "from-env")
     got = opts("--allowed_hosts", "a.example, b.example", "--allowed_hosts", "c.example",
                "--allowed_origins", "http://ui.example", "--max_connections", "9",
-               "--header_timeout", "2.5")
+               "--header_timeout", "2.5", "--max_pending_connections", "4",
+               "--max_active_per_request", "3")
     assert got == {"api_key": "from-env", "allowed_hosts": ["a.example", "b.example", "c.example"],
                    "allowed_origins": ["http://ui.example"],
-                   "limits": {"header_timeout": 2.5, "max_connections": 9}}
+                   "limits": {"header_timeout": 2.5, "max_connections": 9,
+                              "max_pending_connections": 4, "max_active_per_request": 3}}
     assert opts("--api_key", "flag")["api_key"] == "flag"
 
 
@@ -230,6 +232,8 @@ def test_serve_http_flags(monkeypatch):
     (["--allowed_hosts", "a,,b"], "--allowed_hosts 'a,,b': an empty entry"),
     (["--header_timeout", "0"], "--header_timeout=0.0: must be > 0"),
     (["--max_connections", "0"], "--max_connections=0: must be > 0"),
+    (["--max_pending_connections", "0"], "--max_pending_connections=0: must be > 0"),
+    (["--max_active_per_request", "0"], "--max_active_per_request=0: must be > 0"),
 ])
 def test_bad_serve_http_flags_fail_before_loading(tmp_path, capsys, argv, message):
     assert main(["serve", "--model", str(tmp_path / "missing"), *argv]) == 2

@@ -1,7 +1,8 @@
 """Probes of the HTTP layer against a live server on a free port (raw sockets for
 malformed request lines and slow clients): JSON errors with a status line for every
-failure, header deadlines, the connection cap, the listen backlog, one-write responses,
-API key, Host allowlist, Origin / CORS, JSON content type, lone surrogates."""
+failure, header deadlines, the connection cap, half-open connections closed for newer
+ones, the listen backlog, one-write responses, API key, Host syntax and allowlist,
+Origin / CORS, JSON content type, lone surrogates."""
 
 import json
 import select
@@ -14,7 +15,16 @@ import time
 import pytest
 from conftest import call, sse_events
 
-from jaxlearn.serve.httpd import Limits, Policy, host_name
+from jaxlearn.serve import httpd
+from jaxlearn.serve.httpd import (
+    Handler,
+    HTTPError,
+    HTTPServer,
+    Limits,
+    Policy,
+    host_name,
+    parse_host,
+)
 from jaxlearn.serve.server import InferenceServer
 
 KEY = "sk-probe"
@@ -128,11 +138,16 @@ def test_idle_connection_is_closed_quietly(server):
 
 
 def test_connection_cap_answers_429_and_recovers(server):
+    """429 once every connection is busy with a request (here: waiting for a body)."""
     httpd = server.httpd
     assert httpd.open_connections == 0 or _wait(lambda: httpd.open_connections == 0)
     held = [socket.create_connection(server.address) for _ in range(LIMITS.max_connections)]
     try:
-        assert _wait(lambda: httpd.open_connections == LIMITS.max_connections)
+        for s in held:
+            s.sendall(request("POST", "/v1/completions", close=False, extra=(
+                b"Content-Type: application/json\r\nContent-Length: 10\r\n")))
+        assert _wait(lambda: httpd.open_connections == LIMITS.max_connections
+                     and httpd.waiting_connections == 0)
         with socket.create_connection(server.address, timeout=10) as extra:
             resp = read_all(extra)
         _, headers, _ = parse(resp)
@@ -147,6 +162,7 @@ def test_connection_cap_answers_429_and_recovers(server):
     metrics = call(server, "GET", "/metrics", headers=AUTH)[1].decode()
     assert 'jaxlearn_http_requests_total{code="429",path="other"}' in metrics
     assert "jaxlearn_http_connections_open 1" in metrics  # The /metrics request itself.
+    assert "jaxlearn_http_connections_waiting 0" in metrics  # Its head was read.
 
 
 @pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2)")
@@ -181,12 +197,116 @@ def test_api_key(server):
     error_of(resp, 401)
 
 
+@pytest.mark.parametrize("pending", [3, 6])
+def test_half_open_connections_cannot_lock_out_requests(server, engine, pending):
+    """Connections that send only a request line (no key needed) are closed, oldest
+    first, for newer ones: with more of them than the caps, a keyed request and /health
+    are still served long before the header deadline, and the oldest half-open one gets
+    a 408. pending 6 == max_connections: the connection cap itself closes them."""
+    limits = Limits(max_connections=6, max_pending_connections=pending, header_timeout=60.0,
+                    keep_alive_timeout=60.0, io_timeout=5.0)
+    srv = InferenceServer(engine, port=0, api_key=KEY, limits=limits)
+    threading.Thread(target=srv.httpd.serve_forever, daemon=True).start()
+    half_open = []
+    try:
+        for _ in range(20):
+            half_open.append(socket.create_connection(srv.address, timeout=10))
+            half_open[-1].sendall(b"GET /v1/models HTTP/1.1\r\n")
+        # Their threads have read their request lines (so they are closable).
+        assert _wait(lambda: srv.httpd.waiting_connections == pending and not any(
+            httpd._unread(s) for s in list(srv.httpd._waiting)))
+        assert call(srv, "GET", "/v1/models", headers=AUTH, timeout=10)[0] == 200
+        assert call(srv, "GET", "/health", timeout=10)[0] == 200
+        err = error_of(read_all(half_open[0]), 408)
+        assert "closed for newer" in err["message"], err
+        assert srv.httpd.open_connections <= 6 and srv.httpd.waiting_connections <= pending
+        # The newest half-open connection was not closed: nothing to read on it yet.
+        assert not select.select([half_open[-1]], [], [], 0)[0]
+    finally:
+        for s in half_open:
+            s.close()
+        srv.httpd.shutdown()
+        srv.httpd.server_close()
+
+
+class _GatedHandler(Handler):
+    """Reads nothing until `gate` is set (threads slower than their clients)."""
+
+    gate = threading.Event()
+
+    def setup(self):
+        self.gate.wait(30)
+        super().setup()
+
+    def do_GET(self):
+        self.send_json(200, {"ok": True})
+
+
+def test_connections_with_unread_requests_are_not_closed():
+    """A burst of complete requests that their threads have not read yet is admitted
+    past max_pending_connections (nothing is closed for it) and served."""
+    limits = Limits(max_connections=10, max_pending_connections=2, header_timeout=30.0)
+    srv = HTTPServer(("127.0.0.1", 0), _GatedHandler, Policy.for_bind("127.0.0.1"), limits)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    clients = []
+    try:
+        for _ in range(6):
+            clients.append(socket.create_connection(srv.server_address[:2], timeout=10))
+            clients[-1].sendall(request(close=True))
+        assert _wait(lambda: srv.open_connections == 6)
+        _GatedHandler.gate.set()
+        for c in clients:
+            assert parse(read_all(c))[0] == 200
+    finally:
+        _GatedHandler.gate.set()
+        for c in clients:
+            c.close()
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_limits_defaults():
+    assert Limits().header_timeout <= 3.0
+    assert Limits(max_connections=10).pending_cap == 5
+    assert Limits(max_connections=4, max_pending_connections=9).pending_cap == 4
+    assert Limits().max_active_per_request is None  # InferenceServer: max_batch // 2.
+    for field in ("max_pending_connections", "max_active_per_request"):
+        with pytest.raises(ValueError, match=f"Limits.{field}=0"):
+            Limits(**{field: 0})
+
+
+BAD_HOSTS = ("127.0.0.1:80@evil", "[::1]evil.com", "[::1]:80evil", "localhost@evil.example",
+             "evil.example#localhost", "localhost:", "localhost:8o", "localhost:99999",
+             "localhost:80:80", "[::1", "[zz::1]", "[127.0.0.1]", "local host", "localhost/x",
+             "..", "a..b", "")
+
+
+def test_malformed_host_is_400(server, plain):
+    """Host is host[:port] exactly: no userinfo, nothing after "]" but ":port", port
+    digits only; refused with or without an allowlist."""
+    for host in BAD_HOSTS:
+        for srv in (server, plain):
+            err = error_of(exchange(srv, request(host=host)), 400)
+            assert "Host" in err["message"] and "malformed" in err["message"], (host, err)
+        with pytest.raises(HTTPError, match="malformed"):  # Also where any Host is allowed.
+            Policy.for_bind("0.0.0.0").check_host([host])
+
+
+def test_two_host_headers_are_400(server, plain):
+    for srv in (server, plain):
+        err = error_of(exchange(srv, request(extra=b"Host: localhost\r\n")), 400)
+        assert "2 Host headers" in err["message"], err
+    with pytest.raises(HTTPError, match="Host headers"):
+        Policy.for_bind("0.0.0.0").check_host(["a.example", "a.example"])
+
+
 def test_host_allowlist(server, plain):
     for srv in (server, plain):
         err = error_of(exchange(srv, request(host="evil.example")), 400)
         assert "evil.example" in err["message"]
         error_of(exchange(srv, b"GET /v1/models HTTP/1.0\r\n" + AUTH_LINE + b"\r\n"), 400)
-        for host in ("localhost:8000", "127.0.0.1", "[::1]:1234", "LOCALHOST"):
+        for host in ("localhost:8000", "127.0.0.1", "[::1]:1234", "LOCALHOST", "localhost.",
+                     "[0:0:0:0:0:0:0:1]:80", "127.0.0.1:65535"):
             assert parse(exchange(srv, request(host=host)))[0] == 200, host
     assert parse(exchange(server, request(host="api.example:443")))[0] == 200
     error_of(exchange(plain, request(host="api.example")), 400)
@@ -198,6 +318,8 @@ def test_policy_for_non_loopback_binds():
     assert Policy.for_bind("::1").allowed_hosts >= {"localhost", "::1", "127.0.0.1"}
     assert Policy.for_bind("127.0.0.1", allowed_hosts=["*"]).allowed_hosts is None
     assert host_name("[::1]:80") == "::1" and host_name("Example.COM.:8000") == "example.com"
+    assert parse_host("[::1]:80") == "::1" and parse_host("Example.COM.:8000") == "example.com"
+    assert parse_host("my_svc-1.internal") == "my_svc-1.internal"
     with pytest.raises(ValueError, match="api_key"):
         Policy.for_bind("127.0.0.1", api_key=" ")
     with pytest.raises(ValueError, match="Limits.header_timeout"):

@@ -1,5 +1,6 @@
 """HTTP server: OpenAI endpoints, SSE streaming, concurrent clients, disconnect frees the
-slot, 429 under overload, and a hypothesis fuzz over request bodies with zero 5xx."""
+slot, 429 under overload, one request's bounded share of the engine, and a hypothesis
+fuzz over request bodies with zero 5xx."""
 
 import json
 import socket
@@ -12,6 +13,7 @@ from conftest import ALPHABET, call, sse_events
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from jaxlearn.serve.httpd import Limits
 from jaxlearn.serve.server import InferenceServer
 
 
@@ -158,6 +160,76 @@ def test_overload_gets_429(server, engine):
     for t in waiting:
         t.join(60)
     assert results == [200, 200]
+
+
+def test_one_request_takes_a_bounded_share(server, engine, monkeypatch):
+    """A request of 16 prompts keeps at most max_active_per_request (max_batch // 2 = 2)
+    of its engine requests queued or running, so a small request sent meanwhile gets a
+    slot at once (no 429) and completes first, submitted between the big one's."""
+    share = server.limits.max_active_per_request
+    assert share == engine.max_batch // 2 == 2
+    sched, runner = engine.scheduler, engine.runner
+    submitted, big_live, events = [], [], []
+    orig_submit, orig_decode = sched.submit, runner.decode
+
+    def submit(req):
+        big = req.params.max_new_tokens == 24
+        out = orig_submit(req)
+        submitted.append("big" if big else "small")
+        if big:
+            big_live.append(req)
+            events.append(sum(not r.done for r in big_live))
+        return out
+
+    def decode(**kw):  # Keeps the big request running for many steps.
+        time.sleep(0.01)
+        return orig_decode(**kw)
+
+    monkeypatch.setattr(sched, "submit", submit)
+    monkeypatch.setattr(runner, "decode", decode)
+    finished, results = [], {}
+    prompts = ["".join(ALPHABET[(i + j) % 26] for j in range(4)) for i in range(16)]
+
+    def big():
+        results["big"] = call(server, "POST", "/v1/completions", {
+            "prompt": prompts, "max_tokens": 24, "temperature": 0, "ignore_eos": True})
+        finished.append("big")
+
+    t = threading.Thread(target=big)
+    t.start()
+    assert wait_until(lambda: len(submitted) >= share)
+    status, body, _ = call(server, "POST", "/v1/completions", {
+        "prompt": "xyz", "max_tokens": 3, "temperature": 0, "ignore_eos": True})
+    finished.append("small")
+    t.join(120)
+    assert status == 200, body
+    assert results["big"][0] == 200 and finished == ["small", "big"]
+    assert len(json.loads(results["big"][1])["choices"]) == 16
+    assert max(events) <= share and len(events) == 16
+    assert "big" in submitted[submitted.index("small"):]  # Interleaved, not after all.
+
+
+def test_share_does_not_change_results(server, engine):
+    """The same sampled request (seeded, best_of > n, logprobs) through a server that
+    submits one engine request at a time and through one that submits them all."""
+    body = {"prompt": ["abc", "hello", "zz"], "max_tokens": 6, "temperature": 1.0,
+            "seed": 11, "n": 2, "best_of": 3, "logprobs": 1, "ignore_eos": True}
+    outs = []
+    for share in (1, 9):
+        srv = InferenceServer(engine, port=0, limits=Limits(max_active_per_request=share))
+        threading.Thread(target=srv.httpd.serve_forever, daemon=True).start()
+        try:
+            status, out, _ = call(srv, "POST", "/v1/completions", body)
+        finally:
+            srv.httpd.shutdown()
+            srv.httpd.server_close()
+        assert status == 200, out
+        outs.append(json.loads(out)["choices"])
+    assert [c["text"] for c in outs[0]] == [c["text"] for c in outs[1]]
+    assert [c["logprobs"]["tokens"] for c in outs[0]] == [c["logprobs"]["tokens"] for c in outs[1]]
+    for a, b in zip(outs[0], outs[1]):
+        assert a["logprobs"]["token_logprobs"] == pytest.approx(b["logprobs"]["token_logprobs"],
+                                                                abs=1e-5)
 
 
 @pytest.mark.parametrize("body,param", [

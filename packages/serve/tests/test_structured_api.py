@@ -79,3 +79,34 @@ def test_unsupported_combinations(server, cfg, params):
     with pytest.raises(RequestError, match="no tokenizer|none") as e:
         ids_only.generate([5, 6], max_new_tokens=4, response_format={"type": "json_object"})
     assert e.value.param == "response_format"
+
+
+def _nested(objects):
+    schema = {"type": "integer"}
+    for _ in range(objects):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+def test_json_schema_may_nest_as_deep_as_llguidance_takes(server):
+    """40 nested objects (the body 85 levels deep, past the general cap of 64) are
+    served; past llguidance's own limit it names the schema, past the server's cap on
+    `response_format` the 400 names response_format; elsewhere the general cap holds."""
+    body = {"prompt": "x", "max_tokens": 11, "temperature": 0}
+    status, out, _ = call(server, "POST", "/v1/completions",
+                          {**body, "response_format": rf(_nested(40))})
+    assert status == 200, out
+    assert json.loads(out)["choices"][0]["text"] == '{"a":{"a":{'
+    for objects, param in ((62, "response_format.json_schema.schema"),
+                           (70, "response_format"), (300, "response_format")):
+        status, out, _ = call(server, "POST", "/v1/completions",
+                              {**body, "response_format": rf(_nested(objects))})
+        err = json.loads(out)["error"]
+        assert status == 400 and err["param"] == param, (objects, err)
+        assert "response_format" in err["message"], err
+    deep: list = []
+    for _ in range(70):
+        deep = [deep]
+    status, out, _ = call(server, "POST", "/v1/completions", {**body, "stop": deep})
+    err = json.loads(out)["error"]
+    assert status == 400 and "nested deeper than 64" in err["message"] and err["param"] is None

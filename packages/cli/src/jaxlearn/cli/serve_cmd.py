@@ -4,7 +4,8 @@
                    [--dtype bfloat16] [--param_dtype bfloat16] [--quantize int8]
                    [--engine_set decode_burst=4 ...] [--print_config]
                    [--api_key KEY] [--allowed_hosts H,..] [--allowed_origins O,..]
-                   [--max_connections N] [--header_timeout S]
+                   [--max_connections N] [--max_pending_connections N]
+                   [--header_timeout S] [--max_active_per_request N]
     jaxlearn generate --model PATH --prompt TEXT [--chat] [--max_new_tokens 128]
                       [--temperature 0] [--top_k 0] [--top_p 1] [--seed N]
 
@@ -106,9 +107,20 @@ def add_parsers(sub: Any) -> None:
                    help="browser origins allowed cross-origin (CORS; default: none), "
                         "e.g. http://localhost:3000; '*': any")
     p.add_argument("--max_connections", type=int, default=None,
-                   help="open connections before 429 (default max_batch + max_queue + 16)")
-    p.add_argument("--header_timeout", type=float, default=10.0,
-                   help="seconds a request's line and headers may take (default 10)")
+                   help="open connections (default max_batch + max_queue + 16); a new one "
+                        "beyond closes the oldest connection still waiting for its request, "
+                        "or gets 429 when all are busy with requests")
+    p.add_argument("--max_pending_connections", type=int, default=None,
+                   help="of those, how many may wait for their request line and headers "
+                        "(new, idle kept-alive or half-sent); a new one beyond closes the "
+                        "oldest of them (default max_connections // 2)")
+    p.add_argument("--header_timeout", type=float, default=3.0,
+                   help="seconds a new connection has to send its request line and headers "
+                        "(a kept-alive one: from its next request's first byte; default 3)")
+    p.add_argument("--max_active_per_request", type=int, default=None,
+                   help="engine requests (prompts x best_of) one HTTP request keeps queued "
+                        "or running at a time, the rest submitted as those finish, so other "
+                        "clients' requests interleave (default max(1, max_batch // 2))")
 
     p = sub.add_parser("generate", help="generate from a prompt, streaming to stdout")
     _model_args(p)
@@ -464,9 +476,10 @@ def server_options(args: argparse.Namespace) -> dict[str, Any]:
         if "" in items:
             raise UsageError(f"--{flag} {','.join(getattr(args, flag))!r}: an empty entry")
         opts[flag] = items
-    limits = {"header_timeout": args.header_timeout}
-    if args.max_connections is not None:
-        limits["max_connections"] = args.max_connections
+    limits: dict[str, Any] = {"header_timeout": args.header_timeout}
+    for flag in ("max_connections", "max_pending_connections", "max_active_per_request"):
+        if getattr(args, flag) is not None:
+            limits[flag] = getattr(args, flag)
     try:
         Limits(**limits)
     except ValueError as e:  # "Limits.header_timeout=0: must be > 0"

@@ -3,8 +3,12 @@
 `Group(engine, parsed)` turns a `ParsedRequest` into one engine `Request` per (prompt,
 candidate): `best_of` candidates for each prompt (`n` when best_of is not given), with
 seeds seed + k for the k-th candidate of the request when a seed is given. It submits
-them as the engine's queue has room (`submit`, `poll`) and hands back (candidate, delta) events,
-then builds the choices:
+them in that order as the engine's queue has room, keeping at most `max_active` of them in
+the engine (queued or running) at a time, the next submitted as one finishes (`submit`,
+`poll`): requests of other clients queued meanwhile are admitted between them, so one
+request of many prompts x best_of cannot take every slot and fill the queue (the outputs
+do not change: each candidate's seed and index are fixed here). It hands back (candidate,
+delta) events, then builds the choices:
 
 - non-streaming: for each prompt the `n` candidates of highest cumulative logprob (all
   of them when best_of == n), choice index = prompt index x n + rank;
@@ -65,9 +69,10 @@ def _chat_prompt(engine: Any, parsed: ParsedRequest) -> Union[str, list[int]]:
 
 class Group:
     """The engine requests of one HTTP request (see module docstring). Building it
-    validates everything (RequestError); nothing is queued before `submit` / `poll`."""
+    validates everything (RequestError); nothing is queued before `submit` / `poll`.
+    max_active: most of them in the engine at a time (None: all)."""
 
-    def __init__(self, engine: Any, parsed: ParsedRequest):
+    def __init__(self, engine: Any, parsed: ParsedRequest, max_active: Optional[int] = None):
         self.engine, self.parsed = engine, parsed
         self.box: "queue.Queue[tuple[Candidate, Delta]]" = queue.Queue()
         prompts: list[Union[str, list[int]]] = (
@@ -83,6 +88,8 @@ class Group:
                 req = engine.scheduler.make_request(ids, params, sink=self._sink(k))
                 self.candidates.append(Candidate(p, p * parsed.n + j, req, self._echo(prompt)))
         self.pending = list(self.candidates)
+        self.max_active = max(1, max_active or len(self.candidates))
+        self.active: list[Candidate] = []  # Submitted, not yet done.
         self._token_text = functools.lru_cache(maxsize=4096)(self._decode_one)
 
     def _params(self, ids: list[int]) -> SamplingParams:
@@ -133,16 +140,17 @@ class Group:
     # ---- driving ----------------------------------------------------------------------
 
     def submit(self) -> None:
-        """Submits what the engine's queue has room for (QueueFullError when nothing of
-        the group could be queued yet)."""
-        while self.pending:
+        """Submits the next candidates while fewer than `max_active` are in the engine and
+        its queue has room (QueueFullError when nothing of the group could be queued yet)."""
+        self.active = [c for c in self.active if not c.request.done]
+        while self.pending and len(self.active) < self.max_active:
             try:
                 self.engine.scheduler.submit(self.pending[0].request)
             except QueueFullError:
                 if len(self.pending) == len(self.candidates):
                     raise
                 return
-            self.pending.pop(0)
+            self.active.append(self.pending.pop(0))
 
     def poll(self, timeout: float) -> Optional[tuple[Candidate, Delta]]:
         """`submit`, then the next event (None after `timeout` seconds without one)."""

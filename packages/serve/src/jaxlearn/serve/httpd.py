@@ -2,152 +2,104 @@
 connection, so SSE streams, client-disconnect polling and the engine's blocking queues
 stay plain code), hardened for a server that any local web page or process can reach.
 
-- Deadlines, not only idle timeouts: a kept-alive connection waits `keep_alive_timeout`
-  for its next request; the request line and headers must arrive within
-  `header_timeout` of its first byte (else 408), the body within `io_timeout`. Each
-  recv waits only until the deadline, so a client trickling bytes cannot hold a thread.
-- `max_connections` open connections (beyond: 429 written from the accept loop, then
-  closed), listen backlog `backlog`, TCP_NODELAY, and every response (headers and body)
-  in one write, so kept-alive requests do not wait for the client's delayed ACK.
+- Deadlines, not only idle timeouts: a new connection must send its request line and
+  headers within `header_timeout` of being accepted (a kept-alive one: within
+  `header_timeout` of its next request's first byte, which may take `keep_alive_timeout`),
+  else 408 (nothing sent at all: closed quietly); the body within `io_timeout`. Each recv
+  waits only until the deadline, so a client trickling bytes cannot hold a thread.
+- `max_connections` open connections, of which at most `max_pending_connections` may be
+  waiting for a request head (new, kept-alive idle, or half-sent). A connection that would
+  exceed either cap closes the oldest waiting one (408 if it had sent part of a request)
+  instead of being refused, so connections that send nothing, or only a request line,
+  cannot lock out clients with complete requests; only when every connection is busy with
+  a request is a new one refused (429 written from the accept loop, then closed).
+  Listen backlog `backlog`, TCP_NODELAY, and every response (headers and body) in one
+  write, so kept-alive requests do not wait for the client's delayed ACK.
 - Every error is an OpenAI-style JSON body with a status line: malformed request lines
   (400), HTTP/0.9 (400) or HTTP/2+ over this port (505), request lines over 16 KiB (414),
   header lines over 64 KiB or over 100 headers (431), unknown methods (501), known but
   unserved ones (405 + Allow), timeouts (408), internal errors (500).
-- `Policy`: the Host header against an allowlist (loopback names when bound to
-  loopback: DNS rebinding), `Origin` refused (403) unless in `allowed_origins` (then
-  CORS headers and preflights), `Authorization: Bearer <api_key>` (401), POST bodies
-  only as `application/json` (415: a page cannot send it cross-origin without a
-  preflight), JSON bodies bounded in size (413) and depth, lone surrogates refused (400).
+- `Policy`: the Host header parsed strictly as host[:port] (a name or IPv4 address, or
+  an IPv6 address in brackets; port digits only; one Host header), else 400, and checked
+  against an allowlist (loopback names when bound to loopback: DNS rebinding), `Origin`
+  refused (403) unless in `allowed_origins` (then CORS headers and preflights),
+  `Authorization: Bearer <api_key>` (401), POST bodies only as `application/json` (415:
+  a page cannot send it cross-origin without a preflight), JSON bodies bounded in size
+  (413) and depth (`MAX_JSON_DEPTH`; `response_format`, which holds a JSON schema,
+  `MAX_SCHEMA_DEPTH`), lone surrogates refused (400).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hmac
 import io
-import ipaddress
 import json
 import logging
 import re
+import select
 import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Optional
 
+from jaxlearn.serve.access import (  # noqa: F401  (HTTPError, host_name: re-exported)
+    HTTPError,
+    Policy,
+    host_name,
+    is_loopback,
+    parse_host,
+)
 from jaxlearn.serve.protocol import error_body
 
 log = logging.getLogger(__name__)
 
-LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 MAX_REQUEST_LINE = 16 << 10
-MAX_JSON_DEPTH = 32
+MAX_JSON_DEPTH = 64  # Nesting of a request body outside `response_format`.
+# Nesting of `response_format`: llguidance parses a JSON schema nested up to about 125
+# levels (serde_json's recursion limit of 128, then its own), so the schema, 3 levels down
+# `response_format`, may nest as deep as llguidance accepts.
+MAX_SCHEMA_DEPTH = 128
 SERVED_METHODS = ("GET", "POST", "OPTIONS")
 _HTTP_METHODS = frozenset({"HEAD", "PUT", "DELETE", "PATCH", "CONNECT", "TRACE"})
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
-class HTTPError(Exception):
-    """An error response: status, message, the request field at fault, extra headers."""
-
-    def __init__(self, status: int, message: str, param: Optional[str] = None,
-                 headers: Optional[dict[str, str]] = None):
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-        self.headers = headers or {}
-
-
-def host_name(value: str) -> str:
-    """The name of a Host header or allowlist entry, lowercased, without port:
-    "LocalHost:8000" -> "localhost", "[::1]:80" -> "::1"."""
-    v = value.strip().lower()
-    if v.startswith("["):
-        v = v[1:v.find("]")] if "]" in v else v[1:]
-    elif v.count(":") == 1:
-        v = v.split(":")[0]
-    return v.rstrip(".")
-
-
-def is_loopback(host: str) -> bool:
-    if host_name(host) == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host_name(host)).is_loopback
-    except ValueError:
-        return False
-
-
-@dataclasses.dataclass(frozen=True)
-class Policy:
-    """Who may use the server. allowed_hosts None: any Host header; allowed_origins
-    empty: CORS off (requests carrying an Origin header are refused); "*": any."""
-
-    api_key: Optional[str] = None
-    allowed_hosts: Optional[frozenset[str]] = None
-    allowed_origins: frozenset[str] = frozenset()
-    public_paths: frozenset[str] = frozenset({"/health"})
-
-    @classmethod
-    def for_bind(cls, bind_host: str, *, api_key: Optional[str] = None,
-                 allowed_hosts: Iterable[str] = (),
-                 allowed_origins: Iterable[str] = ()) -> "Policy":
-        """Loopback names plus `allowed_hosts` when bound to loopback; otherwise
-        `allowed_hosts` alone, or any Host when none is given ("*" allows any)."""
-        if api_key is not None and not api_key.strip():
-            raise ValueError("api_key: must not be empty")
-        hosts = {host_name(h) for h in allowed_hosts if h.strip()}
-        if is_loopback(bind_host):
-            hosts |= LOOPBACK_HOSTS
-        any_host = "*" in hosts or not hosts
-        origins = frozenset(o.strip().rstrip("/").lower() for o in allowed_origins if o.strip())
-        return cls(api_key, None if any_host else frozenset(hosts), origins)
-
-    def check_host(self, host: Optional[str]) -> None:
-        if self.allowed_hosts is None:
-            return
-        if host is None:
-            raise HTTPError(400, "the Host header is required")
-        if host_name(host) not in self.allowed_hosts:
-            allowed = ", ".join(sorted(self.allowed_hosts))
-            raise HTTPError(400, f"Host {host[:100]!r} is not allowed (allowed: {allowed}; "
-                                 f"see --allowed_hosts)")
-
-    def cors_origin(self, origin: Optional[str]) -> Optional[str]:
-        """The origin to answer with CORS headers (None: no Origin header); 403 if refused."""
-        if origin is None:
-            return None
-        o = origin.strip().rstrip("/").lower()
-        if "*" in self.allowed_origins or o in self.allowed_origins:
-            return origin.strip()
-        raise HTTPError(403, f"Origin {origin[:100]!r} is not allowed (cross-origin requests "
-                             f"are off unless listed in --allowed_origins)")
-
-    def check_key(self, path: str, authorization: Optional[str]) -> None:
-        if self.api_key is None or path in self.public_paths:
-            return
-        scheme, _, token = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-                token.strip().encode("latin-1", "replace"), self.api_key.encode()):
-            raise HTTPError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                            headers={"WWW-Authenticate": "Bearer"})
-
-
 @dataclasses.dataclass(frozen=True)
 class Limits:
-    """Bounds on what a client can hold (seconds, bytes, counts)."""
+    """Bounds on what a client can hold (seconds, bytes, counts).
+
+    max_connections: open connections (one thread each); max_pending_connections: of
+    those, how many may wait for a request head (None: half of max_connections); see
+    `HTTPServer`. header_timeout: a new connection's request line and headers, from
+    accept (a kept-alive one's, from the first byte of its next request, which may take
+    keep_alive_timeout); io_timeout: a body, and every write. max_active_per_request:
+    engine requests one HTTP request keeps in the engine (queued or running) at a time,
+    the rest submitted as those finish (None: `InferenceServer` uses max(1, max_batch // 2)),
+    so one request of many prompts x best_of cannot take every slot and the whole queue.
+    """
 
     max_connections: int = 64
     backlog: int = 128
     keep_alive_timeout: float = 5.0
-    header_timeout: float = 10.0
+    header_timeout: float = 3.0
     io_timeout: float = 30.0
     max_body_bytes: int = 1 << 20
+    max_pending_connections: Optional[int] = None
+    max_active_per_request: Optional[int] = None
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            if not getattr(self, f.name) > 0:
-                raise ValueError(f"Limits.{f.name}={getattr(self, f.name)!r}: must be > 0")
+            v = getattr(self, f.name)
+            if not (v is None and f.default is None) and not v > 0:
+                raise ValueError(f"Limits.{f.name}={v!r}: must be > 0")
+
+    @property
+    def pending_cap(self) -> int:
+        """Connections that may wait for a request head at once (<= max_connections)."""
+        n = self.max_pending_connections or max(1, self.max_connections // 2)
+        return min(n, self.max_connections)
 
 
 class _DeadlineReader(io.RawIOBase):
@@ -197,14 +149,53 @@ def _depth(x: Any, limit: int) -> int:
     return deepest
 
 
+def _check_depth(body: Any) -> None:
+    """400 when a body nests deeper than MAX_JSON_DEPTH outside `response_format`, or
+    `response_format` (holding a JSON schema) deeper than MAX_SCHEMA_DEPTH, naming it.
+    Iterative: no recursion on what the client sent (json.loads is bounded by the
+    interpreter's recursion limit: RecursionError, a 400)."""
+    rest = body
+    if isinstance(body, dict) and "response_format" in body:
+        rest = {k: v for k, v in body.items() if k != "response_format"}
+        if _depth(body["response_format"], MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
+            raise HTTPError(400, f"'response_format': JSON nested deeper than "
+                                 f"{MAX_SCHEMA_DEPTH} levels", "response_format")
+    if _depth(rest, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+        raise HTTPError(400, f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+
+
+def _unread(sock: socket.socket) -> bool:
+    """Whether bytes (or the peer's EOF) wait in `sock` unread (a closed socket: no)."""
+    try:
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        return bool(poller.poll(0))
+    except (OSError, ValueError):
+        return False
+
+
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
 class HTTPServer(ThreadingHTTPServer):
-    """ThreadingHTTPServer with a listen backlog, a cap on open connections, IPv6 binds,
-    and the `Policy` / `Limits` its handlers read. `count(path, status)` sees every
-    response (a refused connection: path "")."""
+    """ThreadingHTTPServer with a listen backlog, caps on open and waiting connections,
+    IPv6 binds, and the `Policy` / `Limits` its handlers read. `count(path, status)` sees
+    every response (a refused connection: path "").
+
+    A connection is *waiting* from accept, and again between kept-alive requests, until
+    its request head (line + headers) has been read. Waiting connections cost a thread
+    and do nothing, and need no API key, so they must not be able to fill the server:
+    when a new connection would make more than `Limits.pending_cap` waiting or more than
+    `max_connections` open, the oldest waiting one whose thread has read all it was sent
+    (blocked in recv: half-open, trickling or idle) is closed for it (its read side shut
+    down, which wakes its thread: a 408 if it had sent part of a request, else nothing).
+    One whose bytes still sit unread in its socket (a burst of clients faster than their
+    threads start) is never closed: then the new one is admitted past pending_cap, or
+    refused at max_connections. An attacker holding half-open connections thus only
+    pushes out its own older ones (or idle kept-alive ones, which a client may see closed
+    at any time anyway), and a client that sends its request promptly gets in. Only when
+    no connection can be closed is a new one refused with 429."""
 
     daemon_threads = True
 
@@ -213,17 +204,36 @@ class HTTPServer(ThreadingHTTPServer):
         self.policy, self.limits, self.count = policy, limits, count
         self.request_queue_size = limits.backlog
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
-        self._open, self._lock = 0, threading.Lock()
+        self._lock = threading.Lock()
+        self._open: set[Any] = set()  # Counted connections (not closed for others).
+        self._waiting: dict[Any, None] = {}  # Waiting ones, oldest first.
         super().__init__(address, handler)
 
     @property
     def open_connections(self) -> int:
-        return self._open
+        return len(self._open)
+
+    @property
+    def waiting_connections(self) -> int:
+        return len(self._waiting)
 
     def process_request(self, request: Any, client_address: Any) -> None:
         with self._lock:
-            full = self._open >= self.limits.max_connections
-            self._open += not full
+            victim = None
+            if (len(self._waiting) >= self.limits.pending_cap or
+                    len(self._open) >= self.limits.max_connections):
+                victim = next((c for c in self._waiting if not _unread(c)), None)
+                if victim is not None:
+                    self._forget(victim)
+            full = len(self._open) >= self.limits.max_connections
+            if not full:
+                self._open.add(request)
+                self._waiting[request] = None
+        if victim is not None:
+            try:
+                victim.shutdown(socket.SHUT_RD)  # Its recv returns EOF at once.
+            except OSError:
+                pass
         if full:
             self._refuse(request)
             return
@@ -231,7 +241,7 @@ class HTTPServer(ThreadingHTTPServer):
             super().process_request(request, client_address)
         except BaseException:
             with self._lock:
-                self._open -= 1
+                self._forget(request)
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
@@ -239,7 +249,31 @@ class HTTPServer(ThreadingHTTPServer):
             super().process_request_thread(request, client_address)
         finally:
             with self._lock:
-                self._open -= 1
+                self._forget(request)
+
+    def _forget(self, sock: Any) -> None:  # Under _lock.
+        self._open.discard(sock)
+        self._waiting.pop(sock, None)
+
+    def mark_waiting(self, sock: Any) -> bool:
+        """A kept-alive connection waits for its next request (newest of the waiting);
+        False if it was closed for others."""
+        with self._lock:
+            if sock not in self._open:
+                return False
+            self._waiting.pop(sock, None)
+            self._waiting[sock] = None
+            return True
+
+    def mark_busy(self, sock: Any) -> bool:
+        """A connection's request head was read; False if it was closed for others."""
+        with self._lock:
+            self._waiting.pop(sock, None)
+            return sock in self._open
+
+    def was_closed_for_others(self, sock: Any) -> bool:
+        with self._lock:
+            return sock not in self._open
 
     def shutdown_request(self, request: Any) -> None:
         """Closes after reading what the client still sends (at most 1 s / 1 MiB), so an
@@ -291,6 +325,7 @@ class Handler(BaseHTTPRequestHandler):
         self._reader = _DeadlineReader(self.connection, io_timeout)
         self._buffered = io.BufferedReader(self._reader, 1 << 16)
         self.rfile = self._buffered
+        self._accepted, self._first = time.monotonic(), True
 
     def version_string(self) -> str:
         return self.server_version  # No Python version in the Server header.
@@ -312,24 +347,35 @@ class Handler(BaseHTTPRequestHandler):
         self.cors_origin: Optional[str] = None
         self._started = False
         self._clean = False  # Whether the request was read whole (keep-alive after errors).
+        self._waiting = True  # Until the request head is read (see HTTPServer).
+        first, self._first = self._first, False
+        if not first and not self.server.mark_waiting(self.connection):
+            return
+        # A new connection has header_timeout from accept for its whole head; a kept-alive
+        # one keep_alive_timeout for the first byte, then header_timeout for the head.
+        head_by = self._accepted + lim.header_timeout
         try:
-            self._reader.deadline = time.monotonic() + lim.keep_alive_timeout
+            self._reader.deadline = head_by if first else (
+                time.monotonic() + lim.keep_alive_timeout)
             if not self._buffered.peek(1):
                 return
-        except OSError:  # Idle past keep_alive_timeout, or reset.
+        except OSError:  # Nothing sent in time, reset, or closed for others.
             return
-        self._reader.deadline = time.monotonic() + lim.header_timeout
+        self._reader.deadline = head_by if first else time.monotonic() + lim.header_timeout
         try:
             if not self._read_head():
                 return
+            if not self.server.mark_busy(self.connection):
+                raise HTTPError(408, "closed for others")  # Replaced: send_json_error.
+            self._waiting = False
             self._reader.deadline = time.monotonic() + lim.io_timeout
             self._dispatch()
         except HTTPError as e:
             self.send_json_error(e)
         except TimeoutError:
-            self.send_json_error(HTTPError(408, f"request not received in time (headers "
-                                                f"within {lim.header_timeout:g}s, body "
-                                                f"within {lim.io_timeout:g}s)"))
+            self.send_json_error(HTTPError(408, f"request not received in time (request line "
+                                                f"and headers within {lim.header_timeout:g}s, "
+                                                f"body within {lim.io_timeout:g}s)"))
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True
         except Exception:
@@ -371,7 +417,7 @@ class Handler(BaseHTTPRequestHandler):
     def _check_access(self) -> None:
         """Host, Origin, API key (not for preflights) and a POST's Content-Type."""
         p = self.server.policy
-        p.check_host(self.headers.get("Host"))
+        p.check_host(self.headers.get_all("Host") or [])
         self.cors_origin = p.cors_origin(self.headers.get("Origin"))
         if self.command == "OPTIONS":
             return
@@ -421,6 +467,11 @@ class Handler(BaseHTTPRequestHandler):
         self.send_body(status, json.dumps(obj).encode(), "application/json", headers)
 
     def send_json_error(self, e: HTTPError) -> None:
+        if self._waiting and self.server.was_closed_for_others(self.connection):
+            lim = self.server.limits  # Whatever its partial head looked like when cut.
+            e = HTTPError(408, f"request line and headers not received: the connection was "
+                               f"closed for newer ones (at most {lim.pending_cap} may wait "
+                               f"for their request at a time)")
         if not self._clean:
             self.close_connection = True  # The rest of the request was not read.
         if self._started:  # Mid-response: all that is left is to close.
@@ -447,8 +498,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def read_json(self) -> Any:
         """The JSON body: Content-Length required (411), at most max_body_bytes (413),
-        valid UTF-8 JSON without NaN / Infinity, nested at most MAX_JSON_DEPTH, no lone
-        surrogates (400)."""
+        valid UTF-8 JSON without NaN / Infinity, nested at most MAX_JSON_DEPTH (its
+        `response_format` MAX_SCHEMA_DEPTH), no lone surrogates (400)."""
         lengths = self.headers.get_all("Content-Length") or []
         if self.headers.get("Transfer-Encoding", "").lower() not in ("", "identity"):
             raise HTTPError(411, "chunked bodies are not supported; send Content-Length")
@@ -474,8 +525,7 @@ class Handler(BaseHTTPRequestHandler):
             body = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
         except (UnicodeDecodeError, ValueError, RecursionError) as e:
             raise HTTPError(400, f"malformed JSON body: {e}") from None
-        if _depth(body, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
-            raise HTTPError(400, f"JSON nested deeper than {MAX_JSON_DEPTH}")
+        _check_depth(body)
         where = _surrogate_path(body) if _SURROGATE_ESCAPE.search(raw) else None
         if where is not None:
             raise HTTPError(400, f"{where or 'body'}: a lone UTF-16 surrogate is not valid "

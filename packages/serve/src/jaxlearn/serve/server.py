@@ -11,16 +11,22 @@ checks, JSON errors; see httpd.py).
 Threads: HTTP handler threads parse and validate, then enqueue the request's engine
 requests (one per prompt and candidate: `completions.Group`) on the engine's scheduler
 and wait on their private queue; one engine thread (`Engine.start`) runs the
-scheduler loop. Every problem with a request is a 4xx with an OpenAI-style error body
-(the request checks of `protocol`, httpd's limits and policy; a full queue: 429 with
-Retry-After). A client that disconnects (detected on write for streams, by polling the
-socket otherwise) has its request cancelled, which frees its slot at the next step.
+scheduler loop. One HTTP request keeps at most `Limits.max_active_per_request` engine
+requests in the engine at a time (default max(1, max_batch // 2)), submitting the next
+as one finishes, so other clients' requests queue between them: a request of 64 prompts
+x best_of 4 takes a bounded share of the slots and queue instead of all of them.
+
+Every problem with a request is a 4xx with an OpenAI-style error body (the request
+checks of `protocol`, httpd's limits and policy; a full queue: 429 with Retry-After). A
+client that disconnects (detected on write for streams, by polling the socket otherwise)
+has its request cancelled, which frees its slot at the next step.
 
 Binds 127.0.0.1 unless told otherwise.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import select
 import socket
@@ -52,7 +58,8 @@ class InferenceServer:
     `Authorization: Bearer <key>` on every path but /health. `allowed_hosts` extends
     the Host allowlist (loopback names when bound to loopback; otherwise any Host
     unless given); `allowed_origins` turns CORS on for those origins. `limits`: see
-    `httpd.Limits`; its max_connections defaults to max_batch + max_queue + 16 here.
+    `httpd.Limits`; its max_connections defaults to max_batch + max_queue + 16 here, its
+    max_active_per_request (when None) to max(1, max_batch // 2).
     """
 
     def __init__(
@@ -67,7 +74,11 @@ class InferenceServer:
         limits: Optional[Limits] = None,
     ):
         self.engine = engine
-        self.limits = limits or self.default_limits(engine)
+        limits = limits or self.default_limits(engine)
+        if limits.max_active_per_request is None:
+            limits = dataclasses.replace(limits,
+                                         max_active_per_request=max(1, engine.max_batch // 2))
+        self.limits = limits
         self.policy = Policy.for_bind(host, api_key=api_key, allowed_hosts=allowed_hosts,
                                       allowed_origins=allowed_origins)
         handler = type("Handler", (_Handler,), {"app": self})
@@ -77,11 +88,16 @@ class InferenceServer:
                                 "HTTP requests answered, by path and status.")
         engine.metrics.describe("http_connections_open", "Open HTTP connections.")
         engine.metrics.gauge("http_connections_open", lambda: self.httpd.open_connections)
+        engine.metrics.describe("http_connections_waiting",
+                                "Open HTTP connections waiting for a request head.")
+        engine.metrics.gauge("http_connections_waiting",
+                             lambda: self.httpd.waiting_connections)
 
     @staticmethod
     def default_limits(engine: Engine, max_connections: Optional[int] = None,
                        **fields: Any) -> Limits:
-        """`Limits(**fields)`, max_connections by default max_batch + max_queue + 16."""
+        """`Limits(**fields)`, max_connections by default max_batch + max_queue + 16
+        (max_active_per_request: see `InferenceServer`)."""
         n = max_connections or engine.max_batch + engine.scheduler.max_queue + 16
         return Limits(max_connections=n, **fields)
 
@@ -159,7 +175,7 @@ class _Handler(Handler):
 
     def _generate(self, parsed: ParsedRequest) -> None:
         try:
-            group = Group(self.app.engine, parsed)
+            group = Group(self.app.engine, parsed, self.app.limits.max_active_per_request)
         except RequestError as e:
             raise HTTPError(400, str(e), e.param) from None
         rid = new_id(parsed.kind)
