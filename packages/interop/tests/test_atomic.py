@@ -131,12 +131,12 @@ def test_a_writer_killed_mid_write_leaves_the_old_output(tmp_path):
             time.sleep(120)
     """)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, env=env)
-    try:
-        assert proc.stdout.readline() == b"writing\n"
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+    with subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                          env=env) as proc:
+        try:
+            assert proc.stdout.readline() == b"writing\n"
+        finally:
+            proc.send_signal(signal.SIGKILL)
     left = [p for p in tmp_path.iterdir() if p.name != "out"]
     assert len(left) == 1 and f".{proc.pid}." in left[0].name
     assert [p.name for p in target.iterdir()] == ["config.json"]

@@ -135,7 +135,8 @@ def _commit(tmp: pathlib.Path, target: pathlib.Path, kind: Kind, overwrite: bool
 def _occupied(target: pathlib.Path) -> bool:
     """Whether `target` holds anything: a directory with an entry, a non-empty file."""
     if target.is_dir():
-        return any(os.scandir(target))
+        with os.scandir(target) as entries:
+            return any(True for _ in entries)
     return target.exists() and target.stat().st_size > 0
 
 
@@ -187,14 +188,16 @@ def _clean_leftovers(target: pathlib.Path) -> None:
     if not target.parent.is_dir():
         return
     host, asides = _host(), []
-    for entry in os.scandir(target.parent):
-        found = _leftover(target, entry.name)
+    with os.scandir(target.parent) as entries:
+        names = [entry.name for entry in entries]
+    for name in names:
+        found = _leftover(target, name)
         if found is None or found[0] != host or _alive(found[1]):
             continue
         if found[2] == "old":
-            asides.append(pathlib.Path(entry.path))
+            asides.append(target.parent / name)
         else:
-            _remove(pathlib.Path(entry.path))
+            _remove(target.parent / name)
     for aside in sorted(asides, key=lambda p: p.lstat().st_mtime, reverse=True):
         if not os.path.lexists(target):
             os.rename(aside, target)
