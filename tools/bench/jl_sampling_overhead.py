@@ -23,7 +23,6 @@ import jax
 import numpy as np
 
 from jaxlearn.inference import Engine, SamplingParams
-from jaxlearn.inference.logprobs import static_k
 from jaxlearn.inference.penalties import pack
 from jaxlearn.layers import llama_config
 
@@ -77,12 +76,11 @@ def main() -> None:
 def _call(runner: Any, rows: int, tables: np.ndarray, samp: dict[str, list[Any]],
           ps: list[SamplingParams], steps: int) -> Callable[[], None]:
     pen = pack(ps, rows, runner.vocab_size)
-    k = static_k([p.logprobs for p in ps])
+    samp = dict(samp, logprobs=[p.logprobs is not None for p in ps])
 
     def call() -> None:
-        runner.decode(steps=steps, mode="greedy", slots=list(range(rows)), tables=tables,
-                      ids=[3] * rows, time_step=[100] * rows, sampling=samp, penalties=pen,
-                      lp_k=k)
+        runner.decode(steps=steps, slots=list(range(rows)), tables=tables,
+                      ids=[3] * rows, time_step=[100] * rows, sampling=samp, penalties=pen)
 
     return call
 

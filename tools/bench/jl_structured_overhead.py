@@ -101,7 +101,7 @@ def main() -> None:
     def decode(n: int, steps: int, allow: Any = None) -> None:
         samp = {"temperature": [0.0] * n, "top_k": [0] * n, "top_p": [1.0] * n,
                 "penalty": [1.0] * n, "seeds": [0] * n, "index": [0] * n}
-        runner.decode(steps=steps, mode="greedy", slots=list(range(n)), tables=tables[:n],
+        runner.decode(steps=steps, slots=list(range(n)), tables=tables[:n],
                       ids=[3] * n, time_step=[100] * n, sampling=samp, allow=allow)
 
     def constrained(n: int) -> None:

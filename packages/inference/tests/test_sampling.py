@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from jaxlearn.inference import RequestError, SamplingParams
-from jaxlearn.inference.sampling import batch_mode, filtered_logits, penalize, sample_tokens
+from jaxlearn.inference.sampling import filtered_logits, penalize, sample_tokens
 
 V = 16
 
@@ -64,7 +64,7 @@ def test_filter_masks_match_numpy(logits, temperature, top_k, top_p):
 
 
 @functools.lru_cache(maxsize=None)
-def _draw_many(n: int, mode: str):
+def _draw_many(n: int):
     """A jit'ed sampler drawing n tokens of one distribution with seeds 0..n-1."""
 
     def draw(logits, temperature, top_k, top_p):
@@ -78,7 +78,6 @@ def _draw_many(n: int, mode: str):
             penalty=jnp.ones((n,)),
             seeds=jnp.arange(n, dtype=jnp.uint32),
             index=jnp.zeros((n,), jnp.int32),
-            mode=mode,
         )
 
     return jax.jit(draw)
@@ -104,14 +103,16 @@ def test_chi_square_of_draws(temperature, top_k, top_p):
     rng = np.random.default_rng(7)
     x = rng.normal(size=V).astype(np.float32)
     n = 20000
-    mode = "filter" if top_k or top_p < 1 else "sample"
-    toks = _draw_many(n, mode)(x, np.float32(temperature), np.int32(top_k), np.float32(top_p))
+    toks = _draw_many(n)(x, np.float32(temperature), np.int32(top_k), np.float32(top_p))
     counts = np.bincount(np.asarray(toks), minlength=V)
     ok, stat, crit = chi_square_ok(counts, ref_probs(x, temperature, top_k, top_p), n)
     assert ok, f"chi2={stat:.1f} > {crit:.1f}"
 
 
-def test_greedy_and_modes_agree_per_row():
+def test_each_row_draws_the_same_whatever_the_other_rows_use():
+    """The sampler's steps run only when some row of the call uses them (lax.cond): a
+    row's token must not depend on whether another row samples, filters, is penalised,
+    has a grammar mask or a logit bias."""
     rng = np.random.default_rng(0)
     logits = jnp.asarray(rng.normal(size=(4, V)), jnp.float32)
     kw = dict(
@@ -123,14 +124,25 @@ def test_greedy_and_modes_agree_per_row():
         index=jnp.asarray([0, 5, 9, 2], jnp.int32),
     )
     seen = jnp.zeros((4, V), bool)
-    sample = np.asarray(sample_tokens(logits, seen, mode="sample", **kw))
-    filt = np.asarray(sample_tokens(logits, seen, mode="filter", **kw))
-    greedy = np.asarray(sample_tokens(logits, seen, mode="greedy", **kw))
+    mixed = np.asarray(sample_tokens(logits, seen, **kw))
     argmax = np.asarray(jnp.argmax(logits, -1))
-    assert sample[0] == filt[0] == greedy[0] == argmax[0]
-    assert filt[3] == greedy[3] == argmax[3]  # temperature 0 wins over top_k.
-    # An unfiltered sampled row draws the same token whichever variant runs.
-    assert sample[1] == filt[1] and sample[2] == filt[2]
+    assert mixed[0] == argmax[0] and mixed[3] == argmax[3]  # temperature 0 wins over top_k.
+    for row in range(4):
+        alone = {k: v[row : row + 1] for k, v in kw.items()}
+        got = sample_tokens(logits[row : row + 1], seen[row : row + 1], **alone)
+        assert int(got[0]) == mixed[row]
+    # Another row filtering (top-p) or penalised / biased / masked leaves row 1 alone.
+    filt = dict(kw, temperature=kw["temperature"].at[3].set(1.0),
+                top_p=kw["top_p"].at[3].set(0.5))
+    assert int(sample_tokens(logits, seen, **filt)[1]) == mixed[1]
+    pen = {"presence": jnp.asarray([0.0, 0.0, 0.0, 1.5]), "frequency": jnp.zeros(4),
+           "bias_ids": jnp.asarray([[V], [V], [V], [7]], jnp.int32),
+           "bias": jnp.asarray([[0.0], [0.0], [0.0], [100.0]])}
+    allow = jnp.full((4, -(-V // 32)), -1, jnp.int32).at[3].set(0).at[3, 0].set(1)
+    out = np.asarray(sample_tokens(logits, seen, counts=jnp.zeros((4, V), jnp.int32),
+                                   pen=pen, allow=allow, **kw))
+    np.testing.assert_array_equal(out[:3], mixed[:3])
+    assert out[3] == 0  # The grammar allows id 0 only (over the +100 bias of id 7).
 
 
 def test_seeds_are_per_request_and_deterministic():
@@ -144,8 +156,7 @@ def test_seeds_are_per_request_and_deterministic():
             jnp.broadcast_to(logits, (n, V)), jnp.zeros((n, V), bool),
             temperature=jnp.ones((n,)), top_k=jnp.zeros((n,), jnp.int32),
             top_p=jnp.full((n,), 0.9), penalty=jnp.ones((n,)),
-            seeds=jnp.asarray(rows, jnp.uint32), index=jnp.full((n,), index, jnp.int32),
-            mode="filter")[0])
+            seeds=jnp.asarray(rows, jnp.uint32), index=jnp.full((n,), index, jnp.int32))[0])
 
     draws = [one(11, i) for i in range(12)]
     assert draws == [one(11, i) for i in range(12)]
@@ -176,15 +187,6 @@ def test_invalid_sampling_params(field, value):
     assert e.value.param == field
 
 
-def test_batch_mode():
-    g, s, f = SamplingParams(), SamplingParams(temperature=1.0), SamplingParams(
-        temperature=1.0, top_p=0.5)
-    assert batch_mode([g, g]) == "greedy"
-    assert batch_mode([g, s]) == "sample"
-    assert batch_mode([g, s, f]) == "filter"
-    assert batch_mode([SamplingParams(top_k=3)]) == "greedy"
-
-
 @given(st.integers(0, 2**16), st.integers(1, 5))
 def test_argmax_and_draws_equal_jax_reference(seed, levels):
     """`argmax` is jnp.argmax (first index on ties; few distinct levels force ties), and
@@ -202,7 +204,7 @@ def test_argmax_and_draws_equal_jax_reference(seed, levels):
 
 
 def test_presence_frequency_and_bias_match_openai_formula():
-    from jaxlearn.inference.penalties import apply_penalties, pack
+    from jaxlearn.inference.penalties import MAX_LOGIT_BIAS, any_penalty, apply_penalties, pack
 
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(3, 10)).astype(np.float32)
@@ -212,7 +214,7 @@ def test_presence_frequency_and_bias_match_openai_formula():
               SamplingParams(),
               SamplingParams(frequency_penalty=2.0)]
     pen = pack(params, 4, vocab=10)
-    assert pen is not None and pen["bias_ids"].shape == (4, 8)
+    assert pen["bias_ids"].shape == (4, MAX_LOGIT_BIAS)  # One shape, one program.
     got = np.asarray(apply_penalties(jnp.asarray(logits), jnp.asarray(counts),
                                      {k: jnp.asarray(v[:3]) for k, v in pen.items()}))
     want = logits.copy()
@@ -221,7 +223,9 @@ def test_presence_frequency_and_bias_match_openai_formula():
         for t, v in p.logit_bias:
             want[b, t] += v
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
-    assert pack([SamplingParams(), SamplingParams(repetition_penalty=1.2)], 2, 10) is None
+    assert bool(any_penalty({k: jnp.asarray(v) for k, v in pen.items()}, 10))
+    off = pack([SamplingParams(), SamplingParams(repetition_penalty=1.2)], 2, 10)
+    assert not bool(any_penalty({k: jnp.asarray(v) for k, v in off.items()}, 10))
 
 
 @pytest.mark.parametrize("field,value", [

@@ -96,6 +96,11 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--max_queue", type=int, default=None,
                    help="waiting requests before 429 (default 64)")
     p.add_argument("--served_model_name", default=None, help="the `model` name clients use")
+    p.add_argument("--warmup", default="auto", choices=("none", "auto", "all"),
+                   help="programs compiled before serving: auto (default) those of requests "
+                        "within the first 64 positions, at every batch size and sampling "
+                        "feature; all: every program the engine can run (minutes the "
+                        "first time, then loaded from the compilation cache); none")
     p.add_argument("--api_key", default=None,
                    help="require 'Authorization: Bearer KEY' (all paths but /health; "
                         "default: $JAXLEARN_API_KEY, else none)")
@@ -437,9 +442,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server_options(args)  # Bad HTTP flags fail before the model loads.
     engine = _engine(args, engine_cfg)
     t0 = time.monotonic()
-    bos = engine.tokenizer.bos_id if engine.tokenizer is not None else None
-    engine.generate([bos or 0, 3], max_new_tokens=2)  # Compile.
-    print(f"jaxlearn: warmed up in {time.monotonic() - t0:.1f}s", file=sys.stderr)
+    compiled = engine.warmup(args.warmup)
+    print(f"jaxlearn: warmed up in {time.monotonic() - t0:.1f}s ({compiled} programs, "
+          f"--warmup {args.warmup})", file=sys.stderr)
     opts = server_options(args)
     limits = InferenceServer.default_limits(engine, **opts.pop("limits"))
     try:

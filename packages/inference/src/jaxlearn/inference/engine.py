@@ -37,6 +37,7 @@ from jax.sharding import Mesh
 
 from jaxlearn import layers
 from jaxlearn.config import REQUIRED, Configurable
+from jaxlearn.inference import programs
 from jaxlearn.inference.engine_setup import (
     SpecFn,
     build_mesh,
@@ -164,6 +165,11 @@ class Engine(Configurable):
             (XLA:CPU's bf16 decode dots read them 1.0-1.5x faster), "out_in" every
             float dense weight, "in_out" keeps the trained layout
             (`inference.weight_layout`).
+        parse_special_in_content: whether special-token strings typed into chat messages
+            (`<|im_end|>` in a user message) become special tokens in the prompt; off by
+            default: they are encoded as text and only the chat template's own are special
+            (`jaxlearn.text.chat_encoding`). `jaxlearn serve --engine_set
+            parse_special_in_content=True` turns it on.
         mesh_shape: None serves on one device; else the mesh over all devices (one -1
             entry allowed), with `mesh_axis_names`. Params are placed by their logical
             axes through `axis_rules` (None: INFERENCE_AXIS_RULES, the training rules
@@ -184,6 +190,7 @@ class Engine(Configurable):
         window_page_release: bool = True
         quantize: Optional[str] = None
         weight_layout: str = "auto"
+        parse_special_in_content: bool = False
         mesh_shape: Optional[tuple[int, ...]] = None
         mesh_axis_names: tuple[str, ...] = ("data", "fsdp", "model")
         axis_rules: Optional[tuple[tuple[str, Any], ...]] = None
@@ -298,6 +305,18 @@ class Engine(Configurable):
                                    shardings=shardings)
         return cast(Engine, engine_cfg.instantiate(model_cfg=model_cfg, params=params,
                                                    tokenizer=tokenizer))
+
+    def warmup(self, level: str = "auto", threads: int = 0) -> int:
+        """Compiles the prefill / decode programs of `level` ("none", "auto", "all":
+        `programs.py`) before serving, on `threads` threads (0: one per CPU), and builds
+        the grammar vocabulary when the tokenizer supports structured output. Returns the
+        number of programs compiled; later compiles are counted as late."""
+        if self.tokenizer is not None:
+            try:
+                self.scheduler.grammar_vocab()
+            except (RequestError, InferenceError):  # No llguidance or no EOS: not served.
+                pass
+        return programs.warmup(self.scheduler, level, threads)
 
     # ---- prompts ------------------------------------------------------------------------
 

@@ -123,16 +123,25 @@ class _ByteTokens:
 
 
 class Matcher:
-    """One request's grammar state (an llguidance `LLMatcher`)."""
+    """One request's grammar state (an llguidance `LLMatcher` over `words` mask words)."""
 
-    def __init__(self, matcher: Any):
+    def __init__(self, matcher: Any, words: int):
         self._m = matcher
+        self.words = words
 
     def fill(self, bits: np.ndarray, row: int) -> None:
-        """Writes the ids allowed next into bits[row] (int32 [words], bit i of word w =
-        id 32 w + i)."""
-        target = bits[row]
+        """Writes the ids allowed next into bits[row] (int32, bit i of word w = id
+        32 w + i; words past the grammar's vocabulary allow nothing, a row shorter than
+        it keeps the ids it has room for)."""
+        if bits.shape[1] == self.words:
+            target = bits[row]
+            self._m.unsafe_compute_mask_ptr(target.ctypes.data, target.nbytes)
+            return
+        target = np.zeros(self.words, np.int32)
         self._m.unsafe_compute_mask_ptr(target.ctypes.data, target.nbytes)
+        n = min(self.words, bits.shape[1])
+        bits[row, :n] = target[:n]
+        bits[row, n:] = 0
 
     def advance(self, token: int) -> bool:
         """Consumes a sampled id; False when the grammar refuses it."""
@@ -172,13 +181,14 @@ class GrammarVocab:
         if m.is_error():
             raise RequestError(f"'response_format': {_one_line(m.get_error())[:300]}",
                                param="response_format")
-        return Matcher(m)
+        return Matcher(m, self.words)
 
 
 def fill_masks(matchers: list[Optional[Matcher]], rows: int, words: int
                ) -> Optional[np.ndarray]:
     """Bit rows [rows, words] int32 for a call (all ones for rows without a grammar), or
-    None when no row has one (the call then runs a program without masks)."""
+    None when no row has one (the runner then passes all ones: the same program, whose
+    mask step is skipped at run time)."""
     if not any(m is not None for m in matchers):
         return None
     bits = np.full((rows, words), -1, np.int32)

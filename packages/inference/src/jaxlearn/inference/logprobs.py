@@ -25,17 +25,6 @@ Array = jax.Array
 MAX_LOGPROBS = 20  # Most top alternatives per token (OpenAI's limit).
 
 
-def static_k(wanted: Sequence[Optional[int]]) -> Optional[int]:
-    """The top-k a call computes for rows wanting `wanted` alternatives each (None: row
-    wants no logprobs): None when no row wants any, else 0 or a power of two >= the
-    largest (few compiled variants)."""
-    ks = [k for k in wanted if k is not None]
-    if not ks:
-        return None
-    top = max(ks)
-    return 0 if top == 0 else 1 << (top - 1).bit_length()
-
-
 def token_logprobs(logits: Array, tokens: Array, k: int) -> dict[str, Array]:
     """logits [..., v] (any float), tokens [...] int -> {"lp": [...] f32 (the tokens'
     logprobs), "top_ids": [..., k] int32, "top_lp": [..., k] f32 (best first)}."""
@@ -45,6 +34,20 @@ def token_logprobs(logits: Array, tokens: Array, k: int) -> dict[str, Array]:
         top_lp, top_ids = jax.lax.top_k(lp, min(k, lp.shape[-1]))
         out["top_ids"], out["top_lp"] = top_ids.astype(jnp.int32), top_lp
     return out
+
+
+def wanted_logprobs(logits: Array, tokens: Array, want: Array) -> dict[str, Array]:
+    """`token_logprobs(logits, tokens, MAX_LOGPROBS)` when some row wants logprobs (want
+    [b] bool), else zeros of the same shapes (`lax.cond`: a call without logprobs skips
+    the log-softmax and the top-k). The host keeps each row's own k of the 20."""
+    def compute(x: Array) -> dict[str, Array]:
+        return token_logprobs(x, tokens, MAX_LOGPROBS)
+
+    def zeros(x: Array) -> dict[str, Array]:
+        shapes = jax.eval_shape(compute, x)
+        return {k: jnp.zeros(s.shape, s.dtype) for k, s in shapes.items()}
+
+    return jax.lax.cond(jnp.any(want), compute, zeros, logits)
 
 
 @dataclasses.dataclass

@@ -5,15 +5,15 @@ tokens (the prompt does not count):
 
     logits[b, j] += bias[b, j] - frequency[b] * c[b, j] - presence[b] * (c[b, j] > 0)
 
-`bias` is sparse: each row carries up to `width` (token id, bias) pairs, padding pairs use
-id = vocab (dropped by the scatter). A batch in which no request uses any of the three
-runs none of this (the runner compiles it only into the calls that need it:
-`PenaltyArrays` is None), so requests that do not use them never pay for them.
+`bias` is sparse: each row carries `MAX_LOGIT_BIAS` (token id, bias) pairs, padding pairs
+use id = vocab (dropped by the scatter). The arrays have this one shape whatever the
+requests use, so they never change the compiled program; a call in which no row uses
+any of the three skips them at run time (`any_penalty`, `sampling.penalize`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -35,24 +35,20 @@ def apply_penalties(logits: Array, counts: Array, pen: dict[str, Array]) -> Arra
     return logits.at[rows, pen["bias_ids"]].add(pen["bias"], mode="drop")
 
 
-def uses_penalties(params: Any) -> bool:
-    """Whether a `SamplingParams` needs the penalty/bias path."""
-    return bool(params.presence_penalty or params.frequency_penalty or params.logit_bias)
+def any_penalty(pen: dict[str, Array], vocab: int) -> Array:
+    """Device-side: whether some row of the `pack` arrays uses a penalty or a bias."""
+    return (jnp.any(pen["presence"] != 0) | jnp.any(pen["frequency"] != 0)
+            | jnp.any(pen["bias_ids"] < vocab))
 
 
-def pack(params: Sequence[Any], rows: int, vocab: int) -> Optional[dict[str, np.ndarray]]:
-    """Per-row penalty arrays of `params` (SamplingParams) padded to `rows`, or None when
-    none of them uses a penalty or a bias. The bias width is a power of two >= 8 (one
-    compiled program per width)."""
-    if not any(uses_penalties(p) for p in params):
-        return None
-    longest = max(len(p.logit_bias) for p in params)
-    width = max(8, 1 << max(0, longest - 1).bit_length())
+def pack(params: Sequence[Any], rows: int, vocab: int) -> dict[str, np.ndarray]:
+    """Per-row penalty arrays of `params` (SamplingParams) padded to `rows`: presence,
+    frequency [rows] and bias_ids / bias [rows, MAX_LOGIT_BIAS] (one shape always)."""
     out = {
         "presence": np.zeros(rows, np.float32),
         "frequency": np.zeros(rows, np.float32),
-        "bias_ids": np.full((rows, width), vocab, np.int32),
-        "bias": np.zeros((rows, width), np.float32),
+        "bias_ids": np.full((rows, MAX_LOGIT_BIAS), vocab, np.int32),
+        "bias": np.zeros((rows, MAX_LOGIT_BIAS), np.float32),
     }
     for i, p in enumerate(params):
         out["presence"][i] = p.presence_penalty

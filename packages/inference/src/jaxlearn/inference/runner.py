@@ -22,11 +22,14 @@ positions past a row's pages read and write it, and the mask hides it.
 Every call works on a window of `time_len` positions per row (a power of two >= 64
 covering the longest row), so attention and the page gathers cost O(rows x live length),
 and only this call's new entries are scattered back. Programs are compiled per
-(rows, bucket, time_len, logprob k, prompt k) for prefill and (rows, time_len, steps,
-sampling mode, logprob k) for decode, each with and without the penalty/bias arrays
-(and per bias width); rows, buckets and k are powers of two (None: no logprobs), so
-calls of requests that use none of logprobs, penalties or bias run exactly the programs
-they ran without them.
+(rows, bucket, time_len, scoring) for prefill and (rows, time_len, steps) for decode;
+rows and buckets are powers of two. Sampling settings are never part of the key: every
+call passes the same fixed-width per-row arrays (`sampling.py`: temperature, top-k/p,
+penalties, a `MAX_LOGIT_BIAS`-wide logit bias, grammar bit rows, whether the row wants
+logprobs) and the program skips at run time what no row uses, logprobs included (the
+top `MAX_LOGPROBS` alternatives are computed, the host keeps each row's k). So the set
+of programs is fixed by the engine's shapes (`program_shapes`), compiled by `warmup`,
+and no request can add one.
 
 Padding rows (to reach a power of two) use slot `num_slots`, a seen-mask / counts row
 nobody owns, and the null page table.
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional, Sequence
 
 import jax
@@ -44,8 +48,9 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxlearn.inference.logprobs import token_logprobs
-from jaxlearn.inference.sampling import Mode, sample_tokens
+from jaxlearn.inference.logprobs import MAX_LOGPROBS, token_logprobs, wanted_logprobs
+from jaxlearn.inference.penalties import MAX_LOGIT_BIAS
+from jaxlearn.inference.sampling import sample_tokens
 from jaxlearn.layers.attention import Attention
 from jaxlearn.module import Module, functional, logical_sharding
 
@@ -134,8 +139,13 @@ class ModelRunner:
             self._rep: Any = rep
         else:
             self._pool_sh = self._rep = None
-        self._jit_prefill = self._jit(self._prefill, static=("mode", "lp_k", "prompt_k"))
-        self._jit_decode = self._jit(self._decode, static=("steps", "mode", "lp_k"))
+        self.mask_words = -(-vocab_size // 32)
+        # Compiled prefill / decode programs by `_key`; `sealed` once warm-up has run.
+        self.programs: dict[tuple, Any] = {}
+        self.sealed = False
+        self.compiled_late = 0
+        self._jit_prefill = self._jit(self._prefill, static=("scoring",))
+        self._jit_decode = self._jit(self._decode, static=("steps",))
         self._jit_logits = jax.jit(self._logits)
         rows_kw: dict[str, Any] = {} if mesh is None else {"out_shardings": (self._rep,) * 2}
         self._jit_rows = jax.jit(_set_rows, donate_argnums=(0, 1), **rows_kw)
@@ -218,26 +228,24 @@ class ModelRunner:
         gen_from: Array,
         targets: Array,
         samp: dict[str, Array],
-        pen: Optional[dict[str, Array]],
-        allow: Optional[Array],
+        pen: dict[str, Array],
+        allow: Array,
         *,
-        mode: Mode,
-        lp_k: Optional[int],
-        prompt_k: Optional[int],
+        scoring: bool,
     ) -> tuple[Any, Array, Array, dict[str, Array]]:
         """ids [rows, bucket] at positions [start, start + bucket) of each row's pages
         (table [rows, time_len / page_size]); positions >= gen_from [rows] hold generated
         tokens (they count for presence / frequency penalties). Returns {"tok": [rows]}
-        sampled after position start + n_valid - 1, with lp_k its `token_logprobs` [rows,
-        ...], with prompt_k "prompt": `token_logprobs` of targets [rows, bucket] (the next
-        id at each position) [rows, bucket, ...]: then every position's logits are
-        computed, else only the last one's (`logits_index`)."""
+        sampled after position start + n_valid - 1 and its `wanted_logprobs` ("lp" [rows],
+        "top_ids" / "top_lp" [rows, MAX_LOGPROBS]); with scoring also "prompt": the
+        `token_logprobs` of targets [rows, bucket] (the next id at each position) [rows,
+        bucket, ...]: then every position's logits are computed, else only the last
+        one's (`logits_index`)."""
         last = (n_valid - 1)[:, None]
-        every = prompt_k is not None
-        pool, logits = self._forward(params, pool, table, start, ids, None if every else last)
+        pool, logits = self._forward(params, pool, table, start, ids, None if scoring else last)
         out: dict[str, Any] = {}
-        if every:
-            out["prompt"] = token_logprobs(logits, targets, prompt_k or 0)
+        if scoring:
+            out["prompt"] = token_logprobs(logits, targets, MAX_LOGPROBS)
             logits = jnp.take_along_axis(logits, last[..., None], axis=1)  # [rows, 1, v]
         rows, bucket, v = ids.shape[0], ids.shape[1], seen.shape[1]
         r = jnp.arange(rows)[:, None]
@@ -250,11 +258,12 @@ class ModelRunner:
             1, mode="drop")
         count_rows = jnp.where((start == 0)[:, None], 0, counts[slots]) + added
         counts = counts.at[slots].set(count_rows)
-        tok = sample_tokens(logits[:, 0], seen_rows, mode=mode, vocab_limit=self.vocab_limit,
+        samp = dict(samp)
+        want = samp.pop("logprobs")
+        tok = sample_tokens(logits[:, 0], seen_rows, vocab_limit=self.vocab_limit,
                             counts=count_rows, pen=pen, allow=allow, **samp)
         out["tok"] = tok
-        if lp_k is not None:
-            out.update(token_logprobs(logits[:, 0], tok, lp_k))
+        out.update(wanted_logprobs(logits[:, 0], tok, want))
         return pool, seen, counts, out
 
     def _decode(
@@ -269,23 +278,21 @@ class ModelRunner:
         time_step: Array,
         active: Array,
         samp: dict[str, Array],
-        pen: Optional[dict[str, Array]],
-        allow: Optional[Array],
+        pen: dict[str, Array],
+        allow: Array,
         *,
         steps: int,
-        mode: Mode,
-        lp_k: Optional[int],
     ) -> tuple[Any, Array, Array, dict[str, Array]]:
         """`steps` decode steps of rows (slots [rows]); ids / time_step / active [rows]:
         the last token of each row, its position, whether it is a real row. Every row's
         time_step + steps <= the table's width x page_size. Returns {"tok": [steps, rows]}
-        and with lp_k their `token_logprobs` [steps, rows, ...]. Generated-token counts
-        are gathered per step only when `pen` is given (else updated once, after).
-        `allow` (grammar bit rows [rows, words], steps == 1) masks the sampled ids."""
-        assert allow is None or steps == 1, "grammar masks change with every token"
+        and their `wanted_logprobs` ([steps, rows, ...]). `allow` (grammar bit rows
+        [rows, words]) masks every step's draw: the host passes all ones when steps > 1
+        (a grammar's mask follows each token)."""
         sub_seen = seen[slots]
-        sub_counts = counts[slots] if pen is not None else None
-        index0 = samp.pop("index")
+        sub_counts = counts[slots]
+        samp = dict(samp)
+        index0, want = samp.pop("index"), samp.pop("logprobs")
         r = jnp.arange(ids.shape[0])
         v = seen.shape[1]
 
@@ -293,30 +300,20 @@ class ModelRunner:
             pool, sub_seen, sub_counts, tok, t, index = carry
             where = jnp.where(active, tok, v)
             sub_seen = sub_seen.at[r, where].set(True, mode="drop")
-            if sub_counts is not None:
-                sub_counts = sub_counts.at[r, where].add(1, mode="drop")
+            sub_counts = sub_counts.at[r, where].add(1, mode="drop")
             pool, logits = self._forward(params, pool, table, t, tok[:, None], None)
             nxt = sample_tokens(
-                logits[:, 0], sub_seen, mode=mode, vocab_limit=self.vocab_limit, index=index,
+                logits[:, 0], sub_seen, vocab_limit=self.vocab_limit, index=index,
                 counts=sub_counts, pen=pen, allow=allow, **samp
             )
             nxt = jnp.where(active, nxt, tok)
-            out = {"tok": nxt}
-            if lp_k is not None:
-                out.update(token_logprobs(logits[:, 0], nxt, lp_k))
+            out = {"tok": nxt, **wanted_logprobs(logits[:, 0], nxt, want)}
             step = active.astype(jnp.int32)
             return (pool, sub_seen, sub_counts, nxt, t + step, index + step), out
 
         init = (pool, sub_seen, sub_counts, ids, time_step, index0)
         (pool, sub_seen, sub_counts, _, _, _), outs = lax.scan(body, init, None, length=steps)
-        if sub_counts is not None:
-            counts = counts.at[slots].set(sub_counts)
-        else:  # Each step's input token: ids, then the tokens of the steps before.
-            inputs = jnp.concatenate([ids[None], outs["tok"][:-1]], axis=0)
-            where = jnp.where(active[None, :], inputs, v)
-            counts = counts.at[jnp.broadcast_to(slots[None, :], where.shape), where].add(
-                1, mode="drop")
-        return pool, seen.at[slots].set(sub_seen), counts, outs
+        return pool, seen.at[slots].set(sub_seen), counts.at[slots].set(sub_counts), outs
 
     def _logits(self, params: Any, ids: Array) -> Array:
         return _call(self.model, params, "logits", ({"input_ids": ids},))
@@ -331,13 +328,17 @@ class ModelRunner:
         "penalty": (np.float32, 1),
         "seeds": (np.uint32, 0),
         "index": (np.int32, 0),
+        "logprobs": (np.bool_, False),
     }
 
     def _row_sampling(self, sampling: dict[str, list[Any]], rows: int) -> dict[str, np.ndarray]:
         """`sampling` (one list per key of SAMPLING: temperature, top_k, top_p, penalty,
-        seeds, index = the token's generated index) as arrays padded to `rows`."""
+        seeds, index = the token's generated index, logprobs = whether the row wants
+        them; a missing key: every row gets the padding value) as arrays padded to
+        `rows`."""
         return {
-            k: self._pad(sampling[k], rows, fill, dt) for k, (dt, fill) in self.SAMPLING.items()
+            k: self._pad(sampling.get(k, ()), rows, fill, dt)
+            for k, (dt, fill) in self.SAMPLING.items()
         }
 
     def _pad(self, a: Any, rows: int, fill: Any, dtype: Any) -> np.ndarray:
@@ -346,7 +347,24 @@ class ModelRunner:
         out[: len(a)] = a
         return out
 
-    def prefill(
+    def _features(self, rows: int, penalties: Optional[dict[str, np.ndarray]],
+                  allow: Optional[np.ndarray]) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """The penalty arrays and grammar bit rows of a call, all "off" where not given."""
+        if penalties is None:
+            penalties = {
+                "presence": np.zeros(rows, np.float32),
+                "frequency": np.zeros(rows, np.float32),
+                "bias_ids": np.full((rows, MAX_LOGIT_BIAS), self.vocab_size, np.int32),
+                "bias": np.zeros((rows, MAX_LOGIT_BIAS), np.float32),
+            }
+        if allow is None:
+            allow = np.full((rows, self.mask_words), -1, np.int32)
+        elif allow.shape != (rows, self.mask_words):
+            raise ValueError(f"allow: grammar bit rows {allow.shape}, expected "
+                             f"{(rows, self.mask_words)}")
+        return penalties, allow
+
+    def prefill_call(
         self,
         *,
         slots: list[int],
@@ -359,20 +377,16 @@ class ModelRunner:
         targets: Optional[list[np.ndarray]] = None,
         penalties: Optional[dict[str, np.ndarray]] = None,
         allow: Optional[np.ndarray] = None,
-        mode: Mode = "filter",
-        lp_k: Optional[int] = None,
-        prompt_k: Optional[int] = None,
-    ) -> dict[str, Any]:
-        """Writes chunk i (len <= bucket) at positions [starts[i], starts[i] + len) of
-        the pages in tables[i] (start 0 resets slot i's seen-mask and counts) and samples
-        the next token of each (token index `sampling["index"][i]`).
+    ) -> tuple[Any, tuple, dict[str, Any]]:
+        """The prefill program and its inputs (`_run` runs them, `compile_programs`
+        compiles them): chunk i (len <= bucket) goes at positions [starts[i], starts[i] +
+        len) of the pages in tables[i]; the next token of each is sampled with index
+        `sampling["index"][i]`.
         gen_from[i]: first position of generated tokens (default: none in the chunk);
-        targets[i] (len <= bucket): the id following each chunk position, scored when
-        prompt_k is not None; penalties: `penalties.pack` arrays for next_pow2(n) rows;
-        allow: grammar bit rows [next_pow2(n), words] (`grammar.fill_masks`); mode: the
-        static sampler variant (`sampling.batch_mode`; "filter" serves every row).
-        Returns host arrays cut to n rows: "tok" [n], with lp_k "lp" / "top_ids" /
-        "top_lp", with prompt_k "prompt" (the same, per position [n, bucket, ...])."""
+        targets[i] (len <= bucket): the id following each chunk position, scored (the
+        call's "prompt" output) when targets are given; penalties: `penalties.pack`
+        arrays for next_pow2(n) rows (None: no row uses any); allow: grammar bit rows
+        [next_pow2(n), mask_words] (`grammar.fill_masks`; None: no row has a grammar)."""
         n = len(slots)
         rows = next_pow2(n)
         time_len = self.window(max(s + bucket for s in starts))
@@ -387,12 +401,8 @@ class ModelRunner:
             if targets is not None:
                 tgt[i, : len(targets[i])] = targets[i]
         far = np.iinfo(np.int32).max
-        self.pool, self.seen, self.counts, out = self._traced(
-            self._jit_prefill,
-            self.params,
-            self.pool,
-            self.seen,
-            self.counts,
+        pen, allow = self._features(rows, penalties, allow)
+        args = (
             self._pad(slots, rows, self.num_slots, np.int32),
             self._table(tables, rows, time_len),
             ids,
@@ -401,19 +411,25 @@ class ModelRunner:
             self._pad(gen_from if gen_from is not None else [far] * n, rows, far, np.int32),
             tgt,
             self._row_sampling(sampling, rows),
-            penalties,
+            pen,
             allow,
-            mode=mode,
-            lp_k=lp_k,
-            prompt_k=prompt_k,
         )
-        return jax.tree.map(lambda a: np.asarray(a)[:n], out)
+        return self._jit_prefill, args, {"scoring": targets is not None}
 
-    def decode(
+    def prefill(self, **kwargs: Any) -> dict[str, Any]:
+        """Runs `prefill_call(**kwargs)`: writes chunk i (len <= bucket) at positions
+        [starts[i], starts[i] + len) of the pages in tables[i] (start 0 resets slot i's
+        seen-mask and counts) and samples the next token of each. Returns host arrays cut
+        to n rows: "tok" [n], "lp" [n], "top_ids" / "top_lp" [n, MAX_LOGPROBS] (zeros
+        unless some row wants logprobs), with targets "prompt" (the same, per position
+        [n, bucket, ...])."""
+        out = self._run(*self.prefill_call(**kwargs))
+        return jax.tree.map(lambda a: np.asarray(a)[: len(kwargs["slots"])], out)
+
+    def decode_call(
         self,
         *,
         steps: int,
-        mode: Mode,
         slots: list[int],
         tables: np.ndarray,
         ids: list[int],
@@ -421,37 +437,79 @@ class ModelRunner:
         sampling: dict[str, list[Any]],
         penalties: Optional[dict[str, np.ndarray]] = None,
         allow: Optional[np.ndarray] = None,
-        lp_k: Optional[int] = None,
-    ) -> dict[str, Any]:
-        """`steps` decode steps for the given rows (per-row lists and `sampling` lists;
-        tables [n, pages]; penalties: `penalties.pack` arrays for next_pow2(n) rows;
-        allow: grammar bit rows [next_pow2(n), words], only with steps == 1).
-        Every row's time_step + steps must be <= max_len and covered by its pages.
-        Returns host arrays: "tok" [steps, n] int32, with lp_k "lp" [steps, n],
-        "top_ids" / "top_lp" [steps, n, k]."""
+    ) -> tuple[Any, tuple, dict[str, Any]]:
+        """The program of `steps` decode steps for the given rows and its inputs
+        (per-row lists and `sampling` lists; tables [n, pages]; penalties:
+        `penalties.pack` arrays for next_pow2(n) rows; allow: grammar bit rows
+        [next_pow2(n), mask_words], only with steps == 1). Every row's time_step + steps
+        must be <= max_len and covered by its pages."""
         n = len(slots)
         rows = next_pow2(n)
+        if allow is not None and steps != 1:
+            raise ValueError(f"decode: grammar masks need steps=1, got steps={steps}")
         time_len = self.window(max(time_step) + steps)
-        samp = self._row_sampling(sampling, rows)
-        self.pool, self.seen, self.counts, out = self._traced(
-            self._jit_decode,
-            self.params,
-            self.pool,
-            self.seen,
-            self.counts,
+        pen, allow = self._features(rows, penalties, allow)
+        args = (
             self._pad(slots, rows, self.num_slots, np.int32),
             self._table(tables, rows, time_len),
             self._pad(ids, rows, 0, np.int32),
             self._pad(time_step, rows, 0, np.int32),
             np.arange(rows) < n,
-            samp,
-            penalties,
+            self._row_sampling(sampling, rows),
+            pen,
             allow,
-            steps=steps,
-            mode=mode,
-            lp_k=lp_k,
         )
-        return jax.tree.map(lambda a: np.asarray(a)[:, :n], out)
+        return self._jit_decode, args, {"steps": steps}
+
+    def decode(self, **kwargs: Any) -> dict[str, Any]:
+        """Runs `decode_call(**kwargs)`: `steps` decode steps for the given rows. Returns
+        host arrays: "tok" [steps, n] int32, "lp" [steps, n], "top_ids" / "top_lp"
+        [steps, n, MAX_LOGPROBS] (zeros unless some row wants logprobs)."""
+        out = self._run(*self.decode_call(**kwargs))
+        return jax.tree.map(lambda a: np.asarray(a)[:, : len(kwargs["slots"])], out)
+
+    # ---- the program table ----------------------------------------------------------------
+
+    def _key(self, fn: Any, args: tuple, static: dict[str, Any]) -> tuple:
+        """A program's identity: which program, its static settings, its inputs' shapes."""
+        shapes = tuple((a.shape, a.dtype.str) for a in jax.tree.leaves(args))
+        return (fn is self._jit_decode, tuple(sorted(static.items())), shapes)
+
+    def _lower(self, fn: Any, args: tuple, static: dict[str, Any]) -> Any:
+        return self._traced(fn.lower, self.params, self.pool, self.seen, self.counts, *args,
+                            **static)
+
+    def _run(self, fn: Any, args: tuple, static: dict[str, Any]) -> Any:
+        """Runs the program of (fn, static, shapes of args) on the runner's state and args,
+        compiling it first when it is new (counted in `compiled_late` once `sealed`)."""
+        key = self._key(fn, args, static)
+        program = self.programs.get(key)
+        if program is None:
+            if self.sealed:
+                self.compiled_late += 1
+                log.warning("compiling a program warm-up did not cover (%s %s): every "
+                            "request waits for it", "decode" if key[0] else "prefill",
+                            dict(static, rows=args[0].shape[0], time_len=args[1].shape[1]
+                                 * self.page_size))
+            program = self.programs[key] = self._lower(fn, args, static).compile()
+        self.pool, self.seen, self.counts, out = program(
+            self.params, self.pool, self.seen, self.counts, *args)
+        return out
+
+    def compile_programs(self, calls: Sequence[tuple[Any, tuple, dict[str, Any]]],
+                         threads: int = 1) -> int:
+        """Compiles the programs of `calls` ((fn, args, static) as `_run` takes them) not
+        yet in the table, lowering one at a time and compiling on `threads` threads (XLA
+        compiles outside the GIL). Returns how many were new."""
+        todo: dict[tuple, Any] = {}
+        for fn, args, static in calls:
+            key = self._key(fn, args, static)
+            if key not in self.programs and key not in todo:
+                todo[key] = self._lower(fn, args, static)
+        with ThreadPoolExecutor(max(1, threads)) as pool:
+            for key, program in zip(todo, pool.map(lambda low: low.compile(), todo.values())):
+                self.programs[key] = program
+        return len(todo)
 
     def set_history(self, slot: int, ids: Sequence[int], gen_from: int) -> None:
         """Sets slot's seen-mask to the ids of `ids` and its generated-token counts to

@@ -1,5 +1,5 @@
 """Sampling: greedy, temperature, top-k, top-p, repetition / presence / frequency
-penalties, logit bias, per-request seeds.
+penalties, logit bias, grammar masks, per-request seeds.
 
 `SamplingParams` is the validated per-request setting. `sample_tokens` is the batched,
 jit-able sampler the engine runs on device after every forward pass; `filtered_logits`
@@ -9,26 +9,33 @@ Order of operations (the HF `generate` order):
   1. repetition penalty on every token seen so far (prompt + generated; HF CTRL rule:
      logit > 0 -> logit / p, else logit * p);
   2. presence / frequency penalties over the generated tokens and logit bias
-     (`penalties.py`, only in calls where some request uses them);
+     (`penalties.py`);
   3. ids >= `vocab_limit` (model vocabulary padded past the tokenizer's) get -inf, and
-     so do ids the request's grammar refuses (`response_format`, `grammar.py`; only in
-     calls where some row has one);
+     so do ids the request's grammar refuses (`response_format`, `grammar.py`);
   4. temperature == 0 -> argmax (greedy); else logits / temperature;
   5. top-k (k <= 0: off), then top-p over what top-k kept (top_p >= 1: off; the most
      likely token is always kept);
   6. one categorical draw with key `fold_in(PRNGKey(seed), generated_index)`, so a
      request's tokens depend only on its seed and its own history, never on which other
      requests share the batch.
+
+Every feature is a run-time choice, not a compile-time one: the per-row settings are
+arrays of fixed width (logit bias `MAX_LOGIT_BIAS` pairs, grammar bit rows of the whole
+vocabulary), and a step no row of the call uses (penalties, the grammar mask, the Gumbel
+draw, the top-k/top-p sort) is skipped by `lax.cond` at run time. So one compiled program
+serves every combination of sampling features: no request can make the engine compile,
+and a batch pays only for what its rows use.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Callable, Literal, Optional, Sequence
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jaxlearn.inference.errors import RequestError
 from jaxlearn.inference.grammar import allowed_logits
@@ -37,11 +44,11 @@ from jaxlearn.inference.penalties import (
     MAX_BIAS,
     MAX_LOGIT_BIAS,
     MAX_PRESENCE_FREQUENCY,
+    any_penalty,
     apply_penalties,
 )
 
 Array = jax.Array
-Mode = Literal["greedy", "sample", "filter"]
 
 MAX_TEMPERATURE = 100.0
 MAX_REPETITION_PENALTY = 100.0
@@ -166,33 +173,27 @@ class SamplingParams:
         return _seed32(self.seed)
 
 
-def batch_mode(params: Sequence[SamplingParams]) -> Mode:
-    """The cheapest static sampler variant that serves every request of a batch."""
-    if any(p.filtered for p in params):
-        return "filter"
-    if any(not p.greedy for p in params):
-        return "sample"
-    return "greedy"
-
-
 def penalize(logits: Array, seen: Array, penalty: Array, vocab_limit: Optional[int],
              counts: Optional[Array] = None, pen: Optional[dict[str, Array]] = None,
              allow: Optional[Array] = None) -> Array:
     """Steps 1-3: logits [b, v] f32, seen [b, v] bool, penalty [b] -> [b, v]; with `pen`
-    (`penalties.apply_penalties` arrays) and counts [b, v] also presence / frequency
-    penalties and logit bias; with `allow` (grammar bit rows [b, ceil(v / 32)] int32,
-    `grammar.allowed_logits`) -inf for the ids a row's grammar refuses."""
+    (`penalties.pack` arrays) and counts [b, v] also presence / frequency penalties and
+    logit bias; with `allow` (grammar bit rows [b, ceil(v / 32)] int32,
+    `grammar.allowed_logits`; -1: every id allowed) -inf for the ids a row's grammar
+    refuses. Penalties and masks run only when some row uses them (`lax.cond`)."""
     p = penalty[:, None].astype(logits.dtype)
     rep = jnp.where(logits > 0, logits / p, logits * p)
     logits = jnp.where(seen & (p != 1.0), rep, logits)
     if pen is not None:
         assert counts is not None, "penalties need the generated-token counts"
-        logits = apply_penalties(logits, counts, pen)
+        logits = lax.cond(any_penalty(pen, logits.shape[-1]),
+                          lambda x: apply_penalties(x, counts, pen), lambda x: x, logits)
     if vocab_limit is not None and vocab_limit < logits.shape[-1]:
         ids = jnp.arange(logits.shape[-1])
         logits = jnp.where(ids[None, :] < vocab_limit, logits, -jnp.inf)
     if allow is not None:
-        logits = allowed_logits(logits, allow)
+        logits = lax.cond(jnp.any(allow != -1), lambda x: allowed_logits(x, allow),
+                          lambda x: x, logits)
     return logits
 
 
@@ -241,7 +242,6 @@ def sample_tokens(
     penalty: Array,
     seeds: Array,
     index: Array,
-    mode: Mode,
     vocab_limit: Optional[int] = None,
     counts: Optional[Array] = None,
     pen: Optional[dict[str, Array]] = None,
@@ -250,22 +250,23 @@ def sample_tokens(
     """One token per row. logits [b, v] (any float), seen [b, v] bool, per-row settings
     [b] (temperature f32, top_k i32, top_p f32, penalty f32, seeds u32, index i32);
     optional counts [b, v] and `pen` arrays (presence / frequency / logit bias), `allow`
-    grammar bit rows [b, ceil(v / 32)].
-    `mode` (static) picks the cheapest variant that is exact for every row:
-    "greedy" (all rows greedy), "sample" (no top-k/top-p anywhere), "filter".
-    Returns [b] int32."""
+    grammar bit rows [b, ceil(v / 32)]. The draw runs only when some row samples
+    (temperature > 0) and the top-k/top-p sort only when some sampled row filters, so an
+    all-greedy call costs an argmax. Returns [b] int32."""
     logits = penalize(logits.astype(jnp.float32), seen, penalty, vocab_limit, counts, pen,
                       allow)
     greedy = argmax(logits)
-    if mode == "greedy":
-        return greedy
-    keys = request_keys(seeds, index)
-    if mode == "sample":
-        t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
-        scaled = logits / t
-    else:
-        scaled = filtered_logits(logits, temperature, top_k, top_p)
-    # jax.random.categorical's own draw (Gumbel-max with the same noise), on `argmax`.
-    noise = jax.vmap(lambda k: jax.random.gumbel(k, scaled.shape[-1:], scaled.dtype))(keys)
-    drawn = argmax(scaled + noise)
-    return jnp.where(temperature > 0, drawn, greedy)
+    sampled = temperature > 0
+    t = jnp.where(sampled, temperature, 1.0)[:, None]
+
+    def draw(logits: Array) -> Array:
+        filters = sampled & ((top_k > 0) | (top_p < 1.0))
+        scaled = lax.cond(jnp.any(filters),
+                          lambda x: filtered_logits(x, temperature, top_k, top_p),
+                          lambda x: x / t, logits)
+        # jax.random.categorical's own draw (Gumbel-max with the same noise), on `argmax`.
+        keys = request_keys(seeds, index)
+        noise = jax.vmap(lambda k: jax.random.gumbel(k, scaled.shape[-1:], scaled.dtype))(keys)
+        return jnp.where(sampled, argmax(scaled + noise), greedy)
+
+    return lax.cond(jnp.any(sampled), draw, lambda _: greedy, logits)

@@ -52,11 +52,11 @@ import numpy as np
 from jaxlearn.inference import penalties
 from jaxlearn.inference.errors import QueueFullError, RequestError
 from jaxlearn.inference.grammar import GrammarVocab, Matcher, fill_masks
-from jaxlearn.inference.logprobs import TokenLogprob, static_k, unpack
+from jaxlearn.inference.logprobs import TokenLogprob, unpack
 from jaxlearn.inference.metrics import Metrics, scheduler_metrics
 from jaxlearn.inference.pages import PageTable
 from jaxlearn.inference.runner import ModelRunner, next_pow2
-from jaxlearn.inference.sampling import SamplingParams, batch_mode
+from jaxlearn.inference.sampling import SamplingParams
 from jaxlearn.text.detokenize import Delta, OutputState
 
 Sink = Callable[["Request", Delta], None]
@@ -80,6 +80,7 @@ def _sampling(reqs: Sequence["Request"]) -> dict[str, list[Any]]:
         "penalty": [p.repetition_penalty for p in ps],
         "seeds": [r.seed for r in reqs],
         "index": [r.num_generated for r in reqs],
+        "logprobs": [p.logprobs is not None for p in ps],
     }
 
 
@@ -257,12 +258,12 @@ class Scheduler:
         )
         req = Request(ids, params, output, params.resolved_seed(), sink, context=list(ids))
         if params.grammar is not None:
-            req.matcher = self._grammars().matcher(params.grammar)
+            req.matcher = self.grammar_vocab().matcher(params.grammar)
         if request_id is not None:
             req.request_id = request_id
         return req
 
-    def _grammars(self) -> GrammarVocab:
+    def grammar_vocab(self) -> GrammarVocab:
         """The tokenizer's ids as the grammar library sees them (built on first use)."""
         if self.tokenizer is None:
             raise RequestError("response_format needs a tokenizer and this engine has none",
@@ -274,8 +275,7 @@ class Scheduler:
 
     def _masks(self, matchers: list[Optional[Matcher]]) -> Optional[np.ndarray]:
         """Grammar bit rows of a call's rows (None: no row has a grammar)."""
-        words = self._grammar_vocab.words if self._grammar_vocab is not None else 0
-        return fill_masks(matchers, next_pow2(len(matchers)), words)
+        return fill_masks(matchers, next_pow2(len(matchers)), self.runner.mask_words)
 
     def submit(self, request: Request) -> Request:
         """Queues a request (QueueFullError when `max_queue` requests already wait)."""
@@ -430,9 +430,6 @@ class Scheduler:
             penalties=penalties.pack(params, next_pow2(len(reqs)), self.runner.vocab_size),
             allow=self._masks([r.matcher if r.prefilled + len(c) == len(r.context) else None
                                for r, c in batch]),
-            mode=batch_mode(params),
-            lp_k=static_k([p.logprobs for p in params]),
-            prompt_k=static_k([p.prompt_logprobs for p in params]) if scoring else None,
         )
         for i, (req, chunk) in enumerate(batch):
             if scoring:
@@ -548,7 +545,6 @@ class Scheduler:
         params = [r.params for r in rows]
         out = self.runner.decode(
             steps=steps,
-            mode=batch_mode(params),
             slots=slots,
             tables=self.pages.rows(slots),
             ids=[r.output.tokens[-1] for r in rows],
@@ -556,7 +552,6 @@ class Scheduler:
             sampling=_sampling(rows),
             penalties=penalties.pack(params, next_pow2(len(rows)), self.runner.vocab_size),
             allow=self._masks([r.matcher for r in rows]) if steps == 1 else None,
-            lp_k=static_k([p.logprobs for p in params]),
         )
         toks = out["tok"]
         for i, r in enumerate(rows):
