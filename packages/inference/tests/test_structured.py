@@ -177,6 +177,55 @@ def test_any_schema_is_a_grammar_or_a_one_line_request_error(schema, name):
         assert e.param.startswith("response_format") and "\n" not in str(e)
 
 
+def test_strict_closes_every_object(byte_engine):
+    """strict: true (OpenAI's structured outputs) means no property outside `properties`,
+    in nested objects too; without strict an object may hold extra properties. A bias
+    toward ',' and '"' pushes the random model to add more properties when it can."""
+    from jaxlearn.inference.grammar import _closed
+
+    inner = {"type": "object", "properties": {"b": {"type": "boolean"}}, "required": ["b"]}
+    schema = {"type": "object", "properties": {"a": inner, "n": {"type": "null"}},
+              "required": ["a", "n"], "$defs": {"d": {"properties": {}}}}
+    closed = _closed(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["a"]["additionalProperties"] is False
+    assert closed["$defs"]["d"]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # The request's own schema is kept.
+    strict = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema,
+                                                     "strict": True}}
+    bias = {ord(",") + 3: 4.0, ord('"') + 3: 2.0}
+    for seed in range(4):
+        res = byte_engine.generate("x", max_new_tokens=120, temperature=1.0, seed=seed,
+                                   logit_bias=bias, response_format=strict)
+        assert res.finish_reason == "stop", res.text
+        value = json.loads(res.text)
+        assert set(value) == {"a", "n"} and set(value["a"]) == {"b"}, res.text
+
+
+@pytest.mark.parametrize("schema", [
+    {"$ref": "#"},
+    {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+])
+def test_schema_without_any_output_is_a_request_error(byte_engine, schema):
+    """A schema that admits no value at all (a $ref loop) is a 400 naming response_format,
+    not a 200 with empty content."""
+    with pytest.raises(RequestError, match="admits no output") as e:
+        byte_engine.request("x", byte_engine.sampling_params(response_format=rf(schema)))
+    assert e.value.param == "response_format"
+
+
+def test_text_format_with_extra_fields_names_the_field():
+    from jaxlearn.inference.grammar import response_format_grammar
+
+    assert response_format_grammar({"type": "text"}) is None
+    with pytest.raises(RequestError, match="'response_format.schema': unknown field for "
+                                           "type 'text'") as e:
+        response_format_grammar({"type": "text", "schema": {}})
+    assert e.value.param == "response_format.schema"
+    with pytest.raises(RequestError, match="got 'xml'"):
+        response_format_grammar({"type": "xml"})
+
+
 def test_preempted_constrained_requests_equal_their_solo_runs(byte_engine):
     """A pool of 80 tokens for 4 requests of up to 64: requests are preempted and
     recomputed, their grammar state carries over, and each output is the one it gets

@@ -46,14 +46,16 @@ def _one_line(text: str) -> str:
 def _schema_of(value: dict[str, Any]) -> Any:
     """The JSON schema of a `response_format` object (RequestError naming the field)."""
     kind = value.get("type")
-    allowed = {"json_object": {"type"}, "json_schema": {"type", "json_schema"}}
-    if kind not in allowed:
+    allowed = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", "json_schema"}}
+    if not isinstance(kind, str) or kind not in allowed:
         raise RequestError("'response_format.type': must be \"text\", \"json_object\" or "
                            f"\"json_schema\", got {kind!r}", param="response_format.type")
     extra = sorted(set(value) - allowed[kind])
     if extra:
         raise RequestError(f"'response_format.{extra[0]}': unknown field for type {kind!r}",
                            param=f"response_format.{extra[0]}")
+    if kind == "text":
+        return None
     if kind == "json_object":
         return {"type": "object"}
     spec = value.get("json_schema")
@@ -75,7 +77,34 @@ def _schema_of(value: dict[str, Any]) -> Any:
     if not isinstance(schema, dict):
         raise RequestError(f"'{where}.schema': must be a JSON schema object",
                            param=f"{where}.schema")
-    return schema
+    return _closed(schema) if spec.get("strict") else schema
+
+
+# Keywords whose value is a schema, a list of schemas, or a name -> schema map.
+_SUBSCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else",
+              "additionalProperties", "propertyNames", "unevaluatedProperties")
+_SUBSCHEMAS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+
+
+def _closed(schema: Any) -> Any:
+    """`strict: true` (OpenAI's structured outputs): a copy of `schema` where every object
+    schema that does not say otherwise has `additionalProperties: false`."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    for key in _SUBSCHEMA:
+        if key in out:
+            out[key] = _closed(out[key])
+    for key in _SUBSCHEMAS:
+        if isinstance(out.get(key), list):
+            out[key] = [_closed(x) for x in out[key]]
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: _closed(v) for k, v in out[key].items()}
+    return out
 
 
 def response_format_grammar(value: Any) -> Optional[str]:
@@ -86,13 +115,21 @@ def response_format_grammar(value: Any) -> Optional[str]:
     if not isinstance(value, dict):
         raise RequestError("'response_format': must be an object with a type",
                            param="response_format")
-    if value.get("type") == "text" and set(value) == {"type"}:
-        return None
-    schema = _schema_of(value)
     where = "response_format.json_schema.schema"
+    try:
+        schema = _schema_of(value)
+        if value["type"] == "text":
+            return None
+        text = json.dumps(schema, allow_nan=False)
+    except RequestError:
+        raise
+    except RecursionError:
+        raise RequestError(f"'{where}': nested too deeply", param=where) from None
+    except (TypeError, ValueError) as e:
+        raise RequestError(f"'{where}': not a JSON schema: {_one_line(str(e))[:200]}",
+                           param=where) from None
     llg = _llg()
     try:
-        text = json.dumps(schema, allow_nan=False)
         if len(text) > MAX_SCHEMA_CHARS:
             raise ValueError(f"over {MAX_SCHEMA_CHARS} characters")
         grammar = llg.LLMatcher.grammar_from_json_schema(text, defaults=_JSON_OPTIONS)
@@ -178,9 +215,12 @@ class GrammarVocab:
     def matcher(self, grammar: str) -> Matcher:
         llg = _llg()
         m = llg.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if not m.is_error():  # Some grammars (a $ref loop) fail at their first mask.
+            first = np.zeros(self.words, np.int32)
+            m.unsafe_compute_mask_ptr(first.ctypes.data, first.nbytes)
         if m.is_error():
-            raise RequestError(f"'response_format': {_one_line(m.get_error())[:300]}",
-                               param="response_format")
+            raise RequestError(f"'response_format': the schema admits no output: "
+                               f"{_one_line(m.get_error())[:300]}", param="response_format")
         return Matcher(m, self.words)
 
 
