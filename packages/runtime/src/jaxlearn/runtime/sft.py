@@ -21,9 +21,19 @@ The text of assistant message k is found by rendering the conversation prefix by
 it is what `render(messages[:k+1])` adds to `render(messages[:k], add_generation_prompt=
 True)`, less trailing whitespace, so it holds the content and the end-of-turn token
 (`<|im_end|>` for ChatML) but not the newline after it. A template whose renderings are not
-prefixes of each other is refused. The rendered text is encoded once as a whole; a
-character boundary maps to the tokens of the longest common prefix of `encode(text)` and
-`encode(text[:boundary])` (a token straddling a boundary belongs to the part after it).
+prefixes of each other is refused. Those prefix renders stop at the first assistant
+message that starts after the kept tokens, so a long conversation costs renders in
+proportion to what fits in `seq_len`, not to its length. The rendered text is encoded once
+(`jaxlearn.text.chat_encoding.tokenize_chat`); a character boundary maps to the tokens
+that end before it, from that encoding's offsets (`Tokenizer.encode_offsets`; a token
+straddling a boundary belongs to the part after it). A tokenizer without offsets maps it by
+the longest common prefix of `encode(text)` and `encode(text[:boundary])`.
+
+Special tokens typed into a row stay text: `<|im_end|>` inside a message's content (or a
+prompt, completion or text row) is encoded as the characters it is made of, while the
+template's own `<|im_end|>` is the special token (see `jaxlearn.text.chat_encoding`).
+`SFTInput.parse_special_in_content=True` parses them in content too, for data that writes
+control tokens on purpose.
 
 Token sequences: messages `[bos] + encode(rendered)` (no BOS id when `add_bos` is off or the
 rendered text already starts with `bos_token`); prompt/completion and text
@@ -35,31 +45,57 @@ never split across rows. Streams, shuffling, sharding across processes, finite e
 the exact JSON resume state are those of `input_pipeline.InputIterator`.
 
 Every row is parsed, rendered and tokenised when the first iterator is built, before any
-batch. A bad row raises `DataError` naming `file:line`: not JSON, not an object, no known
-kind or several kinds, a value of the wrong type, an empty text or message list, an unknown
-role, no assistant message, a template that fails, or an example longer than `seq_len`
-while `truncate` is off. With `truncate` on, long examples keep their first `seq_len`
-targets; `SFTInput.truncated_rows` counts them and the count is logged once.
+batch. A bad row raises `DataError` naming `file:line`: a line over
+`SFTSource.max_row_chars` characters (8 Mi by default), not JSON (or nested too deeply, or
+a number of over 4300 digits), not an object, no known kind or several kinds, a value of the
+wrong type, text holding a lone surrogate, an empty text or message list, an unknown role,
+no assistant message, a template that fails, or an example longer than `seq_len` while
+`truncate` is off.
+
+With `truncate` on, long examples keep their first `seq_len` targets, and a row is cut
+before it is tokenised: to `CHARS_PER_TOKEN` (8) characters per token of `seq_len + 1`
+plus a margin (a conversation keeps the messages whose content fits, the last one cut).
+The kept tokens are those the whole row would give: tokens that end near the cut (within
+32 characters, or after the last word start before that) are not used, and a cut that gave
+too few tokens is redone twice as long. So a 50 MB row costs about its own size, not the
+size of its tokens. `SFTInput.truncated_rows` counts the cut rows. A row left without any
+trained token (a prompt longer than `seq_len` leaves no room for its completion) is
+dropped: `SFTInput.dropped_rows` counts them, the one log line about truncation reports
+both, and a split where no row is left raises DataError.
+
+The source file is read and parsed once per process, and each split tokenised once: the
+train and eval inputs of a run (and every evaluation's fresh eval input) share them
+through a small process-wide cache keyed by the files (path, size, modification time) and
+every setting that decides the tokens.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import logging
 import os
+import threading
 from typing import Any, Optional, Sequence
 
 import grain
 import numpy as np
 from grain.experimental import FirstFitPackIterDataset
 
-from jaxlearn.config import REQUIRED, ConfigError, InstantiableConfig
-from jaxlearn.runtime.data import DataError, Document, Source, read_text
+from jaxlearn.config import REQUIRED, ConfigError, InstantiableConfig, to_flat_text
+from jaxlearn.runtime.data import DataError, Document, InlineSource, Source, read_text
 from jaxlearn.runtime.input_pipeline import Input, InputIterator, _per_process
+from jaxlearn.runtime.sft_encode import (
+    Example,
+    Rendered,
+    RowSettings,
+    encode_row,
+    render_row,
+    tokenize,
+)
 from jaxlearn.runtime.sft_rows import DEFAULT_ROLES, TRAINED_ROLE, SFTRow, parse_row
 from jaxlearn.text.chat import ChatTemplate
-from jaxlearn.text.tokenizers import Tokenizer
 
 _log = logging.getLogger(__name__)
 
@@ -106,14 +142,60 @@ def jsonl_files(paths: Sequence[str]) -> list[str]:
     return files
 
 
+class _Shared:
+    """The last few files read and splits tokenised, shared by the inputs of one process
+    (least recently used dropped first)."""
+
+    def __init__(self, size: int):
+        self._items: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+        self._size = size
+        self._lock = threading.Lock()
+
+    def get(self, key: Any) -> Any:
+        with self._lock:
+            value = self._items.get(key)
+            if value is not None:
+                self._items.move_to_end(key)
+            return value
+
+    def put(self, key: Any, value: Any) -> None:
+        with self._lock:
+            self._items[key] = value
+            while len(self._items) > self._size:
+                self._items.popitem(last=False)
+
+
+_SHARED = _Shared(8)
+
+
+def _file_identity(path: Optional[str]) -> Any:
+    try:
+        st = os.stat(path) if path else None
+    except OSError:
+        return None
+    return None if st is None else (path, st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTDocument(Document):
+    """A document of `SFTSource`: its line's text and origin plus the parsed row."""
+
+    row: Optional[SFTRow] = None
+
+
 class SFTSource(Source):
     """JSONL rows for fine-tuning, one document per non-blank line (text: the line, origin:
     `file:line`). Every row is checked when the documents are first read (see the module
-    doc); a file mixing row kinds is refused at its first row of another kind."""
+    doc); a file mixing row kinds is refused at its first row of another kind.
+
+    max_row_chars: the longest line read (8 Mi characters by default); a longer one is a
+    DataError naming it, before it is parsed.
+    """
 
     class Config(Source.Config):
         paths: Sequence[str] = REQUIRED
         roles: Sequence[str] = DEFAULT_ROLES
+        max_row_chars: int = 1 << 23
 
     def __init__(self, cfg: Any, **kwargs: Any):
         super().__init__(cfg, **kwargs)
@@ -121,19 +203,43 @@ class SFTSource(Source):
             raise ConfigError(
                 f"SFTSource.roles {list(self.config.roles)} must include {TRAINED_ROLE!r}"
             )
+        if self.config.max_row_chars < 1:
+            raise ConfigError(
+                f"SFTSource.max_row_chars must be >= 1, got {self.config.max_row_chars}"
+            )
 
     def describe(self) -> str:
         paths = self.config.paths
         return f"SFTSource({', '.join([paths] if isinstance(paths, str) else paths)})"
 
+    def identity(self) -> Any:
+        """What decides the documents: the config and each file's path, size, mtime."""
+        files = tuple(_file_identity(f) for f in jsonl_files(self.config.paths))
+        return (to_flat_text(self.config), files)
+
     def _load(self) -> list[Document]:
+        key = ("rows", self.identity())
+        shared = _SHARED.get(key)
+        if shared is None:
+            shared = self._read()
+            _SHARED.put(key, shared)
+        return list(shared)
+
+    def _read(self) -> list[Document]:
         docs: list[Document] = []
+        limit = self.config.max_row_chars
         for path in jsonl_files(self.config.paths):
             first: Optional[SFTRow] = None
             for number, line in enumerate(read_text(path).splitlines(), 1):
                 if not line.strip():
                     continue
                 where = f"{path}:{number}"
+                if len(line) > limit:
+                    raise DataError(
+                        f"{where}: the row has {len(line):,} characters, over "
+                        f"SFTSource.max_row_chars={limit:,}; shorten or split it, or raise "
+                        "the bound"
+                    )
                 row = parse_row(line, where, self.config.roles)
                 if first is None:
                     first = row
@@ -142,90 +248,29 @@ class SFTSource(Source):
                         f"{where}: a {row.kind!r} row in a file of {first.kind!r} rows "
                         f"(from {first.origin}); put each kind in its own file"
                     )
-                docs.append(Document(line.strip(), where))
+                docs.append(SFTDocument(line.strip(), where, row))
         return docs
 
 
 @dataclasses.dataclass(frozen=True)
-class Rendered:
-    """A row as text: `spans` are the [start, end) character ranges that carry loss;
-    `add_eos` whether an EOS id follows the text, `train_eos` whether it carries loss."""
+class _Split:
+    """The tokenised rows of one split: the documents kept and their examples."""
 
-    text: str
-    spans: tuple[tuple[int, int], ...]
-    add_eos: bool
-    train_eos: bool
-
-
-def render_row(row: SFTRow, template: ChatTemplate) -> Rendered:
-    """The text of `row` and its trained character spans (see the module doc)."""
-    if row.kind == "text":
-        return Rendered(row.text, ((0, len(row.text)),), add_eos=True, train_eos=True)
-    if row.kind == "prompt_completion":
-        text = row.prompt + row.completion
-        return Rendered(text, ((len(row.prompt), len(text)),), add_eos=True, train_eos=True)
-    messages = row.message_dicts()
-    full = _render(template, messages, False, row.origin)
-    spans = []
-    for k, message in enumerate(messages):
-        if message["role"] != TRAINED_ROLE:
-            continue
-        head = _render(template, messages[:k], True, row.origin)
-        turn = _render(template, messages[: k + 1], False, row.origin)
-        if not (turn.startswith(head) and full.startswith(turn)):
-            raise DataError(
-                f"{row.origin}: the chat template does not render messages[{k}] as an "
-                "extension of the conversation before it, so the assistant tokens cannot "
-                "be located"
-            )
-        spans.append((len(head), max(len(head), len(turn.rstrip()))))
-    return Rendered(full, tuple(spans), add_eos=False, train_eos=False)
-
-
-def _render(template: ChatTemplate, messages: list[Any], gen: bool, where: str) -> str:
-    try:
-        return template.render(messages, add_generation_prompt=gen)
-    except Exception as e:  # A template runs arbitrary logic (TypeError, ZeroDivisionError...).
-        detail = " ".join(str(e).split()) or type(e).__name__
-        raise DataError(f"{where}: chat template failed: {detail}") from None
-
-
-def _token_index(tok: Tokenizer, text: str, ids: np.ndarray, boundary: int) -> int:
-    """The number of leading tokens of `ids` (= encode(text)) that lie before the character
-    `boundary`: the longest common prefix of `ids` and `encode(text[:boundary])`."""
-    if boundary <= 0:
-        return 0
-    if boundary >= len(text):
-        return len(ids)
-    head = tok.encode_array(text[:boundary])
-    n = min(len(head), len(ids))
-    same = head[:n] == ids[:n]
-    return n if bool(same.all()) else int(np.argmin(same))
-
-
-def tokenize(
-    rendered: Rendered, tok: Tokenizer, *, add_bos: bool, bos_token: str
-) -> tuple[np.ndarray, np.ndarray]:
-    """(ids int32 [n], weights float32 [n]) of one row; weights[i] is 1.0 where token i is
-    trained (as a target of token i - 1)."""
-    ids = tok.encode_array(rendered.text)
-    weights = np.zeros(len(ids), np.float32)
-    for start, end in rendered.spans:
-        a = _token_index(tok, rendered.text, ids, start)
-        b = _token_index(tok, rendered.text, ids, end)
-        weights[a:b] = 1.0
-    if add_bos and not (bos_token and rendered.text.startswith(bos_token)):
-        ids = np.concatenate([[tok.bos_id], ids])
-        weights = np.concatenate([[0.0], weights])
-    if rendered.add_eos:
-        ids = np.concatenate([ids, [tok.eos_id]])
-        weights = np.concatenate([weights, [float(rendered.train_eos)]])
-    return ids.astype(np.int32), weights.astype(np.float32)
+    docs: list[Document]
+    examples: list[tuple[np.ndarray, np.ndarray]]
+    rows: int
+    truncated: int
+    dropped: int
 
 
 class SFTInput(Input):
     """`Input` for fine-tuning rows (see the module doc): the chat template and its special
-    tokens, truncation and the packer's bin count on top of `Input`'s fields."""
+    tokens, truncation, special tokens in content and the packer's bin count on top of
+    `Input`'s fields.
+
+    parse_special_in_content: whether special-token strings typed into the rows' text
+    (`<|im_end|>` in a message) become special tokens; off by default (they stay text).
+    """
 
     class Config(Input.Config):
         source: InstantiableConfig = SFTSource.default_config()
@@ -233,6 +278,7 @@ class SFTInput(Input):
         bos_token: str = ""
         eos_token: str = ""
         truncate: bool = False
+        parse_special_in_content: bool = False
         num_packing_bins: int = 4
 
     def __init__(self, cfg: Any, **kwargs: Any):
@@ -247,8 +293,7 @@ class SFTInput(Input):
         self._template = ChatTemplate(
             cfg.chat_template, bos_token=cfg.bos_token, eos_token=cfg.eos_token
         )
-        self._examples: Optional[list[tuple[np.ndarray, np.ndarray]]] = None
-        self._truncated = 0
+        self._tokenised: Optional[_Split] = None
 
     @property
     def chat_template(self) -> ChatTemplate:
@@ -257,65 +302,104 @@ class SFTInput(Input):
     @property
     def truncated_rows(self) -> int:
         """How many rows of this split were cut to `seq_len` (0 until the rows are read)."""
-        return self._truncated
+        return 0 if self._tokenised is None else self._tokenised.truncated
+
+    @property
+    def dropped_rows(self) -> int:
+        """How many rows of this split were dropped for having no trained token left."""
+        return 0 if self._tokenised is None else self._tokenised.dropped
 
     def examples(self) -> list[tuple[np.ndarray, np.ndarray]]:
-        """(ids int32 [n], weights float32 [n]) per document of this split, in document
+        """(ids int32 [n], weights float32 [n]) per kept document of this split, in document
         order, before the input/target shift. Raises DataError naming `file:line`."""
-        if self._examples is None:
-            self._examples = [self._example(doc) for doc in self.documents()]
-            if self._truncated:
-                _log.warning(
-                    "%s: %d of %d rows are longer than seq_len=%d and were truncated",
-                    self.source.describe(),
-                    self._truncated,
-                    len(self._examples),
-                    self.config.seq_len,
-                )
-        return list(self._examples)
+        return list(self._split_examples().examples)
 
-    def _example(self, doc: Document) -> tuple[np.ndarray, np.ndarray]:
+    def _settings(self) -> RowSettings:
         cfg = self.config
-        roles = getattr(self.source.config, "roles", DEFAULT_ROLES)
-        row = parse_row(doc.text, doc.origin, roles)
-        ids, weights = tokenize(
-            render_row(row, self._template),
-            self.tokenizer,
-            add_bos=cfg.add_bos,
-            bos_token=cfg.bos_token,
-        )
-        if len(ids) < 2:
-            raise DataError(f"{doc.origin}: the row encodes to {len(ids)} token(s); need >= 2")
-        if len(ids) - 1 > cfg.seq_len:
-            if not cfg.truncate:
-                raise DataError(
-                    f"{doc.origin}: {len(ids)} tokens, too long for seq_len={cfg.seq_len} "
-                    f"(at most {cfg.seq_len + 1}); shorten the row, raise seq_len, or set "
-                    "SFTInput.truncate=True"
-                )
-            self._truncated += 1
-            ids, weights = ids[: cfg.seq_len + 1], weights[: cfg.seq_len + 1]
-        return ids, weights
+        return RowSettings(seq_len=cfg.seq_len, truncate=cfg.truncate, add_bos=cfg.add_bos,
+                           bos_token=cfg.bos_token,
+                           parse_special_in_content=cfg.parse_special_in_content)
+
+    def _shared_key(self) -> Any:
+        """What decides this split's examples; None when the source cannot say."""
+        source, cfg = self.source, self.config
+        if isinstance(source, SFTSource):
+            data = source.identity()
+        elif isinstance(source, InlineSource):
+            data = to_flat_text(source.config)
+        else:
+            return None
+        tokenizer = (to_flat_text(cfg.tokenizer),
+                     _file_identity(getattr(cfg.tokenizer, "path", None)))
+        return ("examples", data, tokenizer, self._settings(), cfg.chat_template, cfg.eos_token,
+                cfg.split, cfg.eval_fraction)
+
+    def _split_examples(self) -> _Split:
+        if self._tokenised is None:
+            key = self._shared_key()
+            split = None if key is None else _SHARED.get(key)
+            if split is None:
+                split = self._tokenise()
+                if key is not None:
+                    _SHARED.put(key, split)
+            self._tokenised = split
+        return self._tokenised
+
+    def _tokenise(self) -> _Split:
+        cfg = self.config
+        docs, examples, truncated = [], [], 0
+        all_docs = self.documents()
+        for doc in all_docs:
+            example = self._example(doc)
+            truncated += example.truncated
+            if example.weights[1:].any():
+                docs.append(doc)
+                examples.append((example.ids, example.weights))
+        split = _Split(docs, examples, len(all_docs), truncated, len(all_docs) - len(docs))
+        if split.truncated or split.dropped:
+            _log.warning(
+                "%s: %d of %d rows are longer than seq_len=%d and were truncated; %d rows "
+                "had no trained token left and were dropped",
+                self.source.describe(), split.truncated, split.rows, cfg.seq_len, split.dropped,
+            )
+        if not docs:
+            raise DataError(
+                f"{self.source.describe()}: none of the {split.rows} rows of the "
+                f"{cfg.split!r} split has a trained token left (seq_len={cfg.seq_len}, "
+                f"truncate={cfg.truncate}); raise seq_len or shorten the prompts"
+            )
+        return split
+
+    def _example(self, doc: Document) -> Example:
+        row = getattr(doc, "row", None)
+        if row is None:
+            roles = getattr(self.source.config, "roles", DEFAULT_ROLES)
+            row = parse_row(doc.text, doc.origin, roles)
+        return encode_row(row, self._template, self.tokenizer, self._settings())
 
     def fingerprint(self) -> dict[str, Any]:
         """What, besides `Input`'s fields and the rows, decides the examples."""
         cfg = self.config
         template = hashlib.sha256(cfg.chat_template.encode("utf-8")).hexdigest()
-        return {
+        out = {
             "chat_template_sha256": template,
             "bos_token": cfg.bos_token,
             "eos_token": cfg.eos_token,
             "truncate": cfg.truncate,
             "num_packing_bins": cfg.num_packing_bins,
         }
+        if cfg.parse_special_in_content:  # Only when set: older states restore unchanged.
+            out["parse_special_in_content"] = True
+        return out
 
     def iterator(self, process_index: int = 0, process_count: int = 1) -> "SFTIterator":
         """Batches for process `process_index` of `process_count`; reads, checks and
         tokenises every row first (DataError before any batch)."""
         per = _per_process(self.config.global_batch_size, process_index, process_count)
-        docs, corpus = self._load()
+        _, corpus = self._load()
+        split = self._split_examples()
         streams = range(process_index * per, (process_index + 1) * per)
-        return SFTIterator(self, docs, corpus, streams, self.examples())
+        return SFTIterator(self, split.docs, corpus, streams, list(split.examples))
 
 
 class SFTIterator(InputIterator):
@@ -359,6 +443,7 @@ __all__ = [
     "CHATML_TEMPLATE",
     "CHAT_EXAMPLE",
     "Rendered",
+    "SFTDocument",
     "SFTInput",
     "SFTIterator",
     "SFTSource",

@@ -4,13 +4,18 @@
     row.kind == "prompt_completion"
 
 A row's kind is found from its keys (`KINDS`); other keys are ignored. Every problem raises
-`DataError` with a one-line message starting with where the row is (`file:line`).
+`DataError` with a one-line message starting with where the row is (`file:line`): besides
+wrong kinds and types, JSON nested deeper than Python's parser can follow, a number of more
+than `MAX_DIGITS` digits, and text holding a lone surrogate (a `\\ud800` escape with no
+pair: not a character, so no tokenizer can encode it).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
+import sys
 from typing import Any, Sequence
 
 from jaxlearn.runtime.data import DataError
@@ -23,6 +28,28 @@ KINDS: dict[str, tuple[str, ...]] = {
 }
 DEFAULT_ROLES: tuple[str, ...] = ("system", "user", "assistant")
 TRAINED_ROLE = "assistant"
+MAX_DIGITS = 4300  # Python's own limit on converting digit strings to int.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+class _TooManyDigits(ValueError):
+    pass
+
+
+def _parse_int(digits: str) -> int:
+    if len(digits) - digits.startswith("-") > MAX_DIGITS:
+        raise _TooManyDigits(len(digits) - digits.startswith("-"))
+    return int(digits)
+
+
+def _check_text(value: str, what: str) -> str:
+    found = _SURROGATE.search(value)
+    if found:
+        raise DataError(
+            f"{what} has an invalid character at index {found.start()}: a lone surrogate "
+            f"(U+{ord(found.group()):04X}), which is not text; fix the escape in the file"
+        )
+    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +93,7 @@ def _string(record: dict[str, Any], key: str, where: str, *, blank_ok: bool) -> 
         raise DataError(f"{where}: {key!r} is a {type(value).__name__}, not a string")
     if not blank_ok and not value.strip():
         raise DataError(f"{where}: {key!r} is empty")
-    return value
+    return _check_text(value, f"{where}: {key!r}")
 
 
 def _messages(value: Any, where: str, roles: Sequence[str]) -> tuple[tuple[str, str], ...]:
@@ -89,7 +116,7 @@ def _messages(value: Any, where: str, roles: Sequence[str]) -> tuple[tuple[str, 
             raise DataError(
                 f"{at}.role {message['role']!r} is not one of {', '.join(map(repr, roles))}"
             )
-        out.append((message["role"], message["content"]))
+        out.append((message["role"], _check_text(message["content"], f"{at}.content")))
     if not any(role == TRAINED_ROLE for role, _ in out):
         raise DataError(f"{where}: no {TRAINED_ROLE!r} message, so nothing to train on")
     return tuple(out)
@@ -98,9 +125,18 @@ def _messages(value: Any, where: str, roles: Sequence[str]) -> tuple[tuple[str, 
 def parse_row(line: str, where: str, roles: Sequence[str] = DEFAULT_ROLES) -> SFTRow:
     """The checked row of one JSONL line found at `where` (`file:line`)."""
     try:
-        record = json.loads(line)
+        record = json.loads(line, parse_int=_parse_int)
     except json.JSONDecodeError as e:
         raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    except _TooManyDigits as e:
+        raise DataError(
+            f"{where}: a number with {e.args[0]} digits (at most {MAX_DIGITS} are read)"
+        ) from None
+    except RecursionError:
+        raise DataError(
+            f"{where}: JSON nested too deeply to parse (Python's recursion limit is "
+            f"{sys.getrecursionlimit()})"
+        ) from None
     if not isinstance(record, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
     kind = _kind(record, where)
@@ -116,4 +152,4 @@ def parse_row(line: str, where: str, roles: Sequence[str] = DEFAULT_ROLES) -> SF
     return SFTRow(kind, where, text=_string(record, "text", where, blank_ok=False))
 
 
-__all__ = ["DEFAULT_ROLES", "KINDS", "TRAINED_ROLE", "SFTRow", "parse_row"]
+__all__ = ["DEFAULT_ROLES", "KINDS", "MAX_DIGITS", "TRAINED_ROLE", "SFTRow", "parse_row"]

@@ -50,6 +50,7 @@ from jaxlearn.runtime.trainer_support import (
     BackgroundCompile,
     Run,
     abstract_like,
+    batch_target_weight,
     devices_for,
     dict_keys,
     merge_updates,
@@ -394,6 +395,11 @@ class Trainer(Configurable):
             run.profiling = True
         with guard.span("data"):
             local = guard.before_step(run.step + 1, next(run.data))
+            if batch_target_weight(local) == 0.0:  # Loss 0, nothing learned: say so.
+                raise TrainerError(
+                    f"step {run.step + 1}: the batch has no trained target (its "
+                    "target_weights sum to 0), so the step would report loss 0 and learn "
+                    "nothing; check the input (e.g. fine-tuning rows truncated to nothing)")
             batch = self.global_batch(local)
         run.tokens_per_step = int(np.prod(batch["input_ids"].shape))
         if self._train_step is None:

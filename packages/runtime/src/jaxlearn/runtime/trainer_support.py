@@ -178,3 +178,18 @@ class BackgroundCompile:
             error, self._error = self._error, None
             raise error
         return self._result
+
+
+def batch_target_weight(local: dict[str, Any]) -> Optional[float]:
+    """The total `target_weights` of the global batch whose rows on this process are
+    `local` (summed over every process: a small all-gather when there are several); None
+    when the batch has no `target_weights`."""
+    weights = local.get("target_weights")
+    if weights is None:
+        return None
+    total = np.float32(np.sum(weights, dtype=np.float64))
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        total = np.sum(multihost_utils.process_allgather(total), dtype=np.float64)
+    return float(total)

@@ -61,7 +61,9 @@ def _chat_prompt(engine: Any, parsed: ParsedRequest) -> Union[str, list[int]]:
         raise RequestError("chat needs a tokenizer and this engine has none: use "
                            "/v1/completions with a prompt of token ids", param="messages")
     try:
-        return chat_prompt(engine.tokenizer, parsed.messages or [])
+        allow = bool(getattr(engine.config, "parse_special_in_content", False))
+        return chat_prompt(engine.tokenizer, parsed.messages or [],
+                           parse_special_in_content=allow)
     except Exception as e:  # Templates reject some conversations (roles...).
         raise RequestError(f"the chat template refused the messages: {e}",
                            param="messages") from None

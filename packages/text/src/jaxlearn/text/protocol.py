@@ -19,6 +19,8 @@ from jaxlearn.text.tokenizers import Tokenizer as _TokenizerBase
 @runtime_checkable
 class Tokenizer(Protocol):
     """encode(text) -> ids (no special tokens); decode(ids) -> text (special ids dropped).
+    jaxlearn's tokenizers also take `encode(text, parse_special=False)` (special-token
+    strings in `text` encoded as plain text).
 
     Optional members the engine uses when present: `eos_token_ids` (every id that ends a
     generation, besides `eos_id`), `add_bos` (whether the engine should prepend BOS to
@@ -68,15 +70,28 @@ def as_tokenizer(obj: Any) -> Any:
     )
 
 
-def chat_prompt(tokenizer: Any, messages: Sequence[Mapping[str, Any]]) -> str | list[int]:
+def chat_prompt(
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    parse_special_in_content: bool = False,
+) -> str | list[int]:
     """The prompt of a chat: the tokenizer's own `apply_chat_template(messages)` when it has
     one (returning text or ids; None means "no template"), else a plain fallback
     transcript:
 
         <|system|>\\n...\\n<|user|>\\n...\\n<|assistant|>\\n
+
+    A jaxlearn tokenizer encodes special-token strings typed into the content as text
+    unless `parse_special_in_content` (`jaxlearn.text.chat_encoding`); another protocol
+    object's `apply_chat_template` is called as it is.
     """
     template = getattr(tokenizer, "apply_chat_template", None)
-    out = template(list(messages)) if callable(template) else None
+    if isinstance(tokenizer, _TokenizerBase):
+        out: Any = tokenizer.apply_chat_template(
+            list(messages), parse_special_in_content=parse_special_in_content)
+    else:
+        out = template(list(messages)) if callable(template) else None
     if isinstance(out, str):
         return out
     if out is not None:

@@ -13,8 +13,18 @@ and the members the engine reads (`jaxlearn.text.protocol.Tokenizer`): `eos_toke
 (every id that ends a generation), `add_bos` (the caller prepends BOS to encoded text),
 `apply_chat_template(messages)` (prompt ids, or None without a template).
 `encode_array(text)` is the pipeline's entry point: the same ids as an int32 numpy array
-`[num_tokens]`. `HFTokenizer.decode_stream(context)` streams text with
+`[num_tokens]`; `encode_offsets(text)` adds where each token ends in `text` (characters),
+from one encoding. `HFTokenizer.decode_stream(context)` streams text with
 `tokenizers.decoders.DecodeStream`.
+
+Special tokens in text. `encode(text, parse_special=True)` turns the strings of
+`special_tokens` found in `text` (an HF tokenizer's added tokens marked special, e.g.
+`<|im_end|>`) into their ids, as HF `tokenizers` does; `parse_special=False` encodes them
+as plain text (`tokenizers`' `encode_special_tokens`). The byte tokenizer has no special
+strings (a template's `<|im_end|>` is bytes like any other text); SentencePiece never
+matches its control symbols in text and always matches user-defined ones, so the flag does
+not change its ids. `jaxlearn.text.chat_encoding` uses this to keep text typed into chat
+messages from becoming control tokens.
 
 `HFTokenizer` and `SentencePieceTokenizer` import their third-party package lazily, so the
 default pipeline needs neither. A missing or unreadable tokenizer file, or a special-token
@@ -75,9 +85,15 @@ class Tokenizer(Configurable):
         """Every id that ends a generation: `(eos_id,)` unless a subclass knows more."""
         return () if self.eos_id is None else (int(self.eos_id),)
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, without BOS/EOS."""
+    def encode(self, text: str, *, parse_special: bool = True) -> list[int]:
+        """Token ids of `text`, without BOS/EOS. `parse_special`: whether the strings of
+        `special_tokens` in `text` become their ids (else they are plain text)."""
         raise NotImplementedError(type(self))
+
+    @property
+    def special_tokens(self) -> tuple[str, ...]:
+        """The strings `encode(parse_special=True)` turns into special ids (none here)."""
+        return ()
 
     def decode(self, ids: Sequence[int]) -> str:
         """The text of `ids`; BOS/EOS/pad ids are dropped."""
@@ -95,18 +111,35 @@ class Tokenizer(Configurable):
         """Renders `apply_chat_template` with `template` from now on (None: no template)."""
         self._chat = template
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> Optional[list[int]]:
-        """Prompt ids of a chat (the template's text with the generation prompt, encoded
-        without added special tokens: the template writes its own), or None when the
-        tokenizer has no chat template."""
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], *, parse_special_in_content: bool = False
+    ) -> Optional[list[int]]:
+        """Prompt ids of a chat (the template's text with the generation prompt; no special
+        tokens added: the template writes its own), or None when the tokenizer has no chat
+        template. The template's special tokens are special; special-token strings in the
+        messages' content stay text unless `parse_special_in_content`
+        (`jaxlearn.text.chat_encoding.encode_chat`)."""
         if self._chat is None:
             return None
-        return self.encode(self._chat.render([dict(m) for m in messages],
-                                             add_generation_prompt=True))
+        from jaxlearn.text.chat_encoding import encode_chat
 
-    def encode_array(self, text: str) -> np.ndarray:
+        return encode_chat(self, self._chat, [dict(m) for m in messages],
+                           parse_special_in_content=parse_special_in_content)
+
+    def encode_array(self, text: str, *, parse_special: bool = True) -> np.ndarray:
         """`encode(text)` as an int32 array `[num_tokens]`."""
-        return np.asarray(self.encode(text), dtype=np.int32).reshape(-1)
+        ids = self.encode(text) if parse_special else self.encode(text, parse_special=False)
+        return np.asarray(ids, dtype=np.int32).reshape(-1)
+
+    def encode_offsets(
+        self, text: str, *, parse_special: bool = True
+    ) -> tuple[np.ndarray, Optional[np.ndarray]]:
+        """(`encode_array(text)`, where each token ends in `text`: int64 character offsets,
+        non-decreasing), from one encoding; the offsets are None for a tokenizer that cannot
+        tell (this base class; subclasses with their own `encode` only)."""
+        if parse_special:
+            return self.encode_array(text), None
+        return self.encode_array(text, parse_special=False), None
 
     def describe(self) -> str:
         """A short identity used to refuse restoring data state saved with another tokenizer."""
@@ -141,17 +174,40 @@ class ByteTokenizer(Tokenizer):
     def pad_id(self) -> int:
         return 0
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, *, parse_special: bool = True) -> list[int]:
         return self.encode_array(text).tolist()
 
-    def encode_array(self, text: str) -> np.ndarray:
+    def encode_array(self, text: str, *, parse_special: bool = True) -> np.ndarray:
         raw = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
         return raw.astype(np.int32) + self.OFFSET
+
+    def encode_offsets(
+        self, text: str, *, parse_special: bool = True
+    ) -> tuple[np.ndarray, Optional[np.ndarray]]:
+        """Each byte token ends where its character does."""
+        if type(self).encode_array is not ByteTokenizer.encode_array:  # Other ids: no offsets.
+            return super().encode_offsets(text, parse_special=parse_special)
+        ids = self.encode_array(text)
+        return ids, np.repeat(np.arange(1, len(text) + 1, dtype=np.int64), utf8_lengths(text))
 
     def decode(self, ids: Sequence[int]) -> str:
         arr = np.asarray(ids, dtype=np.int64).reshape(-1)
         keep = arr[(arr >= self.OFFSET) & (arr < self.vocab_size)]
         return (keep - self.OFFSET).astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+
+def utf8_lengths(text: str) -> np.ndarray:
+    """The UTF-8 byte length of each character of `text` (int64 [len(text)])."""
+    points = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+    return 1 + (points >= 0x80).astype(np.int64) + (points >= 0x800) + (points >= 0x10000)
+
+
+def _char_ends(text: str, byte_ends: Sequence[int]) -> np.ndarray:
+    """Byte offsets into `text`'s UTF-8 -> character offsets (a byte inside a character
+    counts as that character's end)."""
+    cum = np.cumsum(utf8_lengths(text))
+    ends = np.asarray(byte_ends, dtype=np.int64)
+    return np.where(ends <= 0, 0, np.searchsorted(cum, ends, side="left") + 1)
 
 
 def _import(package: str, pip_name: str, user: str) -> ModuleType:
@@ -246,6 +302,8 @@ class HFTokenizer(Tokenizer):
                  **kwargs: Any):
         super().__init__(cfg, **kwargs)
         self._chat: Optional[ChatTemplate] = None
+        self._specials: Optional[tuple[str, ...]] = None
+        self._plain: Any = None  # The tokenizer with encode_special_tokens on, when used.
         if _memory is None:
             self._load_file()
         else:
@@ -358,8 +416,39 @@ class HFTokenizer(Tokenizer):
     def eos_token_ids(self) -> tuple[int, ...]:
         return self._eos_ids
 
-    def encode(self, text: str) -> list[int]:
-        return [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False).ids]
+    @property
+    def special_tokens(self) -> tuple[str, ...]:
+        """The added tokens marked special (`<|im_end|>`, `<|endoftext|>`, ...)."""
+        if self._specials is None:
+            added = self.tokenizer.get_added_tokens_decoder().values()
+            self._specials = tuple(sorted({t.content for t in added if t.special}))
+        return self._specials
+
+    def _encoder(self, parse_special: bool) -> Any:
+        if parse_special:
+            return self.tokenizer
+        if self._plain is None:  # A copy that encodes special-token strings as text.
+            plain = type(self.tokenizer).from_str(self.tokenizer.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return self._plain
+
+    def encode(self, text: str, *, parse_special: bool = True) -> list[int]:
+        encoder = self._encoder(parse_special)
+        return [int(i) for i in encoder.encode(text, add_special_tokens=False).ids]
+
+    def encode_array(self, text: str, *, parse_special: bool = True) -> np.ndarray:
+        encoding = self._encoder(parse_special).encode(text, add_special_tokens=False)
+        return np.asarray(encoding.ids, dtype=np.int32).reshape(-1)
+
+    def encode_offsets(
+        self, text: str, *, parse_special: bool = True
+    ) -> tuple[np.ndarray, Optional[np.ndarray]]:
+        """Ids and ends from one `tokenizers` encoding (its `offsets`)."""
+        encoding = self._encoder(parse_special).encode(text, add_special_tokens=False)
+        ids = np.asarray(encoding.ids, dtype=np.int32).reshape(-1)
+        ends = np.asarray([end for _, end in encoding.offsets], dtype=np.int64).reshape(-1)
+        return ids, np.maximum.accumulate(ends) if len(ends) else ends
 
     def decode(self, ids: Sequence[int]) -> str:
         keep = [int(i) for i in ids if int(i) not in self.special_ids]
@@ -368,14 +457,6 @@ class HFTokenizer(Tokenizer):
     def decode_stream(self, context: Sequence[int]) -> _DecodeStream:
         """A stream decoding the ids that follow `context` (e.g. the prompt's last ids)."""
         return _DecodeStream(self, context)
-
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> Optional[list[int]]:
-        """Ids of the rendered chat (generation prompt added; the template writes its own
-        special tokens, so none are added), as HF `apply_chat_template(tokenize=True)`."""
-        if self._chat is None:
-            return None
-        text = self._chat.render([dict(m) for m in messages], add_generation_prompt=True)
-        return [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False).ids]
 
 
 class SentencePieceTokenizer(Tokenizer):
@@ -420,8 +501,22 @@ class SentencePieceTokenizer(Tokenizer):
     def pad_id(self) -> int:
         return self._pad
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, *, parse_special: bool = True) -> list[int]:
+        """SentencePiece never matches control symbols in text (and always matches
+        user-defined ones), so `parse_special` does not change the ids."""
         return [int(i) for i in self._sp.encode(text)]
+
+    def encode_offsets(
+        self, text: str, *, parse_special: bool = True
+    ) -> tuple[np.ndarray, Optional[np.ndarray]]:
+        """Ids and ends from one encoding (the pieces' byte offsets, as characters)."""
+        try:
+            pieces = self._sp.encode(text, out_type="proto").pieces
+        except ValueError:  # sentencepiece before 0.2.1 names it "immutable_proto".
+            pieces = self._sp.encode(text, out_type="immutable_proto").pieces
+        ids = np.asarray([p.id for p in pieces], dtype=np.int32).reshape(-1)
+        ends = _char_ends(text, [p.end for p in pieces])
+        return ids, np.maximum.accumulate(ends) if len(ends) else ends
 
     def decode(self, ids: Sequence[int]) -> str:
         n = self.vocab_size
@@ -436,4 +531,5 @@ __all__ = [
     "Tokenizer",
     "TokenizerError",
     "check_special_ids",
+    "utf8_lengths",
 ]
