@@ -110,3 +110,40 @@ def test_json_schema_may_nest_as_deep_as_llguidance_takes(server):
     status, out, _ = call(server, "POST", "/v1/completions", {**body, "stop": deep})
     err = json.loads(out)["error"]
     assert status == 400 and "nested deeper than 64" in err["message"] and err["param"] is None
+
+
+def test_feature_mix_after_warmup_compiles_nothing(byte_engine):
+    """Through the HTTP API (echo + logprobs, best_of, n, logit bias, penalties, top-k/p,
+    JSON schemas, chat, streaming) after the "auto" warm-up: the server compiles no
+    program (`programs_compiled_late` stays 0 on /metrics)."""
+    byte_engine.warmup("auto", threads=2)
+    srv = InferenceServer(byte_engine, port=0).start()
+    schema = {"type": "object", "properties": {"k": {"type": "boolean"}}, "required": ["k"]}
+    bodies = [
+        {"prompt": "ab", "max_tokens": 3, "echo": True, "logprobs": 5},
+        {"prompt": "abc", "max_tokens": 0, "echo": True, "logprobs": 0},
+        {"prompt": ["a", "b", "c"], "max_tokens": 4, "n": 1, "temperature": 0.9, "seed": 1},
+        {"prompt": "x", "max_tokens": 5, "best_of": 3, "n": 2, "temperature": 1.0,
+         "seed": 2, "logprobs": 20},
+        {"prompt": "q", "max_tokens": 6, "logit_bias": {str(i): 1.0 for i in range(300)}},
+        {"prompt": "q", "max_tokens": 6, "presence_penalty": 1.0, "frequency_penalty": 0.5,
+         "top_p": 0.5, "temperature": 1.0, "seed": 4},
+        {"prompt": "s", "max_tokens": 20, "response_format": rf(schema)},
+        {"prompt": "s", "max_tokens": 9, "top_k": 3, "temperature": 0.7, "stream": True},
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 20,
+         "response_format": rf(schema), "logprobs": True, "top_logprobs": 3},
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "n": 4,
+         "temperature": 1.0, "seed": 5, "stream": True},
+    ]
+    try:
+        for body in bodies:
+            path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+            status, out, _ = call(srv, "POST", path, body)
+            assert status == 200, (body, out)
+        status, metrics, _ = call(srv, "GET", "/metrics")
+        assert status == 200
+        late = [line for line in metrics.decode().splitlines()
+                if line.startswith("jaxlearn_programs_compiled_late ")]
+        assert late == ["jaxlearn_programs_compiled_late 0"], late
+    finally:
+        srv.shutdown()
