@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from text_testing import chatml_bpe
 from toy import Bigram, toy_trainer_config
 
 from jaxlearn.checkpoint import Checkpointer
@@ -128,16 +129,9 @@ def test_subword_tokenizer_masks_whole_tokens(tmp_path: Any) -> None:
     """With a BPE tokenizer whose ChatML markers are single special tokens, the trained
     ids are exactly the ids of the reply followed by the `<|im_end|>` id."""
     tk = pytest.importorskip("tokenizers")
-    raw = tk.Tokenizer(tk.models.BPE())
-    raw.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    raw.decoder = tk.decoders.ByteLevel()
-    trainer = tk.trainers.BpeTrainer(
-        vocab_size=320, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    raw.train_from_iterator(["user assistant system hello there, how are you today?"] * 8,
-                            trainer)
-    raw.save(str(tmp_path / "tokenizer.json"))
-    tokenizer = HFTokenizer.default_config().set(path=str(tmp_path / "tokenizer.json"))
+    path = chatml_bpe(tmp_path)
+    raw = tk.Tokenizer.from_file(str(path))
+    tokenizer = HFTokenizer.default_config().set(path=str(path))
     row = chat(("user", "hello there"), ("assistant", "how are you today?"))
     ids, weights = one(tmp_path, row, tokenizer=tokenizer, add_bos=False)
     end = raw.token_to_id(END)

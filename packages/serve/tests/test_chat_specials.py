@@ -1,8 +1,8 @@
 """A chat request whose message types the template's control tokens: the prompt keeps them
 as text unless the engine allows them (`Engine.Config.parse_special_in_content`)."""
 
-import tokenizers as tk
 from engine_testing import make_engine, tiny_params
+from text_testing import CHATML, chatml_bpe
 
 from jaxlearn.layers import llama_config
 from jaxlearn.serve.completions import Group
@@ -10,25 +10,10 @@ from jaxlearn.serve.protocol import parse_chat
 from jaxlearn.text.chat import ChatTemplate
 from jaxlearn.text.tokenizers import HFTokenizer
 
-CHATML = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-
 
 def hf_tokenizer(directory) -> HFTokenizer:
-    raw = tk.Tokenizer(tk.models.BPE())
-    raw.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    raw.decoder = tk.decoders.ByteLevel()
-    trainer = tk.trainers.BpeTrainer(
-        vocab_size=320, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    raw.train_from_iterator(["user assistant system hello there, how are you today?"] * 8,
-                            trainer)
-    raw.save(str(directory / "tokenizer.json"))
-    tok = HFTokenizer.default_config().set(path=str(directory / "tokenizer.json")).instantiate()
+    path = chatml_bpe(directory)
+    tok = HFTokenizer.default_config().set(path=str(path)).instantiate()
     tok.set_chat_template(ChatTemplate(CHATML))
     return tok
 
