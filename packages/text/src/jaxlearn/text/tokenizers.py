@@ -509,11 +509,13 @@ class SentencePieceTokenizer(Tokenizer):
     def encode_offsets(
         self, text: str, *, parse_special: bool = True
     ) -> tuple[np.ndarray, Optional[np.ndarray]]:
-        """Ids and ends from one encoding (the pieces' byte offsets, as characters)."""
+        """Ids and ends from one encoding (the pieces' byte offsets, as characters); no
+        offsets (None) where the protobuf package that sentencepiece's spans need is not
+        installed (callers then map spans by encoding prefixes)."""
         try:
             pieces = self._sp.encode(text, out_type="proto").pieces
-        except ValueError:  # sentencepiece before 0.2.1 names it "immutable_proto".
-            pieces = self._sp.encode(text, out_type="immutable_proto").pieces
+        except ImportError:
+            return super().encode_offsets(text, parse_special=parse_special)
         ids = np.asarray([p.id for p in pieces], dtype=np.int32).reshape(-1)
         ends = _char_ends(text, [p.end for p in pieces])
         return ids, np.maximum.accumulate(ends) if len(ends) else ends
