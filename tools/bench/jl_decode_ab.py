@@ -1,6 +1,6 @@
 """A/B of two decode engines in one process, generate calls interleaved.
 
-    python jl_decode_ab.py --dtype bf16 --batches 1,4,16 [--compare attention|fuse|onednn|layout]
+    python jl_decode_ab.py --dtype bf16 --batches 1,4,16 [--compare attention|fuse|layout]
 
 Two engines on the ~60M Llama (as `jl_decode.py --case latency`). `--compare attention`:
 `window` gathers each row's pages into a window in position order and runs one dot over
@@ -8,9 +8,9 @@ it (the path of prefill chunks) vs `pages`, attention over the pages themselves
 (`paged.paged_attention`, the decode default; `jaxlearn.layers.attention.
 _PAGE_MAJOR_MAX_ROWS` picks between them when the programs are traced). `--compare fuse`:
 the default engine (`base`) vs `Engine.Config.fuse_projections=True` (`fused`: one q/k/v
-and one gate/up matmul per layer). `--compare onednn`: `xla`, every dot on XLA's own (the
-default) vs `onednn`, where the bf16 decode matmuls run on oneDNN
-(`jaxlearn.kernels.onednn.ENABLED = True` while tracing; f32 is the same in both).
+and one gate/up matmul per layer). (A third A/B, bf16 decode matmuls on oneDNN through a
+custom call, measured 0.85-0.90x of XLA's own dots in the whole step, results/
+decode_ab.jsonl; the kernel now lives in tools/bench/onednn_kernel.py for `jl_gemv.py`.)
 `--compare layout`: `in_out`, dense weights in their trained [in, out] layout, vs
 `out_in`, stored [out, in] (`Engine.Config.weight_layout`; "auto", the default, picks
 `out_in` for bf16 weights on one CPU device). Per
@@ -18,7 +18,7 @@ batch and round, each engine runs a 1-token and a (1 + --new)-token generate cal
 ms/token is the differential of the medians, as in jl_decode.py; `speedup` is the first
 variant's ms/token over the second's. (That the variants give the same logits is
 tested: packages/layers/tests/test_paged.py and test_composition_helpers.py,
-packages/kernels/tests/test_paged.py and test_onednn.py.)
+packages/kernels/tests/test_paged.py.)
 """
 
 from __future__ import annotations
@@ -38,13 +38,12 @@ def main() -> None:
     p.add_argument("--batches", default="1,4,16")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--compare", default="attention",
-                   choices=["attention", "fuse", "onednn", "layout"])
+                   choices=["attention", "fuse", "layout"])
     args = p.parse_args()
     import jax
     import numpy as np
 
     import jaxlearn.layers.attention as attention
-    from jaxlearn.kernels import onednn
 
     c = model_cfg("llama")
     batches = [int(b) for b in args.batches.split(",")]
@@ -52,21 +51,15 @@ def main() -> None:
     prompts = {b: [rng.integers(0, c["vocab"], args.prompt).tolist() for _ in range(b)]
                for b in batches}
     engines: dict[str, Any] = {}
-    page, dnn = attention._PAGE_MAJOR_MAX_ROWS, onednn.ENABLED
-    # (name, page-major rows, fused projections, oneDNN on, weight layout) of each variant.
-    variants = {"attention": [("window", 0, False, dnn, "auto"),
-                              ("pages", page, False, dnn, "auto")],
-                "fuse": [("base", page, False, dnn, "auto"), ("fused", page, True, dnn, "auto")],
-                "onednn": [("xla", page, False, False, "auto"),
-                           ("onednn", page, False, True, "auto")],
-                "layout": [("in_out", page, False, dnn, "in_out"),
-                           ("out_in", page, False, dnn, "out_in")],
+    page = attention._PAGE_MAJOR_MAX_ROWS
+    # (name, page-major rows, fused projections, weight layout) of each variant.
+    variants = {"attention": [("window", 0, False, "auto"), ("pages", page, False, "auto")],
+                "fuse": [("base", page, False, "auto"), ("fused", page, True, "auto")],
+                "layout": [("in_out", page, False, "in_out"), ("out_in", page, False, "out_in")],
                 }[args.compare]
-    if args.compare == "onednn":
-        log(f"oneDNN: {onednn.unavailable_reason() or 'available'}")
-    for name, rows, fuse, dnn_on, layout in variants:
-        # Both constants are read when the engine's programs are traced.
-        attention._PAGE_MAJOR_MAX_ROWS, onednn.ENABLED = rows, dnn_on
+    for name, rows, fuse, layout in variants:
+        # Read when the engine's programs are traced.
+        attention._PAGE_MAJOR_MAX_ROWS = rows
         eng = build_engine(c, args.dtype, max_batch=max(batches),
                            max_seq_len=args.prompt + args.new + 1, decode_burst=8,
                            fuse_projections=fuse, weight_layout=layout)
@@ -74,7 +67,7 @@ def main() -> None:
             generate(eng, prompts[b], [1] * b)
             generate(eng, prompts[b], [1 + args.new] * b)
         engines[name] = eng
-    attention._PAGE_MAJOR_MAX_ROWS, onednn.ENABLED = page, dnn
+    attention._PAGE_MAJOR_MAX_ROWS = page
     rows_out = []
     for b in batches:
         t1: dict[str, list[float]] = {n: [] for n in engines}

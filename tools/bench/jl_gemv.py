@@ -22,8 +22,8 @@ write bytes). Formulations (w: [K, N] "nn", or its transpose [N, K] "nt"; x is f
   bf16_pad_nn / _nt       the same with M=1 padded to 2 rows (dense.py's bf16 GEMV path;
                           _nt: the serving engine's bf16 layout, `TransposedWeight`)
   bf16up_nn / bf16up_nt   bf16 weights converted to f32 inside the program, f32 dot
-  dnn_nn / dnn_nt         bf16 x bf16 -> f32 on oneDNN (`jaxlearn.kernels.onednn`, the
-                          dense path for a few bf16 rows; skipped where it is unavailable)
+  dnn_nn / dnn_nt         bf16 x bf16 -> f32 on oneDNN (`onednn_kernel.py` here, a custom
+                          call; skipped where it is unavailable)
   i8_f32_nn / i8_f32_nt   int8 weights converted to f32, f32 dot, per-column scale after
   i8_bf16_nn / _nt        int8 -> bf16 weights, bf16 x bf16 -> f32 dot, scale after
   i8i8_nn / i8i8_nt       dynamic per-row int8 activations, int8 x int8 -> int32 dot
@@ -60,9 +60,8 @@ DEFAULT_FORMS = tuple(f for f in FORMS if f not in ("red_f32_nn", "red_bf16_nn",
 def _one(form: str) -> tuple[str, Callable[..., Any]]:
     """(weight storage dtype, fn(x [M, K], w, scale [N]) -> [M, N] f32) of a formulation."""
     import jax.numpy as jnp
+    import onednn_kernel as onednn
     from jax import lax
-
-    from jaxlearn.kernels import onednn
 
     f32, bf16 = jnp.float32, jnp.bfloat16
     nt = form.endswith("_nt")
@@ -212,7 +211,7 @@ def main() -> None:
     bad = [f for f in forms if f not in FORMS]
     if bad:
         raise SystemExit(f"jl_gemv.py: --forms: unknown {bad}; choose from {list(FORMS)}")
-    from jaxlearn.kernels import onednn
+    import onednn_kernel as onednn
 
     if onednn.unavailable_reason() is not None and any(f.startswith("dnn_") for f in forms):
         log(f"oneDNN unavailable ({onednn.unavailable_reason()}): dnn_* forms skipped")

@@ -5,9 +5,7 @@ Every dot accumulates in f32 (`preferred_element_type`) with operands in the com
 dtype. The custom VJPs keep bf16 backward dots bf16 on XLA:CPU: the cotangent is cast to
 the operand dtype, dx uses the "NT" `dot_general` form and dW a 3-D einsum that YNNPACK
 accepts (`matmul_grads`, shared with the straight-through gradient of
-`quantized_training.int8_matmul`). With `JAXLEARN_ONEDNN=1`, a bf16 x times a stored
-bf16 weight with at most `onednn.MAX_ROWS` rows (decode) runs on oneDNN
-(`onednn.bf16_matmul`, off by default: see that module for the measurements).
+`quantized_training.int8_matmul`).
 """
 
 from __future__ import annotations
@@ -19,8 +17,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
-
-from jaxlearn.kernels import onednn
 
 __all__ = ["einsum", "matmul", "matmul_grads", "matmul_nt"]
 
@@ -39,11 +35,8 @@ def matmul(x: jax.Array, w: jax.Array, out_dtype: Any = None) -> jax.Array:
 
 
 def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [..., in] @ w [in, out] -> f32: oneDNN for a few bf16 rows, else XLA's dot."""
-    w = w.astype(x.dtype)
-    if onednn.eligible(x, w):
-        return onednn.bf16_matmul(x, w)
-    return jnp.dot(x, w, preferred_element_type=_F32)
+    """x [..., in] @ w [in, out] -> f32."""
+    return jnp.dot(x, w.astype(x.dtype), preferred_element_type=_F32)
 
 
 def matmul_grads(x: jax.Array, w: jax.Array, g: jax.Array, w_dtype: Any) -> tuple:
@@ -88,9 +81,7 @@ def matmul_nt(x: jax.Array, w: jax.Array, out_dtype: Any = None) -> jax.Array:
     the LM head), contracted on w's stored layout: XLA:CPU copies (f32) or converts to f32
     (bf16) the whole table for `matmul(x, w.T)`, on every call. f32 accumulation; the
     backward's dots stay in the operands' dtype, w's gradient comes in w's dtype. A single
-    low-precision row is padded to two (`pad_single_row`) unless oneDNN takes it."""
-    if onednn.eligible(x, w.astype(x.dtype)):
-        return _matmul_nt(x, w, out_dtype)
+    low-precision row is padded to two (`pad_single_row`)."""
     if math.prod(x.shape[:-1]) == 1:
         x2 = pad_single_row(x.reshape(1, x.shape[-1]))
         y = _matmul_nt(x2, w, out_dtype)[:1]
@@ -101,8 +92,6 @@ def matmul_nt(x: jax.Array, w: jax.Array, out_dtype: Any = None) -> jax.Array:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _matmul_nt(x: jax.Array, w: jax.Array, out_dtype: Any = None) -> jax.Array:
     wc = w.astype(x.dtype)
-    if onednn.eligible(x, wc):
-        return onednn.bf16_matmul(x, wc, w_transposed=True).astype(out_dtype or x.dtype)
     dims = (((x.ndim - 1,), (1,)), ((), ()))
     y = lax.dot_general(x, wc, dims, preferred_element_type=_F32)
     return y.astype(out_dtype or x.dtype)

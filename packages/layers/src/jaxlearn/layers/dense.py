@@ -10,9 +10,7 @@ CPU lessons built in:
 - the custom VJP keeps bf16 backward dots bf16: the cotangent is cast to the operand dtype,
   dx uses the "NT" `dot_general` form and dW a 3-D einsum that YNNPACK accepts;
 - a one-row bf16 GEMV is padded to two rows (`kernels.matmul.pad_single_row`), which XLA
-  would upcast to f32 together with the whole weight; with `JAXLEARN_ONEDNN=1` a few bf16
-  rows go to oneDNN instead (`kernels.onednn`, opt-in: slower than XLA in a whole decode
-  step on the hosts measured);
+  would upcast to f32 together with the whole weight;
 - an `Int8Weight` (weight-only int8 for serving) goes to `kernels.int8_matmul`;
 - a `TransposedWeight` (a serving weight stored [out, in], `kernels.weight_layout`: faster
   for XLA:CPU's bf16 small-M dots) goes to `matmul_nt`, contracted on its stored layout.
@@ -26,7 +24,7 @@ from typing import Any, Optional
 import jax
 
 from jaxlearn.config import REQUIRED, Configurable
-from jaxlearn.kernels import Int8Weight, TransposedWeight, int8_matmul, onednn
+from jaxlearn.kernels import Int8Weight, TransposedWeight, int8_matmul
 from jaxlearn.kernels.matmul import einsum, matmul, matmul_nt, pad_single_row
 from jaxlearn.module import FanAxes, Module, ParameterSpec, zeros
 
@@ -90,8 +88,7 @@ def dense(
         y = int8_matmul(x2d, w.q.reshape(k, n), w.scale.reshape(n))
         return y.astype(out_dtype or x.dtype).reshape(*lead, *out_shape)
     rows, w2d = x2d.shape[0], w.reshape(k, n)
-    if dot is not None or not onednn.eligible(x2d, w2d.astype(x.dtype)):
-        x2d = pad_single_row(x2d)
+    x2d = pad_single_row(x2d)
     if dot is None:  # matmul casts w itself (and returns its gradient in w's dtype).
         y = matmul(x2d, w2d, out_dtype)
     else:

@@ -1,22 +1,21 @@
-"""bf16 small-M matmuls on XLA:CPU through oneDNN, as an XLA FFI custom call (opt-in).
+"""bf16 small-M matmuls on XLA:CPU through oneDNN, as an XLA FFI custom call (a benchmark
+form of `jl_gemv.py`, not part of the library).
 
 XLA:CPU streams a bf16 weight through a dot with few rows (decode: one row per sequence)
-at a fraction of the rate it reads an f32 one (`tools/bench/jl_gemv.py`). oneDNN's matmul
-primitive (the library PyTorch runs its CPU bf16 matmuls on) reads the same weights
-1.3-2x faster in isolation (`jl_gemv.py` forms `dnn_nn` / `dnn_nt`). `bf16_matmul` calls
-it from a jitted program: `onednn_matmul.cc`, compiled on first use against jaxlib's FFI
-headers and the `onednn-cpu-gomp` / `onednn-devel-cpu-gomp` wheels, cached by the digest
-of everything that goes into it, and registered as the CPU target `jaxlearn_onednn_matmul`.
+at a fraction of the rate it reads an f32 one (`jl_gemv.py`). oneDNN's matmul primitive
+(the library PyTorch runs its CPU bf16 matmuls on) reads the same weights 1.3-2x faster
+in isolation (`jl_gemv.py` forms `dnn_nn` / `dnn_nt`). `bf16_matmul` calls it from a
+jitted program: `onednn_matmul.cc`, compiled on first use against jaxlib's FFI headers
+and the `onednn-cpu-gomp` / `onednn-devel-cpu-gomp` wheels, cached by the digest of
+everything that goes into it, and registered as the CPU target `jaxlearn_onednn_matmul`.
 
-Off by default: in a whole decode step (`tools/bench/jl_decode_ab.py --compare onednn`,
-~60M Llama, 2-vCPU AVX-512-BF16 host) it was 0.85-0.90x of XLA's own dots at batch 1 / 4 /
-16 (the custom call is a fusion barrier and its OpenMP threads compete with XLA's pool),
-so `dense` / `matmul` route to it only with `JAXLEARN_ONEDNN=1` (or `ENABLED = True` set
-before tracing). Where the library, the headers or a C++ compiler is missing,
-`unavailable_reason()` says why and `eligible()` is False: callers keep XLA's dot.
-Environment: `JAXLEARN_ONEDNN=1` (route eligible dots here), `JAXLEARN_KERNEL_CACHE`
-(where the built library goes; default `$XDG_CACHE_HOME/jaxlearn/kernels`, else
-`~/.cache/jaxlearn/kernels`), `CXX` (the compiler; default `g++`).
+It is not in the library: in a whole decode step (~60M Llama, 2-vCPU AVX-512-BF16 host,
+results/decode_ab.jsonl) the layers routed to it ran at 0.85-0.90x of XLA's own dots at
+batch 1 / 4 / 16 (the custom call is a fusion barrier and its OpenMP threads compete with
+XLA's pool). Where the library, the headers or a C++ compiler is missing,
+`unavailable_reason()` says why. Environment: `JAXLEARN_KERNEL_CACHE` (where the built
+library goes; default `$XDG_CACHE_HOME/jaxlearn/kernels`, else `~/.cache/jaxlearn/kernels`),
+`CXX` (the compiler; default `g++`).
 """
 
 from __future__ import annotations
@@ -35,17 +34,10 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-__all__ = ["ENABLED", "MAX_ROWS", "bf16_matmul", "eligible", "unavailable_reason"]
+__all__ = ["bf16_matmul", "unavailable_reason"]
 
 TARGET = "jaxlearn_onednn_matmul"
-# Largest row count sent to oneDNN. Measured (jl_gemv.py, llama-60m shapes): oneDNN at
-# M = 16 still reads weights 1.5-2.7x faster than XLA's bf16 dot; past a few dozen rows
-# the dot is compute-bound and XLA's own GEMM is the better-tested path.
-MAX_ROWS = 16
-# Whether `eligible` may say yes at all (read when a program is traced).
-ENABLED = os.environ.get("JAXLEARN_ONEDNN", "0") == "1"
 _SOURCE = pathlib.Path(__file__).with_name("onednn_matmul.cc")
 _LIB_DIST, _DEVEL_DIST = "onednn-cpu-gomp", "onednn-devel-cpu-gomp"
 
@@ -117,26 +109,11 @@ def unavailable_reason() -> Optional[str]:
     return None
 
 
-def eligible(x: jax.Array, w: jax.Array) -> bool:
-    """Whether `bf16_matmul` should run x [..., in] times the stored weight w (2-D): ENABLED,
-    both bf16, at most MAX_ROWS rows, CPU the default backend and one device (the custom call
-    has no sharding rule: under a multi-device mesh GSPMD would gather its operands), and
-    the target available."""
-    rows = int(np.prod(x.shape[:-1]))
-    return (ENABLED and x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16 and w.ndim == 2
-            and 0 < rows <= MAX_ROWS and jax.default_backend() == "cpu"
-            and _one_device() and unavailable_reason() is None)
-
-
-def _one_device() -> bool:
-    return jax.device_count() == 1
-
-
 def bf16_matmul(x: jax.Array, w: jax.Array, *, w_transposed: bool = False) -> jax.Array:
     """x [..., in] bf16 times w bf16 -> [..., out] f32 (f32 accumulation): w stored
     [in, out], or [out, in] with `w_transposed` (a tied embedding table as the head).
     On CPU the oneDNN call; lowered for any other platform, the same XLA dot `matmul`
-    runs. Not differentiable by itself: `kernels.matmul` calls it from custom VJPs."""
+    runs. Not differentiable."""
     reason = unavailable_reason()
     if reason is not None:
         raise RuntimeError(f"bf16_matmul: oneDNN target unavailable: {reason}")
