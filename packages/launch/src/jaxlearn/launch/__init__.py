@@ -2,3 +2,15 @@
 a scheduler's environment, the local launcher, Slurm scripts and Kubernetes JobSet
 manifests. Import submodules directly, e.g. `from jaxlearn.launch import distributed`;
 see packages/launch/README.md."""
+
+# The public submodules (imported on use, so that importing the package stays cheap;
+# `from jaxlearn.launch import *` imports them all).
+__all__ = [
+    "cluster",
+    "distributed",
+    "job",
+    "k8s",
+    "local",
+    "rollcall",
+    "slurm",
+]
