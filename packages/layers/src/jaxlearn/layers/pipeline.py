@@ -50,7 +50,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxlearn.config import REQUIRED, ConfigBase, replace_config
-from jaxlearn.layers.transformer import BaseStack, ScanStack, paged_scan, stacked
+from jaxlearn.layers.transformer import ScanStack, StackedDecode
 from jaxlearn.module import (
     Module,
     ModuleError,
@@ -144,7 +144,7 @@ def from_stage_layout(tree: Any, num_stages: int, num_repeats: int = 1) -> Any:
 _Step = Callable[[Any, Any, Any, Any], tuple[tuple[Any, Any], OutputCollection]]
 
 
-class PipelineStack(BaseStack):
+class PipelineStack(StackedDecode):
     """`num_layers` copies of `layer` run as a pipeline over `num_stages` stages (see the
     module docstring). Params `{"layer": [stage, layers_per_stage, ...]}`.
 
@@ -154,7 +154,7 @@ class PipelineStack(BaseStack):
         stage). gpipe always has one repeat.
     """
 
-    class Config(BaseStack.Config):
+    class Config(StackedDecode.Config):
         num_stages: int = REQUIRED
         num_microbatches: Optional[int] = None
         schedule: str = "gpipe"
@@ -342,7 +342,9 @@ class PipelineStack(BaseStack):
 
     # ---- decoding: not pipelined ----------------------------------------------------------
 
-    def _scan_all(self, fn: Callable[[Module, Any, Any], Any], carry: Any, xs: Any) -> tuple:
+    def _scan_layers(self, fn: Callable[[Module, Any, Any], Any], carry: Any, xs: Any) -> tuple:
+        """Every layer in order over the whole batch (decoding is not pipelined: module
+        docstring); the decode API is `StackedDecode`'s."""
         ctx = self._context()
         lo = self._layout
         states = from_stage_layout(self.parameters.get("layer", {}), lo.num_stages, lo.num_repeats)
@@ -351,48 +353,6 @@ class PipelineStack(BaseStack):
         )
         self._record(ctx, oc)
         return carry, ys
-
-    def init_states(self, batch_size: int, max_len: int) -> Any:
-        """Per-layer caches stacked `[num_layers, ...]` (as ScanStack; global layer order)."""
-        return stacked(self.layer.init_states(batch_size, max_len), self.config.num_layers)
-
-    def init_paged_states(self, num_pages: int, page_size: int) -> Any:
-        return stacked(self.layer.init_paged_states(num_pages, page_size), self.config.num_layers)
-
-    def prefill(
-        self,
-        cache: Any,
-        x: Array,
-        positions: Optional[Array] = None,
-        segment_ids: Optional[Array] = None,
-    ) -> tuple[Any, Array]:
-        """Not pipelined: every layer in order over the whole batch (module docstring)."""
-
-        def step(layer: Module, h: Array, layer_cache: Any) -> tuple[Array, Any]:
-            new_cache, h = layer.prefill(layer_cache, h, positions, segment_ids)
-            return h, new_cache
-
-        x, cache = self._scan_all(step, x, cache)
-        return cache, x
-
-    def extend_step(
-        self,
-        cache: Any,
-        x: Array,
-        time_step: Array,
-        positions: Optional[Array] = None,
-        page_table: Optional[Array] = None,
-    ) -> tuple[Any, Array]:
-        """Not pipelined: every layer in order over the whole batch (module docstring)."""
-        if page_table is not None:
-            return paged_scan(self._scan_all, cache, x, time_step, positions, page_table)
-
-        def step(layer: Module, h: Array, layer_cache: Any) -> tuple[Array, Any]:
-            new_cache, h = layer.extend_step(layer_cache, h, time_step, positions)
-            return h, new_cache
-
-        x, cache = self._scan_all(step, x, cache)
-        return cache, x
 
 
 def _to_micro(a: Optional[Array], num_microbatches: int) -> Optional[Array]:

@@ -227,12 +227,61 @@ class LoopStack(BaseStack):
         return out, x
 
 
-class ScanStack(BaseStack):
+class StackedDecode(BaseStack):
+    """The decode API of a stack whose per-layer caches are stacked [layers, ...] (global
+    layer order) and run layer by layer in one scan: subclasses give `_scan_layers(fn,
+    carry, xs)` (fn(layer, carry, x) -> (carry, y) over every layer, ys stacked)."""
+
+    def _scan_layers(self, fn: Any, carry: Any, xs: Any) -> tuple[Any, Any]:
+        raise NotImplementedError(type(self).__name__)
+
+    def init_states(self, batch_size: int, max_len: int) -> Any:
+        return stacked(self.layer.init_states(batch_size, max_len), self.config.num_layers)
+
+    def init_paged_states(self, num_pages: int, page_size: int) -> Any:
+        return stacked(self.layer.init_paged_states(num_pages, page_size), self.config.num_layers)
+
+    def prefill(
+        self,
+        cache: Any,
+        x: Array,
+        positions: Optional[Array] = None,
+        segment_ids: Optional[Array] = None,
+    ) -> tuple[Any, Array]:
+        def step(layer: Module, h: Array, layer_cache: Any) -> tuple[Array, Any]:
+            new_cache, h = layer.prefill(layer_cache, h, positions, segment_ids)
+            return h, new_cache
+
+        x, cache = self._scan_layers(step, x, cache)
+        return cache, x
+
+    def extend_step(
+        self,
+        cache: Any,
+        x: Array,
+        time_step: Array,
+        positions: Optional[Array] = None,
+        page_table: Optional[Array] = None,
+    ) -> tuple[Any, Array]:
+        """(cache, x). With `page_table` the stacked pools ride in the scan carry and each
+        layer writes / reads its own `layer_index` (see `jaxlearn.kernels.paged`)."""
+        if page_table is not None:
+            return paged_scan(self._scan_layers, cache, x, time_step, positions, page_table)
+
+        def step(layer: Module, h: Array, layer_cache: Any) -> tuple[Array, Any]:
+            new_cache, h = layer.extend_step(layer_cache, h, time_step, positions)
+            return h, new_cache
+
+        x, cache = self._scan_layers(step, x, cache)
+        return cache, x
+
+
+class ScanStack(StackedDecode):
     """`lax.scan` over one child `layer` with params stacked [layers, ...] (logical axis
     "layers"); the layer's `remat_spec` rematerialises each iteration in training. Decode
     caches are stacked [layers, ...] too. `unroll` is passed to `lax.scan`."""
 
-    class Config(BaseStack.Config):
+    class Config(StackedDecode.Config):
         unroll: int = 1
 
     def __init__(self, cfg: "ScanStack.Config", *, parent: Optional[Module] = None):
@@ -267,45 +316,8 @@ class ScanStack(BaseStack):
         x, _ = self._scan(lambda layer, h, _: (layer(h, positions, segment_ids), None), x)
         return x
 
-    def init_states(self, batch_size: int, max_len: int) -> Any:
-        return stacked(self.layer.init_states(batch_size, max_len), self.config.num_layers)
-
-    def init_paged_states(self, num_pages: int, page_size: int) -> Any:
-        return stacked(self.layer.init_paged_states(num_pages, page_size), self.config.num_layers)
-
-    def prefill(
-        self,
-        cache: Any,
-        x: Array,
-        positions: Optional[Array] = None,
-        segment_ids: Optional[Array] = None,
-    ) -> tuple[Any, Array]:
-        def step(layer: Module, h: Array, layer_cache: Any) -> tuple[Array, Any]:
-            new_cache, h = layer.prefill(layer_cache, h, positions, segment_ids)
-            return h, new_cache
-
-        x, cache = self._scan(step, x, cache)
-        return cache, x
-
-    def extend_step(
-        self,
-        cache: Any,
-        x: Array,
-        time_step: Array,
-        positions: Optional[Array] = None,
-        page_table: Optional[Array] = None,
-    ) -> tuple[Any, Array]:
-        """(cache, x). With `page_table` the stacked pools ride in the scan carry and each
-        layer writes / reads its own `layer_index` (see `jaxlearn.kernels.paged`)."""
-        if page_table is not None:
-            return paged_scan(self._scan, cache, x, time_step, positions, page_table)
-
-        def step(layer: Module, h: Array, layer_cache: Any) -> tuple[Array, Any]:
-            new_cache, h = layer.extend_step(layer_cache, h, time_step, positions)
-            return h, new_cache
-
-        x, cache = self._scan(step, x, cache)
-        return cache, x
+    def _scan_layers(self, fn: Any, carry: Any, xs: Any) -> tuple[Any, Any]:
+        return self._scan(fn, carry, xs)
 
 
 def stack_config(layers: list[InstantiableConfig], stack: str, *, unroll: int = 1) -> Any:
