@@ -82,9 +82,9 @@ def _tiny_cases() -> list[tuple[str, Any, Any, Any, Any]]:
     import jax
 
     from jaxlearn.config import replace_config
-    from jaxlearn.interop import ChatTemplate
     from jaxlearn.layers import FeedForward, gemma2_config, gemma3_config, llama_config
     from jaxlearn.layers.moe import MixtureOfExperts
+    from jaxlearn.text.chat import ChatTemplate
     from jaxlearn.text.tokenizers import ByteTokenizer
 
     def config(**kw: Any) -> Any:

@@ -14,13 +14,12 @@ from hypothesis import strategies as st
 gguf = pytest.importorskip("gguf")  # pinned in requirements.txt; skip where it is absent
 
 from jaxlearn.config import replace_config  # noqa: E402
+from jaxlearn.families import architecture_from_config  # noqa: E402
 from jaxlearn.interop import (  # noqa: E402
-    ChatTemplate,
     InteropError,
     ParameterMismatchError,
     TokenizerError,
     UnsupportedModelError,
-    architecture_from_config,
     export_gguf,
     export_hf,
     load_pretrained,
@@ -29,6 +28,7 @@ from jaxlearn.interop.gguf import GGUFFile  # noqa: E402
 from jaxlearn.layers import FeedForward, llama_config  # noqa: E402
 from jaxlearn.layers.moe import MixtureOfExperts  # noqa: E402
 from jaxlearn.module import functional  # noqa: E402
+from jaxlearn.text.chat import ChatTemplate  # noqa: E402
 from jaxlearn.text.tokenizer_export import BYTE_SPECIALS, byte_level_tokenizer  # noqa: E402
 from jaxlearn.text.tokenizers import ByteTokenizer  # noqa: E402
 

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from jaxlearn.families import build_config
 from jaxlearn.interop import (
     InteropError,
     UnsupportedModelError,
-    build_config,
     export_gguf,
     load_gguf,
     load_hf,

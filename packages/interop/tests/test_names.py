@@ -13,8 +13,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from safetensors import safe_open
 
+from jaxlearn.families import Architecture
 from jaxlearn.families.names import FAMILIES, dims, shape_of
-from jaxlearn.interop import Architecture, ParameterMismatchError, export_hf, load_hf
+from jaxlearn.interop import ParameterMismatchError, export_hf, load_hf
 from jaxlearn.interop.convert import permute_qk, plan, read_tensors, write_tensors
 from jaxlearn.interop.hf import architecture_from_hf, load_hf_params
 from jaxlearn.layers import fuse_projections

@@ -19,11 +19,8 @@ from parity import (
 )
 from safetensors.numpy import load_file
 
-from jaxlearn.interop import (
-    UnsupportedModelError,
-    architecture_from_config,
-    load_hf,
-)
+from jaxlearn.families import architecture_from_config
+from jaxlearn.interop import UnsupportedModelError, load_hf
 from jaxlearn.layers import LongRopeFrequencyScaling
 
 VARIANTS = ["phi3", "llama_yarn", "llama_dynamic"]

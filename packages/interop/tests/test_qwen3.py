@@ -23,10 +23,10 @@ from parity import (
 )
 from safetensors.numpy import load_file
 
+from jaxlearn.families import architecture_from_config
 from jaxlearn.interop import (
     ParameterMismatchError,
     UnsupportedModelError,
-    architecture_from_config,
     export_hf,
     load_gguf,
     load_hf,

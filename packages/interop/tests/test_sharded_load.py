@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding
 
+from jaxlearn.families import build_config
 from jaxlearn.families.tree import flatten
-from jaxlearn.interop import ParameterMismatchError, build_config, load_pretrained
+from jaxlearn.interop import ParameterMismatchError, load_pretrained
 from jaxlearn.interop.hf import architecture_from_hf, read_json
 from jaxlearn.interop.sharded import (
     PretrainedParams,

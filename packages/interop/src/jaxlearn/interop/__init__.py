@@ -9,18 +9,12 @@
                 chat_template=loaded.chat_template, dtype="q8_0")
 
 See packages/interop/README.md. The families themselves (`Architecture`, config building, HF
-config.json fields, name tables) are `jaxlearn.families`, re-exported here.
+config.json fields, name tables) are `jaxlearn.families`; chat templates are
+`jaxlearn.text.chat`.
 """
 
 from typing import Any
 
-from jaxlearn.families import (
-    Architecture,
-    architecture_from_config,
-    architecture_from_hf,
-    build_config,
-    hf_config_dict,
-)
 from jaxlearn.interop.errors import (
     ChatTemplateError,
     InteropError,
@@ -33,12 +27,8 @@ from jaxlearn.interop.generate import greedy_generate
 from jaxlearn.interop.hf import export_hf, export_pretrained, load_hf, load_hf_tokenizer
 from jaxlearn.interop.model import LoadedModel
 from jaxlearn.interop.pretrained import JaxlearnCheckpointError, load_pretrained
-from jaxlearn.text.chat import ChatLimits, ChatTemplate
 
 __all__ = [
-    "Architecture",
-    "ChatLimits",
-    "ChatTemplate",
     "ChatTemplateError",
     "InteropError",
     "JaxlearnCheckpointError",
@@ -47,14 +37,10 @@ __all__ = [
     "ParameterMismatchError",
     "TokenizerError",
     "UnsupportedModelError",
-    "architecture_from_config",
-    "architecture_from_hf",
-    "build_config",
     "export_gguf",
     "export_hf",
     "export_pretrained",
     "greedy_generate",
-    "hf_config_dict",
     "load_gguf",
     "load_hf",
     "load_hf_tokenizer",
