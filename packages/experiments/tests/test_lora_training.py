@@ -114,8 +114,7 @@ def _trainer_cfg(output_dir: str) -> Trainer.Config:
 def test_trainer_trains_only_adapters(tmp_path):
     trainer = _trainer_cfg(str(tmp_path / "run")).instantiate()
     start = jax.device_get(trainer.init_state()["params"])  # What run() initialises too.
-    trainer.run()
-    state = jax.device_get(trainer.final_state)
+    state = jax.device_get(trainer.run().state)
     before, after = _leaves(start), _leaves(state["params"])
     adapters = {p for p in after if re.fullmatch(ADAPTERS, p)}
     assert len(adapters) == 2 * 7  # Scanned: [layers, ...] per projection, (a, b) each.
@@ -150,11 +149,10 @@ def test_trainer_trains_only_adapters(tmp_path):
     # the same parameters as the straight run, bit for bit.
     resumed = str(tmp_path / "resumed")
     _trainer_cfg(resumed).set(max_step=6, save_every_n_steps=6).instantiate().run()
-    again = _trainer_cfg(resumed).set(save_every_n_steps=6).instantiate()
-    again.run()
+    again = _trainer_cfg(resumed).set(save_every_n_steps=6).instantiate().run()
     steps = [json.loads(line)["step"] for line in
              (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()
              if '"split": "train"' in line]
     assert steps == list(range(1, 13)), steps  # The second run started at step 7.
-    for a, b in zip(jax.tree.leaves(jax.device_get(again.final_state)), jax.tree.leaves(state)):
+    for a, b in zip(jax.tree.leaves(jax.device_get(again.state)), jax.tree.leaves(state)):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()

@@ -92,7 +92,7 @@ def main(argv: Sequence[str]) -> int:
           f"num_microbatches {trainer.learner.config.num_microbatches}", file=sys.stderr,
           flush=True)
     try:
-        trainer.run()
+        state = trainer.run().state
     except Preempted as e:
         print(f"child: stopped: {e}", file=sys.stderr)
         return e.exit_code
@@ -105,7 +105,6 @@ def main(argv: Sequence[str]) -> int:
     except CheckpointSaveFailed as e:
         print(f"child: error: {e}", file=sys.stderr)
         return 1
-    state = trainer.final_state
     if jax.process_index() != 0:
         return 0
     np.savez(os.path.join(args.output_dir, "final_params.npz"),

@@ -41,14 +41,13 @@ def test_copies_only_wider_float_matmul_weights():
 
 
 def test_resume_with_the_copy_is_bit_exact_and_checkpoints_hold_no_copy(tmp_path):
-    whole = _cfg(tmp_path / "whole", True, 6).instantiate()
-    whole.run()
+    whole = _cfg(tmp_path / "whole", True, 6).instantiate().run().state
     _cfg(tmp_path / "resumed", True, 4).instantiate().run()
     resumed = _cfg(tmp_path / "resumed", True, 6).instantiate()
-    resumed.run()
-    assert COPY_KEY in whole.final_state and _same(whole.final_state, resumed.final_state)
+    final = resumed.run().state
+    assert COPY_KEY in whole and _same(whole, final)
     # The copy after the run is the final masters cast, as the uninterrupted run's.
-    assert _same(resumed.final_state[COPY_KEY], resumed.copy.make(resumed.final_state["params"]))
+    assert _same(final[COPY_KEY], resumed.copy.make(final["params"]))
     reader = Checkpointer.default_config().set(
         directory=str(tmp_path / "resumed" / "checkpoints")).instantiate()
     try:
@@ -61,15 +60,12 @@ def test_resume_with_the_copy_is_bit_exact_and_checkpoints_hold_no_copy(tmp_path
 @pytest.mark.parametrize("first,then", [(True, False), (False, True)])
 def test_checkpoints_restore_across_the_setting(tmp_path, first, then):
     _cfg(tmp_path / "run", first, 2).instantiate().run()
-    trainer = _cfg(tmp_path / "run", then, 4).instantiate()
-    trainer.run()
-    assert (COPY_KEY in trainer.final_state) == then
+    final = _cfg(tmp_path / "run", then, 4).instantiate().run().state
+    assert (COPY_KEY in final) == then
     same_setting = _cfg(tmp_path / "ref", then, 2).instantiate()
     same_setting.run()
-    ref = _cfg(tmp_path / "ref", then, 4).instantiate()
-    ref.run()
+    ref = _cfg(tmp_path / "ref", then, 4).instantiate().run().state
     # The masters restored from a run with the other setting continue like this one's
     # own (its first steps differ only by the gradient's bf16 rounding).
-    for a, b in zip(jax.tree.leaves(trainer.final_state["params"]),
-                    jax.tree.leaves(ref.final_state["params"])):
+    for a, b in zip(jax.tree.leaves(final["params"]), jax.tree.leaves(ref["params"])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-2)

@@ -51,9 +51,7 @@ def _final(out) -> tuple[dict, dict]:
 def reference(tmp_path_factory):
     """The uninterrupted run, in this process (same XLA, same 8 devices)."""
     out = tmp_path_factory.mktemp("reference")
-    trainer = child_config(str(out)).instantiate()
-    trainer.run()
-    s = trainer.final_state
+    s = child_config(str(out)).instantiate().run().state
     np.savez(out / "final_params.npz",
              **flat_params({"params": s["params"], "opt_state": s["opt_state"]}))
     return _final(out)

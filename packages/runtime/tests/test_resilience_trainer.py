@@ -20,13 +20,11 @@ from jaxlearn.resilience.manager import CheckpointSaveFailed
 def _run(out, faults="", **overrides):
     overrides["resilience.faults"] = faults
     cfg = child_config(str(out), [f"{k}={v!r}" for k, v in overrides.items()])
-    trainer = cfg.instantiate()
-    trainer.run()
-    return trainer
+    return cfg.instantiate().run()
 
 
-def _state(trainer):
-    s = trainer.final_state
+def _state(result):
+    s = result.state
     return flat_params({"params": s["params"], "opt_state": s["opt_state"]})
 
 
@@ -48,13 +46,13 @@ def clean(tmp_path_factory):
 
 def test_nan_step_skipped_with_paths_reported(tmp_path, clean, caplog):
     with caplog.at_level(logging.WARNING, logger="jaxlearn.nonfinite"):
-        trainer = _run(tmp_path / "nan", "nan@3", max_step=3, eval_every_n_steps=0)
-    assert trainer.guard.nonfinite.skipped_steps == [3]
+        result = _run(tmp_path / "nan", "nan@3", max_step=3, eval_every_n_steps=0)
+    assert result.resilience.nonfinite.skipped_steps == [3]
     assert "step 3: non-finite values (NaN/Inf) in the loss and the gradients of table" \
         in caplog.text and "update skipped" in caplog.text
     # Step 3's update was dropped: params and optimizer state are those after step 2.
-    _assert_bit_equal(_state(trainer), clean[2])
-    assert trainer.guard.goodput.steps["skipped"] == 1
+    _assert_bit_equal(_state(result), clean[2])
+    assert result.resilience.goodput.steps["skipped"] == 1
 
 
 def test_inf_stops_under_policy_stop(tmp_path):
@@ -88,11 +86,11 @@ def test_bit_flip_detected_at_next_check_with_device_named(tmp_path, caplog):
 
 def test_bit_flip_repaired_from_majority_keeps_run_bit_exact(tmp_path, clean):
     # The flip lands just before a check: caught before it reaches any other replica.
-    trainer = _run(tmp_path / "repair", "flip@6:2",
+    result = _run(tmp_path / "repair", "flip@6:2",
                    **{"resilience.sdc.every_n_steps": 3, "resilience.sdc.on_mismatch": "skip"})
-    reports = [r for r in trainer.guard.sdc.reports if not r.ok]
+    reports = [r for r in result.resilience.sdc.reports if not r.ok]
     assert [(r.step, [d.id for d in r.bad_devices]) for r in reports] == [(6, [2])]
-    _assert_bit_equal(_state(trainer), clean[12])
+    _assert_bit_equal(_state(result), clean[12])
 
 
 def test_recompute_check_names_the_device(tmp_path, clean):
@@ -100,10 +98,10 @@ def test_recompute_check_names_the_device(tmp_path, clean):
         _run(tmp_path / "re", "sdcstep@4:3",
              **{"resilience.sdc.every_n_steps": 2, "resilience.sdc.recompute": True})
     # Clean recompute checks change nothing; a skipped bad step is dropped.
-    trainer = _run(tmp_path / "re2", "sdcstep@3:3",
+    result = _run(tmp_path / "re2", "sdcstep@3:3",
                    **{"resilience.sdc.every_n_steps": 3, "resilience.sdc.recompute": True,
                       "resilience.sdc.on_mismatch": "skip", "max_step": 3})
-    _assert_bit_equal(_state(trainer), clean[2])  # Step 3's update was dropped.
+    _assert_bit_equal(_state(result), clean[2])  # Step 3's update was dropped.
 
 
 # ---- checkpoints: corruption, full disk, another model -------------------------------------------
@@ -128,11 +126,11 @@ def test_corrupted_newest_checkpoint_falls_back_and_stays_bit_exact(tmp_path,
     _run(out, "", max_step=9, eval_every_n_steps=0)
     assert _corrupt_newest(out / "checkpoints") == 9
     with caplog.at_level(logging.WARNING):
-        trainer = _run(out, "")
+        result = _run(out, "")
     assert "checkpoint step 9 is unusable, falling back" in caplog.text
     assert "resumed from step 6: newer step(s) failed verification" in caplog.text
     assert (out / "checkpoints" / "step_00000009.corrupt").is_dir()  # Kept as evidence.
-    _assert_bit_equal(_state(trainer), clean[12])
+    _assert_bit_equal(_state(result), clean[12])
 
 
 def test_disk_full_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
@@ -154,8 +152,8 @@ def test_disk_full_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     assert ckpt.steps() == [3]
     monkeypatch.setattr(ckpt_layout, "write_durable", real)
     # Space is back: the run resumes from step 3 and finishes.
-    trainer = _run(out, "", eval_every_n_steps=0)
-    assert int(trainer.final_state["step"]) == 12
+    result = _run(out, "", eval_every_n_steps=0)
+    assert result.step == 12 and int(result.state["step"]) == 12
 
 
 def test_disk_full_writing_iterator_state(tmp_path, monkeypatch):
@@ -198,11 +196,11 @@ def test_failed_health_check_stops_before_anything_is_written(tmp_path):
 def test_goodput_in_summaries_and_at_exit(tmp_path):
     import json
 
-    trainer = _run(tmp_path / "gp", "", max_step=4, eval_every_n_steps=0)
+    result = _run(tmp_path / "gp", "", max_step=4, eval_every_n_steps=0)
     summary = json.loads((tmp_path / "gp" / "goodput.json").read_text())
     assert summary["steps"]["step"] == 4 and summary["seconds"]["compile"] > 0
     assert summary["seconds"]["checkpoint"] > 0 and 0 < summary["goodput"] < 1
     rows = [json.loads(x) for x in (tmp_path / "gp" / "metrics.jsonl").read_text().splitlines()]
     assert any(r["split"] == "goodput" and "goodput" in r for r in rows)
-    assert jax.tree.leaves(trainer.final_state)  # The run finished normally.
+    assert jax.tree.leaves(result.state)  # The run finished normally.
     assert np.isfinite(rows[-1].get("compile_s", 0.0))

@@ -54,14 +54,13 @@ class GatedCheckpointer(Checkpointer):
 
 def _run(tmp_path, name, **kw):
     trainer = toy_trainer_config(str(tmp_path / name), max_step=6, **kw).instantiate()
-    trainer.run()
-    return trainer
+    return trainer, trainer.run()
 
 
 def test_saved_steps_not_donated_restored_bit_exact_trajectory_unchanged(tmp_path):
     GATED.clear()
-    plain = _run(tmp_path, "plain")
-    saving = _run(
+    _, plain = _run(tmp_path, "plain")
+    saving, saved = _run(
         tmp_path, "saving", save_every_n_steps=2, checkpointer=GatedCheckpointer.default_config()
     )
     (ckpt,) = GATED
@@ -70,7 +69,7 @@ def test_saved_steps_not_donated_restored_bit_exact_trajectory_unchanged(tmp_pat
     # The step after each save ran while the commit had not read the arrays yet: they
     # must still be alive (a donating step would have deleted them).
     assert ckpt.donated == []
-    for a, b in zip(jax.tree.leaves(plain.final_state), jax.tree.leaves(saving.final_state)):
+    for a, b in zip(jax.tree.leaves(plain.state), jax.tree.leaves(saved.state)):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
     reader = (
         Checkpointer.default_config()
@@ -92,8 +91,7 @@ def test_resume_after_non_donating_saves_matches_uninterrupted_run(tmp_path):
     """Stop at step 4 (saved with snapshot=False), resume to 6: same as running 6."""
     plain_cfg = toy_trainer_config(str(tmp_path / "plain"), max_step=6)
     plain_cfg.learner.schedule = "constant"  # Independent of max_step.
-    plain = plain_cfg.instantiate()
-    plain.run()
+    plain = plain_cfg.instantiate().run()
     cfg = toy_trainer_config(
         str(tmp_path / "resumed"),
         max_step=4,
@@ -102,7 +100,6 @@ def test_resume_after_non_donating_saves_matches_uninterrupted_run(tmp_path):
     )
     cfg.learner.schedule = "constant"
     cfg.instantiate().run()
-    resumed = cfg.set(max_step=6).instantiate()
-    resumed.run()
-    for a, b in zip(jax.tree.leaves(plain.final_state), jax.tree.leaves(resumed.final_state)):
+    resumed = cfg.set(max_step=6).instantiate().run()
+    for a, b in zip(jax.tree.leaves(plain.state), jax.tree.leaves(resumed.state)):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()

@@ -362,7 +362,7 @@ def _run_trainer(args: argparse.Namespace, trainer: Any, elastic: Any) -> int:
     print(f"jaxlearn: training {args.experiment} on {len(trainer.mesh.devices.flat)} device(s) "
           f"(mesh {dict(trainer.mesh.shape)}), output in {args.output_dir}", file=sys.stderr)
     try:
-        last = trainer.run()
+        last = trainer.run().metrics
     except (InitFromError, InteropError) as e:  # The pretrained params do not fit the model.
         raise UsageError(f"--init_from {args.init_from}: {_one_line(e)}") from None
     except (CheckpointStructureError, NoGoodCheckpointError, DataError) as e:

@@ -49,6 +49,7 @@ from jaxlearn.runtime.summary import SummaryWriter, format_flops, format_number
 from jaxlearn.runtime.trainer_support import (
     BackgroundCompile,
     Run,
+    RunResult,
     abstract_like,
     batch_target_weight,
     devices_for,
@@ -330,9 +331,10 @@ class Trainer(Configurable):
 
     # ---- the loop: setup, restore, steps, finish ------------------------------------------
 
-    def run(self) -> dict[str, float]:
-        """Trains to `max_step` (resuming from the newest good checkpoint); returns the
-        last scalars. Nothing is written before the restore succeeded."""
+    def run(self) -> RunResult:
+        """Trains to `max_step` (resuming from the newest good checkpoint); returns the final
+        state, step, last scalars and the guard. Nothing is written before the restore
+        succeeded."""
         cfg = self.config
         storage.resolve(cfg.output_dir)  # A URI's backend, credentials, bucket: StorageError.
         local_dir = storage.local_dir(cfg.output_dir)  # Hang dumps, goodput, profiles.
@@ -341,7 +343,6 @@ class Trainer(Configurable):
         run = Run(is_main, cfg.resilience.instantiate(
             output_dir=local_dir, is_main=is_main,
             param_paths=nonfinite.leaf_paths(self.param_specs, is_leaf=is_spec)))
-        self.guard = run.guard
         try:
             self._setup(run)
             self._start_outputs(run)
@@ -354,8 +355,7 @@ class Trainer(Configurable):
             self._finish(run)
         finally:
             self._close(run)
-        self.final_state = run.state
-        return run.last
+        return RunResult(state=run.state, step=run.step, metrics=run.last, resilience=run.guard)
 
     def _setup(self, run: Run) -> None:
         """Health checks and watchdog, the input iterator, the checkpointer, and the restored

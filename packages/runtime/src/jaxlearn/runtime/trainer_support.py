@@ -1,7 +1,7 @@
 """Pieces of the trainer that need no `Trainer` instance: what one run carries between
-its phases, pytree key paths, device choice for small meshes, state-update merging,
-merged input states for an elastic resume, the MFU peak, the schedule-length check on a
-resume, and compiling a step on a background thread."""
+its phases and what it returns, pytree key paths, device choice for small meshes,
+state-update merging, merged input states for an elastic resume, the MFU peak, the
+schedule-length check on a resume, and compiling a step on a background thread."""
 
 from __future__ import annotations
 
@@ -35,6 +35,18 @@ class Run:
     tokens_per_step: int = 0
     t_last: float = dataclasses.field(default_factory=time.monotonic)
     steps_since: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class RunResult:
+    """What `Trainer.run` returns: the final train state (`state["step"] == step`), the last
+    scalars logged (`metrics`), and the run's `Resilience` (its `nonfinite.skipped_steps`,
+    `goodput.steps`, `sdc.reports`: what the guard saw)."""
+
+    state: Any
+    step: int
+    metrics: dict[str, float]
+    resilience: Any  # jaxlearn.resilience.manager.Resilience
 
 
 def merged_iterator_state(checkpointer: Any, step: int, saved_processes: int) -> Any:
