@@ -226,7 +226,8 @@ def test_finetune_from_gguf_and_then_from_the_jaxlearn_run(tmp_path):
                  "--output_dir", str(again), "--max_step", "1", *FAST]) == 0
     cfg2 = from_flat_text((again / "config.txt").read_text())
     assert cfg2.init_from.klass.__name__ == "CheckpointParams"
-    assert cfg2.input.tokenizer.path == str(path) and cfg2.model == cfg.model
+    assert cfg2.input.tokenizer.path == str(out / "tokenizer" / "tiny.gguf")  # the run's copy
+    assert cfg2.model == cfg.model
     first = _losses(again)[1]
     assert first < _losses(out)[1]  # starts from the trained weights, not the GGUF's
 
@@ -310,3 +311,54 @@ def test_lora_from_init_from_trains_only_the_adapters(model_dir, tmp_path):
     for k, v in base.items():
         np.testing.assert_array_equal(trained[k], v, err_msg=k)
     assert all(np.abs(trained[k]).max() > 0 for k in adapters if k.endswith("_lora_b"))
+
+
+def test_lora_from_a_jaxlearn_run(model_dir, tmp_path):
+    """`lora --init_from <a full fine-tuning run>`: the recipe's LoRA layers are applied to
+    the run's recorded model, its weights are the run's newest step and only the adapters
+    (initialised from the seed, absent from the run) train."""
+    from jaxlearn.checkpoint import Checkpointer
+    from jaxlearn.families.tree import flatten
+
+    full = tmp_path / "full"
+    assert main(["train", "--experiment", "finetune", "--init_from", str(model_dir),
+                 "--output_dir", str(full), "--max_step", "2", *FAST]) == 0
+    out = tmp_path / "lora"
+    assert main(["train", "--experiment", "lora", "--init_from", str(full),
+                 "--output_dir", str(out), "--max_step", "2", *FAST]) == 0
+    cfg = from_flat_text((out / "config.txt").read_text())
+    assert cfg.init_from.klass.__name__ == "CheckpointParams"
+    assert cfg.model.decoder.transformer.layer.self_attention.klass.__name__ == "LoraAttention"
+    trained, base = {}, {}
+    for run, step, into in ((out, 2, trained), (full, 2, base)):
+        ckpt = Checkpointer.default_config().set(directory=str(run / "checkpoints")).instantiate()
+        into.update(flatten(jax.tree.map(np.asarray, ckpt.restore(
+            step, _abstract(ckpt, run), partial=True)["params"])))
+        ckpt.close()
+    adapters = [k for k in trained if "_lora_" in k]
+    assert adapters and set(trained) == set(base) | set(adapters)
+    for k, v in base.items():
+        np.testing.assert_array_equal(trained[k], v, err_msg=k)
+
+
+def test_moved_lora_run_generates_without_its_base_model(model_dir, tmp_path, capsys):
+    """A LoRA run keeps its own copy of the base model's tokenizer (`<run>/tokenizer/`):
+    with the base model directory gone and the run directory moved, `generate --model`
+    loads the run's model and tokenizer and produces the same text as before the move."""
+    base = tmp_path / "base"
+    shutil.copytree(model_dir, base)
+    out = tmp_path / "lora"
+    assert main(["train", "--experiment", "lora", "--init_from", str(base),
+                 "--output_dir", str(out), "--max_step", "1", *FAST]) == 0
+    assert (out / "tokenizer" / "tokenizer.json").is_file()
+    assert (out / "tokenizer" / "tokenizer_config.json").is_file()
+    argv = ["--prompt", "hello", "--max_new_tokens", "4", "--max_seq_len", "32",
+            "--max_batch", "1"]
+    capsys.readouterr()
+    assert main(["generate", "--model", str(out), *argv]) == 0
+    before = capsys.readouterr().out
+    shutil.rmtree(base)
+    moved = tmp_path / "elsewhere" / "lora"
+    shutil.move(str(out), str(moved))
+    assert main(["generate", "--model", str(moved), *argv]) == 0
+    assert capsys.readouterr().out == before

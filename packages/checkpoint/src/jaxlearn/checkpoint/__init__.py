@@ -14,6 +14,7 @@ from jaxlearn.checkpoint.errors import (
     CheckpointStructureError,
     NoGoodCheckpointError,
 )
+from jaxlearn.checkpoint.locate import is_checkpoint, locate, restore_subtree
 from jaxlearn.checkpoint.manifest import ArrayRecord
 from jaxlearn.checkpoint.retention import RetentionPolicy
 from jaxlearn.checkpoint.storage import StorageError
@@ -32,4 +33,7 @@ __all__ = [
     "StepMetadata",
     "StorageError",
     "digest_numpy",
+    "is_checkpoint",
+    "locate",
+    "restore_subtree",
 ]

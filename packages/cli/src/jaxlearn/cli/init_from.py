@@ -9,7 +9,8 @@ run record holds them:
 
 - `model`: the pretrained architecture (`families.build_config`, a scanned stack), keeping
   the recipe's compute and param dtypes and its LoRA layers (rank, alpha, dropout and
-  adapted weights re-applied with `layers.use_lora`); a jaxlearn run's model as recorded;
+  adapted weights re-applied with `layers.use_lora`); a jaxlearn run's model as recorded
+  (the recipe's LoRA layers applied to it the same way when the run has none);
 - `input.tokenizer` (and `eval_input`'s): `HFTokenizer` on `tokenizer.json` with the
   BOS/EOS/pad token texts of `tokenizer_config.json`; `GGUFTokenizer` on the GGUF file;
   a jaxlearn run's recorded tokenizer;
@@ -37,7 +38,7 @@ class InitFromUsageError(ValueError):
 
 def _kind(p: pathlib.Path) -> tuple[str, pathlib.Path]:
     """("hf" | "gguf" | "jaxlearn", the path to load) for `--init_from p`."""
-    from jaxlearn.runtime.init_from import checkpoint_root
+    from jaxlearn.checkpoint import is_checkpoint
     from jaxlearn.runtime.record import find_run_record
 
     if p.is_file():
@@ -51,8 +52,7 @@ def _kind(p: pathlib.Path) -> tuple[str, pathlib.Path]:
     ggufs = sorted(p.glob("*.gguf"))
     if len(ggufs) == 1:
         return "gguf", ggufs[0]
-    root, _ = checkpoint_root(str(p))
-    if find_run_record(p) is not None or any(root.glob("step_*/manifest.json")):
+    if find_run_record(p) is not None or is_checkpoint(p):
         return "jaxlearn", p
     raise InitFromUsageError(
         f"--init_from {p}: neither an HF model directory (no config.json), a GGUF file "
@@ -127,17 +127,26 @@ def _set_input(inp: Any, tok: Any, chat: Any) -> None:
 
 def _from_run(cfg: Any, p: pathlib.Path) -> Any:
     """The model, tokenizer and chat template of a jaxlearn run, as its record holds them."""
+    from jaxlearn.checkpoint import is_checkpoint, locate
     from jaxlearn.config import from_flat_text
-    from jaxlearn.runtime.init_from import CheckpointParams, checkpoint_root
+    from jaxlearn.runtime.init_from import CheckpointParams
     from jaxlearn.runtime.record import find_run_record
 
-    root, _ = checkpoint_root(str(p))
-    record = find_run_record(p) or find_run_record(root)
+    record = find_run_record(p) or (find_run_record(locate(p)[0]) if is_checkpoint(p) else None)
     if record is None:
         raise InitFromUsageError(f"--init_from {p}: a jaxlearn checkpoint without run.json "
                                  "(its model config is unknown)")
-    base = from_flat_text(record.config_text, where=f"{p} (run record config_text)")
-    cfg.model = base.model
+    from jaxlearn.cli.serve_cmd import use_run_tokenizer
+
+    base = use_run_tokenizer(
+        from_flat_text(record.config_text, where=f"{p} (run record config_text)"), p)
+    lora = _lora_settings(cfg.model)
+    if lora is not None and _lora_settings(base.model) is None:
+        from jaxlearn.layers import use_lora
+
+        cfg.model = use_lora(base.model, **lora)  # the recipe's adapters on the run's model
+    else:
+        cfg.model = base.model
     for name in ("input", "eval_input"):
         inp, old = getattr(cfg, name, None), getattr(base, "input", None)
         if inp is None or old is None:

@@ -176,15 +176,9 @@ def engine_text(engine_cfg: Any) -> str:
 def checkpoint_location(path: Path) -> Optional[tuple[Path, Optional[int]]]:
     """(Checkpointer directory, step or None for the newest) of a run dir, a checkpoints
     dir or one step dir; None when `path` holds no jaxlearn checkpoint."""
-    if not path.is_dir():
-        return None
-    match = _STEP_DIR.fullmatch(path.name)
-    if match:
-        return path.parent, int(match.group(1))
-    for root in (path, path / "checkpoints"):
-        if root.is_dir() and any(_STEP_DIR.fullmatch(p.name) for p in root.glob("step_*")):
-            return root, None
-    return None
+    from jaxlearn.checkpoint import is_checkpoint, locate
+
+    return locate(path) if is_checkpoint(path) else None
 
 
 def _newest_step_dir(root: Path) -> Optional[Path]:
@@ -314,7 +308,8 @@ def run_config(path: Path, root: Path, experiment: Optional[str],
     except RunRecordError as e:
         raise UsageError(str(e)) from None
     if record is not None:
-        return config_from_record(record, str(path), experiment, overrides)
+        cfg, source = config_from_record(record, str(path), experiment, overrides)
+        return use_run_tokenizer(cfg, path), source
     if experiment is not None:
         return final_config(experiment, None, overrides), f"--experiment {experiment}"
     with Checkpointer.default_config().set(directory=str(root)).instantiate() as ckpt:
@@ -324,6 +319,20 @@ def run_config(path: Path, root: Path, experiment: Optional[str],
         raise UsageError(f"--model {path}: no run record (run.json) and no config saved with "
                          f"the checkpoint; pass --experiment NAME")
     return guess_config(saved, overrides, str(path), "no run record (run.json)")
+
+
+def use_run_tokenizer(cfg: Any, path: Path) -> Any:
+    """`cfg` (the config of the run at `path`) with its inputs' tokenizer file read from the
+    run directory's own copy when it has one (`runtime.record.save_tokenizer`): a moved or
+    copied run directory keeps working without its base model's directory."""
+    from jaxlearn.runtime.record import run_tokenizer_path
+
+    for name in ("input", "eval_input"):
+        data = getattr(cfg, name, None)
+        tok = getattr(data, "tokenizer", None) if data is not None else None
+        if tok is not None and isinstance(getattr(tok, "path", None), str):
+            tok.path = run_tokenizer_path(path, tok.path)
+    return cfg
 
 
 def run_tokenizer(cfg: Any) -> Any:

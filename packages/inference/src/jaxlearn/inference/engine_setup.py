@@ -102,31 +102,14 @@ def restore_params(directory: Union[str, Path], model_cfg: Any, *, step: Optiona
                    use_ema: bool = False, shardings: Any = None) -> tuple[Any, int]:
     """(params, step) of a jaxlearn checkpoint: only the params (or, with use_ema, the EMA
     params) of `step` (default: the newest step that verifies) are read, into `shardings`
-    (a tree like the params; default: the default device). `directory` is a Checkpointer
-    directory (holding `step_*/`) or a training output_dir (holding `checkpoints/`)."""
-    from jaxlearn.checkpoint import Checkpointer, CheckpointNotFoundError
+    (a tree like the params; default: the default device). `directory`: anything
+    `checkpoint.locate` accepts. The engine-facing wrapper of `checkpoint.restore_subtree`."""
+    from jaxlearn.checkpoint import locate, restore_subtree
 
-    root = Path(directory)
-    if not any(root.glob("step_*")) and (root / "checkpoints").is_dir():
-        root = root / "checkpoints"
+    root, found = locate(directory)
     if getattr(model_cfg, "name", None) is REQUIRED:
         model_cfg = model_cfg.clone(name="model")
     model = model_cfg.instantiate()
     shapes = jax.eval_shape(model.initialize_parameters_recursively, jax.random.key(0))
-    if shardings is not None:
-        shapes = jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings)
-    key = "ema" if use_ema else "params"
-    ckpt = Checkpointer.default_config().set(directory=str(root)).instantiate()
-    try:
-        if step is None:
-            found = ckpt.restore_latest({key: shapes}, partial=True)
-            if found is None:
-                raise CheckpointNotFoundError(f"no checkpoint steps under {root}")
-            step, tree = found
-        else:
-            tree = ckpt.restore(step, {key: shapes}, partial=True)
-    finally:
-        ckpt.close()
-    log.info("restored %s of step %d from %s", key, step, root)
-    return tree[key], int(step)
+    return restore_subtree(root, "ema" if use_ema else "params", shapes,
+                           shardings=shardings, step=found if step is None else step)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
+from jaxlearn.checkpoint import is_checkpoint
 from jaxlearn.interop.errors import InteropError, MalformedFileError
 from jaxlearn.interop.model import LoadedModel
 from jaxlearn.text import errors as text_errors
@@ -19,15 +20,6 @@ from jaxlearn.text import errors as text_errors
 class JaxlearnCheckpointError(InteropError):
     """`load_pretrained` was given a jaxlearn checkpoint directory; those are loaded by
     `jaxlearn.inference` (config from the recipe + params from `jaxlearn.checkpoint`)."""
-
-
-def _looks_like_jaxlearn_checkpoint(directory: pathlib.Path) -> bool:
-    names = {p.name for p in directory.iterdir()}
-    # jaxlearn.checkpoint layout: <root>/step_00000100/manifest.json (+ orbax files).
-    markers = ("manifest.json", "_CHECKPOINT_METADATA")
-    return any(m in names for m in markers) or any(
-        p.is_dir() and (p.name.isdigit() or p.name.startswith("step_")) for p in directory.iterdir()
-    )
 
 
 def load_pretrained(path: str | pathlib.Path, **kwargs: Any) -> LoadedModel:
@@ -72,7 +64,7 @@ def _load(p: pathlib.Path, **kwargs: Any) -> LoadedModel:
             from jaxlearn.interop.gguf import load_gguf
 
             return load_gguf(ggufs[0], **kwargs)
-        if _looks_like_jaxlearn_checkpoint(p):
+        if is_checkpoint(p):
             raise JaxlearnCheckpointError(
                 f"{p}: looks like a jaxlearn checkpoint directory; load it with "
                 f"jaxlearn.inference (its config comes from the recipe), not "

@@ -16,7 +16,6 @@ and never calls `load`.
 from __future__ import annotations
 
 import logging
-import pathlib
 from typing import Any, Protocol
 
 import jax
@@ -43,21 +42,12 @@ class ParamSource(Protocol):
         ...
 
 
-def checkpoint_root(path: str) -> tuple[pathlib.Path, int | None]:
-    """(checkpoints root, step or None for the newest) of a jaxlearn run directory, its
-    `checkpoints/` directory or one `step_*` directory."""
-    p = pathlib.Path(path)
-    if (p / "checkpoints").is_dir():
-        return p / "checkpoints", None
-    if p.name.startswith("step_") and p.name[5:].isdigit():
-        return p.parent, int(p.name[5:])
-    return p, None
-
-
 class CheckpointParams(Configurable):
     """The params of a jaxlearn checkpoint (a run directory: its newest good step; or one
     step directory), restored into the target shardings. Optimizer state, step and data
-    position are not taken: the run starts at step 0 from these weights."""
+    position are not taken: the run starts at step 0 from these weights. LoRA adapters
+    the checkpoint lacks (a LoRA recipe on a full run) are left to `load_params`, which
+    initialises them; any other missing param is an InitFromError."""
 
     class Config(Configurable.Config):
         path: str = REQUIRED
@@ -66,27 +56,21 @@ class CheckpointParams(Configurable):
         return str(self.config.path)
 
     def load(self, model: Any, shardings: Any) -> Any:
-        from jaxlearn.checkpoint import Checkpointer, CheckpointNotFoundError
+        from jaxlearn.checkpoint import locate, restore_subtree
         from jaxlearn.module import is_spec
 
-        root, step = checkpoint_root(self.config.path)
-        target = {"params": jax.tree.map(
-            lambda s, sh: jax.ShapeDtypeStruct(tuple(s.shape), s.dtype, sharding=sh),
-            model.create_parameter_specs_recursively(), shardings, is_leaf=is_spec)}
-        ckpt = Checkpointer.default_config().set(directory=str(root)).instantiate()
-        try:
-            if step is not None:
-                restored = ckpt.restore(step, target, partial=True)
-            else:
-                found = ckpt.restore_latest(target, partial=True)
-                if found is None:
-                    raise CheckpointNotFoundError(
-                        f"{self.config.path}: init_from has no checkpoint steps")
-                step, restored = found
-        finally:
-            ckpt.close()
+        root, step = locate(self.config.path)
+        abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(tuple(s.shape), s.dtype),
+                                model.create_parameter_specs_recursively(), is_leaf=is_spec)
+        params, step = restore_subtree(root, "params", abstract, shardings=shardings,
+                                       step=step, skip_missing=True)
+        absent = [".".join(p) for p in _paths(abstract) if p not in _paths(params)
+                  and not p[-1].endswith(("_lora_a", "_lora_b"))]
+        if absent:
+            raise InitFromError(f"init_from {self.config.path}: step {step} has no "
+                                f"params.{absent[0]} ({len(absent)} model params missing)")
         log.info("init_from %s: params of step %d", self.config.path, step)
-        return restored["params"]
+        return params
 
 
 def load_params(init_from: Any, model: Any, specs: Any, shardings: Any, init_key: Any) -> Any:
@@ -139,5 +123,4 @@ def _fill_missing(params: Any, model: Any, shardings: Any, init_key: Any) -> Any
     return out
 
 
-__all__ = ["CheckpointParams", "InitFromError", "ParamSource", "checkpoint_root",
-           "load_params"]
+__all__ = ["CheckpointParams", "InitFromError", "ParamSource", "load_params"]

@@ -14,15 +14,20 @@ on read, with errors naming the file and the field.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any, Optional, Union
 
 from jaxlearn.checkpoint import storage
 
 RECORD_FILE = "run.json"
+TOKENIZER_DIR = "tokenizer"  # <output_dir>/tokenizer/: the run's own copy of its tokenizer
+TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "chat_template.jinja",
+                        "special_tokens_map.json")
 FORMAT_VERSION = 1
 
 
@@ -79,12 +84,14 @@ class RunRecord:
 
     def write(self, directory: Union[str, os.PathLike[str]]) -> storage.StoragePath:
         """Writes `<directory>/run.json` atomically (temp file + rename; on an object store
-        one PUT); returns its path."""
+        one PUT); returns its path. A local directory also gets a copy of the run's
+        tokenizer file (`save_tokenizer`), so the run directory is self-contained."""
         if storage.is_remote(directory):
             remote = storage.resolve(directory, check=False) / RECORD_FILE
             remote.write_text(self.to_json())
             return remote
         path = Path(directory) / RECORD_FILE
+        save_tokenizer(directory, self.config_text)
         tmp = path.with_name(f".{RECORD_FILE}.tmp")
         tmp.write_text(self.to_json())
         os.replace(tmp, path)
@@ -114,6 +121,69 @@ def find_run_record(path: Union[str, os.PathLike[str]]) -> Optional[RunRecord]:
         if candidate.is_file():
             return RunRecord.read(candidate)
     return None
+
+
+def _run_dirs(p: Any) -> list[Any]:
+    """The directories that may be a run's output dir for a run dir, its `checkpoints/`
+    directory or one step directory."""
+    if p.name == "checkpoints":
+        return [p, p.parent]
+    if p.parent.name == "checkpoints":
+        return [p, p.parent.parent]
+    return [p]
+
+
+def _tokenizer_path(config_text: str) -> Optional[str]:
+    """`input.tokenizer.path` of a flat config text (None: no such field, or empty)."""
+    for line in config_text.splitlines():
+        if line.startswith("input.tokenizer.path: "):
+            try:  # A Python literal, as `to_flat_text` writes strings.
+                value = ast.literal_eval(line.split(": ", 1)[1])
+            except (ValueError, SyntaxError):
+                return None
+            return value if isinstance(value, str) and value else None
+    return None
+
+
+def save_tokenizer(directory: Union[str, os.PathLike[str]], config_text: str) -> Optional[Path]:
+    """Copies the tokenizer file the run's config names (`input.tokenizer.path`) and the HF
+    files beside it (TOKENIZER_SIDE_FILES) into `<directory>/tokenizer/` (once; a resumed
+    run keeps its copy), so that moving or copying the run directory keeps its tokenizer.
+    Returns the copy; None when the config names no file or `directory` is remote."""
+    source = _tokenizer_path(config_text)
+    if source is None or storage.is_remote(directory) or not os.path.isfile(source):
+        return None
+    target = Path(directory) / TOKENIZER_DIR
+    copy = target / os.path.basename(source)
+    if copy.is_file():
+        return copy
+    target.mkdir(parents=True, exist_ok=True)
+    siblings = [os.path.join(os.path.dirname(source), n) for n in TOKENIZER_SIDE_FILES]
+    if source.lower().endswith(".gguf"):  # A whole model file: linked when it can be.
+        siblings = []
+        try:
+            os.link(source, copy)
+            return copy
+        except OSError:
+            pass
+    for name in [source, *[s for s in siblings if os.path.isfile(s) and s != source]]:
+        tmp = target / f".{os.path.basename(name)}.tmp"
+        shutil.copyfile(name, tmp)
+        os.replace(tmp, target / os.path.basename(name))
+    return copy
+
+
+def run_tokenizer_path(path: Union[str, os.PathLike[str]], source: str) -> str:
+    """The tokenizer file of the run at `path` (a run dir, its `checkpoints/` or a step
+    dir) whose config names `source` (`input.tokenizer.path`): the run directory's own
+    copy (`save_tokenizer`) when it has one, else `source`."""
+    if not source or storage.is_remote(path):
+        return source
+    for run_dir in _run_dirs(Path(path)):
+        copy = run_dir / TOKENIZER_DIR / os.path.basename(source)
+        if copy.is_file():
+            return str(copy)
+    return source
 
 
 def _path(path: Union[str, os.PathLike[str]]) -> storage.StoragePath:
