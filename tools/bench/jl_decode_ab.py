@@ -10,7 +10,7 @@ _PAGE_MAJOR_MAX_ROWS` picks between them when the programs are traced). `--compa
 the default engine (`base`) vs `Engine.Config.fuse_projections=True` (`fused`: one q/k/v
 and one gate/up matmul per layer). (A third A/B, bf16 decode matmuls on oneDNN through a
 custom call, measured 0.85-0.90x of XLA's own dots in the whole step, results/
-decode_ab.jsonl; the kernel now lives in tools/bench/onednn_kernel.py for `jl_gemv.py`.)
+decode_ab.jsonl; it was removed with the kernel.)
 `--compare layout`: `in_out`, dense weights in their trained [in, out] layout, vs
 `out_in`, stored [out, in] (`Engine.Config.weight_layout`; "auto", the default, picks
 `out_in` for bf16 weights on one CPU device). Per

@@ -22,8 +22,6 @@ write bytes). Formulations (w: [K, N] "nn", or its transpose [N, K] "nt"; x is f
   bf16_pad_nn / _nt       the same with M=1 padded to 2 rows (dense.py's bf16 GEMV path;
                           _nt: the serving engine's bf16 layout, `TransposedWeight`)
   bf16up_nn / bf16up_nt   bf16 weights converted to f32 inside the program, f32 dot
-  dnn_nn / dnn_nt         bf16 x bf16 -> f32 on oneDNN (`onednn_kernel.py` here, a custom
-                          call; skipped where it is unavailable)
   i8_f32_nn / i8_f32_nt   int8 weights converted to f32, f32 dot, per-column scale after
   i8_bf16_nn / _nt        int8 -> bf16 weights, bf16 x bf16 -> f32 dot, scale after
   i8i8_nn / i8i8_nt       dynamic per-row int8 activations, int8 x int8 -> int32 dot
@@ -50,7 +48,7 @@ MODELS: dict[str, dict[str, tuple[int, int]]] = {
            "down": (8192, 2048), "lm_head": (2048, 49152)},
 }
 FORMS = ("f32_nn", "f32_nt", "f32_hi_nn", "bf16_nn", "bf16_nt", "bf16_pad_nn", "bf16_pad_nt",
-         "bf16up_nn", "bf16up_nt", "dnn_nn", "dnn_nt", "i8_f32_nn", "i8_f32_nt",
+         "bf16up_nn", "bf16up_nt", "i8_f32_nn", "i8_f32_nt",
          "i8_bf16_nn", "i8_bf16_nt", "i8i8_nn", "i8i8_nt", "red_f32_nt", "red_f32_nn",
          "red_bf16_nt", "red_bf16_nn", "red_i8_nt", "red_i8_nn")
 # The reduce forms over the non-minor axis are 10-50x slower than any dot: not by default.
@@ -60,7 +58,6 @@ DEFAULT_FORMS = tuple(f for f in FORMS if f not in ("red_f32_nn", "red_bf16_nn",
 def _one(form: str) -> tuple[str, Callable[..., Any]]:
     """(weight storage dtype, fn(x [M, K], w, scale [N]) -> [M, N] f32) of a formulation."""
     import jax.numpy as jnp
-    import onednn_kernel as onednn
     from jax import lax
 
     f32, bf16 = jnp.float32, jnp.bfloat16
@@ -92,8 +89,6 @@ def _one(form: str) -> tuple[str, Callable[..., Any]]:
         "bf16": ("bfloat16", lambda x, w, s: dot(x.astype(bf16), w, preferred_element_type=f32)),
         "bf16_pad": ("bfloat16", pad),
         "bf16up": ("bfloat16", lambda x, w, s: dot(x, w.astype(f32))),
-        "dnn": ("bfloat16", lambda x, w, s: onednn.bf16_matmul(x.astype(bf16), w,
-                                                              w_transposed=nt)),
         "i8_f32": ("int8", lambda x, w, s: dot(x, w.astype(f32)) * s),
         "i8_bf16": ("int8", lambda x, w, s: dot(x.astype(bf16), w.astype(bf16),
                                                preferred_element_type=f32) * s),
@@ -211,11 +206,6 @@ def main() -> None:
     bad = [f for f in forms if f not in FORMS]
     if bad:
         raise SystemExit(f"jl_gemv.py: --forms: unknown {bad}; choose from {list(FORMS)}")
-    import onednn_kernel as onednn
-
-    if onednn.unavailable_reason() is not None and any(f.startswith("dnn_") for f in forms):
-        log(f"oneDNN unavailable ({onednn.unavailable_reason()}): dnn_* forms skipped")
-        forms = [f for f in forms if not f.startswith("dnn_")]
     limit = stream_limit(args.stream_gib, 7)
     log(f"stream limit: {limit}")
     import jax.numpy as jnp
