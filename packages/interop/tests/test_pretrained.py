@@ -37,3 +37,22 @@ def test_other_paths_are_clear_errors(tmp_path):
     (tmp_path / "bad.gguf").write_bytes(b"not a gguf file")
     with pytest.raises(InteropError, match="bad.gguf"):
         load_pretrained(tmp_path / "bad.gguf")
+
+
+def test_model_kind_tells_the_three_kinds_apart(tmp_path):
+    from jaxlearn.interop.source import model_kind
+
+    assert model_kind(FIXTURES / "hf_llama") == ("hf", FIXTURES / "hf_llama")
+    (tmp_path / "g").mkdir()
+    (tmp_path / "g" / "m.gguf").write_bytes(b"GGUF")
+    assert model_kind(tmp_path / "g") == ("gguf", tmp_path / "g" / "m.gguf")
+    assert model_kind(tmp_path / "g" / "m.gguf") == ("gguf", tmp_path / "g" / "m.gguf")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "run.json").write_text("{}")
+    assert model_kind(tmp_path / "run") == ("jaxlearn", tmp_path / "run")
+    (tmp_path / "run2" / "checkpoints" / "step_00000003").mkdir(parents=True)
+    for p in (tmp_path / "run2", tmp_path / "run2" / "checkpoints" / "step_00000003"):
+        assert model_kind(p) == ("jaxlearn", p)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(InteropError, match="neither an HF model directory"):
+        model_kind(tmp_path / "empty")

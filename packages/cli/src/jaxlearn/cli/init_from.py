@@ -37,26 +37,16 @@ class InitFromUsageError(ValueError):
 
 
 def _kind(p: pathlib.Path) -> tuple[str, pathlib.Path]:
-    """("hf" | "gguf" | "jaxlearn", the path to load) for `--init_from p`."""
-    from jaxlearn.checkpoint import is_checkpoint
-    from jaxlearn.runtime.record import find_run_record
+    """("hf" | "gguf" | "jaxlearn", the path to load) for `--init_from p`
+    (`interop.source.model_kind`)."""
+    from jaxlearn.interop import InteropError
+    from jaxlearn.interop.source import model_kind
 
-    if p.is_file():
-        if p.suffix.lower() == ".gguf":
-            return "gguf", p
-        raise InitFromUsageError(f"--init_from {p}: a file that is not .gguf")
-    if not p.is_dir():
-        raise InitFromUsageError(f"--init_from {p}: no such file or directory")
-    if (p / "config.json").exists():
-        return "hf", p
-    ggufs = sorted(p.glob("*.gguf"))
-    if len(ggufs) == 1:
-        return "gguf", ggufs[0]
-    if find_run_record(p) is not None or is_checkpoint(p):
-        return "jaxlearn", p
-    raise InitFromUsageError(
-        f"--init_from {p}: neither an HF model directory (no config.json), a GGUF file "
-        f"({len(ggufs)} *.gguf files here) nor a jaxlearn run (no run.json, no checkpoints)")
+    try:
+        return model_kind(p)
+    except InteropError as e:
+        what = str(e).removeprefix(f"{p}: ")
+        raise InitFromUsageError(f"--init_from {p}: {what}") from None
 
 
 def _lora_settings(model: Any) -> Optional[dict[str, Any]]:

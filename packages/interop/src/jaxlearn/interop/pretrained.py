@@ -11,9 +11,9 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
-from jaxlearn.checkpoint import is_checkpoint
 from jaxlearn.interop.errors import InteropError, MalformedFileError
 from jaxlearn.interop.model import LoadedModel
+from jaxlearn.interop.source import model_kind
 from jaxlearn.text import errors as text_errors
 
 
@@ -48,31 +48,15 @@ def load_pretrained(path: str | pathlib.Path, **kwargs: Any) -> LoadedModel:
 
 
 def _load(p: pathlib.Path, **kwargs: Any) -> LoadedModel:
-    if p.is_file():
-        if p.suffix.lower() == ".gguf":
-            from jaxlearn.interop.gguf import load_gguf
+    kind, target = model_kind(p)
+    if kind == "gguf":
+        from jaxlearn.interop.gguf import load_gguf
 
-            return load_gguf(p, **kwargs)
-        raise InteropError(f"{p}: a file that is not .gguf; expected a GGUF file or a directory")
-    if p.is_dir():
-        if (p / "config.json").exists():
-            from jaxlearn.interop.hf import load_hf
+        return load_gguf(target, **kwargs)
+    if kind == "hf":
+        from jaxlearn.interop.hf import load_hf
 
-            return load_hf(p, **kwargs)
-        ggufs = sorted(p.glob("*.gguf"))
-        if len(ggufs) == 1:
-            from jaxlearn.interop.gguf import load_gguf
-
-            return load_gguf(ggufs[0], **kwargs)
-        if is_checkpoint(p):
-            raise JaxlearnCheckpointError(
-                f"{p}: looks like a jaxlearn checkpoint directory; load it with "
-                f"jaxlearn.inference (its config comes from the recipe), not "
-                f"jaxlearn.interop.load_pretrained"
-            )
-        raise InteropError(
-            f"{p}: neither an HF model directory (no config.json) nor a GGUF file "
-            f"({len(ggufs)} *.gguf files); a jaxlearn checkpoint directory is loaded by "
-            f"jaxlearn.inference"
-        )
-    raise InteropError(f"{p}: no such file or directory")
+        return load_hf(target, **kwargs)
+    raise JaxlearnCheckpointError(
+        f"{p}: a jaxlearn run or checkpoint directory; load it with jaxlearn.inference "
+        f"(its config comes from the run record), not jaxlearn.interop.load_pretrained")
