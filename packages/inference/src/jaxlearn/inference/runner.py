@@ -49,7 +49,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxlearn.inference.logprobs import MAX_LOGPROBS, token_logprobs, wanted_logprobs
-from jaxlearn.inference.penalties import MAX_LOGIT_BIAS
+from jaxlearn.inference.penalties import pack
 from jaxlearn.inference.sampling import sample_tokens
 from jaxlearn.layers.attention import Attention
 from jaxlearn.module import Module, functional, logical_sharding
@@ -351,12 +351,7 @@ class ModelRunner:
                   allow: Optional[np.ndarray]) -> tuple[dict[str, np.ndarray], np.ndarray]:
         """The penalty arrays and grammar bit rows of a call, all "off" where not given."""
         if penalties is None:
-            penalties = {
-                "presence": np.zeros(rows, np.float32),
-                "frequency": np.zeros(rows, np.float32),
-                "bias_ids": np.full((rows, MAX_LOGIT_BIAS), self.vocab_size, np.int32),
-                "bias": np.zeros((rows, MAX_LOGIT_BIAS), np.float32),
-            }
+            penalties = pack([], rows, self.vocab_size)
         if allow is None:
             allow = np.full((rows, self.mask_words), -1, np.int32)
         elif allow.shape != (rows, self.mask_words):
