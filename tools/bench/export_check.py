@@ -98,7 +98,7 @@ def _tiny_cases() -> list[tuple[str, Any, Any, Any, Any]]:
                  query_pre_attn_scalar=16, norm_eps=1e-6, stack="loop")  # fmt: skip
     gemma2 = gemma2_config(num_layers=4, num_kv_heads=2, sliding_window=6, **gemma)
     gemma3 = gemma3_config(num_layers=7, num_kv_heads=1, sliding_window=5, **gemma)
-    qwen = config()
+    qwen = config(family="qwen2")
     qwen.decoder.transformer.layer.self_attention.qkv_bias = True
     moe = MixtureOfExperts.default_config().set(num_experts=4, num_experts_per_token=2)
     chat = ChatTemplate(CHATML, bos_token="<|im_start|>", eos_token="<|im_end|>")
@@ -108,7 +108,7 @@ def _tiny_cases() -> list[tuple[str, Any, Any, Any, Any]]:
     for seed, (name, cfg, tok, tmpl) in enumerate([
         ("llama_bpe", config(), bpe, chat),
         ("qwen2_bpe", qwen, _tiny_bpe(qwen2_pre_tokenizer=True), chat),
-        ("mixtral_bpe", replace_config(config(), FeedForward, moe), bpe, chat),
+        ("mixtral_bpe", replace_config(config(family="mixtral"), FeedForward, moe), bpe, chat),
         ("llama_byte", config(), byte, byte_chat),
         ("gemma2_bpe", gemma2, bpe, chat),
         ("gemma3_bpe", gemma3, bpe, chat),

@@ -31,12 +31,12 @@ def mixtral(stack):
     moe = MixtureOfExperts.default_config().set(
         num_experts=4, num_experts_per_token=2, router_scores="softmax", capacity_factor=None,
         dropless_method="ragged_dot", normalize_top_k_weights=True)  # fmt: skip
-    return replace_config(llama_config(**SIZES, stack=stack), FeedForward, moe)
+    return replace_config(llama_config(**SIZES, stack=stack, family="mixtral"), FeedForward, moe)
 
 
 RECIPES = {
     "llama": lambda stack: llama_config(**SIZES, stack=stack, rope_theta=5e5),
-    "mistral": lambda stack: llama_config(**SIZES, stack=stack).set(),
+    "mistral": lambda stack: llama_config(**SIZES, stack=stack, family="mistral"),
     "qwen3": lambda stack: qwen3_config(**SIZES, head_dim=16, stack=stack),
     "phi3": lambda stack: phi3_config(**SIZES, rotary_fraction=0.5, stack=stack),
     "mixtral": mixtral,

@@ -25,7 +25,12 @@ from jaxlearn.interop import (  # noqa: E402
     load_pretrained,
 )
 from jaxlearn.interop.gguf import GGUFFile  # noqa: E402
-from jaxlearn.layers import FeedForward, llama_config  # noqa: E402
+from jaxlearn.layers import (  # noqa: E402
+    FeedForward,
+    llama_config,
+    qwen3_config,
+    qwen3_moe_config,
+)
 from jaxlearn.layers.moe import MixtureOfExperts  # noqa: E402
 from jaxlearn.module import functional  # noqa: E402
 from jaxlearn.text.chat import ChatTemplate  # noqa: E402
@@ -152,9 +157,19 @@ def test_gguf_export_loads_back_with_same_logits_tokenizer_and_template(
     assert f.get("tokenizer.ggml.token_type")[bpe.token_to_id("<|im_end|>")] == 3
 
 
-@pytest.mark.parametrize(
-    "kind", ["mixtral", "llama3_scaling", "mistral_window", "qwen2_biases", "tied"]
-)
+# kind -> (the family the config records, llama.cpp's general.architecture)
+GGUF_KINDS = {
+    "mixtral": ("mixtral", "llama"),
+    "llama3_scaling": ("llama", "llama"),
+    "mistral_window": ("mistral", "llama"),
+    "qwen2_biases": ("qwen2", "qwen2"),
+    "tied": ("llama", "llama"),
+    "qwen3": ("qwen3", "qwen3"),
+    "qwen3_moe": ("qwen3_moe", "qwen3moe"),
+}
+
+
+@pytest.mark.parametrize("kind", GGUF_KINDS)
 def test_gguf_export_architectures_load_back_exactly(kind, tmp_path, bpe):
     """Params read back from an f32 export are the exported ones, bit for bit, and the
     loader recovers the architecture (experts, RoPE scaling, window, biases, tying)."""
@@ -174,7 +189,11 @@ def test_gguf_export_architectures_load_back_exactly(kind, tmp_path, bpe):
         "mistral_window": lambda: tiny_config(),
         "qwen2_biases": lambda: tiny_config(),
         "tied": lambda: tiny_config(tie_embeddings=True),
+        "qwen3": lambda: qwen3_config(V, 64, 2, 4, 2, 128, head_dim=16),
+        "qwen3_moe": lambda: qwen3_moe_config(V, 64, 2, 4, 2, 32, 4, 2, head_dim=16,
+                                              normalize_top_k_weights=False),  # fmt: skip
     }[kind]()
+    config.family = GGUF_KINDS[kind][0]
     if kind == "qwen2_biases":
         config.decoder.transformer.layer.self_attention.qkv_bias = True
     if kind == "mistral_window":
@@ -187,8 +206,8 @@ def test_gguf_export_architectures_load_back_exactly(kind, tmp_path, bpe):
     assert loaded.architecture.family == architecture_from_config(config).family
     jax.tree.map(np.testing.assert_array_equal, loaded.params, params)
     arch_name = GGUFFile(path).get("general.architecture")
-    assert arch_name == ("qwen2" if kind == "qwen2_biases" else "llama")
-    if kind == "mixtral":
+    assert arch_name == GGUF_KINDS[kind][1]
+    if kind in ("mixtral", "qwen3_moe"):
         ids = np.arange(24).reshape(2, 12)
         np.testing.assert_array_equal(
             logits_of(loaded.config, loaded.params, ids), logits_of(config, params, ids)
@@ -353,7 +372,7 @@ def test_bad_inputs_raise_one_clear_error(tmp_path, bpe, model):
         export_gguf(path, config, params, tokenizer={"a": 1})
     assert not path.exists() and not list(tmp_path.glob("*bad.gguf*"))  # nor a temp
     with pytest.raises(UnsupportedModelError, match="layers have different sliding windows"):
-        mixed = tiny_config(stack="loop")
+        mixed = tiny_config(stack="loop", family="qwen2")
         mixed.decoder.transformer.layer.self_attention.qkv_bias = True
         mixed.decoder.transformer.layers = [
             mixed.decoder.transformer.layer.clone(),

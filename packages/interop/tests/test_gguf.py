@@ -282,7 +282,7 @@ def test_q8_0_logits_close_to_float_model(tmp_path, bpe):
 
 
 def test_qwen2_biases_are_not_permuted(tmp_path):
-    config = base_config(96)
+    config = base_config(96, family="qwen2")
     config.decoder.transformer.layer.self_attention.qkv_bias = True
     params = random_params(config, 2)
     tensors = gguf_tensors(config, params, permute=False)
@@ -302,7 +302,7 @@ def test_llama_q_bias_is_unpermuted_too(tmp_path):
 
 def test_mixture_of_experts(tmp_path):
     moe = MixtureOfExperts.default_config().set(num_experts=4, num_experts_per_token=2)
-    config = replace_config(base_config(96), FeedForward, moe)
+    config = replace_config(base_config(96, family="mixtral"), FeedForward, moe)
     params = random_params(config, 4)
     tensors = gguf_tensors(config, params)
     assert tensors["blk.0.ffn_gate_exps.weight"].shape == (4, F, E)
@@ -322,12 +322,12 @@ def test_exported_gguf_tensors_are_llama_cpp_s_layout():
     """The name table's GGUF export equals this file's independent writer (HF names
     renamed, q/k rows permuted for llama files, experts stacked)."""
     moe = MixtureOfExperts.default_config().set(num_experts=4, num_experts_per_token=2)
-    qwen = base_config(96)
+    qwen = base_config(96, family="qwen2")
     qwen.decoder.transformer.layer.self_attention.qkv_bias = True
     cases = [
         (base_config(96, attention_bias=True), True),
         (base_config(96, tie_embeddings=True), True),
-        (replace_config(base_config(96), FeedForward, moe), True),
+        (replace_config(base_config(96, family="mixtral"), FeedForward, moe), True),
         (qwen, False),
     ]
     for seed, (config, permuted) in enumerate(cases):

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 
 from jaxlearn.families import Architecture
-from jaxlearn.families.names import FAMILIES, dims, shape_of
+from jaxlearn.families.names import dims, shape_of
+from jaxlearn.families.registry import FAMILIES
 from jaxlearn.interop import ParameterMismatchError, export_hf, load_hf
 from jaxlearn.interop.convert import permute_qk, plan, read_tensors, write_tensors
 from jaxlearn.interop.hf import architecture_from_hf, load_hf_params

@@ -136,7 +136,8 @@ def test_qwen3_moe_architecture_dense_layers_and_routing():
     step = load_hf(FIXTURES / "hf_qwen3_moe_step").architecture
     assert step.dense_layers == (0,) and not step.normalize_top_k  # decoder_sparse_step 2
     assert step.num_experts_per_token == 2 and step.tie_embeddings
-    # A recipe config reads back to the same architecture; Mixtral cannot hold it.
+    # A recipe config reads back to the same architecture; without q/k norms it is no
+    # Qwen3-MoE, and Mixtral cannot hold it.
     cfg = qwen3_moe_config(
         64, 32, 3, 4, 2, 16, 8, 3, head_dim=16, dense_layers=[1], dense_ffn_dim=48
     )
@@ -145,7 +146,10 @@ def test_qwen3_moe_architecture_dense_layers_and_routing():
     plain = cfg.clone()
     for lc in plain.decoder.transformer.layers:
         lc.self_attention.qk_norm = None
-    with pytest.raises(UnsupportedModelError, match="Mixtral has no dense layers"):
+    with pytest.raises(UnsupportedModelError, match=r"qk_norm: family qwen3_moe has per-head"):
+        architecture_from_config(plain)
+    plain.family = "mixtral"
+    with pytest.raises(UnsupportedModelError, match="has no dense layers and renormalises"):
         architecture_from_config(plain)
 
 

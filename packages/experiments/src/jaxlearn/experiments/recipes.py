@@ -88,6 +88,7 @@ def tiny_moe() -> Trainer.Config:
     """tiny-llama with every FFN replaced by 4 experts, top-2 (Mixtral-style)."""
     cfg = tiny_llama()
     cfg.model = use_moe(cfg.model, num_experts=4, top_k=2, capacity_factor=2.0)
+    cfg.model.family = "mixtral"  # the family its checkpoints are exported as
     return cfg
 
 
@@ -143,6 +144,7 @@ def mixtral_8x7b() -> Trainer.Config:
     vocab 32000, RoPE theta 1e6."""
     model = llama_config(32000, 4096, 32, 32, 8, 14336, rope_theta=1e6, dtype="bfloat16")
     model = use_moe(model, num_experts=8, top_k=2)
+    model.family = "mixtral"
     return _large(model, seq_len=4096, global_batch=1024, max_step=500_000, lr=3e-4,
                   microbatches={"tpu-v5e": 16, "tpu-v6e": 2, "gpu-h100": 8, "gpu-h200": 2,
                                 "gpu-b200": 2, "trn2": 8},

@@ -3,13 +3,13 @@
     from jaxlearn.families import architecture_from_hf, build_config
     arch = architecture_from_hf(config_json_dict)   # checked; one-line errors
     cfg = build_config(arch, stack="scan")          # CausalLM.Config
-    arch = architecture_from_config(cfg)            # and back (refuses what HF can't express)
+    arch = architecture_from_config(cfg)            # and back, through cfg.family
+    FAMILIES["qwen3"]                                # a Family: everything Qwen3 is
 
 See packages/families/README.md. File formats (safetensors, GGUF) are `jaxlearn.interop`.
 """
 
 from jaxlearn.families.arch import (
-    FAMILIES,
     Architecture,
     architecture_from_config,
     build_config,
@@ -21,12 +21,15 @@ from jaxlearn.families.errors import (
     ParameterMismatchError,
     UnsupportedModelError,
 )
-from jaxlearn.families.hf_config import HF_CLASSES, architecture_from_hf, hf_config_dict
+from jaxlearn.families.family import Family
+from jaxlearn.families.hf_config import architecture_from_hf, hf_config_dict
+from jaxlearn.families.registry import FAMILIES, HF_CLASSES, family_of_gguf, family_of_hf
 
 __all__ = [
     "FAMILIES",
     "HF_CLASSES",
     "Architecture",
+    "Family",
     "InteropError",
     "MalformedFileError",
     "ParameterMismatchError",
@@ -34,6 +37,8 @@ __all__ = [
     "architecture_from_config",
     "architecture_from_hf",
     "build_config",
+    "family_of_gguf",
+    "family_of_hf",
     "hf_config_dict",
     "layer_configs",
 ]

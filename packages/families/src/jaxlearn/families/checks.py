@@ -19,7 +19,7 @@ from typing import Any, Iterable, Optional
 
 from jaxlearn.families.arch import Architecture
 from jaxlearn.families.errors import MalformedFileError
-from jaxlearn.families.names import Row, family, features
+from jaxlearn.families.names import Row, features
 
 LIMITS = {
     "vocab_size": 2**24,
@@ -130,6 +130,8 @@ def check_layers_present(
 
     Costs O(len(names) * rows), whatever `arch.num_layers` says.
     """
+    from jaxlearn.families.registry import family  # (the families import this module)
+
     available = set(names)
     on = features(arch)
     rows = [r for r in family(arch).rows if r.per_layer and (not r.when or r.when in on)]

@@ -4,6 +4,10 @@ is built.
     arch = architecture_from_hf(hf, where=".../config.json")   # hf: the parsed dict
     hf = hf_config_dict(arch)                                   # what export writes
 
+The fields every family has are read here; each family (`Family.hf_fields` /
+`Family.hf_dict`, in its own module) reads and writes the fields only it has with the
+helpers below (`size`, `sliding_window`, `layer_type_windows`).
+
 Sizes are integers in the ranges of `checks.LIMITS` (hidden_size 0, vocab_size 10**12,
 "4096" as a string, NaN are refused naming config.json and the field);
 num_attention_heads must divide hidden_size unless `head_dim` is given, and
@@ -26,16 +30,7 @@ from jaxlearn.families.checks import (
     optional_integer,
 )
 from jaxlearn.families.errors import MalformedFileError, UnsupportedModelError
-from jaxlearn.families.gemma import (
-    GEMMA_FAMILIES,
-    gemma_hf_dict,
-    gemma_hf_fields,
-    multimodal_text_config,
-)
-from jaxlearn.families.names import FAMILIES
 from jaxlearn.layers import scaling_config, scaling_dict
-
-HF_CLASSES = {name: fam.hf_class for name, fam in FAMILIES.items()}
 
 
 def _ids(value: Any, where: str, field: str) -> tuple[int, ...]:
@@ -56,14 +51,16 @@ _SCALING_FIELDS = {
 }
 
 
-def _scaling(hf: dict[str, Any], scaling: dict[str, Any], where: str, rotary: int) -> Any:
+def _scaling(
+    hf: dict[str, Any], scaling: dict[str, Any], where: str, rotary: int, aliases: dict[str, str]
+) -> Any:
     """A checked HF-style scaling dict (`jaxlearn.layers.SCALINGS` types) or None, with
     HF's defaults filled in: factor = max / original positions where absent (yarn,
     longrope), dynamic's original maximum = `max_position_embeddings`, Phi-3's
-    top-level `original_max_position_embeddings` and "su"/"yarn" = longrope."""
+    top-level `original_max_position_embeddings`; `aliases`: the family's other names of
+    RoPE types (Phi-3's "su" / "yarn" = longrope)."""
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if hf.get("model_type") == "phi3" and rope_type in ("su", "yarn"):
-        rope_type = "longrope"
+    rope_type = aliases.get(rope_type, rope_type)
     if rope_type == "default":
         return None
     if rope_type not in _SCALING_FIELDS:
@@ -98,7 +95,7 @@ def _scaling(hf: dict[str, Any], scaling: dict[str, Any], where: str, rotary: in
     return scaling_dict(scaling_config(out))  # canonical: every field, defaults filled
 
 
-def _rope(hf: dict[str, Any], where: str, head_dim: int) -> tuple[float, float, Any]:
+def _rope(hf: dict[str, Any], where: str, head_dim: int, fam: Any) -> tuple[float, float, Any]:
     """(theta, rotary fraction, scaling dict or None) from transformers 5
     `rope_parameters` or the older top-level `rope_theta` + `rope_scaling`."""
     params = hf.get("rope_parameters")
@@ -115,67 +112,63 @@ def _rope(hf: dict[str, Any], where: str, head_dim: int) -> tuple[float, float, 
     partial = number(partial, where, "partial_rotary_factor")
     if partial > 1.0 or int(head_dim * partial) < 2:
         raise MalformedFileError(f"{where}: partial_rotary_factor = {partial} is not in (0, 1]")
-    if partial != 1.0 and hf.get("model_type") != "phi3":
+    if partial != 1.0 and not fam.partial_rotary:
         raise UnsupportedModelError(f"{where}: partial_rotary_factor != 1 needs phi3")
     rotary = int(head_dim * partial)
-    out = _scaling(hf, scaling, where, rotary) if scaling else None
+    out = _scaling(hf, scaling, where, rotary, fam.rope_aliases) if scaling else None
     return number(theta, where, "rope_theta"), partial, out
 
 
-def _windows(
-    hf: dict[str, Any], where: str, model_type: str, layers: int
+def size(hf: dict[str, Any], where: str, field: str, limit: str, default: Any = None,
+         low: int = 1) -> int:
+    """config.json `field` as an int in [low, LIMITS[limit]] (`default` when absent)."""
+    value = hf.get(field, default)
+    if value is None:
+        raise MalformedFileError(f"{where}: missing field {field!r}")
+    return integer(value, where, field, low=low, high=LIMITS[limit])
+
+
+def sliding_window(hf: dict[str, Any], where: str) -> Optional[int]:
+    return optional_integer(hf.get("sliding_window"), where, "sliding_window", high=2**40)
+
+
+def layer_type_windows(
+    layer_types: Any, window: Optional[int], where: str, layers: int
 ) -> tuple[Optional[int], ...]:
-    """Per-layer sliding windows (None: full attention), or () when no layer has one."""
-    window = optional_integer(hf.get("sliding_window"), where, "sliding_window", high=2**40)
-    layer_types = hf.get("layer_types")
-    if model_type in ("qwen2", "qwen3", "qwen3_moe"):
-        if not flag(hf.get("use_sliding_window"), where, "use_sliding_window"):
-            window = None
-    if model_type in ("qwen2", "qwen3"):
-        if layer_types is None:
-            k = integer(
-                hf.get("max_window_layers", layers), where, "max_window_layers", low=0, high=layers
-            )
-            layer_types = ["full_attention"] * k + ["sliding_attention"] * (layers - k)
-    if layer_types is not None and model_type in ("qwen2", "qwen3", "llama"):
-        if not isinstance(layer_types, list) or len(layer_types) != layers:
-            raise MalformedFileError(
-                f"{where}: layer_types is not a list of num_hidden_layers = {layers} entries"
-            )
-        return tuple(window if t == "sliding_attention" else None for t in layer_types)
-    if model_type in ("mistral", "mixtral", "qwen3_moe", "phi3") and window is not None:
-        return (window,) * layers  # Qwen3-MoE: every layer (no max_window_layers)
-    return ()
+    """Per-layer windows of a config.json `layer_types` list ("sliding_attention" layers
+    get `window`, the others None)."""
+    if not isinstance(layer_types, list) or len(layer_types) != layers:
+        raise MalformedFileError(
+            f"{where}: layer_types is not a list of num_hidden_layers = {layers} entries"
+        )
+    return tuple(window if t == "sliding_attention" else None for t in layer_types)
+
+
+def one_window_fields(hf: dict[str, Any], where: str, layers: int) -> dict[str, Any]:
+    """The window and bias fields of a config.json with one `sliding_window` for every
+    layer and `attention_bias` on q/k/v only (Mistral, Mixtral, Phi-3)."""
+    window = sliding_window(hf, where)
+    return dict(qkv_bias=flag(hf.get("attention_bias"), where, "attention_bias"),
+                output_bias=False, mlp_bias=False,
+                sliding_windows=(window,) * layers if window else ())  # fmt: skip
 
 
 def architecture_from_hf(hf: Any, *, where: str = "config.json") -> Architecture:
-    """Reads an HF `config.json` dict of a `HF_CLASSES` family (or a multimodal `gemma3`: its
-    text model); every value checked (MalformedFileError naming `where` and the field)."""
+    """Reads an HF `config.json` dict of a registered family (`registry.family_of_hf`: by
+    `model_type`, else `architectures`; a multimodal `gemma3`: its text model); every value
+    checked (MalformedFileError naming `where` and the field)."""
+    from jaxlearn.families.registry import family_of_hf  # (the families import this module)
+
     if not isinstance(hf, dict):
         raise MalformedFileError(f"{where}: the top level is not a JSON object")
-    hf = multimodal_text_config(hf, where) if hf.get("model_type") == "gemma3" else hf
-    model_type = hf.get("model_type")
-    if model_type not in HF_CLASSES:
-        archs = hf.get("architectures") or []
-        raise UnsupportedModelError(
-            f"{where}: model_type {model_type!r} ({archs}) is not supported; "
-            f"supported: {sorted(HF_CLASSES)}"
-        )
-    gemma = model_type in GEMMA_FAMILIES
-    act = hf.get("hidden_activation", hf.get("hidden_act")) if gemma else hf.get("hidden_act")
-    want = "gelu_pytorch_tanh" if gemma else "silu"
+    fam = family_of_hf(hf, where)
+    hf = fam.hf_text_config(hf, where)
+    act, want = fam.hf_act(hf), fam.hf_activation
     if (act or want) != want:
-        raise UnsupportedModelError(f"{where}: hidden_act {act!r} ({model_type}: only {want})")
-
-    def size(field: str, limit: str, default: Any = None, low: int = 1) -> int:
-        value = hf.get(field, default)
-        if value is None:
-            raise MalformedFileError(f"{where}: missing field {field!r}")
-        return integer(value, where, field, low=low, high=LIMITS[limit])
-
-    dim = size("hidden_size", "dim")
-    heads = size("num_attention_heads", "num_heads")
-    kv = size("num_key_value_heads", "num_heads", hf.get("num_key_value_heads") or heads)
+        raise UnsupportedModelError(f"{where}: hidden_act {act!r} ({fam.name}: only {want})")
+    dim = size(hf, where, "hidden_size", "dim")
+    heads = size(hf, where, "num_attention_heads", "num_heads")
+    kv = size(hf, where, "num_key_value_heads", "num_heads", hf.get("num_key_value_heads") or heads)
     head_dim = check_heads(
         where,
         dim=dim,
@@ -184,39 +177,29 @@ def architecture_from_hf(hf: Any, *, where: str = "config.json") -> Architecture
         head_dim=optional_integer(hf.get("head_dim"), where, "head_dim", high=LIMITS["head_dim"]),
         fields=("hidden_size", "num_attention_heads", "num_key_value_heads"),
     )
-    layers = size("num_hidden_layers", "num_layers")
-    theta, rotary_fraction, scaling = _rope(hf, where, head_dim)
-    qwen_moe = model_type == "qwen3_moe"
-    experts = 0
-    if model_type == "mixtral" or qwen_moe:
-        name = "num_experts" if qwen_moe and "num_local_experts" not in hf else "num_local_experts"
-        experts = size(name, "num_experts")
-    per_token = size("num_experts_per_tok", "num_experts", 2)
+    layers = size(hf, where, "num_hidden_layers", "num_layers")
+    theta, rotary_fraction, scaling = _rope(hf, where, head_dim, fam)
+    fields = fam.hf_fields(hf, where, layers)
+    experts = fields.get("num_experts", 0)
+    per_token = size(hf, where, "num_experts_per_tok", "num_experts", 2)
     if experts and per_token > experts:
         raise MalformedFileError(
             f"{where}: num_experts_per_tok = {per_token} > num_local_experts = {experts}"
         )
-    bias = flag(hf.get("attention_bias"), where, "attention_bias")
     return Architecture(
-        family=model_type,
-        vocab_size=size("vocab_size", "vocab_size"),
+        family=fam.name,
+        vocab_size=size(hf, where, "vocab_size", "vocab_size"),
         dim=dim,
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=kv,
         head_dim=head_dim,
-        ffn_dim=size("moe_intermediate_size" if qwen_moe else "intermediate_size", "ffn_dim"),
+        ffn_dim=size(hf, where, fam.hf_ffn_field, "ffn_dim"),
         norm_eps=number(hf.get("rms_norm_eps", 1e-6), where, "rms_norm_eps"),
         rope_theta=theta,
         rope_scaling=scaling,
         rotary_fraction=rotary_fraction,
         tie_embeddings=flag(hf.get("tie_word_embeddings"), where, "tie_word_embeddings"),
-        qkv_bias=True if model_type == "qwen2" else bias,
-        output_bias=bias and model_type in ("llama", "qwen3", "qwen3_moe", *GEMMA_FAMILIES),
-        mlp_bias=flag(hf.get("mlp_bias"), where, "mlp_bias") if model_type == "llama" else False,
-        **(gemma_hf_fields(hf, where, model_type, layers) if gemma
-           else dict(sliding_windows=_windows(hf, where, model_type, layers))),
-        num_experts=experts,
         num_experts_per_token=per_token,
         router_aux_loss_coef=number(
             hf.get("router_aux_loss_coef", 0.0), where, "router_aux_loss_coef", positive=False
@@ -226,29 +209,7 @@ def architecture_from_hf(hf: Any, *, where: str = "config.json") -> Architecture
         ),
         bos_token_id=(_ids(hf.get("bos_token_id"), where, "bos_token_id") or (None,))[0],
         eos_token_ids=_ids(hf.get("eos_token_id"), where, "eos_token_id"),
-        **(_qwen3_moe_layers(hf, where, layers) if qwen_moe else {}),
-    )
-
-
-def _qwen3_moe_layers(hf: dict[str, Any], where: str, layers: int) -> dict[str, Any]:
-    """The dense-layer and routing fields of a Qwen3-MoE config.json: dense FFNs
-    (`intermediate_size`) in `mlp_only_layers` and in the layers `decoder_sparse_step`
-    skips (experts have `moe_intermediate_size`), `norm_topk_prob`."""
-    step = integer(hf.get("decoder_sparse_step", 1), where, "decoder_sparse_step", high=layers)
-    only = hf.get("mlp_only_layers") or []
-    if not isinstance(only, list):
-        raise MalformedFileError(f"{where}: mlp_only_layers = {only!r} is not a list")
-    only_set = {integer(i, where, "mlp_only_layers", low=0, high=layers - 1) for i in only}
-    dense = tuple(i for i in range(layers) if i in only_set or (i + 1) % step)
-    ffn = 0
-    if dense:
-        ffn = integer(
-            hf.get("intermediate_size"), where, "intermediate_size", high=LIMITS["ffn_dim"]
-        )
-    return dict(
-        dense_layers=dense,
-        dense_ffn_dim=ffn,
-        normalize_top_k=flag(hf.get("norm_topk_prob"), where, "norm_topk_prob"),
+        **fields,
     )
 
 
@@ -257,7 +218,10 @@ def _qwen3_moe_layers(hf: dict[str, Any], where: str, layers: int) -> dict[str, 
 
 def hf_config_dict(arch: Architecture, *, dtype: str = "float32") -> dict[str, Any]:
     """An HF `config.json` dict for `arch` (the classic `rope_theta`/`rope_scaling` keys,
-    which transformers 4 and 5 both read)."""
+    which transformers 4 and 5 both read): the fields every family has, then the family's
+    own (`Family.hf_dict`)."""
+    from jaxlearn.families.registry import FAMILIES
+
     scaling = None
     max_positions = arch.max_position_embeddings or 4096
     if arch.rope_scaling is not None:
@@ -265,7 +229,7 @@ def hf_config_dict(arch: Architecture, *, dtype: str = "float32") -> dict[str, A
         if scaling["rope_type"] == "dynamic":  # HF's original maximum for dynamic NTK
             max_positions = scaling.pop("original_max_position_embeddings")
     out: dict[str, Any] = {
-        "architectures": [HF_CLASSES[arch.family]],
+        "architectures": [FAMILIES[arch.family].hf_class],
         "model_type": arch.family,
         "vocab_size": arch.vocab_size,
         "hidden_size": arch.dim,
@@ -290,64 +254,6 @@ def hf_config_dict(arch: Architecture, *, dtype: str = "float32") -> dict[str, A
     if arch.eos_token_ids:
         eos = list(arch.eos_token_ids)
         out["eos_token_id"] = eos[0] if len(eos) == 1 else eos
-    windows = arch.sliding_windows
-    if arch.family == "llama":
-        out["attention_bias"] = arch.qkv_bias
-        out["mlp_bias"] = arch.mlp_bias
-    elif arch.family == "mistral":
-        out["sliding_window"] = windows[0] if windows else None
-    elif arch.family == "phi3":
-        out.update(_phi3_fields(arch, scaling))
-    elif arch.family in ("qwen2", "qwen3"):
-        sliding = [i for i, w in enumerate(windows) if w is not None]
-        out["use_sliding_window"] = bool(sliding)
-        out["sliding_window"] = windows[sliding[0]] if sliding else None
-        out["max_window_layers"] = sliding[0] if sliding else arch.num_layers
-        if sliding:
-            out["layer_types"] = [
-                "sliding_attention" if w is not None else "full_attention" for w in windows
-            ]
-        if arch.family == "qwen3":
-            out["attention_bias"] = arch.qkv_bias
-    elif arch.family == "qwen3_moe":  # one window for every layer, or none
-        out.update(
-            use_sliding_window=bool(windows),
-            sliding_window=windows[0] if windows else None,
-            attention_bias=arch.qkv_bias,
-            intermediate_size=arch.dense_ffn_dim or arch.ffn_dim,
-            moe_intermediate_size=arch.ffn_dim,
-            num_experts=arch.num_experts,
-            num_experts_per_tok=arch.num_experts_per_token,
-            norm_topk_prob=arch.normalize_top_k,
-            decoder_sparse_step=1,
-            mlp_only_layers=list(arch.dense_layers),
-            router_aux_loss_coef=arch.router_aux_loss_coef,
-            output_router_logits=False,
-        )
-    elif arch.family in GEMMA_FAMILIES:
-        del out["hidden_act"]
-        out.update(gemma_hf_dict(arch))
-    elif arch.family == "mixtral":
-        out["sliding_window"] = windows[0] if windows else None
-        out["num_local_experts"] = arch.num_experts
-        out["num_experts_per_tok"] = arch.num_experts_per_token
-        out["router_aux_loss_coef"] = arch.router_aux_loss_coef
-        out["output_router_logits"] = False
-        out["router_jitter_noise"] = 0.0
+    FAMILIES[arch.family].hf_dict(arch, out)
     return out
 
-
-def _phi3_fields(arch: Architecture, scaling: Optional[dict[str, Any]]) -> dict[str, Any]:
-    """Phi-3's config.json fields: one window, partial RoPE, the original maximum at the
-    top level (where Phi3Config reads it), no pad/bos/eos defaults (1, 32000)."""
-    out = dict(
-        sliding_window=arch.sliding_windows[0] if arch.sliding_windows else None,
-        partial_rotary_factor=arch.rotary_fraction,
-        attention_bias=False, resid_pdrop=0.0, embd_pdrop=0.0, pad_token_id=None,
-        bos_token_id=arch.bos_token_id,
-        eos_token_id=arch.eos_token_ids[0] if len(arch.eos_token_ids) == 1
-        else list(arch.eos_token_ids) or None,
-    )  # fmt: skip
-    if scaling is not None:
-        out["original_max_position_embeddings"] = scaling["original_max_position_embeddings"]
-    return out

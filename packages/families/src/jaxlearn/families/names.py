@@ -27,9 +27,10 @@ for `sparse` / `dense_ffn`: the MoE and dense FFN layers of a Qwen3-MoE model).
 `FUSIONS` are jaxlearn-side fused parameters (configs with `fused_qkv` / `fused_gate`):
 import concatenates the unfused rows into them, export splits them back.
 
-Adding a family = a `Family` entry with its rows (plus reading its hyperparameters).
-`jaxlearn.interop.convert` (and `jaxlearn.interop.sharded`) applies the table to files and
-parameter trees.
+The row groups here are shared; each family module (`llama.py`, `qwen.py`, ...: a
+`family.Family`) lists its rows built from them, and `registry.family(arch)` gives the
+family of an `Architecture`. `jaxlearn.interop.convert` (and `jaxlearn.interop.sharded`)
+applies the table to files and parameter trees.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ import dataclasses
 from typing import Any, Optional, Sequence
 
 from jaxlearn.families.arch import Architecture
-from jaxlearn.families.errors import UnsupportedModelError
 
 FORMATS = ("hf", "gguf")
 # File tensors that carry no parameters (buffers some exporters write), by name suffix.
@@ -102,17 +102,6 @@ class Fusion:
     parts: tuple[str, ...]
     axis: int
     when: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Family:
-    """An architecture family: HF class, whether llama.cpp permutes its q/k rows (files
-    with `general.architecture` llama), and its rows."""
-
-    name: str
-    hf_class: str
-    gguf_permutes_qk: bool
-    rows: tuple[Row, ...]
 
 
 def key_of(path: str) -> str:
@@ -323,31 +312,13 @@ _GEMMA_BASE = tuple(
 )
 GEMMA2_ROWS = _gemma(_GEMMA_BASE, untied_gguf=False)
 GEMMA3_ROWS = _gemma(_GEMMA_BASE + QK_NORM_ROWS)
-_DENSE = TOP_ROWS + ATTENTION_ROWS + DENSE_FFN_ROWS
-_MOE = TOP_ROWS + ATTENTION_ROWS + MOE_FFN_ROWS
 _PHI3 = TOP_ROWS + PHI3_ROWS + tuple(
     r for r in ATTENTION_ROWS + DENSE_FFN_ROWS
     if not r.when and not r.path.endswith(("q_proj", "k_proj", "v_proj", "wi_0", "wi_1"))
 )  # fmt: skip
-FAMILIES: dict[str, Family] = {
-    f.name: f
-    for f in (
-        Family("llama", "LlamaForCausalLM", True, _DENSE),
-        Family("mistral", "MistralForCausalLM", True, _DENSE),
-        Family("qwen2", "Qwen2ForCausalLM", False, _DENSE),
-        Family("qwen3", "Qwen3ForCausalLM", False, _DENSE + QK_NORM_ROWS),
-        Family("mixtral", "MixtralForCausalLM", True, _MOE),
-        Family("phi3", "Phi3ForCausalLM", False, _PHI3),
-        Family(
-            "qwen3_moe",
-            "Qwen3MoeForCausalLM",
-            False,
-            TOP_ROWS + ATTENTION_ROWS + QK_NORM_ROWS + QWEN3_MOE_FFN_ROWS,
-        ),
-        Family("gemma2", "Gemma2ForCausalLM", False, GEMMA2_ROWS),
-        Family("gemma3_text", "Gemma3ForCausalLM", False, GEMMA3_ROWS),
-    )
-}
+# Phi-3's whole name table (`phi3.py`); the other families compose theirs from the row
+# groups above in their own modules.
+PHI3_MODEL_ROWS = _PHI3
 
 
 # ---- shapes and features --------------------------------------------------------------------
@@ -406,8 +377,3 @@ def features(arch: Architecture, layer: Optional[int] = None) -> frozenset[str]:
     }
     return frozenset(k for k, v in on.items() if v)
 
-
-def family(arch: Architecture) -> Family:
-    if arch.family not in FAMILIES:
-        raise UnsupportedModelError(f"architecture family {arch.family!r} has no name table")
-    return FAMILIES[arch.family]

@@ -13,21 +13,20 @@ from typing import Container, Iterable, Optional, Protocol, Sequence
 import numpy as np
 
 from jaxlearn.families.arch import Architecture
+from jaxlearn.families.family import Family
 from jaxlearn.families.names import (
-    FAMILIES,
     FORMATS,
     FUSIONS,
     IGNORED,
-    Family,
     Name,
     Row,
     block,
     dims,
-    family,
     features,
     key_of,
     shape_of,
 )
+from jaxlearn.families.registry import FAMILIES, family
 from jaxlearn.interop.errors import ParameterMismatchError, UnsupportedModelError
 
 Nested = dict

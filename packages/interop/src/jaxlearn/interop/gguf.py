@@ -13,8 +13,9 @@ SmolLM), `qwen2` (q/k/v biases), `qwen3` (`attn_q_norm` / `attn_k_norm`, explici
 `attention.key_length`), `qwen3moe` (qwen3 attention, every FFN top-k experts of width
 `expert_feed_forward_length`), `phi3` (fused `attn_qkv` / `ffn_up`, partial RoPE,
 LongRoPE factors as `rope_factors_long/short.weight`), `mistral`-named files with the
-llama layout, `gemma2` / `gemma3` (`gguf_gemma`: what llama.cpp derives rather than stores,
-norms holding `1 + scale`). YaRN is `rope.scaling.type` yarn. llama.cpp
+llama layout, `gemma2` / `gemma3` (`jaxlearn.families.gemma`: what llama.cpp derives rather
+than stores, norms holding `1 + scale`). Each family (`jaxlearn.families.registry`) reads
+the metadata only it has. YaRN is `rope.scaling.type` yarn. llama.cpp
 permutes the rows of the q/k projections of `llama` files for its interleaved RoPE
 (`convert_hf_to_gguf.LlamaModel.permute`); `unpermute_qk` undoes it so the weights match the
 HF rotate-half layout that jaxlearn's RoPE uses. qwen2 and qwen3 files are not permuted. Tensor
@@ -45,7 +46,7 @@ from jaxlearn.families.checks import (
     integer,
     number,
 )
-from jaxlearn.families.names import FAMILIES
+from jaxlearn.families.registry import FAMILIES, GGUF_ARCHITECTURES, family_of_gguf
 from jaxlearn.families.tree import assemble_params, layer_layouts, split_params, stack_kind
 from jaxlearn.interop.convert import held_features, read_tensors, write_tensors
 from jaxlearn.interop.convert import permute_qk as permute_qk  # re-exported
@@ -56,7 +57,6 @@ from jaxlearn.interop.errors import (
     TokenizerError,
     UnsupportedModelError,
 )
-from jaxlearn.interop.gguf_gemma import GEMMA_ARCHITECTURES, gemma_fields_from_gguf
 from jaxlearn.interop.model import LoadedModel
 from jaxlearn.text import errors as text_errors
 from jaxlearn.text.chat import ChatTemplate
@@ -69,14 +69,8 @@ except ImportError:  # pragma: no cover - depends on the environment
     _gguf = None
 
 Nested = dict[str, Any]
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe", "phi3", *GEMMA_ARCHITECTURES)
-# general.architecture -> the family of a file (with experts, without).
-_FAMILY = {
-    "qwen2": ("mixtral", "qwen2"),
-    "qwen3": ("mixtral", "qwen3"),
-    "qwen3moe": ("qwen3_moe", "qwen3"),
-    "phi3": ("phi3", "phi3"),
-}
+# The `general.architecture` values read, each by its family (`Family.gguf_fields`).
+ARCHITECTURES = GGUF_ARCHITECTURES
 
 
 def _require_gguf() -> Any:
@@ -183,8 +177,9 @@ def _llama3_scaling_from_factors(
     )
 
 
-def _sizes(f: GGUFFile, arch: str) -> dict[str, Any]:
-    """The validated integer hyperparameters `{arch}.*` of `f` (see `checks.LIMITS`)."""
+def _sizes(f: GGUFFile, arch: str, partial_rotary: bool = False) -> dict[str, Any]:
+    """The validated integer hyperparameters `{arch}.*` of `f` (see `checks.LIMITS`);
+    `partial_rotary`: the family has RoPE on part of each head."""
     where = str(f.path)
 
     def key(name: str, limit: str, default: Any = None, low: int = 1, **kw: Any) -> Any:
@@ -208,7 +203,7 @@ def _sizes(f: GGUFFile, arch: str) -> dict[str, Any]:
     if key("attention.value_length", "head_dim", head_dim) != head_dim:
         raise UnsupportedModelError(f"{f.path}: key_length != value_length")
     rot = key("rope.dimension_count", "head_dim", head_dim)
-    if rot > head_dim or (rot != head_dim and arch != "phi3"):
+    if rot > head_dim or (rot != head_dim and not partial_rotary):
         raise UnsupportedModelError(f"{f.path}: partial RoPE ({rot} of {head_dim} dims)")
     tokens = f.get("tokenizer.ggml.tokens")
     if tokens is not None and not isinstance(tokens, list):
@@ -313,31 +308,19 @@ def _token_id(f: GGUFFile, key: str) -> Optional[int]:
 
 
 def architecture_from_gguf(f: GGUFFile) -> Architecture:
-    """Reads the hyperparameters of a GGUF file (`ARCHITECTURES`); every size is
+    """Reads the hyperparameters of a GGUF file (`ARCHITECTURES`: the family that reads
+    `general.architecture` gives the family-specific fields); every size is
     checked (MalformedFileError naming the file and key), and every layer `block_count`
     declares must have its tensors in the file, before anything is allocated."""
     arch_name = f.require("general.architecture")
-    if arch_name not in ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"{f.path}: general.architecture {arch_name!r} is not supported ({ARCHITECTURES})"
-        )
-    sizes = _sizes(f, arch_name)
+    owner = family_of_gguf(arch_name, str(f.path))
+    sizes = _sizes(f, arch_name, owner.partial_rotary)
     rotary = round(sizes["head_dim"] * sizes["rotary_fraction"])
     theta, scaling = _rope(f, arch_name, sizes["head_dim"], rotary)
     eps = f.get(f"{arch_name}.attention.layer_norm_rms_epsilon", 1e-5)
     eos = [_token_id(f, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
-    family = _FAMILY.get(arch_name, ("mixtral", "llama"))[0 if sizes["num_experts"] else 1]
-    fields: dict[str, Any]
-    if arch_name in GEMMA_ARCHITECTURES:
-        fields = gemma_fields_from_gguf(f, arch_name, sizes)
-        family = fields["family"]
-    else:
-        window = f.integer(f"{arch_name}.attention.sliding_window", high=LIMITS["window"])
-        if window is not None and family == "llama":
-            family = "mistral"
-        fields = dict(family=family,
-                      sliding_windows=(window,) * sizes["num_layers"] if window else ())
-    held = held_features(FAMILIES[family], "gguf", f.tensors)  # biases, untied head
+    fields = owner.gguf_fields(f, arch_name, sizes)  # family, windows, the family's own
+    held = held_features(FAMILIES[fields["family"]], "gguf", f.tensors)  # biases, untied
     # llama.cpp renormalises the top-k weights unless the file says otherwise.
     norm_key = f"{arch_name}.expert_weights_norm"
     normalize = flag(f.get(norm_key), str(f.path), norm_key, default=True)

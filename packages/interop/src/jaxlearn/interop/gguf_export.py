@@ -6,9 +6,11 @@ file, written with the `gguf` package's `GGUFWriter`.
 Architectures as llama.cpp names them: Llama, Mistral and Mixtral are `llama` (Mistral
 adds `llama.attention.sliding_window`, Mixtral `llama.expert_count` /
 `expert_used_count` and stacked `ffn_*_exps` tensors), Qwen2 is `qwen2`, Phi-3 `phi3`
-(fused `attn_qkv` / `ffn_up`, LongRoPE as `rope_factors_long/short.weight`), Gemma 2 / 3
-`gemma2` / `gemma3` (norms as `1 + scale`; `gguf_gemma` refuses what llama.cpp would
-derive differently: layer pattern, query scale, local RoPE). Tensors come
+(fused `attn_qkv` / `ffn_up`, LongRoPE as `rope_factors_long/short.weight`), Qwen3 /
+Qwen3-MoE `qwen3` / `qwen3moe`, Gemma 2 / 3 `gemma2` / `gemma3` (norms as `1 + scale`;
+refusing what llama.cpp would derive differently: layer pattern, query scale, local
+RoPE). The family (`jaxlearn.families.registry`) names the architecture and writes the
+keys only it has (`Family.gguf_name`, `write_gguf_keys`). Tensors come
 from `gguf_params_to_tensors` (llama.cpp names and layout, q/k rows permuted for `llama`).
 Llama-3 RoPE scaling becomes the `rope_freqs.weight` divisors llama.cpp reads; linear
 scaling `rope.scaling.type/factor`, YaRN also `original_context_length` and
@@ -28,8 +30,7 @@ from typing import Any, Iterable, Optional
 import numpy as np
 
 from jaxlearn.families.arch import Architecture, architecture_from_config
-from jaxlearn.families.gemma import GEMMA_FAMILIES
-from jaxlearn.families.names import family
+from jaxlearn.families.registry import family
 from jaxlearn.interop.atomic import prepare_output, write_atomically
 from jaxlearn.interop.errors import (
     InteropError,
@@ -37,7 +38,6 @@ from jaxlearn.interop.errors import (
     tokenizer_errors_as_interop,
 )
 from jaxlearn.interop.gguf import _require_gguf, gguf_params_to_tensors
-from jaxlearn.interop.gguf_gemma import gemma_gguf_name, write_gemma_keys
 from jaxlearn.text.chat import ChatTemplate
 from jaxlearn.text.tokenizer_export import (
     ExportTokenizer,
@@ -54,15 +54,7 @@ def _arch_name(arch: Architecture) -> str:
     """llama.cpp's `general.architecture` for `arch` (raises for what GGUF cannot hold)."""
     if not all(r.gguf for r in family(arch).rows if r.when != "untied"):
         raise UnsupportedModelError(f"cannot export to GGUF: {arch.family} has no GGUF names")
-    if arch.family in GEMMA_FAMILIES:
-        return gemma_gguf_name(arch)
-    uniform, _ = arch.uniform_sliding_window()
-    if not uniform:
-        raise UnsupportedModelError(
-            f"cannot export to GGUF: layers have different sliding windows "
-            f"{list(arch.sliding_windows)}; llama.cpp's {arch.family} takes one window"
-        )
-    return arch.family if arch.family in ("qwen2", "phi3") else "llama"
+    return family(arch).gguf_name(arch)
 
 
 def _rope_tensors(arch: Architecture) -> dict[str, np.ndarray]:
@@ -132,15 +124,7 @@ def _write_architecture(w: Any, arch: Architecture, context_length: int) -> None
     w.add_layer_norm_rms_eps(float(arch.norm_eps))
     w.add_vocab_size(arch.vocab_size)
     _rope_scaling_keys(w, arch)
-    if arch.family in GEMMA_FAMILIES:
-        write_gemma_keys(w, arch)
-        return
-    _, window = arch.uniform_sliding_window()
-    if window is not None:
-        w.add_sliding_window(int(window))
-    if arch.is_moe:
-        w.add_expert_count(arch.num_experts)
-        w.add_expert_used_count(arch.num_experts_per_token)
+    family(arch).write_gguf_keys(w, arch)  # windows, experts, soft caps, ...
 
 
 def _write_tokenizer(

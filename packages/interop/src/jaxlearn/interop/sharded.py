@@ -37,7 +37,8 @@ import numpy as np
 
 from jaxlearn.config import REQUIRED, Configurable
 from jaxlearn.families.arch import Architecture
-from jaxlearn.families.names import FUSIONS, block, dims, family, key_of, shape_of
+from jaxlearn.families.names import FUSIONS, block, dims, key_of, shape_of
+from jaxlearn.families.registry import family
 from jaxlearn.families.tree import flatten, group_size, layer_layouts, stack_kind
 from jaxlearn.interop.convert import Use, check_source, plan, to_jaxlearn, unpermute_qk
 from jaxlearn.interop.errors import InteropError, ParameterMismatchError

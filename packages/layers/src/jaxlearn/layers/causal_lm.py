@@ -47,6 +47,10 @@ class CausalLM(Module):
         # Tokens per chunk of the fused LM head + cross entropy (`chunked_loss`): the f32
         # logits of the whole batch are never held. None: the plain loss over full logits.
         loss_chunk_tokens: Optional[int] = None
+        # The model family this config is an instance of (`jaxlearn.families.registry`
+        # name, e.g. "llama"), recorded by the recipe that built it; None for a model built
+        # by hand. Checkpoint export reads it (a config with none is not exported).
+        family: Optional[str] = None
 
     def __init__(self, cfg: "CausalLM.Config", *, parent: Optional[Module] = None):
         super().__init__(cfg, parent=parent)

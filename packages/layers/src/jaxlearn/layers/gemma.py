@@ -45,6 +45,7 @@ def gemma_config(
     norm_eps: float = 1e-6,
     tie_embeddings: bool = True,
     stack: str = "scan",
+    family: Optional[str] = None,
     **llama_kwargs: Any,
 ) -> Any:
     """A Gemma-family CausalLM config (see the module docstring).
@@ -54,7 +55,8 @@ def gemma_config(
     `sliding_window` tokens with RoPE theta `rope_local_theta` (None: `rope_theta`);
     `global_rope_scaling` (e.g. `LinearFrequencyScaling`, Gemma 3 4B+) scales the RoPE of
     global layers only.
-    query_pre_attn_scalar: None = head_dim. Remaining keyword arguments (dtype,
+    query_pre_attn_scalar: None = head_dim. family: recorded in the config (`gemma2_config`
+    and `gemma3_config` record theirs). Remaining keyword arguments (dtype,
     attention_implementation, remat_policy, ...) go to `llama_config`.
     """
     bad = sorted(set(layer_pattern) - {LOCAL, GLOBAL})
@@ -66,7 +68,7 @@ def gemma_config(
     cfg = llama_config(
         vocab_size, dim, num_layers, num_heads, num_kv_heads, ffn_dim,
         head_dim=head_dim, rope_theta=rope_theta, norm_eps=norm_eps,
-        tie_embeddings=tie_embeddings, stack=stack, **llama_kwargs,
+        tie_embeddings=tie_embeddings, stack=stack, family=family, **llama_kwargs,
     )  # fmt: skip
     norm = RMSNorm.default_config().set(eps=norm_eps, scale_offset=1.0)
     dec = cfg.decoder
@@ -111,6 +113,7 @@ def gemma2_config(
     theta (10k), attention logits capped at 50 and final logits at 30. Maps to HF
     `Gemma2ForCausalLM`."""
     gemma_kwargs.setdefault("layer_pattern", (LOCAL, GLOBAL))
+    gemma_kwargs.setdefault("family", "gemma2")
     return gemma_config(
         vocab_size, dim, num_layers, num_heads, num_kv_heads, ffn_dim,
         head_dim=head_dim, sliding_window=sliding_window,
@@ -138,6 +141,7 @@ def gemma3_config(
     and 1M (global), per-head q/k RMSNorm `(1 + scale)`, no soft caps. Maps to HF
     `Gemma3ForCausalLM`."""
     gemma_kwargs.setdefault("layer_pattern", (LOCAL,) * 5 + (GLOBAL,))
+    gemma_kwargs.setdefault("family", "gemma3_text")
     return gemma_config(
         vocab_size, dim, num_layers, num_heads, num_kv_heads, ffn_dim,
         head_dim=head_dim, sliding_window=sliding_window,

@@ -35,6 +35,7 @@ def llama_config(
     remat_policy: Optional[str] = None,
     z_loss_weight: float = 0.0,
     name: str = "model",
+    family: Optional[str] = "llama",
 ) -> Any:
     """A Llama-style CausalLM config (RMSNorm pre-norm, GQA + RoPE, SwiGLU, untied or tied
     head). Param layout maps to HF `LlamaForCausalLM` (see README "HF Llama mapping").
@@ -48,6 +49,8 @@ def llama_config(
     stack: "scan" (ScanStack, fast compile) or "loop" (LoopStack, faster CPU steps).
     dtype: compute dtype (e.g. "bfloat16"); params stay float32.
     remat_policy: e.g. "nothing_saveable" to rematerialise each layer in training.
+    family: the model family recorded in the config (`CausalLM.Config.family`); the
+    recipes built on this one record theirs.
     """
     scaling = scaling_config(rope_scaling) if rope_scaling is not None else None
     rope = RotaryEmbedding.default_config().set(theta=rope_theta, frequency_scaling=scaling)
@@ -82,7 +85,7 @@ def llama_config(
     if tie_embeddings:
         decoder.lm_head = None
     return CausalLM.default_config().set(
-        name=name, decoder=decoder, z_loss_weight=z_loss_weight, dtype=dtype
+        name=name, decoder=decoder, z_loss_weight=z_loss_weight, dtype=dtype, family=family
     )
 
 
@@ -119,7 +122,7 @@ def qwen3_config(
         rope_theta=rope_theta,
         norm_eps=norm_eps,
         attention_bias=attention_bias,
-        **llama_kwargs,
+        **{"family": "qwen3", **llama_kwargs},
     )
     layer = cfg.decoder.transformer.layer
     layer.self_attention.qk_norm = RMSNorm.default_config().set(eps=norm_eps, axis_name=None)
@@ -147,7 +150,8 @@ def phi3_config(
     q/k/v and wi_0/wi_1 by `jaxlearn.interop` (`fuse_projections` fuses them back for
     serving). Remaining keyword arguments go to `llama_config`."""
     cfg = llama_config(vocab_size, dim, num_layers, num_heads, num_kv_heads, ffn_dim,
-                       rope_theta=rope_theta, norm_eps=norm_eps, **llama_kwargs)  # fmt: skip
+                       rope_theta=rope_theta, norm_eps=norm_eps,
+                       **{"family": "phi3", **llama_kwargs})  # fmt: skip
     attention = cfg.decoder.transformer.layer.self_attention
     attention.rope.rotary_fraction = rotary_fraction
     attention.sliding_window = sliding_window
@@ -184,7 +188,7 @@ def mixtral_config(
         num_kv_heads,
         ffn_dim,
         rope_theta=rope_theta,
-        **llama_kwargs,
+        **{"family": "mixtral", **llama_kwargs},
     )
     layer = cfg.decoder.transformer.layer
     layer.self_attention.sliding_window = sliding_window
@@ -233,7 +237,7 @@ def qwen3_moe_config(
     if dense:
         qwen3_kwargs["stack"] = "loop"
     cfg = qwen3_config(vocab_size, dim, num_layers, num_heads, num_kv_heads, ffn_dim,
-                       **qwen3_kwargs)  # fmt: skip
+                       **{"family": "qwen3_moe", **qwen3_kwargs})  # fmt: skip
     layer = cfg.decoder.transformer.layer
     dense_ffn = layer.feed_forward
     layer.feed_forward = MixtureOfExperts.default_config().set(
