@@ -370,6 +370,10 @@ def test_bad_inputs_raise_one_clear_error(tmp_path, bpe, model):
                     tokenizer=BYTES)  # fmt: skip
     with pytest.raises(TokenizerError, match="cannot export a tokenizer of type dict"):
         export_gguf(path, config, params, tokenizer={"a": 1})
+    hand_built = config.clone(family=None)  # a config that names no family
+    for export, target in ((export_gguf, path), (export_hf, tmp_path / "hf_hand")):
+        with pytest.raises(UnsupportedModelError, match=r"^cannot export model\.family = None"):
+            export(target, hand_built, params, tokenizer=bpe)
     assert not path.exists() and not list(tmp_path.glob("*bad.gguf*"))  # nor a temp
     with pytest.raises(UnsupportedModelError, match="layers have different sliding windows"):
         mixed = tiny_config(stack="loop", family="qwen2")
