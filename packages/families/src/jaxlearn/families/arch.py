@@ -141,7 +141,6 @@ def build_config(
         attention_implementation=attention_implementation,
         moe_dropless_method=moe_dropless_method,
     )  # fmt: skip
-    cfg.family = arch.family
     if param_dtype is not None:
         cfg.param_dtype = param_dtype
     return cfg

@@ -64,8 +64,10 @@ class Family:
 
     def build_config(self, arch: Architecture, **kwargs: Any) -> Any:
         """`CausalLM.Config` of `arch` (kwargs: stack, dtype, attention_implementation,
-        moe_dropless_method, name)."""
-        return build_decoder(arch, self.recipe, **kwargs)
+        moe_dropless_method, name), recording this family in it (`cfg.family`)."""
+        cfg = build_decoder(arch, self.recipe, **kwargs)
+        cfg.family = self.name
+        return cfg
 
     def architecture_from_config(self, cfg: Any) -> Architecture:
         """The `Architecture` of a config of this family; `UnsupportedModelError` naming the
