@@ -22,7 +22,7 @@ def test_jaxlearn_checkpoint_directory_names_the_inference_loader(tmp_path):
     (tmp_path / "step_00000100").mkdir()
     (tmp_path / "step_00000100" / "manifest.json").write_text("{}")
     for path in (tmp_path, tmp_path / "step_00000100"):
-        with pytest.raises(JaxlearnCheckpointError, match="jaxlearn.inference"):
+        with pytest.raises(JaxlearnCheckpointError, match="open_model"):
             load_pretrained(path)
 
 
@@ -40,7 +40,7 @@ def test_other_paths_are_clear_errors(tmp_path):
 
 
 def test_model_kind_tells_the_three_kinds_apart(tmp_path):
-    from jaxlearn.interop.source import model_kind
+    from jaxlearn.interop.model_source import model_kind
 
     assert model_kind(FIXTURES / "hf_llama") == ("hf", FIXTURES / "hf_llama")
     (tmp_path / "g").mkdir()
