@@ -50,16 +50,16 @@ def write_tiny_gguf(path: Path) -> Path:
     w = gguf.GGUFWriter(str(path), arch="llama")
     template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + ' ' + m['content'] "
                 "+ '<|im_end|>' }}{% endfor %}")
-    for add, value in [(w.add_block_count, 2), (w.add_context_length, 128),
-                       (w.add_embedding_length, 32), (w.add_feed_forward_length, 64),
-                       (w.add_head_count, 4), (w.add_head_count_kv, 2),
-                       (w.add_layer_norm_rms_eps, 1e-5), (w.add_rope_freq_base, 10000.0),
-                       (w.add_rope_dimension_count, 8), (w.add_vocab_size, 320),
-                       (w.add_tokenizer_model, "gpt2"), (w.add_tokenizer_pre, "default"),
-                       (w.add_token_list, tokens), (w.add_token_merges, merges),
-                       (w.add_token_types, [3 if t.startswith("<|") else 1 for t in tokens]),
-                       (w.add_bos_token_id, 1), (w.add_eos_token_id, 2),
-                       (w.add_chat_template, template)]:
+    header: list[tuple[Callable[[Any], Any], Any]] = [
+        (w.add_block_count, 2), (w.add_context_length, 128), (w.add_embedding_length, 32),
+        (w.add_feed_forward_length, 64), (w.add_head_count, 4), (w.add_head_count_kv, 2),
+        (w.add_layer_norm_rms_eps, 1e-5), (w.add_rope_freq_base, 10000.0),
+        (w.add_rope_dimension_count, 8), (w.add_vocab_size, 320),
+        (w.add_tokenizer_model, "gpt2"), (w.add_tokenizer_pre, "default"),
+        (w.add_token_list, tokens), (w.add_token_merges, merges),
+        (w.add_token_types, [3 if t.startswith("<|") else 1 for t in tokens]),
+        (w.add_bos_token_id, 1), (w.add_eos_token_id, 2), (w.add_chat_template, template)]
+    for add, value in header:
         add(value)
     for name, value in gguf_params_to_tensors(config, jax.tree.map(np.asarray, params)).items():
         w.add_tensor(name, value.astype(np.float32))
@@ -72,11 +72,15 @@ def write_tiny_gguf(path: Path) -> Path:
 
 def apply_init_from_fn() -> Callable[[Any, str], Any]:
     """The library's `apply_init_from` (its home moved from the CLI to experiments)."""
-    try:
-        from jaxlearn.experiments.init_from import apply_init_from
-    except ImportError:
-        from jaxlearn.cli.init_from import apply_init_from  # type: ignore[no-redef]
-    return apply_init_from  # type: ignore[no-any-return]
+    import importlib
+
+    for name in ("jaxlearn.experiments.init_from", "jaxlearn.cli.init_from"):
+        try:
+            fn: Callable[[Any, str], Any] = importlib.import_module(name).apply_init_from
+        except ImportError:  # An older checkout: the CLI held it.
+            continue
+        return fn
+    raise ImportError("no apply_init_from in jaxlearn.experiments or jaxlearn.cli")
 
 
 def crossings(fn: Callable[[], Any]) -> list[str]:

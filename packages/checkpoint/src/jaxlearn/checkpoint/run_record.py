@@ -140,7 +140,7 @@ def find_model_record(path: Union[str, os.PathLike[str]]) -> Optional[RunRecord]
     from jaxlearn.checkpoint.locate import locate
 
     try:
-        root, _ = locate(path)
+        root, _ = locate(Path(path))
     except CheckpointNotFoundError:
         return None
     steps = sorted((p for p in root.glob("step_*")
