@@ -38,15 +38,20 @@ class InitFromUsageError(ValueError):
 def _lora_settings(model: Any) -> Optional[dict[str, Any]]:
     """`use_lora` arguments that rebuild the LoRA layers of a recipe's model (None: none):
     its first LoRA layer's rank, alpha and dropout, targets = every adapted weight name."""
-    from jaxlearn.config import visit
+    from jaxlearn.config import leaves
 
-    found: list[Any] = []
-    visit(model, lambda path, c: found.append(c) if hasattr(c, "lora_rank") else None)
+    # One call for the whole tree (no per-node callback back into this package).
+    fields: dict[str, dict[str, Any]] = {}
+    for path, value in leaves(model, literal_sequences=True):
+        node, _, name = path.rpartition(".")
+        if name.startswith("lora_"):
+            fields.setdefault(node, {})[name] = value
+    found = [f for f in fields.values() if "lora_rank" in f]
     if not found:
         return None
-    names = sorted({n for c in found for n in c.lora_targets})
-    return {"rank": found[0].lora_rank, "alpha": found[0].lora_alpha,
-            "dropout": found[0].lora_dropout, "targets": rf".*\.({'|'.join(names)})"}
+    names = sorted({n for f in found for n in f["lora_targets"]})
+    return {"rank": found[0]["lora_rank"], "alpha": found[0]["lora_alpha"],
+            "dropout": found[0]["lora_dropout"], "targets": rf".*\.({'|'.join(names)})"}
 
 
 def _pretrained_model(cfg: Any, source: Any) -> Any:
