@@ -246,13 +246,16 @@ class ModelSource(Configurable):
 
     def special_tokens(self) -> dict[str, Any]:
         """{"bos", "eos", "pad"}: (id, text) of the serving tokenizer's special tokens
-        (None where it has none; eos: the first end-of-generation id)."""
+        (None where it has none; eos: the first end-of-generation id; text None for a
+        tokenizer without a vocabulary of texts, e.g. bytes)."""
         tok = self.text_tokenizer()
+        vocab = getattr(tok, "tokenizer", None)  # the `tokenizers.Tokenizer` of HF / GGUF
         out: dict[str, Any] = {}
         for name, i in (("bos", getattr(tok, "bos_id", None)),
                         ("eos", (getattr(tok, "eos_token_ids", ()) or (None,))[0]),
                         ("pad", getattr(tok, "pad_id", None))):
-            out[name] = (i, None if i is None else tok.decode([i], skip_special_tokens=False))
+            text = vocab.id_to_token(i) if i is not None and vocab is not None else None
+            out[name] = (i, text)
         return out
 
     # ---- params ---------------------------------------------------------------------
