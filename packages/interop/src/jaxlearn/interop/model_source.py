@@ -16,7 +16,8 @@ What a path holds (`model_kind`):
   (`jaxlearn.checkpoint.locate`) -> "jaxlearn".
 
 The path is read once per `open_model`: the GGUF header is parsed once and handed to the
-loaders (`load_gguf`, the sharded readers); an HF directory's config.json is read once.
+loaders (`load_gguf`, the sharded readers); an HF directory's config.json is read once
+and handed to `load_hf`.
 A jaxlearn run's model config, tokenizer and chat template are its record's
 (`jaxlearn.checkpoint.run_record.RunModel`, read on first use); a checkpoint without a
 record has none, and `open_model(path, run=RunModel.from_config_text(...))` supplies them
@@ -295,7 +296,8 @@ class ModelSource(Configurable):
         if self.kind == "hf":
             from jaxlearn.interop.hf import load_hf
 
-            return guard(self.path, lambda: load_hf(self.target, **kwargs))
+            return guard(self.path, lambda: load_hf(self.target, hf_config=self.hf_config,
+                                                    **kwargs))
         raise InteropError(f"{self.path}: a jaxlearn run; its host params are "
                            "`host_params(model_config)`")
 
