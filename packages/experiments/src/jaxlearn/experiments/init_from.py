@@ -112,16 +112,16 @@ def apply_init_from(cfg: ConfigBase, path: Optional[str]) -> Any:
             cfg = _from_run(cfg, source)
         else:
             cfg.model = _pretrained_model(cfg, source)
+            if source.kind == "hf":
+                from jaxlearn.interop.hf import check_safetensors
+
+                check_safetensors(source.target)  # weights in a format that is read at all
             tok = source.tokenizer_config()
             if tok is None:
                 what = ("no tokenizer.json" if source.kind == "hf"
                         else "the GGUF file has no embedded tokenizer")
                 raise InitFromUsageError(f"--init_from {path}: {what} (the model's "
                                          "tokenizer is needed to tokenize the training data)")
-            if source.kind == "hf":
-                from jaxlearn.interop.hf import check_safetensors
-
-                check_safetensors(source.target)  # weights in a format that is read at all
             for name in ("input", "eval_input"):
                 _set_input(getattr(cfg, name, None), tok, source.chat_template)
     except (InteropError, TextError, RunRecordError, ConfigError) as e:
