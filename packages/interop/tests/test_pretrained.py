@@ -41,7 +41,7 @@ def test_other_paths_are_clear_errors(tmp_path):
         load_pretrained(tmp_path / "bad.gguf")
 
 
-def test_open_model_parses_a_gguf_header_once(tmp_path, monkeypatch, model):
+def test_open_model_parses_a_gguf_header_once(tmp_path, monkeypatch, model):  # noqa: F811
     """Config, tokenizer, chat template, special tokens, host and sharded params of one
     `open_model` all come from one parse of the GGUF header."""
     import jax
