@@ -225,7 +225,7 @@ def test_finetune_from_gguf_and_then_from_the_jaxlearn_run(tmp_path):
     assert main(["train", "--experiment", "finetune", "--init_from", str(out),
                  "--output_dir", str(again), "--max_step", "1", *FAST]) == 0
     cfg2 = from_flat_text((again / "config.txt").read_text())
-    assert cfg2.init_from.klass.__name__ == "CheckpointParams"
+    assert cfg2.init_from.klass.__name__ == "ModelSource"
     assert cfg2.input.tokenizer.path == str(out / "tokenizer" / "tiny.gguf")  # the run's copy
     assert cfg2.model == cfg.model
     first = _losses(again)[1]
@@ -327,7 +327,7 @@ def test_lora_from_a_jaxlearn_run(model_dir, tmp_path):
     assert main(["train", "--experiment", "lora", "--init_from", str(full),
                  "--output_dir", str(out), "--max_step", "2", *FAST]) == 0
     cfg = from_flat_text((out / "config.txt").read_text())
-    assert cfg.init_from.klass.__name__ == "CheckpointParams"
+    assert cfg.init_from.klass.__name__ == "ModelSource"
     assert cfg.model.decoder.transformer.layer.self_attention.klass.__name__ == "LoraAttention"
     trained, base = {}, {}
     for run, step, into in ((out, 2, trained), (full, 2, base)):

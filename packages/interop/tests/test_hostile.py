@@ -476,7 +476,7 @@ def test_hostile_files_under_a_memory_limit(hostile, tmp_path, model):
 
 
 def test_stray_value_errors_become_one_line_errors_naming_the_file(tmp_path, monkeypatch):
-    """A ValueError raised deeper in the stack (here: by a patched GGUF loader) reaches
+    """A ValueError raised deeper in the stack (here: by a patched GGUF reader) reaches
     the caller as a one-line MalformedFileError naming the path; a `jaxlearn.text` error
     keeps its own message (which names file and key), on one line."""
     import jaxlearn.interop.gguf as gguf_module
@@ -498,7 +498,7 @@ def test_stray_value_errors_become_one_line_errors_naming_the_file(tmp_path, mon
         def broken(p, error=error, **kw):
             raise error
 
-        monkeypatch.setattr(gguf_module, "load_gguf", broken)
+        monkeypatch.setattr(gguf_module, "architecture_from_gguf", broken)
         with pytest.raises(MalformedFileError) as info:
             load_pretrained(path)
         assert str(info.value) == message

@@ -2,7 +2,9 @@
 
 import pathlib
 
+import numpy as np
 import pytest
+from test_hostile import model, model_gguf  # noqa: F401 (a fixture)
 
 from jaxlearn.interop import InteropError, JaxlearnCheckpointError, load_pretrained
 
@@ -22,7 +24,7 @@ def test_jaxlearn_checkpoint_directory_names_the_inference_loader(tmp_path):
     (tmp_path / "step_00000100").mkdir()
     (tmp_path / "step_00000100" / "manifest.json").write_text("{}")
     for path in (tmp_path, tmp_path / "step_00000100"):
-        with pytest.raises(JaxlearnCheckpointError, match="jaxlearn.inference"):
+        with pytest.raises(JaxlearnCheckpointError, match="open_model"):
             load_pretrained(path)
 
 
@@ -39,8 +41,36 @@ def test_other_paths_are_clear_errors(tmp_path):
         load_pretrained(tmp_path / "bad.gguf")
 
 
+def test_open_model_parses_a_gguf_header_once(tmp_path, monkeypatch, model):  # noqa: F811
+    """Config, tokenizer, chat template, special tokens, host and sharded params of one
+    `open_model` all come from one parse of the GGUF header."""
+    import jax
+
+    import jaxlearn.text.gguf_file as gguf_file
+    from jaxlearn.interop import ModelSource, open_model
+
+    path = model_gguf(tmp_path / "m.gguf", model)
+    calls = []
+    real = gguf_file.read_header
+    monkeypatch.setattr(gguf_file, "read_header",
+                        lambda *a, **k: calls.append(a) or real(*a, **k))
+    source = open_model(path)
+    assert isinstance(source, ModelSource) and source.kind == "gguf"
+    cfg = source.model_config(stack="loop")
+    assert source.tokenizer_config().path == str(path)
+    assert source.special_tokens()["bos"] == (1, "<s>")
+    loaded = source.load_host(stack="loop")
+    placed = source.load(cfg.clone(name="model").instantiate(),
+                         jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    assert len(calls) == 1
+    flat = jax.tree.leaves(loaded.params)
+    for a, b in zip(flat, jax.tree.leaves(placed)):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    assert ModelSource.default_config().set(path=str(path)).instantiate().kind == "gguf"
+
+
 def test_model_kind_tells_the_three_kinds_apart(tmp_path):
-    from jaxlearn.interop.source import model_kind
+    from jaxlearn.interop.model_source import model_kind
 
     assert model_kind(FIXTURES / "hf_llama") == ("hf", FIXTURES / "hf_llama")
     (tmp_path / "g").mkdir()

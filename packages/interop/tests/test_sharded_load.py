@@ -11,10 +11,9 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxlearn.families import build_config
 from jaxlearn.families.tree import flatten
-from jaxlearn.interop import ParameterMismatchError, load_pretrained
+from jaxlearn.interop import ModelSource, ParameterMismatchError, load_pretrained
 from jaxlearn.interop.hf import architecture_from_hf, read_json
 from jaxlearn.interop.sharded import (
-    PretrainedParams,
     SafetensorsSlices,
     SliceReader,
     load_sharded,
@@ -151,7 +150,7 @@ def test_reader_slices_through_head_dim_and_config_errors():
     q = readers["decoder.transformer.layer.self_attention.q_proj"]
     index = (slice(1, 2), slice(3, 20), slice(1, 3), slice(2, 5))
     np.testing.assert_array_equal(q(index), want[q.path][index])
-    source = PretrainedParams.default_config().set(path=str(directory)).instantiate()
+    source = ModelSource.default_config().set(path=str(directory)).instantiate()
     assert source.describe() == str(directory)
     wrong = config_for(directory)
     wrong.decoder.transformer.num_layers = 3

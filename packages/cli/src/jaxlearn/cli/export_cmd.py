@@ -4,10 +4,10 @@
     jaxlearn export --model RUN_DIR --format gguf --output FILE.gguf [--dtype q8_0]
     jaxlearn export ... --output DIR_OR_FILE_THAT_EXISTS --overwrite
 
-A jaxlearn run is rebuilt from its run record like `serve` does (`serve_cmd.run_config`):
-the model config, the tokenizer the run trained with and the chat template its data was
-rendered with (`serve_cmd.run_tokenizer`); its params are read from the newest step that
-verifies (or `--step`). LoRA adapters are folded into the base weights first
+--model is opened like `serve` does (`serve_cmd.open_source`, an `interop.ModelSource`):
+a jaxlearn run gives the model config, the tokenizer it trained with and the chat template
+its data was rendered with from its run record, and its params from the newest step that
+verifies (or the step dir given, or `--step`). LoRA adapters are folded into the base weights first
 (`jaxlearn.layers.merge_lora`), so the export is a plain model of its family. An HF
 directory or GGUF file is converted (its tokenizer and template travel with it). The
 writers are `jaxlearn.interop.export_hf` / `export_gguf`; every failure is one line.
@@ -54,24 +54,18 @@ def add_parsers(sub: Any) -> None:
                    metavar="PATH=VALUE", help="config override applied to the run's config")
 
 
-def _run_model(args: argparse.Namespace, path: Path, root: Path) -> tuple[Any, Any, Any, Any]:
-    """(model config, numpy params, tokenizer, chat template) of a jaxlearn run."""
-    import jax
-
-    from jaxlearn.cli.serve_cmd import run_config, run_tokenizer
-    from jaxlearn.inference.engine import restore_params
+def _run_model(args: argparse.Namespace, source: Any) -> tuple[Any, Any, Any, Any]:
+    """(model config, numpy params, tokenizer, chat template) of a jaxlearn run's
+    `ModelSource`."""
     from jaxlearn.layers import merge_lora
 
-    cfg, source = run_config(path, root, args.experiment, args.overrides)
-    print(f"jaxlearn: model config from {source}", file=sys.stderr)
-    model_cfg = cfg.model.clone(name="model")
-    params, step = restore_params(root, model_cfg, step=args.step)
-    params = jax.device_get(params)
+    model_cfg = source.model_config().clone(name="model")
+    params, step = source.host_params(model_cfg, step=args.step)
     if any(k.endswith(("_lora_a", "_lora_b")) for k in _leaf_names(params)):
         model_cfg, params = merge_lora(model_cfg, params)
         print(f"jaxlearn: folded the LoRA adapters of step {step} into the base weights",
               file=sys.stderr)
-    tokenizer = run_tokenizer(cfg)
+    tokenizer = source.text_tokenizer()
     template = tokenizer.chat_template if tokenizer is not None else None
     return model_cfg, params, tokenizer, template
 
@@ -102,8 +96,8 @@ def _check_output(args: argparse.Namespace, model: Path) -> None:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from jaxlearn.cli.main import UsageError
-    from jaxlearn.cli.serve_cmd import checkpoint_location
-    from jaxlearn.interop import InteropError, export_gguf, export_hf, load_pretrained
+    from jaxlearn.cli.serve_cmd import open_source
+    from jaxlearn.interop import InteropError, export_gguf, export_hf
 
     path = Path(args.model)
     if not path.exists():
@@ -113,14 +107,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     _check_output(args, path)
     t0 = time.monotonic()
     try:
-        location = checkpoint_location(path)
-        if location is not None:
-            root, step = location
-            if step is not None and args.step is None:
-                args.step = step
-            config, params, tokenizer, template = _run_model(args, path, root)
+        source, where = open_source(args.model, args.experiment, args.overrides)
+        if source.kind == "jaxlearn":
+            print(f"jaxlearn: model config from {where}", file=sys.stderr)
+            config, params, tokenizer, template = _run_model(args, source)
         else:
-            loaded = load_pretrained(path)
+            loaded = source.load_host()
             config, params = loaded.config, loaded.params
             tokenizer, template = loaded.text_tokenizer(), loaded.chat_template
         if tokenizer is None:

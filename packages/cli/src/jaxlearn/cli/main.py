@@ -129,9 +129,9 @@ def final_config(experiment: str, mesh_selector: Optional[str], overrides: Seque
     """Recipe -> `--init_from` model (`cli.init_from`) -> mesh rule for the selector ->
     `path=value` overrides -> validation (field limits, `Config.validate`). `run.json`'s
     experiment, mesh_selector, overrides and base_model give the run's config again."""
-    from jaxlearn.cli.init_from import InitFromUsageError, apply_init_from
     from jaxlearn.config import ConfigError, apply_overrides
     from jaxlearn.experiments import get_experiment
+    from jaxlearn.experiments.init_from import InitFromUsageError, apply_init_from
     from jaxlearn.mesh import MeshError, apply_mesh_rules
 
     try:

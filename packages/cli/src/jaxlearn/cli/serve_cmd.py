@@ -14,27 +14,24 @@ The serving settings are the fields of `Engine.Config`: the flags (`--max_seq_le
 Both commands print the engine config (`engine.` lines, the flat text form) at start;
 `--print_config` prints it, with the model config of a jaxlearn run, and exits.
 
-PATH is resolved by `load_model`:
+What PATH holds is `jaxlearn.interop.open_model`'s to say (`open_source`):
 - a jaxlearn run (a training output_dir, its `checkpoints/` directory or one `step_*`
-  directory): the model config is rebuilt from the run's record (`run.json`, see
-  `jaxlearn.runtime.record`): from its recorded flat text (`jaxlearn.config.from_flat_text`),
-  or, when that text no longer parses, from its experiment + mesh selector + overrides
-  checked against the recorded `model.` lines; then `--set` overrides on top; the
-  tokenizer is the recorded config's `input.tokenizer`, the params come from
-  `jaxlearn.checkpoint` (Engine.from_checkpoint). A checkpoint without a record takes
-  its config from `--experiment`, or else from a guess: the experiment whose model
-  config matches the one saved with the checkpoint (a warning says so);
-- anything else (an HF model directory, a `.gguf` file) goes to
-  `jaxlearn.interop.load_pretrained`, with its tokenizer and chat template, as a loop
-  (unstacked) layer stack: faster decode steps than a scanned one (no per-layer weight
-  slices), for a longer compile.
+  directory): the model config, tokenizer and chat template are the run record's
+  (`run.json`, read by `jaxlearn.checkpoint.run_record.RunModel` from its `model.` and
+  `input.` lines alone), or, when those no longer parse, its experiment + mesh selector +
+  overrides rebuilt and checked against the recorded `model.` lines; then `--set`
+  overrides of `model.*` / `input.tokenizer.*` on top; the params come from
+  `jaxlearn.checkpoint` (Engine.from_checkpoint on the ModelSource's root and step). A
+  checkpoint without a record needs `--experiment`: nothing is guessed;
+- an HF model directory or a `.gguf` file: `ModelSource.load_host`, with its tokenizer
+  and chat template, as a loop (unstacked) layer stack: faster decode steps than a
+  scanned one (no per-layer weight slices), for a longer compile.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -43,7 +40,6 @@ from typing import Any, Optional, Sequence
 # Flags that set `Engine.Config` fields of the same name (None: the field's default).
 ENGINE_FLAGS = ("max_seq_len", "max_batch", "prefill_chunk", "kv_cache_tokens", "page_size",
                 "prefix_caching", "quantize")
-_STEP_DIR = re.compile(r"step_(\d+)")
 PARAM_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -173,34 +169,8 @@ def engine_text(engine_cfg: Any) -> str:
 # ---- jaxlearn runs ---------------------------------------------------------------------
 
 
-def checkpoint_location(path: Path) -> Optional[tuple[Path, Optional[int]]]:
-    """(Checkpointer directory, step or None for the newest) of a run dir, a checkpoints
-    dir or one step dir; None when `path` holds no jaxlearn checkpoint."""
-    from jaxlearn.checkpoint import is_checkpoint, locate
-
-    return locate(path) if is_checkpoint(path) else None
-
-
-def _newest_step_dir(root: Path) -> Optional[Path]:
-    steps = [(int(m.group(1)), p) for p in root.glob("step_*")
-             if (m := _STEP_DIR.fullmatch(p.name))]
-    return max(steps)[1] if steps else None
-
-
 def _model_lines(flat_text: str) -> list[str]:
     return [line for line in flat_text.splitlines() if line.startswith("model.")]
-
-
-def same_model(saved_text: str, flat_text: str) -> bool:
-    """Whether a checkpoint's saved config text and an experiment's flat text describe the
-    same model: every saved `model.` line is in the experiment's, and the experiment's other
-    lines are fields the saved text does not have at all (fields added to the layers since
-    the checkpoint was written, e.g. `fused_qkv`, which keep their defaults). Only used
-    for checkpoints without a run record, where the match is a guess."""
-    saved, have = set(_model_lines(saved_text)), set(_model_lines(flat_text))
-    saved_keys = {line.split(": ", 1)[0] for line in saved}
-    extra = have - saved
-    return saved <= have and not any(line.split(": ", 1)[0] in saved_keys for line in extra)
 
 
 def model_difference(recorded: str, rebuilt: str) -> Optional[str]:
@@ -219,34 +189,71 @@ def model_difference(recorded: str, rebuilt: str) -> Optional[str]:
     return f"{k}: {what}; {len(keys)} line(s) differ"
 
 
-def config_from_record(record: Any, where: str, experiment: Optional[str],
-                       overrides: Sequence[str]) -> tuple[Any, str]:
-    """(trainer config, where it came from) of a run record, with `overrides` applied.
+def open_source(path: str, experiment: Optional[str] = None,
+                overrides: Sequence[str] = ()) -> tuple[Any, Optional[str]]:
+    """(`interop.ModelSource` of --model PATH, where a jaxlearn run's model config came
+    from; None for HF / GGUF). A run's model, tokenizer and chat template are its record's
+    (`checkpoint.run_record.RunModel`: the recorded `model.` / `input.` lines), with
+    `--set` overrides on top; a recorded text that no longer parses is rebuilt from its
+    experiment and checked against the recorded `model.` lines; a checkpoint without a
+    record needs `--experiment`. UsageError (one line naming PATH) otherwise."""
+    from jaxlearn.checkpoint.run_record import RunModel, RunRecordError, find_model_record
+    from jaxlearn.cli.main import UsageError, final_config
+    from jaxlearn.config import FlatTextError, to_flat_text
+    from jaxlearn.interop import InteropError, open_model
 
-    The recorded flat text is what the run trained, so the config is rebuilt from it
-    (`from_flat_text`): a recipe changed or removed since does not change the model. Only
-    when the text no longer parses (a field renamed since the run) is the recorded
-    experiment rebuilt from its name, mesh selector and overrides, and then checked against
-    the recorded `model.` lines. UsageError (one line) when neither works."""
-    from jaxlearn.cli.main import UsageError
-    from jaxlearn.config import ConfigError, FlatTextError, apply_overrides, from_flat_text
-
+    p = Path(path)
+    if not p.exists():
+        raise UsageError(f"--model {path}: no such file or directory")
+    try:
+        source = open_model(p)
+        if source.kind != "jaxlearn":
+            return source, None
+        record = find_model_record(p)
+    except (InteropError, RunRecordError) as e:
+        raise UsageError(" ".join(str(e).split())) from None
+    if record is None:
+        if experiment is None:
+            raise UsageError(f"--model {path}: a jaxlearn checkpoint without a run record "
+                             "(run.json); pass --experiment NAME (the experiment that "
+                             "trained it)")
+        cfg = final_config(experiment, None, overrides)
+        return source.with_run(RunModel.from_config_text(to_flat_text(cfg), p)), \
+            f"--experiment {experiment}"
     if record.experiment is not None and experiment not in (None, record.experiment):
-        raise UsageError(f"--experiment {experiment}: the run record of {where} says the run "
+        raise UsageError(f"--experiment {experiment}: the run record of {path} says the run "
                          f"is experiment {record.experiment!r}")
     described = (f"experiment {record.experiment or experiment!r}, mesh_selector "
                  f"{record.mesh_selector}, overrides {list(record.overrides)}")
     try:
-        cfg = from_flat_text(record.config_text, where=f"{where} (run record config_text)")
-        source = f"the run record's config text ({described})"
+        run = RunModel.from_config_text(record.config_text, p, base_model=record.base_model,
+                                        where=f"{path} (run record config_text)")
+        where = f"the run record's config text ({described})"
     except FlatTextError as e:
-        cfg = _rebuild_experiment(record, where, experiment, str(e))
-        source = f"the run record: {described}"
-    try:
-        apply_overrides(cfg, overrides)
-    except ConfigError as e:
-        raise UsageError(f"--set: {e}") from None
-    return cfg, source
+        text = to_flat_text(_rebuild_experiment(record, str(p), experiment, str(e)))
+        run = RunModel.from_config_text(text, p, base_model=record.base_model)
+        where = f"the run record: {described}"
+    return source.with_run(_overridden(run, overrides)), where
+
+
+def _overridden(run: Any, overrides: Sequence[str]) -> Any:
+    """`run` with `--set` overrides of its `model.` and `input.tokenizer.` fields."""
+    import dataclasses
+
+    from jaxlearn.cli.main import UsageError
+    from jaxlearn.config import ConfigError, apply_overrides
+
+    model, tok = run.model.clone(), run.tokenizer.clone() if run.tokenizer else None
+    for o in overrides:
+        target = (model, "model.") if o.startswith("model.") else (tok, "input.tokenizer.")
+        if not o.startswith(target[1]) or target[0] is None:
+            raise UsageError(f"--set {o}: a run's model.* and input.tokenizer.* fields are "
+                             "what serving reads")
+        try:
+            apply_overrides(target[0], [o.removeprefix(target[1])])
+        except ConfigError as e:
+            raise UsageError(f"--set: {' '.join(str(e).split())}") from None
+    return dataclasses.replace(run, model=model, tokenizer=tok)
 
 
 def _rebuild_experiment(record: Any, where: str, experiment: Optional[str], why: str) -> Any:
@@ -272,87 +279,6 @@ def _rebuild_experiment(record: Any, where: str, experiment: Optional[str], why:
     return cfg
 
 
-def guess_config(saved: str, overrides: Sequence[str], where: str,
-                 why: str) -> tuple[Any, str]:
-    """The experiment whose model config matches the flat text `saved` (`same_model`),
-    with `overrides`; the description says it is a guess and `why`."""
-    from jaxlearn.cli.main import UsageError, final_config
-    from jaxlearn.config import to_flat_text
-    from jaxlearn.experiments import EXPERIMENTS
-
-    for name in sorted(EXPERIMENTS):
-        try:
-            cfg = final_config(name, None, overrides)
-        except UsageError:  # E.g. an override that only some experiments have.
-            continue
-        if same_model(saved, to_flat_text(cfg)):
-            return cfg, f"a guess: {why}, and experiment {name!r} has its model config"
-    raise UsageError(f"--model {where}: {why} and no experiment has its model config; pass "
-                     f"--experiment NAME (and --set overrides)")
-
-
-def run_config(path: Path, root: Path, experiment: Optional[str],
-               overrides: Sequence[str]) -> tuple[Any, str]:
-    """(trainer config, where it came from) of the jaxlearn run at `path`: from its run
-    record (`path`'s own, else the newest step's), else `--experiment`, else a guess from
-    the config text saved with the newest checkpoint."""
-    from jaxlearn.checkpoint import Checkpointer
-    from jaxlearn.cli.main import UsageError, final_config
-    from jaxlearn.runtime.record import RunRecordError, find_run_record
-
-    newest = _newest_step_dir(root)
-    try:
-        record = find_run_record(path)
-        if record is None and newest is not None and newest != path:
-            record = find_run_record(newest)
-    except RunRecordError as e:
-        raise UsageError(str(e)) from None
-    if record is not None:
-        cfg, source = config_from_record(record, str(path), experiment, overrides)
-        return use_run_tokenizer(cfg, path), source
-    if experiment is not None:
-        return final_config(experiment, None, overrides), f"--experiment {experiment}"
-    with Checkpointer.default_config().set(directory=str(root)).instantiate() as ckpt:
-        step = ckpt.latest_step()
-        saved = ckpt.read_metadata(step).config_text if step is not None else None
-    if not saved:
-        raise UsageError(f"--model {path}: no run record (run.json) and no config saved with "
-                         f"the checkpoint; pass --experiment NAME")
-    return guess_config(saved, overrides, str(path), "no run record (run.json)")
-
-
-def use_run_tokenizer(cfg: Any, path: Path) -> Any:
-    """`cfg` (the config of the run at `path`) with its inputs' tokenizer file read from the
-    run directory's own copy when it has one (`runtime.record.save_tokenizer`): a moved or
-    copied run directory keeps working without its base model's directory."""
-    from jaxlearn.runtime.record import run_tokenizer_path
-
-    for name in ("input", "eval_input"):
-        data = getattr(cfg, name, None)
-        tok = getattr(data, "tokenizer", None) if data is not None else None
-        if tok is not None and isinstance(getattr(tok, "path", None), str):
-            tok.path = run_tokenizer_path(path, tok.path)
-    return cfg
-
-
-def run_tokenizer(cfg: Any) -> Any:
-    """The tokenizer a run trained with (`input.tokenizer`), with the chat template its data
-    was rendered with (`input.chat_template`, e.g. a fine-tuning run's) when the tokenizer
-    brings none of its own; None when the run's input has no tokenizer."""
-    from jaxlearn.text.chat import ChatTemplate
-
-    data = getattr(cfg, "input", None)
-    if data is None or "tokenizer" not in data:
-        return None
-    tokenizer = data.tokenizer.instantiate()
-    source = data.chat_template if "chat_template" in data else None
-    if source and tokenizer.chat_template is None:
-        tokenizer.set_chat_template(ChatTemplate(
-            source, bos_token=data.bos_token, eos_token=data.eos_token,
-            origin="the run's input.chat_template"))
-    return tokenizer
-
-
 def load_model(path: str, engine_cfg: Any, *, experiment: Optional[str] = None,
                overrides: Sequence[str] = (), dtype: Optional[str] = None,
                param_dtype: Optional[str] = None) -> Any:
@@ -361,31 +287,28 @@ def load_model(path: str, engine_cfg: Any, *, experiment: Optional[str] = None,
     its config's (`--set model...`)."""
     from jaxlearn.cli.main import UsageError
     from jaxlearn.inference import Engine
+    from jaxlearn.interop import InteropError
 
-    p = Path(path)
-    if not p.exists():
-        raise UsageError(f"--model {path}: no such file or directory")
-    location = checkpoint_location(p)
-    if location is not None:
-        root, step = location
+    source, where = open_source(path, experiment, overrides)
+    if source.kind == "jaxlearn":
         if param_dtype is not None:
             raise UsageError(f"--param_dtype: applies to HF / GGUF models; {path} is a "
                              f"jaxlearn run (its params keep their checkpoint dtype)")
-        cfg, source = run_config(p, root, experiment, overrides)
-        print(f"jaxlearn: model config from {source}", file=sys.stderr)
-        tokenizer = run_tokenizer(cfg)
-        return Engine.from_checkpoint(root, cfg.model, tokenizer, step=step,
-                                      engine_cfg=engine_cfg)
-    try:
-        from jaxlearn.interop import InteropError, load_pretrained
-    except ImportError:
-        raise UsageError(f"--model {path}: not a jaxlearn checkpoint, and jaxlearn.interop "
-                         f"(HF / GGUF loading) is not installed") from None
+        print(f"jaxlearn: model config from {where}", file=sys.stderr)
+        try:
+            tokenizer = source.text_tokenizer()
+            root = source.root
+            if root is None:
+                raise UsageError(f"--model {path}: a jaxlearn run without checkpoint steps")
+        except InteropError as e:
+            raise UsageError(str(e)) from None
+        return Engine.from_checkpoint(root, source.model_config(), tokenizer,
+                                      step=source.step, engine_cfg=engine_cfg)
     try:
         opts = {k: v for k, v in (("dtype", dtype), ("param_dtype", param_dtype)) if v}
         # Unstacked layers: a scanned stack slices (copies) every layer's weights out of
         # the stacked arrays on each decode step, 2x the step time of SmolLM2-135M here.
-        loaded = load_pretrained(p, stack="loop", **opts)
+        loaded = source.load_host(stack="loop", **opts)
     except InteropError as e:
         raise UsageError(str(e)) from None
     if loaded.tokenizer is None:
@@ -397,19 +320,19 @@ def load_model(path: str, engine_cfg: Any, *, experiment: Optional[str] = None,
 
 def print_config(args: argparse.Namespace, engine_cfg: Any) -> int:
     """`--print_config`: the engine config and, for a jaxlearn run, its model config."""
-    from jaxlearn.cli.main import UsageError
-    from jaxlearn.config import to_flat_text
+    from jaxlearn.config import path_sort_key, to_flat_text
 
-    p = Path(args.model)
-    if not p.exists():
-        raise UsageError(f"--model {args.model}: no such file or directory")
     sys.stdout.write(engine_text(engine_cfg))
-    location = checkpoint_location(p)
-    if location is not None:
-        cfg, source = run_config(p, location[0], args.experiment, args.overrides)
-        print(f"jaxlearn: model config from {source}", file=sys.stderr)
-        sys.stdout.write("".join(f"{line}\n" for line in to_flat_text(cfg).splitlines()
-                                 if line.startswith(("model.", "input.tokenizer."))))
+    source, where = open_source(args.model, args.experiment, args.overrides)
+    if source.kind == "jaxlearn":
+        print(f"jaxlearn: model config from {where}", file=sys.stderr)
+        run = source.run
+        lines = [f"model.{line}" for line in to_flat_text(run.model).splitlines()]
+        if run.tokenizer is not None:
+            lines += [f"input.tokenizer.{line}"
+                      for line in to_flat_text(run.tokenizer).splitlines()]
+        lines.sort(key=lambda line: path_sort_key(line.split(": ", 1)[0]))
+        sys.stdout.write("".join(f"{line}\n" for line in lines))
     return 0
 
 

@@ -301,8 +301,11 @@ class Engine(Configurable):
         if mesh is not None:
             rules = engine_axis_rules(engine_cfg)
             shardings = param_shardings(model_cfg.instantiate(), mesh, rules)
-        params, _ = restore_params(directory, model_cfg, step=step, use_ema=use_ema,
-                                   shardings=shardings)
+        from jaxlearn.checkpoint import locate
+
+        root, found = locate(directory)
+        params, _ = restore_params(root, model_cfg, step=found if step is None else step,
+                                   use_ema=use_ema, shardings=shardings)
         return cast(Engine, engine_cfg.instantiate(model_cfg=model_cfg, params=params,
                                                    tokenizer=tokenizer))
 

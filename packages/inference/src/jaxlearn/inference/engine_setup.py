@@ -98,18 +98,19 @@ class SpecFn:
         return isinstance(other, SpecFn) and (other.rules, other.mesh) == (self.rules, self.mesh)
 
 
-def restore_params(directory: Union[str, Path], model_cfg: Any, *, step: Optional[int] = None,
+def restore_params(root: Union[str, Path], model_cfg: Any, *, step: Optional[int] = None,
                    use_ema: bool = False, shardings: Any = None) -> tuple[Any, int]:
     """(params, step) of a jaxlearn checkpoint: only the params (or, with use_ema, the EMA
     params) of `step` (default: the newest step that verifies) are read, into `shardings`
-    (a tree like the params; default: the default device). `directory`: anything
-    `checkpoint.locate` accepts. The engine-facing wrapper of `checkpoint.restore_subtree`."""
-    from jaxlearn.checkpoint import locate, restore_subtree
+    (a tree like the params; default: the default device). `root`: the checkpoint root
+    (holding `step_*/`) as `checkpoint.locate` or `interop.ModelSource.root` give it; this
+    does not probe the layout around it. The engine-facing wrapper of
+    `checkpoint.restore_subtree`."""
+    from jaxlearn.checkpoint import restore_subtree
 
-    root, found = locate(directory)
     if getattr(model_cfg, "name", None) is REQUIRED:
         model_cfg = model_cfg.clone(name="model")
     model = model_cfg.instantiate()
     shapes = jax.eval_shape(model.initialize_parameters_recursively, jax.random.key(0))
     return restore_subtree(root, "ema" if use_ema else "params", shapes,
-                           shardings=shardings, step=found if step is None else step)
+                           shardings=shardings, step=step)

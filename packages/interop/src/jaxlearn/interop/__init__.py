@@ -1,6 +1,7 @@
 """jaxlearn.interop: HF safetensors / GGUF import and export for jaxlearn causal LMs.
 
-    from jaxlearn.interop import load_pretrained, export_hf
+    from jaxlearn.interop import load_pretrained, export_hf, open_model
+    source = open_model("model_dir_or_file.gguf_or_run")  # ModelSource: what is at a path
     loaded = load_pretrained("model_dir_or_file.gguf")   # LoadedModel
     model = loaded.model()                               # CausalLM
     ids = loaded.encode_chat([{"role": "user", "content": "Hi"}])
@@ -26,6 +27,7 @@ from jaxlearn.interop.errors import (
 from jaxlearn.interop.generate import greedy_generate
 from jaxlearn.interop.hf import export_hf, export_pretrained, load_hf, load_hf_tokenizer
 from jaxlearn.interop.model import LoadedModel
+from jaxlearn.interop.model_source import ModelSource, open_model
 from jaxlearn.interop.pretrained import JaxlearnCheckpointError, load_pretrained
 
 __all__ = [
@@ -34,6 +36,7 @@ __all__ = [
     "JaxlearnCheckpointError",
     "LoadedModel",
     "MalformedFileError",
+    "ModelSource",
     "ParameterMismatchError",
     "TokenizerError",
     "UnsupportedModelError",
@@ -45,6 +48,7 @@ __all__ = [
     "load_hf",
     "load_hf_tokenizer",
     "load_pretrained",
+    "open_model",
 ]
 
 

@@ -391,7 +391,7 @@ def tokenizer_from_gguf(f: GGUFFile) -> Any:
 
 
 def load_gguf(
-    path: str | pathlib.Path,
+    path: str | pathlib.Path | GGUFFile,
     *,
     stack: str = "scan",
     dtype: Optional[str] = None,
@@ -404,7 +404,7 @@ def load_gguf(
     Options as for `load_hf`. `metadata` holds the GGUF key/values without the large token
     arrays, plus "tensor_types" ({type name: count}).
     """
-    f = GGUFFile(path)
+    f = path if isinstance(path, GGUFFile) else GGUFFile(path)
     arch = architecture_from_gguf(f)
     config = build_config(
         arch,

@@ -261,16 +261,18 @@ def load_hf(
     param_dtype: Optional[str] = None,
     attention_implementation: str = "auto",
     moe_dropless_method: str = "ragged_dot",
+    hf_config: Optional[dict[str, Any]] = None,
 ) -> LoadedModel:
     """Loads an HF model directory (config.json + safetensors [+ tokenizer files]).
 
     stack / dtype / param_dtype / attention_implementation / moe_dropless_method: see
     `build_config`. Params are numpy arrays in `param_dtype` (default float32).
+    `hf_config`: config.json as already read (`ModelSource`), instead of reading it again.
     """
     directory = pathlib.Path(path)
     if not directory.is_dir():
         raise InteropError(f"{directory}: not a directory")
-    hf = read_json(directory / "config.json")
+    hf = read_json(directory / "config.json") if hf_config is None else hf_config
     arch = architecture_from_hf(hf, where=str(directory / "config.json"))
     reader = SafetensorsReader(directory)
     check_layers_present(

@@ -2,28 +2,30 @@
 
 - a directory with `config.json` -> HF transformers checkpoint (`jaxlearn.interop.hf`);
 - a `*.gguf` file -> GGUF (`jaxlearn.interop.gguf`);
-- a jaxlearn checkpoint directory -> not handled here: `jaxlearn.inference` owns that
-  loader (its config comes from a recipe, its params from `jaxlearn.checkpoint`).
+- a jaxlearn run -> not handled here: `open_model(path)` gives its recorded model config,
+  tokenizer and params (`ModelSource`).
+
+Which of them a path is, is `open_model`'s to say (`jaxlearn.interop.model_source`).
 """
 
 from __future__ import annotations
 
 import pathlib
-from typing import Any
+from typing import Any, cast
 
-from jaxlearn.interop.errors import InteropError, MalformedFileError
+from jaxlearn.interop.errors import InteropError
 from jaxlearn.interop.model import LoadedModel
-from jaxlearn.interop.source import model_kind
-from jaxlearn.text import errors as text_errors
+from jaxlearn.interop.model_source import open_model
 
 
 class JaxlearnCheckpointError(InteropError):
-    """`load_pretrained` was given a jaxlearn checkpoint directory; those are loaded by
-    `jaxlearn.inference` (config from the recipe + params from `jaxlearn.checkpoint`)."""
+    """`load_pretrained` was given a jaxlearn run or checkpoint directory; those are read
+    by `open_model` (config from the run record, params from `jaxlearn.checkpoint`)."""
 
 
 def load_pretrained(path: str | pathlib.Path, **kwargs: Any) -> LoadedModel:
-    """Loads an HF model directory or a GGUF file into a `LoadedModel`.
+    """Loads an HF model directory or a GGUF file into a `LoadedModel`
+    (`open_model(path).load_host(**kwargs)`).
 
     kwargs go to `load_hf` / `load_gguf` (stack, dtype, param_dtype,
     attention_implementation, moe_dropless_method).
@@ -33,30 +35,12 @@ def load_pretrained(path: str | pathlib.Path, **kwargs: Any) -> LoadedModel:
     InteropError whose message names the file (a `jaxlearn.text` error, whose message
     names the file and key, becomes a MalformedFileError with that message). A
     value error that a malformed file provokes deeper in the stack (numpy, tokenizers)
-    becomes a one-line `MalformedFileError` naming `path`.
+    becomes a one-line `MalformedFileError` naming `path` (`model_source.guard`).
     """
-    p = pathlib.Path(path)
-    try:
-        return _load(p, **kwargs)
-    except InteropError:
-        raise
-    except text_errors.TextError as e:
-        raise MalformedFileError(" ".join(str(e).split())) from None
-    except (ValueError, TypeError, KeyError, IndexError, OverflowError, UnicodeError) as e:
-        what = " ".join(str(e).split())[:500]
-        raise MalformedFileError(f"{p}: cannot be loaded ({type(e).__name__}: {what})") from None
-
-
-def _load(p: pathlib.Path, **kwargs: Any) -> LoadedModel:
-    kind, target = model_kind(p)
-    if kind == "gguf":
-        from jaxlearn.interop.gguf import load_gguf
-
-        return load_gguf(target, **kwargs)
-    if kind == "hf":
-        from jaxlearn.interop.hf import load_hf
-
-        return load_hf(target, **kwargs)
-    raise JaxlearnCheckpointError(
-        f"{p}: a jaxlearn run or checkpoint directory; load it with jaxlearn.inference "
-        f"(its config comes from the run record), not jaxlearn.interop.load_pretrained")
+    source = open_model(path)
+    if source.kind == "jaxlearn":
+        raise JaxlearnCheckpointError(
+            f"{path}: a jaxlearn run or checkpoint directory; load it with "
+            "jaxlearn.interop.open_model (its config comes from the run record), not "
+            "load_pretrained")
+    return cast(LoadedModel, source.load_host(**kwargs))

@@ -35,7 +35,6 @@ from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
-from jaxlearn.config import REQUIRED, Configurable
 from jaxlearn.families.arch import Architecture
 from jaxlearn.families.names import FUSIONS, block, dims, key_of, shape_of
 from jaxlearn.families.registry import family
@@ -307,31 +306,27 @@ class SliceReader:
 # ---- the readers of a model -----------------------------------------------------------------
 
 
-def _open(path: pathlib.Path) -> tuple[Any, str, Architecture]:
-    """(slice source, format, architecture) of an HF directory or a GGUF file."""
-    if path.is_file() and path.suffix.lower() == ".gguf":
-        from jaxlearn.interop.gguf import GGUFFile, architecture_from_gguf
-
-        f = GGUFFile(path)
-        return GGUFSlices(f), "gguf", architecture_from_gguf(f)
-    if path.is_dir() and (path / "config.json").exists():
-        from jaxlearn.families.hf_config import architecture_from_hf
-        from jaxlearn.interop.hf import read_json
-
-        arch = architecture_from_hf(read_json(path / "config.json"),
-                                    where=str(path / "config.json"))
-        return SafetensorsSlices(path), "hf", arch
-    raise InteropError(f"{path}: neither an HF model directory (with config.json) nor a "
-                       ".gguf file")
+def _open(source: Any) -> tuple[Any, str, Architecture]:
+    """(slice source, format, architecture) of an HF/GGUF `ModelSource` (the GGUF header
+    it parsed is reused)."""
+    if source.kind == "gguf":
+        return GGUFSlices(source.gguf), "gguf", source.architecture
+    if source.kind == "hf":
+        return SafetensorsSlices(source.target), "hf", source.architecture
+    raise InteropError(f"{source.path}: neither an HF model directory (with config.json) "
+                       "nor a .gguf file")
 
 
-def param_readers(path: Union[str, pathlib.Path], model: Any) -> dict[str, SliceReader]:
+def param_readers(path: Union[str, pathlib.Path, Any], model: Any) -> dict[str, SliceReader]:
     """{dotted param path: SliceReader} for every parameter of `model` (a `CausalLM`
     built for this checkpoint, e.g. by `build_config`), from an HF model directory or a
-    GGUF file. Every file tensor name and shape is checked first (ParameterMismatchError
-    listing every problem); no tensor data is read here."""
-    p = pathlib.Path(path)
-    source, fmt, arch = _open(p)
+    GGUF file (a path, or its `ModelSource`). Every file tensor name and shape is checked
+    first (ParameterMismatchError listing every problem); no tensor data is read here."""
+    from jaxlearn.interop.model_source import ModelSource, open_model
+
+    opened = path if isinstance(path, ModelSource) else open_model(path)
+    p = opened.target
+    source, fmt, arch = _open(opened)
     uses = plan(arch, fmt, available=set(source.names()))
     check_source(uses, arch, fmt, source, str(p))
     d, permuted = dims(arch), fmt == "gguf" and family(arch).gguf_permutes_qk
@@ -382,7 +377,7 @@ def _check_against(
     return {k: SliceReader(nodes[k], source, s.dtype, k) for k, s in specs.items()}
 
 
-def load_sharded(path: Union[str, pathlib.Path], model: Any, shardings: Any) -> Any:
+def load_sharded(path: Union[str, pathlib.Path, Any], model: Any, shardings: Any) -> Any:
     """`model`'s params from `path` as jax.Arrays placed per `shardings` (a tree like the
     model's parameter specs), each built by `jax.make_array_from_callback` from reads of
     its addressable shards only. A shard index held by several devices is read once.
@@ -416,24 +411,8 @@ def _sharded_array(reader: SliceReader, sharding: Any) -> Any:
     return jax.make_array_from_callback(reader.shape, sharding, cb)
 
 
-class PretrainedParams(Configurable):
-    """A trainer's `init_from`: the params of an HF model directory or a GGUF file,
-    loaded straight into the train state's shardings (`load_sharded`)."""
-
-    class Config(Configurable.Config):
-        path: str = REQUIRED
-
-    def describe(self) -> str:
-        """The base model, as the run record names it."""
-        return str(self.config.path)
-
-    def load(self, model: Any, shardings: Any) -> Any:
-        return load_sharded(self.config.path, model, shardings)
-
-
 __all__ = [
     "GGUFSlices",
-    "PretrainedParams",
     "SafetensorsSlices",
     "SliceReader",
     "load_sharded",

@@ -1,14 +1,14 @@
 """Where a run's first params come from when it has no checkpoint yet: `Trainer.Config.
 init_from`, a config of any class with the `ParamSource` methods.
 
-    cfg.init_from = CheckpointParams.default_config().set(path="runs/base")  # jaxlearn run
-    cfg.init_from = PretrainedParams.default_config().set(path="model_dir")  # HF / GGUF
-                    # (jaxlearn.interop.sharded; the CLI's --init_from sets either)
+    cfg.init_from = ModelSource.default_config().set(path="model_dir")  # HF / GGUF / run
+                    # (jaxlearn.interop.model_source; the CLI's --init_from sets it)
 
 `load(model, shardings)` returns the model's params as jax.Arrays already placed per
 `shardings` (the train state's parameter shardings), so no host ever holds the whole
 model: HF/GGUF files are read shard by shard (`jax.make_array_from_callback`), a jaxlearn
-checkpoint is restored by orbax straight into the target shardings. The trainer builds
+checkpoint is restored by orbax straight into the target shardings (LoRA adapters a base
+model lacks are left out; `load_params` initialises them). The trainer builds
 the optimizer state, PRNG key and step around them; a run with checkpoints resumes those
 and never calls `load`.
 """
@@ -20,8 +20,6 @@ from typing import Any, Protocol
 
 import jax
 import numpy as np
-
-from jaxlearn.config import REQUIRED, Configurable
 
 log = logging.getLogger("jaxlearn.trainer")
 
@@ -40,37 +38,6 @@ class ParamSource(Protocol):
     def load(self, model: Any, shardings: Any) -> Any:
         """The params of `model` (a tree like its parameter specs), placed per `shardings`."""
         ...
-
-
-class CheckpointParams(Configurable):
-    """The params of a jaxlearn checkpoint (a run directory: its newest good step; or one
-    step directory), restored into the target shardings. Optimizer state, step and data
-    position are not taken: the run starts at step 0 from these weights. LoRA adapters
-    the checkpoint lacks (a LoRA recipe on a full run) are left to `load_params`, which
-    initialises them; any other missing param is an InitFromError."""
-
-    class Config(Configurable.Config):
-        path: str = REQUIRED
-
-    def describe(self) -> str:
-        return str(self.config.path)
-
-    def load(self, model: Any, shardings: Any) -> Any:
-        from jaxlearn.checkpoint import locate, restore_subtree
-        from jaxlearn.module import is_spec
-
-        root, step = locate(self.config.path)
-        abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(tuple(s.shape), s.dtype),
-                                model.create_parameter_specs_recursively(), is_leaf=is_spec)
-        params, step = restore_subtree(root, "params", abstract, shardings=shardings,
-                                       step=step, skip_missing=True)
-        absent = [".".join(p) for p in _paths(abstract) if p not in _paths(params)
-                  and not p[-1].endswith(("_lora_a", "_lora_b"))]
-        if absent:
-            raise InitFromError(f"init_from {self.config.path}: step {step} has no "
-                                f"params.{absent[0]} ({len(absent)} model params missing)")
-        log.info("init_from %s: params of step %d", self.config.path, step)
-        return params
 
 
 def load_params(init_from: Any, model: Any, specs: Any, shardings: Any, init_key: Any) -> Any:
@@ -123,4 +90,4 @@ def _fill_missing(params: Any, model: Any, shardings: Any, init_key: Any) -> Any
     return out
 
 
-__all__ = ["CheckpointParams", "InitFromError", "ParamSource", "load_params"]
+__all__ = ["InitFromError", "ParamSource", "load_params"]

@@ -1,0 +1,127 @@
+"""How many times the config building of `--init_from <a GGUF file>` crosses between
+jaxlearn packages: the library call behind
+`jaxlearn config --experiment finetune --init_from model.gguf` (`apply_init_from` on the
+recipe's config) run under `sys.setprofile`.
+
+    python tools/bench/package_crossings.py            # a tiny GGUF written to a temp dir
+    python tools/bench/package_crossings.py --gguf model.gguf
+
+Each 'call' event whose callee's module is `jaxlearn.<pkg>...` adds `<pkg>` to a chain
+(other modules are left out); consecutive repeats are collapsed. Prints the number of
+transitions (chain length - 1) and the chain. The call is made once before it is
+measured, so module imports (first-call lazy imports) are not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+
+def write_tiny_gguf(path: Path) -> Path:
+    """A 2-layer llama GGUF (vocab 320, dim 32) with a byte-level BPE tokenizer and a chat
+    template in its metadata (random weights)."""
+    import gguf
+    import jax
+    import numpy as np
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from jaxlearn.interop.gguf import gguf_params_to_tensors
+    from jaxlearn.layers import llama_config
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    text = ["the quick brown fox jumps over the lazy dog"] * 8
+    tok.train_from_iterator(text, trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    state = json.loads(tok.to_str())
+    tokens = [t for t, _ in sorted(state["model"]["vocab"].items(), key=lambda kv: kv[1])]
+    tokens += [f"<pad{i}>" for i in range(320 - len(tokens))]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in state["model"]["merges"]]
+    config = llama_config(vocab_size=320, dim=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                          ffn_dim=64, rope_theta=10000.0, norm_eps=1e-5)
+    params = config.instantiate().initialize_parameters_recursively(jax.random.key(0))
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + ' ' + m['content'] "
+                "+ '<|im_end|>' }}{% endfor %}")
+    header: list[tuple[Callable[[Any], Any], Any]] = [
+        (w.add_block_count, 2), (w.add_context_length, 128), (w.add_embedding_length, 32),
+        (w.add_feed_forward_length, 64), (w.add_head_count, 4), (w.add_head_count_kv, 2),
+        (w.add_layer_norm_rms_eps, 1e-5), (w.add_rope_freq_base, 10000.0),
+        (w.add_rope_dimension_count, 8), (w.add_vocab_size, 320),
+        (w.add_tokenizer_model, "gpt2"), (w.add_tokenizer_pre, "default"),
+        (w.add_token_list, tokens), (w.add_token_merges, merges),
+        (w.add_token_types, [3 if t.startswith("<|") else 1 for t in tokens]),
+        (w.add_bos_token_id, 1), (w.add_eos_token_id, 2), (w.add_chat_template, template)]
+    for add, value in header:
+        add(value)
+    for name, value in gguf_params_to_tensors(config, jax.tree.map(np.asarray, params)).items():
+        w.add_tensor(name, value.astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def apply_init_from_fn() -> Callable[[Any, str], Any]:
+    """The library's `apply_init_from` (its home moved from the CLI to experiments)."""
+    import importlib
+
+    for name in ("jaxlearn.experiments.init_from", "jaxlearn.cli.init_from"):
+        try:
+            fn: Callable[[Any, str], Any] = importlib.import_module(name).apply_init_from
+        except ImportError:  # An older checkout: the CLI held it.
+            continue
+        return fn
+    raise ImportError("no apply_init_from in jaxlearn.experiments or jaxlearn.cli")
+
+
+def crossings(fn: Callable[[], Any]) -> list[str]:
+    """The collapsed chain of jaxlearn packages of the callees of `fn()`'s call events."""
+    chain: list[str] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event != "call":
+            return
+        name = frame.f_globals.get("__name__", "") or ""
+        if not name.startswith("jaxlearn."):
+            return
+        pkg = name.split(".")[1]
+        if not chain or chain[-1] != pkg:
+            chain.append(pkg)
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return chain
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gguf", default=None, help="default: a tiny one in a temp dir")
+    parser.add_argument("--experiment", default="finetune")
+    args = parser.parse_args()
+    from jaxlearn.experiments import get_experiment
+
+    apply_init_from = apply_init_from_fn()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = args.gguf or str(write_tiny_gguf(Path(tmp) / "tiny.gguf"))
+        apply_init_from(get_experiment(args.experiment), path)  # imports happen here
+        recipe = get_experiment(args.experiment)
+        chain = crossings(lambda: apply_init_from(recipe, path))
+    print(f"transitions: {max(len(chain) - 1, 0)}")
+    print(" -> ".join(chain))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
