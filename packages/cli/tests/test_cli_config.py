@@ -7,8 +7,9 @@ import re
 
 import pytest
 
-from jaxlearn.cli.main import build_parser, final_config, main, resolve_selector
+from jaxlearn.cli.main import build_parser, final_config, main
 from jaxlearn.config import to_flat_text
+from jaxlearn.experiments import resolve_selector
 from jaxlearn.runtime.record import find_run_record
 
 FAST = ["--set", "input.seq_len=32", "--set", "input.global_batch_size=8",

@@ -84,7 +84,7 @@ def _leaf_names(tree: Any) -> list[str]:
 
 def _check_output(args: argparse.Namespace, model: Path) -> None:
     """Refuses an `--output` the export may not write, before the model is read."""
-    from jaxlearn.cli.main import UsageError
+    from jaxlearn.cli.common import UsageError
     from jaxlearn.interop import InteropError
     from jaxlearn.interop.atomic import prepare_output
 
@@ -101,7 +101,7 @@ def _check_output(args: argparse.Namespace, model: Path) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from jaxlearn.cli.main import UsageError
+    from jaxlearn.cli.common import UsageError
     from jaxlearn.cli.serve_cmd import checkpoint_location
     from jaxlearn.interop import InteropError, export_gguf, export_hf, load_pretrained
 

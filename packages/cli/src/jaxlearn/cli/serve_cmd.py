@@ -144,7 +144,7 @@ def engine_config(args: argparse.Namespace, **fields: Any) -> Any:
     """The `Engine.Config` of the command line: defaults, then `fields` (command-specific
     settings), then the flags that were given, then `--engine_set` overrides. A model_name
     left at its default becomes the name of --model's file or directory."""
-    from jaxlearn.cli.main import UsageError
+    from jaxlearn.cli.common import UsageError
     from jaxlearn.config import ConfigError, apply_overrides
     from jaxlearn.inference import Engine
     from jaxlearn.inference.engine import check_settings
@@ -228,7 +228,7 @@ def config_from_record(record: Any, where: str, experiment: Optional[str],
     when the text no longer parses (a field renamed since the run) is the recorded
     experiment rebuilt from its name, mesh selector and overrides, and then checked against
     the recorded `model.` lines. UsageError (one line) when neither works."""
-    from jaxlearn.cli.main import UsageError
+    from jaxlearn.cli.common import UsageError
     from jaxlearn.config import ConfigError, FlatTextError, apply_overrides, from_flat_text
 
     if record.experiment is not None and experiment not in (None, record.experiment):
@@ -252,7 +252,7 @@ def config_from_record(record: Any, where: str, experiment: Optional[str],
 def _rebuild_experiment(record: Any, where: str, experiment: Optional[str], why: str) -> Any:
     """The recorded experiment rebuilt by name (the recorded text did not parse: `why`),
     checked against the recorded `model.` lines."""
-    from jaxlearn.cli.main import UsageError, final_config
+    from jaxlearn.cli.common import UsageError, final_config
     from jaxlearn.config import to_flat_text
 
     name = record.experiment or experiment
@@ -276,7 +276,7 @@ def guess_config(saved: str, overrides: Sequence[str], where: str,
                  why: str) -> tuple[Any, str]:
     """The experiment whose model config matches the flat text `saved` (`same_model`),
     with `overrides`; the description says it is a guess and `why`."""
-    from jaxlearn.cli.main import UsageError, final_config
+    from jaxlearn.cli.common import UsageError, final_config
     from jaxlearn.config import to_flat_text
     from jaxlearn.experiments import EXPERIMENTS
 
@@ -297,7 +297,7 @@ def run_config(path: Path, root: Path, experiment: Optional[str],
     record (`path`'s own, else the newest step's), else `--experiment`, else a guess from
     the config text saved with the newest checkpoint."""
     from jaxlearn.checkpoint import Checkpointer
-    from jaxlearn.cli.main import UsageError, final_config
+    from jaxlearn.cli.common import UsageError, final_config
     from jaxlearn.runtime.record import RunRecordError, find_run_record
 
     newest = _newest_step_dir(root)
@@ -359,7 +359,7 @@ def load_model(path: str, engine_cfg: Any, *, experiment: Optional[str] = None,
     """An `Engine` with `engine_cfg` for PATH (see module docstring). `dtype` (compute) and
     `param_dtype` (weight storage) apply to HF / GGUF models; a jaxlearn run's dtypes are
     its config's (`--set model...`)."""
-    from jaxlearn.cli.main import UsageError
+    from jaxlearn.cli.common import UsageError
     from jaxlearn.inference import Engine
 
     p = Path(path)
@@ -397,7 +397,7 @@ def load_model(path: str, engine_cfg: Any, *, experiment: Optional[str] = None,
 
 def print_config(args: argparse.Namespace, engine_cfg: Any) -> int:
     """`--print_config`: the engine config and, for a jaxlearn run, its model config."""
-    from jaxlearn.cli.main import UsageError
+    from jaxlearn.cli.common import UsageError
     from jaxlearn.config import to_flat_text
 
     p = Path(args.model)
@@ -414,7 +414,7 @@ def print_config(args: argparse.Namespace, engine_cfg: Any) -> int:
 
 
 def _engine(args: argparse.Namespace, engine_cfg: Any) -> Any:
-    from jaxlearn.cli.main import UsageError
+    from jaxlearn.cli.common import UsageError
     from jaxlearn.inference import RequestError
 
     t0 = time.monotonic()
@@ -436,7 +436,7 @@ def _engine(args: argparse.Namespace, engine_cfg: Any) -> Any:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from jaxlearn.cli.main import UsageError
+    from jaxlearn.cli.common import UsageError
     from jaxlearn.serve.httpd import is_loopback
     from jaxlearn.serve.server import InferenceServer
 
@@ -476,7 +476,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def server_options(args: argparse.Namespace) -> dict[str, Any]:
     """serve's HTTP flags (and $JAXLEARN_API_KEY), checked: InferenceServer's api_key,
     allowed_hosts, allowed_origins, and `limits`: the Limits fields given."""
-    from jaxlearn.cli.main import UsageError
+    from jaxlearn.cli.common import UsageError
     from jaxlearn.serve.httpd import Limits
 
     key = args.api_key
@@ -502,7 +502,7 @@ def server_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from jaxlearn.cli.main import UsageError
+    from jaxlearn.cli.common import UsageError
     from jaxlearn.inference import RequestError, chat_prompt
 
     engine_cfg = engine_config(args, max_queue=1)

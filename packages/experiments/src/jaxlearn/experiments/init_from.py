@@ -126,8 +126,6 @@ def _from_run(cfg: Any, p: pathlib.Path) -> Any:
     if record is None:
         raise InitFromUsageError(f"--init_from {p}: a jaxlearn checkpoint without run.json "
                                  "(its model config is unknown)")
-    from jaxlearn.cli.serve_cmd import use_run_tokenizer
-
     base = use_run_tokenizer(
         from_flat_text(record.config_text, where=f"{p} (run record config_text)"), p)
     lora = _lora_settings(cfg.model)
@@ -146,6 +144,20 @@ def _from_run(cfg: Any, p: pathlib.Path) -> Any:
             if hasattr(inp, field) and hasattr(old, field):
                 setattr(inp, field, getattr(old, field))
     cfg.init_from = CheckpointParams.default_config().set(path=str(p))
+    return cfg
+
+
+def use_run_tokenizer(cfg: Any, path: pathlib.Path) -> Any:
+    """`cfg` (the config of the run at `path`) with its inputs' tokenizer file read from the
+    run directory's own copy when it has one (`runtime.record.save_tokenizer`): a moved or
+    copied run directory keeps working without its base model's directory."""
+    from jaxlearn.runtime.record import run_tokenizer_path
+
+    for name in ("input", "eval_input"):
+        data = getattr(cfg, name, None)
+        tok = getattr(data, "tokenizer", None) if data is not None else None
+        if tok is not None and isinstance(getattr(tok, "path", None), str):
+            tok.path = run_tokenizer_path(path, tok.path)
     return cfg
 
 
@@ -174,4 +186,4 @@ def apply_init_from(cfg: ConfigBase, path: Optional[str]) -> Any:
     return cfg
 
 
-__all__ = ["InitFromUsageError", "apply_init_from"]
+__all__ = ["InitFromUsageError", "apply_init_from", "use_run_tokenizer"]
