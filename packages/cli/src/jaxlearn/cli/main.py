@@ -133,14 +133,26 @@ def _enable_compilation_cache() -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
-    args.argv = argv[1:]  # After the command name (train --supervise re-runs them).
+def _configure_logging() -> None:
+    """INFO lines with a time stamp on stderr, unless the root logger already has handlers
+    of its own (e.g. pytest's). The handler absl adds on import (orbax logs while it is
+    imported, and absl then calls `logging.basicConfig()`) is not one: it is replaced."""
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        if (type(h) is logging.StreamHandler and h.formatter is not None
+                and h.formatter._fmt == logging.BASIC_FORMAT):
+            root.removeHandler(h)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s",
                         stream=sys.stderr)
     for noisy in ("absl", "jax._src", "orbax"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    args.argv = argv[1:]  # After the command name (train --supervise re-runs them).
+    _configure_logging()
     _enable_compilation_cache()
     try:
         return COMMANDS[args.command](args)
