@@ -9,15 +9,16 @@
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 JL="$ROOT/tools/jaxlearn"
+MATRIX="${JAXLEARN_AOT_MATRIX:-$ROOT/docs/aot_matrix.json}"
 recipes=${1:-$("$JL" python -c "from jaxlearn.experiments import REAL_SIZE; print(*REAL_SIZE)")}
 selectors=${2:-$("$JL" python -c \
   "from jaxlearn.experiments import SELECTORS; print(*(s for s in SELECTORS if s != 'cpu-8'))")}
 bad=0
 for r in $recipes; do
   for s in $selectors; do
-    "$JL" python -m jaxlearn.cli.aot_matrix run --experiment "$r" --mesh_selector "$s" \
+    "$JL" aot-matrix run --matrix "$MATRIX" --experiment "$r" --mesh_selector "$s" \
       || bad=$((bad + 1))
   done
 done
-"$JL" python -m jaxlearn.cli.aot_matrix render >/dev/null
+"$JL" aot-matrix render --matrix "$MATRIX" >/dev/null
 exit "$bad"

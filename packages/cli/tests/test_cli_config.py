@@ -3,12 +3,15 @@ that config, bad flags are one-line errors, and every `--set` example in `--help
 valid config path."""
 
 import argparse
+import json
 import re
 
 import pytest
 
-from jaxlearn.cli.main import build_parser, final_config, main, resolve_selector
+from jaxlearn.cli.main import build_parser, final_config, main
+from jaxlearn.cli.train_cmd import RUN_FLAG_ARGS
 from jaxlearn.config import to_flat_text
+from jaxlearn.experiments import RUN_FLAGS, resolve_selector
 from jaxlearn.runtime.record import find_run_record
 
 FAST = ["--set", "input.seq_len=32", "--set", "input.global_batch_size=8",
@@ -43,6 +46,37 @@ def test_config_prints_what_train_runs_and_the_record_rebuilds_it(tmp_path, caps
     assert find_run_record(out / "checkpoints" / "step_00000002") == record
     rebuilt = final_config(record.experiment, record.mesh_selector, record.overrides)
     assert to_flat_text(rebuilt) == record.config_text
+
+
+def test_config_prints_the_elastic_adaptation_train_runs(tmp_path, capsys):
+    """--elastic on a run that started on 16 devices: `config` prints the adapted
+    learner.num_microbatches this 8-device machine trains with, and the record holds it."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "elastic.json").write_text(json.dumps({
+        "num_devices": 16, "batch_shards": 16, "num_microbatches": 1,
+        "global_batch_size": 16, "per_device_microbatch": 1}))
+    flags = ["--experiment", "tiny-llama", *FAST, "--set", "input.global_batch_size=16",
+             "--output_dir", str(out), "--max_step", "1", "--data", _text_file(tmp_path),
+             "--elastic"]
+    assert main(["config", *flags]) == 0
+    printed = capsys.readouterr().out
+    assert "learner.num_microbatches: 2\n" in printed
+    assert main(["train", *flags]) == 0
+    record = find_run_record(out)
+    assert record is not None and record.config_text == printed
+    assert record.overrides[-1] == "learner.num_microbatches=2"
+
+
+def test_every_run_flag_is_a_flag_of_train_and_config():
+    assert set(RUN_FLAG_ARGS) == set(RUN_FLAGS)
+    parsers = dict(_parsers(build_parser()))
+    for command in ("train", "config"):
+        dests = {a.dest for a in parsers[command]._actions}
+        assert set(RUN_FLAGS) <= dests, (command, set(RUN_FLAGS) - dests)
+        helps = {a.dest: a.help for a in parsers[command]._actions}
+        for name, row in RUN_FLAGS.items():
+            assert helps[name].endswith(f"(sets {row.fields})"), (command, name)
 
 
 @pytest.mark.parametrize("args, message", [

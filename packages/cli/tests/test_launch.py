@@ -606,29 +606,36 @@ def test_launch_refuses_a_recipe_that_does_not_fit(capsys, tmp_path):
 
 
 def test_launch_uses_the_recorded_aot_matrix(capsys, tmp_path, monkeypatch, env_for_children):
-    """A pair recorded by the AOT matrix (a real `jaxlearn aot` compile) answers the fit
-    check with the compiled figure: refused without --force; a config changed since the
-    compile makes the entry stale and the floor answers again."""
-    from jaxlearn.cli import aot_matrix
-    from jaxlearn.experiments import recipes
+    """A pair recorded by `jaxlearn aot-matrix run` (a real `jaxlearn aot` compile) answers
+    the fit check with the compiled figure: refused without --force; a config changed since
+    the compile makes the entry stale and the floor answers again."""
+    from jaxlearn.experiments import aot_matrix, recipes
 
     matrix = tmp_path / "aot_matrix.json"
-    monkeypatch.setenv("JAXLEARN_AOT_MATRIX", str(matrix))
     sets = TOO_BIG[1::2]
-    entry = aot_matrix.run("tiny-llama", "cpu-8", sets)
-    assert entry["fits"] is False and entry["required_bytes"] > 16 * 2**30, entry
+    assert main(["aot-matrix", "run", "--matrix", str(matrix), "--experiment", "tiny-llama",
+                 "--mesh_selector", "cpu-8", *TOO_BIG]) == 1
+    assert capsys.readouterr().out.startswith("NO        tiny-llama@cpu-8 --set input.")
+    entry = aot_matrix.lookup(str(matrix), "tiny-llama", "cpu-8", sets)
+    assert entry is not None and entry["fits"] is False, entry
+    assert entry["required_bytes"] > 16 * 2**30
     assert entry["mesh"]["data"] == 8 and entry["params_bytes"] > 0
     train = ["--", "train", "--experiment", "tiny-llama", "--mesh_selector", "cpu-8",
              "--output_dir", "o", *TOO_BIG]
-    assert main(["launch", "k8s", "--image", "i", *train]) == 2
+    # The file comes from --aot_matrix (the default, $JAXLEARN_AOT_MATRIX, holds none).
+    assert main(["launch", "k8s", "--image", "i", "--aot_matrix", str(matrix), *train]) == 2
     err = capsys.readouterr().err
     need = entry["required_bytes"] / 2**30
-    assert f"tiny-llama on cpu-8 does not fit: the compiled step (docs/aot_matrix.json) " \
+    assert f"tiny-llama on cpu-8 does not fit: the compiled step (AOT matrix) " \
            f"needs {need:.2f} GiB per device (params " in err, err
+    monkeypatch.setenv("JAXLEARN_AOT_MATRIX", str(matrix))  # The default flag value.
     assert main(["launch", "k8s", "--image", "i", "--force", *train]) == 0
-    assert "WARNING (--force)" in capsys.readouterr().err
-    table = aot_matrix.render()
+    assert "WARNING (--force): tiny-llama on cpu-8 does not fit: the compiled step (AOT " \
+           "matrix)" in capsys.readouterr().err
+    assert main(["aot-matrix", "render", "--output", str(tmp_path / "m.md")]) == 0
+    table = (tmp_path / "m.md").read_text()
     assert "| tiny-llama@cpu-8 --set input.global_batch_size=131072 | data8 | 1 |" in table
+    assert "(stale)" not in table
     original = recipes.EXPERIMENTS["tiny-llama"]
 
     def edited():
@@ -637,8 +644,8 @@ def test_launch_uses_the_recorded_aot_matrix(capsys, tmp_path, monkeypatch, env_
         return cfg
 
     monkeypatch.setitem(recipes.EXPERIMENTS, "tiny-llama", edited)
-    assert aot_matrix.lookup("tiny-llama", "cpu-8", sets) is None
-    assert "(stale)" in aot_matrix.render()
+    assert aot_matrix.lookup(str(matrix), "tiny-llama", "cpu-8", sets) is None
+    assert "(stale)" in aot_matrix.render(str(matrix))
     assert main(["launch", "k8s", "--image", "i", *train]) == 2
     assert "does not fit: at least " in capsys.readouterr().err
 

@@ -21,7 +21,17 @@ import os
 import re
 import subprocess
 import sys
-from typing import Any, Callable, Optional
+from typing import Any, Optional
+
+from jaxlearn.aot.compile import aot_compile
+from jaxlearn.aot.plan import format_plan, plan
+from jaxlearn.aot.report import format_report
+from jaxlearn.aot.target import AOTError, ensure_cpu_devices, resolve_target
+from jaxlearn.cli.common import UsageError, add_experiment_args, final_config
+from jaxlearn.inference.aot import compile_inference_steps
+from jaxlearn.layers import ScanStack
+from jaxlearn.layers.pipeline import pipeline_config
+from jaxlearn.mesh import ReplaceConfigModifier, UnknownHardwareError, selector_num_devices
 
 _REEXEC_ENV = "JAXLEARN_AOT_REEXEC"
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -52,8 +62,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="TPU targets: mock TPU topology (needs libtpu) or a fake CPU mesh")
 
 
-def add_parsers(sub: Any, add_experiment_args: Callable[[argparse.ArgumentParser], None]
-                ) -> None:
+def add_parsers(sub: Any) -> None:
     """Adds the `aot` and `plan` subcommands to the `jaxlearn` parser."""
     p = sub.add_parser("aot", help="AOT-compile an experiment for a hardware target and "
                                    "check that it fits")
@@ -108,10 +117,6 @@ def _argv(args: argparse.Namespace) -> list[str]:
 def _devices_ready(args: argparse.Namespace) -> Optional[int]:
     """Requests the target's device count as fake CPU devices; if JAX is already up with
     too few, re-runs the command in a subprocess and returns its exit status."""
-    from jaxlearn.aot.target import ensure_cpu_devices
-    from jaxlearn.cli.main import UsageError
-    from jaxlearn.mesh import UnknownHardwareError, selector_num_devices
-
     if not args.mesh_selector:
         raise UsageError(f"{args.command} needs --mesh_selector (e.g. tpu-v5p-256, "
                          f"gpu-h100-8x4, trn2-16, cpu-8)")
@@ -132,9 +137,6 @@ def _devices_ready(args: argparse.Namespace) -> Optional[int]:
 
 
 def _target(args: argparse.Namespace) -> Any:
-    from jaxlearn.aot.target import AOTError, resolve_target
-    from jaxlearn.cli.main import UsageError
-
     try:
         return resolve_target(args.mesh_selector, hbm_bytes=args.hbm_bytes,
                               topology=args.topology)
@@ -142,21 +144,9 @@ def _target(args: argparse.Namespace) -> Any:
         raise UsageError(str(e)) from None
 
 
-def _inference_hook() -> Any:
-    """`fn(trainer) -> {name: compiled}` for the inference prefill and decode steps (the
-    runtime's AOT report cannot import the inference package; the CLI links them)."""
-    from jaxlearn.inference.aot import compile_inference_steps
-
-    return compile_inference_steps
-
-
 def pipeline_hook(stages: int, microbatches: int) -> tuple[Any, str]:
     """The modifier that turns every ScanStack into a PipelineStack (and its source), for
     the planner (the aot package cannot import the layers)."""
-    from jaxlearn.layers import ScanStack
-    from jaxlearn.layers.pipeline import pipeline_config
-    from jaxlearn.mesh import ReplaceConfigModifier
-
     mod = ReplaceConfigModifier.default_config().set(
         match=ScanStack, replacement=pipeline_config(stages, microbatches))
     text = ("ReplaceConfigModifier.default_config().set(match=ScanStack, "
@@ -168,16 +158,13 @@ def cmd_aot(args: argparse.Namespace) -> int:
     rc = _devices_ready(args)
     if rc is not None:
         return rc
-    from jaxlearn.aot.compile import aot_compile
-    from jaxlearn.aot.report import format_report
-    from jaxlearn.aot.target import AOTError
-    from jaxlearn.cli.main import UsageError, final_config
-
     target = _target(args)
     cfg = final_config(args.experiment, args.mesh_selector, args.overrides)
     try:
         report = aot_compile(cfg, target, mfu=args.mfu, hbm_utilization=args.hbm_utilization,
-                             inference_steps=_inference_hook())
+                             # The inference steps: the aot package cannot import the
+                             # inference package; the CLI links them.
+                             inference_steps=compile_inference_steps)
     except AOTError as e:
         raise UsageError(str(e)) from None
     if args.json:
@@ -191,10 +178,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     rc = _devices_ready(args)
     if rc is not None:
         return rc
-    from jaxlearn.aot.plan import format_plan, plan
-    from jaxlearn.aot.target import AOTError
-    from jaxlearn.cli.main import UsageError, final_config
-
     target = _target(args)
     cfg = final_config(args.experiment, args.mesh_selector, args.overrides)
     remat_target = None if args.remat_target == "none" else args.remat_target

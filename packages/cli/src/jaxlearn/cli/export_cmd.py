@@ -78,7 +78,7 @@ def _leaf_names(tree: Any) -> list[str]:
 
 def _check_output(args: argparse.Namespace, model: Path) -> None:
     """Refuses an `--output` the export may not write, before the model is read."""
-    from jaxlearn.cli.main import UsageError
+    from jaxlearn.cli.common import UsageError
     from jaxlearn.interop import InteropError
     from jaxlearn.interop.atomic import prepare_output
 
@@ -95,7 +95,7 @@ def _check_output(args: argparse.Namespace, model: Path) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from jaxlearn.cli.main import UsageError
+    from jaxlearn.cli.common import UsageError
     from jaxlearn.cli.serve_cmd import open_source
     from jaxlearn.interop import InteropError, export_gguf, export_hf
 

@@ -3,7 +3,6 @@
     jaxlearn launch local --num_processes 2 --devices_per_process 4 -- train --experiment ...
     jaxlearn launch slurm [--partition P --time 4:00:00 ...] [--script F] [--submit] -- train ...
     jaxlearn launch k8s --name NAME --image IMAGE [--output F] -- train ...
-    jaxlearn train ... [--coordinator_address H:P --num_processes N --process_id I]
 
 `local` starts the processes on this machine (CPU devices, gloo collectives), prefixes their
 output with `[i]`, and fails fast: when one process fails the others are stopped at once and
@@ -15,15 +14,19 @@ Anything after `--` that is not a jaxlearn command runs as given (`-- python scr
 the train command's `--mesh_selector` (e.g. `gpu-h100-8x4`: 4 nodes x 8 GPUs, one process per
 node; `tpu-v5p-64`: 8 TPU VMs x 4 chips). Both validate the train command (experiment, mesh
 rules, --set) first, then check that the recipe fits the target's memory
-(`jaxlearn.cli.launch_fit`): over the floor is a usage error (exit 2, one line) unless
-`--force` (a loud warning) or `--no_fit_check`. The Slurm script runs the jaxlearn this
-command runs, by absolute path (`jaxlearn.launch.job.same_jaxlearn`). On Slurm
-`srun --kill-on-bad-exit=1` and on Kubernetes the JobSet's failure policy stop the other
-processes when one fails; `jaxlearn train` in each process
-finds its place from the scheduler's variables (jaxlearn.launch.cluster).
+(`jaxlearn.experiments.aot_matrix.check_fit`: a fresh entry of the AOT matrix file
+`--aot_matrix`, else `jaxlearn.aot.fit`'s floor, cached): over the floor is a usage error
+(exit 2, one line) unless `--force` (a loud warning) or `--no_fit_check`. The Slurm
+script runs the jaxlearn this command runs, by absolute path
+(`jaxlearn.launch.job.same_jaxlearn`). On Slurm `srun --kill-on-bad-exit=1` and on
+Kubernetes the JobSet's failure policy stop the other processes when one fails; `jaxlearn
+train` in each process finds its place from the scheduler's variables (jaxlearn.launch.cluster).
 
 This module parses the flags, builds the option dataclasses and writes the files; the
-scripts and manifests come from `jaxlearn.launch.slurm` and `jaxlearn.launch.k8s`.
+scripts and manifests come from `jaxlearn.launch.slurm` and `jaxlearn.launch.k8s`. The
+train command's own multi-process flags are train's (`train_cmd.add_distributed_args`).
+A jaxlearn command after `--` is parsed with the `jaxlearn` parser that `main` hands to
+`add_parsers` (this module imports no other subcommand's module).
 """
 
 from __future__ import annotations
@@ -35,6 +38,10 @@ import shlex
 import sys
 from typing import Any, Callable, Optional, Sequence
 
+from jaxlearn.cli.common import UsageError, checkout_root, default_matrix, final_config
+from jaxlearn.experiments import BuildError, aot_matrix
+from jaxlearn.launch import k8s, slurm
+from jaxlearn.launch import local as local_launch
 from jaxlearn.launch.job import (
     DEFAULT_ENTRYPOINT,
     JobSpecError,
@@ -42,71 +49,17 @@ from jaxlearn.launch.job import (
     job_name,
     same_jaxlearn,
 )
-
-EXIT_DISTRIBUTED = 3
-
-
-def _usage(message: str) -> Exception:
-    from jaxlearn.cli.main import UsageError  # main imports this module: import late.
-
-    return UsageError(message)
-
-
-# ---- `jaxlearn train` start-up flags -------------------------------------------------------
-
-
-def add_distributed_args(p: argparse.ArgumentParser) -> None:
-    """Multi-process flags of `jaxlearn train` (each also readable from the environment)."""
-    g = p.add_argument_group(
-        "multi-process", "Default: detected from Slurm, Open MPI, Kubernetes/JobSet or "
-        "JAXLEARN_* variables (see `jaxlearn launch`); one process if none are set.")
-    g.add_argument("--coordinator_address", default=None, metavar="HOST:PORT",
-                   help="process 0's address, the same for every process")
-    g.add_argument("--num_processes", type=int, default=None)
-    g.add_argument("--process_id", type=int, default=None)
-    g.add_argument("--local_device_ids", default=None, metavar="I,J,...",
-                   help="accelerators this process uses (default: all local ones)")
-    g.add_argument("--initialization_timeout", type=float, default=None, metavar="SECONDS",
-                   help="give up (naming the missing processes) if not all have joined "
-                        "(default: $JAXLEARN_INITIALIZATION_TIMEOUT or 300)")
-    g.add_argument("--heartbeat_timeout", type=float, default=None, metavar="SECONDS",
-                   help="a process silent this long is dead (default: "
-                        "$JAXLEARN_HEARTBEAT_TIMEOUT or 100)")
-    g.add_argument("--num_cpu_devices", type=int, default=None,
-                   help="CPU devices per process (CPU runs and tests)")
-
-
-def start_distributed(args: argparse.Namespace) -> Any:
-    """Joins the process group `args` and the environment describe (before any JAX use)."""
-    from jaxlearn.launch import distributed
-
-    ids = None
-    if args.local_device_ids:
-        try:
-            ids = [int(x) for x in args.local_device_ids.split(",")]
-        except ValueError:
-            raise _usage(f"--local_device_ids {args.local_device_ids!r}: expected I,J,...") \
-                from None
-    try:
-        return distributed.initialize(
-            args.coordinator_address, args.num_processes, args.process_id, ids,
-            initialization_timeout=args.initialization_timeout,
-            heartbeat_timeout=args.heartbeat_timeout,
-            num_cpu_devices=args.num_cpu_devices,
-        )
-    except distributed.ClusterConfigError as e:
-        raise _usage(str(e)) from None
-    except distributed.DistributedError as e:
-        print(f"jaxlearn: error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(EXIT_DISTRIBUTED) from None
-
+from jaxlearn.launch.k8s import Volume
+from jaxlearn.mesh import MeshError, get_hardware, parse_selector
 
 # ---- the `launch` parsers ------------------------------------------------------------------
 
 
-def add_parsers(sub: Any) -> None:
+def add_parsers(sub: Any, jaxlearn_parser: Callable[[], argparse.ArgumentParser]) -> None:
+    """Adds `launch local|slurm|k8s`; `jaxlearn_parser()` parses the command after `--`."""
     p = sub.add_parser("launch", help="run `jaxlearn train` as a multi-process job: here, "
                                       "on Slurm or on Kubernetes (JobSet)")
+    p.set_defaults(jaxlearn_parser=jaxlearn_parser)
     where = p.add_subparsers(dest="launcher", required=True, metavar="WHERE")
 
     q = where.add_parser("local", help="N processes on this machine (CPU devices, gloo)")
@@ -191,6 +144,11 @@ def _add_cluster_args(q: argparse.ArgumentParser) -> None:
     g.add_argument("--force", action="store_true",
                    help="write (and submit) the job even when it does not fit, warning")
     g.add_argument("--no_fit_check", action="store_true", help="skip the check")
+    g.add_argument("--aot_matrix", default=None, metavar="FILE",
+                   help="recorded compiled verdicts to use when fresh (default: "
+                        "$JAXLEARN_AOT_MATRIX, else docs/aot_matrix.json of the checkout: "
+                        "$JAXLEARN_CHECKOUT, else the directory with pants.toml from the "
+                        "current one upwards; none outside a checkout)")
     q.add_argument("--entrypoint", default=None,
                    help="how the cluster runs jaxlearn (default: Slurm, whose nodes share "
                         "this filesystem: the jaxlearn you ran, by absolute path - an "
@@ -208,15 +166,16 @@ def _command(args: argparse.Namespace) -> list[str]:
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
     if not cmd:
-        raise _usage(f"launch {args.launcher}: give the command after --, e.g. "
-                     "`-- train --experiment tiny-llama --output_dir runs/x`")
+        raise UsageError(f"launch {args.launcher}: give the command after --, e.g. "
+                         "`-- train --experiment tiny-llama --output_dir runs/x`")
     return cmd
 
 
-def _is_jaxlearn_command(name: str) -> bool:
-    from jaxlearn.cli.main import COMMANDS
-
-    return name in COMMANDS and name != "launch"
+def _is_jaxlearn_command(parser: argparse.ArgumentParser, name: str) -> bool:
+    """Whether `name` is a `jaxlearn` subcommand other than `launch`."""
+    names = {n for a in parser._actions if isinstance(a, argparse._SubParsersAction)
+             for n in a.choices}
+    return name in names and name != "launch"
 
 
 # ---- launch local --------------------------------------------------------------------------
@@ -227,16 +186,13 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def _local(args: argparse.Namespace) -> int:
-    from jaxlearn.launch import local as local_launch
-
     cmd = _command(args)
-    if _is_jaxlearn_command(cmd[0]):
-        from jaxlearn.cli.main import build_parser
-
-        build_parser().parse_args(cmd)  # Usage errors once, here, not N times.
+    parser = args.jaxlearn_parser()
+    if _is_jaxlearn_command(parser, cmd[0]):
+        parser.parse_args(cmd)  # Usage errors once, here, not N times.
         cmd = [sys.executable, "-m", "jaxlearn.cli", *cmd]
     if args.num_processes < 1:
-        raise _usage(f"--num_processes must be >= 1, got {args.num_processes}")
+        raise UsageError(f"--num_processes must be >= 1, got {args.num_processes}")
     print(f"jaxlearn launch: {args.num_processes} process(es)"
           + (f" x {args.devices_per_process} CPU device(s)" if args.devices_per_process else "")
           + f" on this machine ({args.emulate} variables): {shlex.join(cmd)}",
@@ -253,27 +209,23 @@ def _local(args: argparse.Namespace) -> int:
 def _target(args: argparse.Namespace) -> tuple[JobTarget, argparse.Namespace]:
     """The validated train command of a cluster job and its hardware; the parsed train
     command."""
-    from jaxlearn.cli.main import build_parser, final_config
-    from jaxlearn.mesh import get_hardware, parse_selector
-    from jaxlearn.mesh.errors import MeshError
-
     cmd = _command(args)
     if cmd[0] != "train":
-        raise _usage(f"launch {args.launcher} runs `train`, got {cmd[0]!r}")
-    train = build_parser().parse_args(cmd)
+        raise UsageError(f"launch {args.launcher} runs `train`, got {cmd[0]!r}")
+    train = args.jaxlearn_parser().parse_args(cmd)
     if not train.mesh_selector:
-        raise _usage(f"launch {args.launcher}: the train command needs the target's "
-                     "--mesh_selector (e.g. gpu-h100-8x4, tpu-v5p-64, cpu-8)")
+        raise UsageError(f"launch {args.launcher}: the train command needs the target's "
+                         "--mesh_selector (e.g. gpu-h100-8x4, tpu-v5p-64, cpu-8)")
     try:
         kind, devices = parse_selector(train.mesh_selector)
     except MeshError as e:
-        raise _usage(str(e)) from None
+        raise UsageError(str(e)) from None
     final_config(train.experiment, train.mesh_selector, train.overrides)  # Validates.
     spec = get_hardware(kind)
     try:
         name = job_name(args.name or f"jaxlearn-{train.experiment}")
     except JobSpecError as e:
-        raise _usage(str(e)) from None
+        raise UsageError(str(e)) from None
     return JobTarget(name=name, experiment=train.experiment, selector=train.mesh_selector,
                      kind=kind, platform=spec.platform, devices=devices,
                      devices_per_host=spec.devices_per_host, argv=tuple(cmd)), train
@@ -282,13 +234,15 @@ def _target(args: argparse.Namespace) -> tuple[JobTarget, argparse.Namespace]:
 def _fit_check(args: argparse.Namespace, train: argparse.Namespace) -> None:
     """Refuses a recipe that does not fit its target (a usage error), or with --force
     warns; a check that cannot run is a warning."""
-    from jaxlearn.cli.launch_fit import check_fit
-
     if args.no_fit_check:
         return
     where = f"{train.experiment} on {train.mesh_selector}"
-    verdict = check_fit(train.experiment, train.mesh_selector, train.overrides,
-                        aot=args.aot_check)
+    try:
+        verdict = aot_matrix.check_fit(
+            train.experiment, train.mesh_selector, train.overrides, aot=args.aot_check,
+            cache_dir=_fit_cache(), matrix_path=args.aot_matrix or default_matrix())
+    except BuildError as e:
+        raise UsageError(str(e)) from None
     if verdict.fits:
         print(f"jaxlearn launch: {where} fits: {verdict.describe()}", file=sys.stderr)
         return
@@ -299,7 +253,7 @@ def _fit_check(args: argparse.Namespace, train: argparse.Namespace) -> None:
                f"`jaxlearn plan --experiment {train.experiment} --mesh_selector "
                f"{train.mesh_selector}`, or pass --force (warn and go on) or --no_fit_check")
     if not args.force:
-        raise _usage(message)
+        raise UsageError(message)
     bar = "!" * 78
     print(f"{bar}\njaxlearn launch: WARNING (--force): {message}\n{bar}", file=sys.stderr)
 
@@ -311,7 +265,7 @@ def _pairs(items: Sequence[str], flag: str, key_pattern: str = r".*"
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not re.fullmatch(key_pattern, key):
-            raise _usage(f"{flag} {item!r}: expected KEY=VALUE")
+            raise UsageError(f"{flag} {item!r}: expected KEY=VALUE")
         pairs.append((key, value))
     return tuple(pairs)
 
@@ -325,15 +279,17 @@ def _job_options(args: argparse.Namespace, entrypoint: str) -> dict[str, Any]:
                 entrypoint=args.entrypoint or entrypoint)
 
 
-def _this_jaxlearn() -> str:
-    """The jaxlearn this process runs, as a node on the same filesystem runs it."""
-    import jaxlearn.cli
+def _fit_cache() -> str:
+    """Where fit check figures are cached: $JAXLEARN_FIT_CACHE, else ~/.cache/jaxlearn/fit."""
+    return os.environ.get("JAXLEARN_FIT_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "jaxlearn", "fit")
 
-    # packages/cli/src/jaxlearn/cli/__init__.py -> the checkout, when run from one.
-    checkout = os.path.abspath(os.path.join(os.path.dirname(jaxlearn.cli.__file__),
-                                            *[os.pardir] * 5))
+
+def _this_jaxlearn() -> str:
+    """The jaxlearn this process runs, as a node on the same filesystem runs it (the
+    checkout's tools/jaxlearn: `common.checkout_root`)."""
     return same_jaxlearn(sys.argv[0] if sys.argv else "", os.environ, sys.executable,
-                         checkout)
+                         checkout_root())
 
 
 def _generate(make: Callable[[Any, JobTarget], str], options: Any, target: JobTarget) -> str:
@@ -341,7 +297,7 @@ def _generate(make: Callable[[Any, JobTarget], str], options: Any, target: JobTa
     try:
         return make(options, target)
     except JobSpecError as e:
-        raise _usage(str(e)) from None
+        raise UsageError(str(e)) from None
 
 
 def _write(text: str, path: Optional[str], what: str) -> None:
@@ -353,7 +309,7 @@ def _write(text: str, path: Optional[str], what: str) -> None:
         with open(path, "w", encoding="utf-8") as f:
             f.write(text)
     except OSError as e:
-        raise _usage(f"{path}: cannot write the {what} ({e.strerror})") from None
+        raise UsageError(f"{path}: cannot write the {what} ({e.strerror})") from None
     print(f"jaxlearn launch: wrote {path}", file=sys.stderr)
 
 
@@ -361,8 +317,6 @@ def _write(text: str, path: Optional[str], what: str) -> None:
 
 
 def _slurm(args: argparse.Namespace) -> int:
-    from jaxlearn.launch import slurm
-
     target, train = _target(args)
     options = slurm.SlurmOptions(
         **_job_options(args, _this_jaxlearn()), nodes=args.nodes,
@@ -381,25 +335,23 @@ def _slurm(args: argparse.Namespace) -> int:
     try:
         return 1 if slurm.submit(path, wait=args.wait) else 0
     except JobSpecError as e:
-        raise _usage(str(e)) from None
+        raise UsageError(str(e)) from None
 
 
 def _volumes(args: argparse.Namespace) -> tuple[Any, ...]:
     """--pvc CLAIM:MOUNT and --volume DRIVER:MOUNT[:KEY=VALUE,...] as k8s.Volume values."""
-    from jaxlearn.launch.k8s import Volume
-
     volumes = []
     for item in args.pvc:
         claim, sep, mount = item.partition(":")
         if not (claim and sep and mount):
-            raise _usage(f"--pvc {item!r}: expected CLAIM:MOUNT, e.g. shared-runs:/runs")
+            raise UsageError(f"--pvc {item!r}: expected CLAIM:MOUNT, e.g. shared-runs:/runs")
         volumes.append(Volume(mount=mount, claim=claim))
     for item in args.volume:
         driver, _, rest = item.partition(":")
         mount, _, attrs = rest.partition(":")
         if not (driver and mount):
-            raise _usage(f"--volume {item!r}: expected DRIVER:MOUNT[:KEY=VALUE,...], e.g. "
-                         "gcsfuse.csi.storage.gke.io:/gcs:bucketName=my-bucket")
+            raise UsageError(f"--volume {item!r}: expected DRIVER:MOUNT[:KEY=VALUE,...], "
+                             "e.g. gcsfuse.csi.storage.gke.io:/gcs:bucketName=my-bucket")
         pairs = _pairs([a for a in attrs.split(",") if a], f"--volume {item}")
         volumes.append(Volume(mount=mount, driver=driver, attributes=pairs))
     return tuple(volumes)
@@ -413,12 +365,10 @@ def _log_directory(log: str) -> None:
         try:
             os.makedirs(parent, exist_ok=True)
         except OSError as e:
-            raise _usage(f"--log {log}: cannot create {parent} ({e.strerror})") from None
+            raise UsageError(f"--log {log}: cannot create {parent} ({e.strerror})") from None
 
 
 def _k8s(args: argparse.Namespace) -> int:
-    from jaxlearn.launch import k8s
-
     target, train = _target(args)
     options = k8s.K8sOptions(
         **_job_options(args, DEFAULT_ENTRYPOINT), image=args.image, namespace=args.namespace,
@@ -434,4 +384,4 @@ def _k8s(args: argparse.Namespace) -> int:
 
 COMMANDS = {"launch": cmd_launch}
 
-__all__ = ["COMMANDS", "add_distributed_args", "add_parsers", "start_distributed"]
+__all__ = ["COMMANDS", "add_parsers", "cmd_launch"]

@@ -140,7 +140,7 @@ def engine_config(args: argparse.Namespace, **fields: Any) -> Any:
     """The `Engine.Config` of the command line: defaults, then `fields` (command-specific
     settings), then the flags that were given, then `--engine_set` overrides. A model_name
     left at its default becomes the name of --model's file or directory."""
-    from jaxlearn.cli.main import UsageError
+    from jaxlearn.cli.common import UsageError
     from jaxlearn.config import ConfigError, apply_overrides
     from jaxlearn.inference import Engine
     from jaxlearn.inference.engine import check_settings
@@ -198,7 +198,7 @@ def open_source(path: str, experiment: Optional[str] = None,
     experiment and checked against the recorded `model.` lines; a checkpoint without a
     record needs `--experiment`. UsageError (one line naming PATH) otherwise."""
     from jaxlearn.checkpoint.run_record import RunModel, RunRecordError, find_model_record
-    from jaxlearn.cli.main import UsageError, final_config
+    from jaxlearn.cli.common import UsageError, final_config
     from jaxlearn.config import FlatTextError, to_flat_text
     from jaxlearn.interop import InteropError, open_model
 
@@ -240,7 +240,7 @@ def _overridden(run: Any, overrides: Sequence[str]) -> Any:
     """`run` with `--set` overrides of its `model.` and `input.tokenizer.` fields."""
     import dataclasses
 
-    from jaxlearn.cli.main import UsageError
+    from jaxlearn.cli.common import UsageError
     from jaxlearn.config import ConfigError, apply_overrides
 
     model, tok = run.model.clone(), run.tokenizer.clone() if run.tokenizer else None
@@ -259,7 +259,7 @@ def _overridden(run: Any, overrides: Sequence[str]) -> Any:
 def _rebuild_experiment(record: Any, where: str, experiment: Optional[str], why: str) -> Any:
     """The recorded experiment rebuilt by name (the recorded text did not parse: `why`),
     checked against the recorded `model.` lines."""
-    from jaxlearn.cli.main import UsageError, final_config
+    from jaxlearn.cli.common import UsageError, final_config
     from jaxlearn.config import to_flat_text
 
     name = record.experiment or experiment
@@ -285,7 +285,7 @@ def load_model(path: str, engine_cfg: Any, *, experiment: Optional[str] = None,
     """An `Engine` with `engine_cfg` for PATH (see module docstring). `dtype` (compute) and
     `param_dtype` (weight storage) apply to HF / GGUF models; a jaxlearn run's dtypes are
     its config's (`--set model...`)."""
-    from jaxlearn.cli.main import UsageError
+    from jaxlearn.cli.common import UsageError
     from jaxlearn.inference import Engine
     from jaxlearn.interop import InteropError
 
@@ -337,7 +337,7 @@ def print_config(args: argparse.Namespace, engine_cfg: Any) -> int:
 
 
 def _engine(args: argparse.Namespace, engine_cfg: Any) -> Any:
-    from jaxlearn.cli.main import UsageError
+    from jaxlearn.cli.common import UsageError
     from jaxlearn.inference import RequestError
 
     t0 = time.monotonic()
@@ -359,7 +359,7 @@ def _engine(args: argparse.Namespace, engine_cfg: Any) -> Any:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from jaxlearn.cli.main import UsageError
+    from jaxlearn.cli.common import UsageError
     from jaxlearn.serve.httpd import is_loopback
     from jaxlearn.serve.server import InferenceServer
 
@@ -399,7 +399,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def server_options(args: argparse.Namespace) -> dict[str, Any]:
     """serve's HTTP flags (and $JAXLEARN_API_KEY), checked: InferenceServer's api_key,
     allowed_hosts, allowed_origins, and `limits`: the Limits fields given."""
-    from jaxlearn.cli.main import UsageError
+    from jaxlearn.cli.common import UsageError
     from jaxlearn.serve.httpd import Limits
 
     key = args.api_key
@@ -425,7 +425,7 @@ def server_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from jaxlearn.cli.main import UsageError
+    from jaxlearn.cli.common import UsageError
     from jaxlearn.inference import RequestError, chat_prompt
 
     engine_cfg = engine_config(args, max_queue=1)

@@ -2,13 +2,14 @@
 selector whose rule changes it, under `golden_configs/`.
 
     tools/jaxlearn golden --write     # regenerate after an intended change
+    tools/jaxlearn golden             # check: one diff per drifted file (`golden_drift`)
 """
 
 from __future__ import annotations
 
 import os
 
-from jaxlearn.config import to_flat_text
+from jaxlearn.config import diff_flat_texts, to_flat_text
 from jaxlearn.experiments.recipes import EXPERIMENTS
 from jaxlearn.mesh import apply_mesh_rules
 
@@ -40,3 +41,18 @@ def write_golden(directory: str) -> list[str]:
         with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
             f.write(text)
     return sorted(texts)
+
+
+def golden_drift(directory: str) -> list[str]:
+    """One unified diff (golden file -> current config) per golden file in `directory`
+    that differs from its current text or is missing."""
+    diffs = []
+    for name, text in golden_texts().items():
+        path = os.path.join(directory, name)
+        old = ""
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                old = f.read()
+        if old != text:
+            diffs.append(diff_flat_texts(old, text, f"golden/{name}", "current"))
+    return diffs

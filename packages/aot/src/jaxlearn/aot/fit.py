@@ -1,7 +1,7 @@
-"""Does a recipe fit its target? The check `jaxlearn launch slurm|k8s` runs before it writes
-a job (jaxlearn.cli.launch_cmd; `--no_fit_check` skips it, `--force` warns and goes on).
+"""Does a training config fit its target's accelerator memory? The check `jaxlearn launch
+slurm|k8s` runs before it writes a job (`--no_fit_check` skips it, `--force` warns and goes on).
 
-    verdict = check_fit("llama2-7b", "gpu-h100-8x4", overrides)   # Verdict
+    verdict = check_fit(config_text, "gpu-h100-8x4", cache_dir=...)   # Verdict
     verdict.fits, verdict.describe()
 
 Per device, against `hbm_utilization` (0.95) x the target's HBM (jaxlearn.mesh catalogue):
@@ -11,18 +11,18 @@ Per device, against `hbm_utilization` (0.95) x the target's HBM (jaxlearn.mesh c
   `jaxlearn.aot.build_trainer` on a fake CPU mesh of the target's size), plus gradients
   (one more params shard), plus the activations the backward pass keeps (`activation_bytes`:
   from the config's layers, widths, per-device tokens and remat policy). It leaves out
-  every temporary, so a recipe over the floor cannot fit, while one under it may still not;
-- compiled (`aot=True`, `--aot_check`): `jaxlearn aot`'s per-device requirement of the
-  compiled train step (minutes for a 7B model on a CPU).
+  every temporary, so a config over the floor cannot fit, while one under it may still not;
+- compiled (`aot=True`, `--aot_check`): the per-device requirement of the compiled train
+  step (`aot_compile`; minutes for a 7B model on a CPU).
 
-Both run in a subprocess (the fake device count must be set before JAX starts) and are
-cached as JSON under $JAXLEARN_FIT_CACHE (default ~/.cache/jaxlearn/fit), keyed by the
-sha256 of the final config's flat text (output paths left out), the selector, the method
-and the JAX version. A check that cannot run is reported (fits None), never a refusal.
+Both run in a subprocess (`python -m jaxlearn.aot.fit --config FILE --mesh_selector S
+[--compile]`: the fake device count must be set before JAX starts; the config travels as
+its flat text) and are cached as JSON in `cache_dir`, keyed by the config's
+`matrix.config_digest` (output paths left out), the method and the JAX version. A check
+that cannot run is reported (fits None), never a refusal.
 
-Before either, a fresh entry of the AOT matrix (`jaxlearn.cli.aot_matrix`: the compiled
-verdicts `tools/aot_matrix.sh` records in docs/aot_matrix.json, valid while the final
-config's digest matches) answers at once with the compiled figure.
+Before either, a fresh AOT matrix entry (`matrix_entry`: the compiled verdict recorded by
+`tools/aot_matrix.sh`) answers at once with the compiled figure (`from_matrix`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,18 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from typing import Any, Optional, Sequence
+
+import jax
+
+from jaxlearn.aot.compile import aot_compile, build_trainer
+from jaxlearn.aot.estimate import find_int_field
+from jaxlearn.aot.matrix import config_digest
+from jaxlearn.aot.report import human_bytes, state_breakdown
+from jaxlearn.aot.target import resolve_target
+from jaxlearn.config import from_flat_text
+from jaxlearn.mesh import selector_num_devices
 
 GiB = 2**30
 HBM_UTILIZATION = 0.95
@@ -69,10 +80,8 @@ class Verdict:
         """'at least 376.60 GiB per device (state 9.41 GiB, ...) of 76.00 GiB usable ...'."""
         if self.error:
             return f"could not check the fit ({self.error})"
-        from jaxlearn.aot.report import human_bytes
-
         what = {"floor": "at least", "aot": "the compiled step needs",
-                "aot matrix": "the compiled step (docs/aot_matrix.json) needs"}[self.method]
+                "aot matrix": "the compiled step (AOT matrix) needs"}[self.method]
         parts = ", ".join(f"{k} {human_bytes(v)}" for k, v in self.parts)
         return (f"{what} {human_bytes(self.required_bytes)} per device"
                 + (f" ({parts})" if parts else "")
@@ -91,8 +100,6 @@ def activation_bytes(cfg: Any, tokens: int, model_shards: int) -> int:
     policy, or no remat, the matmul outputs too (q, k, v, attention output, MLP inputs and
     output); with no remat and einsum attention, the attention weights (heads x seq). 0
     when the config has no stack of `num_layers` layers with `self_attention`."""
-    from jaxlearn.aot.estimate import find_int_field
-
     stack = find_int_field(cfg, "num_layers")
     layer = getattr(stack, "layer", None)
     attn, ffn = getattr(layer, "self_attention", None), getattr(layer, "feed_forward", None)
@@ -114,14 +121,9 @@ def activation_bytes(cfg: Any, tokens: int, model_shards: int) -> int:
     return int(stack.num_layers * tokens * per_token * dtype_bytes)
 
 
-def floor(experiment: str, selector: str, overrides: Sequence[str]) -> dict[str, Any]:
-    """The floor's figures (run where JAX has the target's number of CPU devices)."""
-    from jaxlearn.aot.compile import build_trainer
-    from jaxlearn.aot.report import state_breakdown
-    from jaxlearn.aot.target import resolve_target
-    from jaxlearn.cli.main import final_config
-
-    cfg = final_config(experiment, selector, overrides)
+def floor(cfg: Any, selector: str) -> dict[str, Any]:
+    """The floor's figures of `cfg` on `selector` (run where JAX has the target's number of
+    CPU devices)."""
     target = resolve_target(selector, topology="fake")
     trainer = build_trainer(cfg, target)
     state = state_breakdown(trainer.abstract_state(derived=True))
@@ -136,28 +138,36 @@ def floor(experiment: str, selector: str, overrides: Sequence[str]) -> dict[str,
             "parts": list(parts.items())}
 
 
+def compiled(cfg: Any, selector: str) -> dict[str, Any]:
+    """The compiled train step's figures of `cfg` on `selector` (same setting as `floor`)."""
+    report = aot_compile(cfg, resolve_target(selector, topology="fake"),
+                         hbm_utilization=HBM_UTILIZATION)
+    step = json.loads(json.dumps(report.to_dict(), default=str))["steps"]["train_step"]
+    return {"required_bytes": step["required_bytes"], "hbm_bytes": step["hbm_bytes"],
+            "parts": [["temporaries", step["temp_bytes"]], ["arguments", step["argument_bytes"]]]}
+
+
 # ---- running and caching -------------------------------------------------------------------
 
 
-def _cache_path(experiment: str, selector: str, overrides: Sequence[str], method: str) -> str:
-    import jax
-
-    from jaxlearn.cli.aot_matrix import config_digest
-
-    digest = config_digest(experiment, selector, overrides)
+def _cache_path(cache_dir: str, digest: str, method: str) -> str:
     key = hashlib.sha256(f"{digest}\n{method}\n{jax.__version__}".encode())
-    root = os.environ.get("JAXLEARN_FIT_CACHE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "jaxlearn", "fit")
-    return os.path.join(root, key.hexdigest()[:32] + ".json")
+    return os.path.join(cache_dir, key.hexdigest()[:32] + ".json")
 
 
-def _run(argv: list[str], devices: int) -> dict[str, Any]:
-    """Runs `python -m <argv>` with `devices` fake CPU devices; its JSON stdout."""
-    env = dict(os.environ, JAX_NUM_CPU_DEVICES=str(devices), JAX_PLATFORMS="cpu")
+def _measure(config_text: str, selector: str, aot: bool) -> dict[str, Any]:
+    """`floor` (or `compiled`) in `python -m jaxlearn.aot.fit`, with the target's number of
+    fake CPU devices; its JSON stdout."""
+    env = dict(os.environ, JAX_NUM_CPU_DEVICES=str(selector_num_devices(selector)),
+               JAX_PLATFORMS="cpu")
     env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\S*", "",
                               env.get("XLA_FLAGS", "")).strip()
-    done = subprocess.run([sys.executable, "-m", *argv], env=env, capture_output=True,
-                          text=True, check=False)
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", encoding="utf-8") as f:
+        f.write(config_text)
+        f.flush()
+        argv = [sys.executable, "-m", "jaxlearn.aot.fit", "--config", f.name,
+                "--mesh_selector", selector, *(["--compile"] if aot else [])]
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
     try:
         return dict(json.loads(done.stdout))
     except ValueError:
@@ -165,53 +175,36 @@ def _run(argv: list[str], devices: int) -> dict[str, Any]:
         raise RuntimeError(f"exit status {done.returncode}: {last[-300:]}") from None
 
 
-def _measure(experiment: str, selector: str, overrides: Sequence[str], aot: bool
-             ) -> dict[str, Any]:
-    from jaxlearn.mesh import selector_num_devices
-
-    sets = [w for o in overrides for w in ("--set", o)]
-    where = ["--experiment", experiment, "--mesh_selector", selector, *sets]
-    n = selector_num_devices(selector)
-    if not aot:
-        return _run(["jaxlearn.cli.launch_fit", *where], n)
-    report = _run(["jaxlearn.cli", "aot", "--json", "--topology", "fake", *where], n)
-    step = report["steps"]["train_step"]
-    return {"required_bytes": step["required_bytes"], "hbm_bytes": step["hbm_bytes"],
-            "parts": [["temporaries", step["temp_bytes"]], ["arguments", step["argument_bytes"]]]}
-
-
-def _from_matrix(experiment: str, selector: str, overrides: Sequence[str]) -> Optional[Verdict]:
-    """The AOT matrix's compiled verdict (`jaxlearn.cli.aot_matrix`) while it is fresh."""
-    from jaxlearn.cli.aot_matrix import lookup
-
-    try:
-        e = lookup(experiment, selector, overrides)
-    except ValueError:  # An unreadable matrix file: fall back to the other checks.
+def from_matrix(entry: Optional[dict[str, Any]]) -> Optional[Verdict]:
+    """The verdict of a fresh AOT matrix entry (`matrix.lookup`); None for no entry or a
+    recorded compile error."""
+    if entry is None or "error" in entry:
         return None
-    if e is None or "error" in e:
-        return None
-    parts = (("params", int(e["params_bytes"])), ("optimizer state", int(e["optimizer_bytes"])),
-             ("temporaries", int(e["temp_bytes"])))
-    usable = int(HBM_UTILIZATION * e["hbm_bytes"])
-    return Verdict("aot matrix", int(e["required_bytes"]) <= usable, int(e["required_bytes"]),
-                   usable, int(e["hbm_bytes"]), parts)
+    parts = (("params", int(entry["params_bytes"])),
+             ("optimizer state", int(entry["optimizer_bytes"])),
+             ("temporaries", int(entry["temp_bytes"])))
+    usable = int(HBM_UTILIZATION * entry["hbm_bytes"])
+    required = int(entry["required_bytes"])
+    return Verdict("aot matrix", required <= usable, required, usable, int(entry["hbm_bytes"]),
+                   parts)
 
 
-def check_fit(experiment: str, selector: str, overrides: Sequence[str], *, aot: bool = False
-              ) -> Verdict:
-    """The recorded AOT matrix verdict when it matches the config, else the floor (or with
-    `aot` the compiled figure) of the recipe on `selector`, cached."""
-    recorded = _from_matrix(experiment, selector, overrides)
+def check_fit(config_text: str, selector: str, *, cache_dir: str, aot: bool = False,
+              matrix_entry: Optional[dict[str, Any]] = None) -> Verdict:
+    """The fresh AOT matrix entry's verdict when there is one, else the floor (or with `aot`
+    the compiled figure) of the config `config_text` (flat text) on `selector`, cached in
+    `cache_dir`."""
+    recorded = from_matrix(matrix_entry)
     if recorded is not None:
         return recorded
     method = "aot" if aot else "floor"
-    path = _cache_path(experiment, selector, overrides, method)
+    path = _cache_path(cache_dir, config_digest(config_text, selector), method)
     try:
         with open(path, encoding="utf-8") as f:
             figures = json.load(f)
     except (OSError, ValueError):
         try:
-            figures = _measure(experiment, selector, overrides, aot)
+            figures = _measure(config_text, selector, aot)
         except (RuntimeError, KeyError, OSError) as e:
             return Verdict(method, None, error=str(e))
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -225,14 +218,18 @@ def check_fit(experiment: str, selector: str, overrides: Sequence[str], *, aot: 
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """`python -m jaxlearn.cli.launch_fit --experiment E --mesh_selector S [--set ...]`:
-    prints the floor's figures as JSON (JAX must see the target's device count)."""
-    p = argparse.ArgumentParser(prog="jaxlearn.cli.launch_fit")
-    p.add_argument("--experiment", required=True)
+    """`python -m jaxlearn.aot.fit --config FILE --mesh_selector S [--compile]`: prints the
+    floor's (or the compiled step's) figures of the flat-text config FILE as JSON (JAX must
+    see the target's device count)."""
+    p = argparse.ArgumentParser(prog="python -m jaxlearn.aot.fit")
+    p.add_argument("--config", required=True, help="a final config in flat text form")
     p.add_argument("--mesh_selector", required=True)
-    p.add_argument("--set", dest="overrides", action="append", default=[])
+    p.add_argument("--compile", action="store_true", help="the compiled step, not the floor")
     args = p.parse_args(argv)
-    print(json.dumps(floor(args.experiment, args.mesh_selector, args.overrides)))
+    with open(args.config, encoding="utf-8") as f:
+        cfg = from_flat_text(f.read(), where=args.config)
+    measure = compiled if args.compile else floor
+    print(json.dumps(measure(cfg, args.mesh_selector)))
     return 0
 
 

@@ -1,54 +1,41 @@
-"""The AOT matrix: every recipe x hardware target compiled by `jaxlearn aot`, recorded.
+"""The AOT matrix: recipe x hardware target verdicts of `jaxlearn aot`, recorded in a JSON file.
 
-    tools/aot_matrix.sh [RECIPES] [SELECTORS]     # compile, record, render (docs/)
-    python -m jaxlearn.cli.aot_matrix run --experiment E --mesh_selector S [--set P=V ...]
-    python -m jaxlearn.cli.aot_matrix render      # docs/aot_matrix.json -> docs/aot_matrix.md
-    entry = lookup(experiment, selector, overrides)   # the recorded verdict, or None
+    data = load(path)                                      # {"entries": {key: entry}}
+    entry = lookup(path, key, digest)                      # the entry while `digest` matches
+    entry = compile_and_record(path, argv, experiment, selector, overrides, digest)
+    text = render(path, is_fresh, expected)                # the Markdown page
 
-`run` compiles one pair in a subprocess (`jaxlearn aot --json`, which sets up the target's
-fake device count), then merges its per-device figures into the matrix JSON
-(`$JAXLEARN_AOT_MATRIX`, default the checkout's `docs/aot_matrix.json`) under
-`EXPERIMENT@SELECTOR` (plus ` --set ...` when overridden), keyed also by the digest of the
-final config (less the output paths and the checkpointer's settings, which the compiled
-steps do not depend on). `lookup` gives the entry only while that digest still matches: a recipe or
-mesh rule edited since the compile makes its entry stale, and `render` marks it so.
-`jaxlearn launch` (`launch_fit.check_fit`) uses a fresh entry instead of its floor estimate.
+Every function takes the matrix file's path (the CLI's `--matrix`, default the checkout's
+`docs/aot_matrix.json`). `compile_and_record` runs `argv` (a `jaxlearn aot --json` command
+line, which sets up the target's fake device count) and merges its per-device figures under
+`EXPERIMENT@SELECTOR` (plus ` --set ...` when overridden), with `digest`: the
+`config_digest` of the final config. An entry is fresh while that digest still matches the
+current config: a recipe or mesh rule edited since the compile makes it stale (`lookup`
+gives None, `render` marks it). Naming recipes (building their configs) is the caller's
+part: `jaxlearn.experiments.aot_matrix`.
 """
 
 from __future__ import annotations
 
-import argparse
 import fcntl
 import hashlib
 import json
 import os
 import re
 import subprocess
-import sys
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
+
+import jax
 
 GiB = 2**30
-_DOCS = os.path.join(os.path.dirname(os.path.abspath(__file__)), *[os.pardir] * 5, "docs")
-
-
-def matrix_path() -> str:
-    """$JAXLEARN_AOT_MATRIX, else docs/aot_matrix.json of the checkout this module is in."""
-    return os.environ.get("JAXLEARN_AOT_MATRIX") or os.path.normpath(
-        os.path.join(_DOCS, "aot_matrix.json"))
-
-
 _NOT_COMPILED = re.compile(r"output_dir:|checkpointer\.")
 
 
-def config_digest(experiment: str, selector: str, overrides: Sequence[str]) -> str:
-    """sha256 of the final config's flat text and the selector, without what the compiled
+def config_digest(config_text: str, selector: str) -> str:
+    """sha256 of a final config's flat text and the selector, without what the compiled
     steps do not depend on (the output paths, the checkpointer's settings)."""
-    from jaxlearn.cli.main import final_config
-    from jaxlearn.config import to_flat_text
-
-    text = to_flat_text(final_config(experiment, selector, overrides))
-    text = "\n".join(line for line in text.splitlines() if not _NOT_COMPILED.match(line))
+    text = "\n".join(line for line in config_text.splitlines() if not _NOT_COMPILED.match(line))
     return hashlib.sha256(f"{text}\n{selector}".encode()).hexdigest()
 
 
@@ -56,23 +43,22 @@ def entry_key(experiment: str, selector: str, overrides: Sequence[str]) -> str:
     return f"{experiment}@{selector}" + "".join(f" --set {o}" for o in overrides)
 
 
-def load(path: Optional[str] = None) -> dict[str, Any]:
+def load(path: str) -> dict[str, Any]:
     """The matrix ({"entries": {key: entry}}); empty when the file does not exist."""
     try:
-        with open(path or matrix_path(), encoding="utf-8") as f:
+        with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except FileNotFoundError:
         return {"entries": {}}
     if not isinstance(data, dict) or not isinstance(data.get("entries"), dict):
-        raise ValueError(f"{path or matrix_path()}: not an AOT matrix (no 'entries' object)")
+        raise ValueError(f"{path}: not an AOT matrix (no 'entries' object)")
     return data
 
 
-def lookup(experiment: str, selector: str, overrides: Sequence[str],
-           path: Optional[str] = None) -> Optional[dict[str, Any]]:
-    """The recorded entry of this pair if its config digest matches the current config."""
-    entry = load(path)["entries"].get(entry_key(experiment, selector, overrides))
-    if entry is None or entry.get("digest") != config_digest(experiment, selector, overrides):
+def lookup(path: str, key: str, digest: str) -> Optional[dict[str, Any]]:
+    """The entry recorded under `key` if its config digest is `digest` (the current one)."""
+    entry = load(path)["entries"].get(key)
+    if entry is None or entry.get("digest") != digest:
         return None
     return dict(entry)
 
@@ -108,15 +94,11 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def record(experiment: str, selector: str, overrides: Sequence[str], result: dict[str, Any],
-           path: Optional[str] = None) -> dict[str, Any]:
+def record(path: str, experiment: str, selector: str, overrides: Sequence[str], digest: str,
+           result: dict[str, Any]) -> dict[str, Any]:
     """Merges one pair's `result` (a `summarize` dict or {"error": ...}) into the matrix."""
-    import jax
-
-    path = path or matrix_path()
     entry = {"experiment": experiment, "selector": selector, "overrides": list(overrides),
-             "digest": config_digest(experiment, selector, overrides),
-             "jax": jax.__version__, **result}
+             "digest": digest, "jax": jax.__version__, **result}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path + ".lock", "w") as lock:  # Pairs compiled side by side merge in turn.
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -130,14 +112,12 @@ def record(experiment: str, selector: str, overrides: Sequence[str], result: dic
     return entry
 
 
-def run(experiment: str, selector: str, overrides: Sequence[str],
-        path: Optional[str] = None) -> dict[str, Any]:
-    """Compiles the pair with `jaxlearn aot --json` (a subprocess) and records it."""
-    sets = [w for o in overrides for w in ("--set", o)]
-    argv = [sys.executable, "-m", "jaxlearn.cli", "aot", "--json", "--experiment", experiment,
-            "--mesh_selector", selector, *sets]
+def compile_and_record(path: str, argv: Sequence[str], experiment: str, selector: str,
+                       overrides: Sequence[str], digest: str) -> dict[str, Any]:
+    """Runs `argv` (the pair's `jaxlearn aot --json` command line, a subprocess) and records
+    its report (or its last error line) with `digest`."""
     t0 = time.monotonic()
-    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    done = subprocess.run(list(argv), capture_output=True, text=True, check=False)
     wall = time.monotonic() - t0
     try:
         result = summarize(json.loads(done.stdout))
@@ -145,7 +125,7 @@ def run(experiment: str, selector: str, overrides: Sequence[str],
         last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
         result = {"fits": False, "error": last[-400:]}
     result["wall_seconds"] = round(wall, 1)
-    return record(experiment, selector, overrides, result, path)
+    return record(path, experiment, selector, overrides, digest, result)
 
 
 # ---- the Markdown table --------------------------------------------------------------------
@@ -172,8 +152,10 @@ def _row(key: str, e: dict[str, Any], fresh: bool) -> str:
             f"{mfu:.2f} | {e['compile_seconds'] / 60:.1f} / {wall} |")
 
 
-def render(path: Optional[str] = None) -> str:
-    """The matrix as a Markdown page (one row per recorded pair)."""
+def render(path: str, is_fresh: Callable[[dict[str, Any]], bool],
+           expected: Sequence[str] = ()) -> str:
+    """The matrix as a Markdown page: one row per recorded pair, marked stale unless
+    `is_fresh(entry)`; the `expected` keys not recorded yet are listed after the table."""
     data = load(path)
     lines = [
         "# AOT matrix: every real-size recipe x hardware target",
@@ -195,49 +177,12 @@ def render(path: Optional[str] = None) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key, e in data["entries"].items():
-        try:
-            fresh = e.get("digest") == config_digest(e["experiment"], e["selector"],
-                                                     e.get("overrides", []))
-        except Exception:  # noqa: BLE001 - a recipe that no longer exists is stale
-            fresh = False
-        lines.append(_row(key, e, fresh))
-    missing = [f"{r}@{s}" for r, s in default_pairs() if f"{r}@{s}" not in data["entries"]]
+        lines.append(_row(key, e, is_fresh(e)))
+    missing = [k for k in expected if k not in data["entries"]]
     if missing:
         lines += ["", f"Not compiled yet ({len(missing)} pairs): " + ", ".join(missing) + "."]
     return "\n".join(lines) + "\n"
 
 
-def default_pairs() -> list[tuple[str, str]]:
-    """Every real-size recipe x every accelerator golden selector (`tools/aot_matrix.sh`)."""
-    from jaxlearn.experiments import REAL_SIZE, SELECTORS
-
-    return [(r, s) for r in REAL_SIZE for s in SELECTORS if not s.startswith("cpu")]
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m jaxlearn.cli.aot_matrix")
-    sub = p.add_subparsers(dest="what", required=True)
-    r = sub.add_parser("run", help="compile one pair and record it")
-    r.add_argument("--experiment", required=True)
-    r.add_argument("--mesh_selector", required=True)
-    r.add_argument("--set", dest="overrides", action="append", default=[])
-    w = sub.add_parser("render", help="write the Markdown table next to the JSON")
-    w.add_argument("--output", default=None, help="default: aot_matrix.md next to the JSON")
-    args = p.parse_args(argv)
-    if args.what == "run":
-        e = run(args.experiment, args.mesh_selector, args.overrides)
-        verdict = "FITS" if e["fits"] else "NO"
-        detail = e.get("error") or (f"{_gib(e['required_bytes'])} of "
-                                    f"{_gib(e['usable_bytes'])} GiB usable")
-        print(f"{verdict:9} {entry_key(args.experiment, args.mesh_selector, args.overrides)}"
-              f" ({detail}; {e['wall_seconds'] / 60:.1f} min)", flush=True)
-        return 0 if e["fits"] else 1
-    out = args.output or os.path.splitext(matrix_path())[0] + ".md"
-    with open(out, "w", encoding="utf-8") as f:
-        f.write(render())
-    print(out)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+__all__ = ["GiB", "compile_and_record", "config_digest", "entry_key", "load", "lookup",
+           "record", "render", "summarize"]
