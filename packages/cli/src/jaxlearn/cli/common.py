@@ -12,6 +12,7 @@ import os
 from typing import Any, Optional, Sequence
 
 from jaxlearn.experiments import BuildError, build_config
+from jaxlearn.experiments.served_model import open_run_model
 
 EXIT_USAGE = 2
 
@@ -26,6 +27,17 @@ def final_config(experiment: str, mesh_selector: Optional[str], overrides: Seque
     validation), its BuildError a UsageError."""
     try:
         return build_config(experiment, mesh_selector, overrides, init_from=init_from)
+    except BuildError as e:
+        raise UsageError(str(e)) from None
+
+
+def open_model_flag(path: str, experiment: Optional[str] = None,
+                    overrides: Sequence[str] = ()) -> tuple[Any, Optional[str]]:
+    """`--model PATH` of serve / generate / export: `experiments.open_run_model` (the
+    `interop.ModelSource` and where a run's model config came from), its BuildError a
+    UsageError."""
+    try:
+        return open_run_model(path, experiment, overrides)
     except BuildError as e:
         raise UsageError(str(e)) from None
 

@@ -4,7 +4,7 @@
     jaxlearn export --model RUN_DIR --format gguf --output FILE.gguf [--dtype q8_0]
     jaxlearn export ... --output DIR_OR_FILE_THAT_EXISTS --overwrite
 
---model is opened like `serve` does (`serve_cmd.open_source`, an `interop.ModelSource`):
+--model is opened like `serve` does (`experiments.open_run_model`, an `interop.ModelSource`):
 a jaxlearn run gives the model config, the tokenizer it trained with and the chat template
 its data was rendered with from its run record, and its params from the newest step that
 verifies (or the step dir given, or `--step`). LoRA adapters are folded into the base weights first
@@ -95,8 +95,7 @@ def _check_output(args: argparse.Namespace, model: Path) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from jaxlearn.cli.common import UsageError
-    from jaxlearn.cli.serve_cmd import open_source
+    from jaxlearn.cli.common import UsageError, open_model_flag
     from jaxlearn.interop import InteropError, export_gguf, export_hf
 
     path = Path(args.model)
@@ -107,7 +106,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     _check_output(args, path)
     t0 = time.monotonic()
     try:
-        source, where = open_source(args.model, args.experiment, args.overrides)
+        source, where = open_model_flag(args.model, args.experiment, args.overrides)
         if source.kind == "jaxlearn":
             print(f"jaxlearn: model config from {where}", file=sys.stderr)
             config, params, tokenizer, template = _run_model(args, source)

@@ -14,7 +14,7 @@ The serving settings are the fields of `Engine.Config`: the flags (`--max_seq_le
 Both commands print the engine config (`engine.` lines, the flat text form) at start;
 `--print_config` prints it, with the model config of a jaxlearn run, and exits.
 
-What PATH holds is `jaxlearn.interop.open_model`'s to say (`open_source`):
+What PATH holds is `jaxlearn.interop.open_model`'s to say (`experiments.open_run_model`):
 - a jaxlearn run (a training output_dir, its `checkpoints/` directory or one `step_*`
   directory): the model config, tokenizer and chat template are the run record's
   (`run.json`, read by `jaxlearn.checkpoint.run_record.RunModel` from its `model.` and
@@ -166,130 +166,17 @@ def engine_text(engine_cfg: Any) -> str:
     return "".join(f"engine.{line}\n" for line in to_flat_text(engine_cfg).splitlines())
 
 
-# ---- jaxlearn runs ---------------------------------------------------------------------
-
-
-def _model_lines(flat_text: str) -> list[str]:
-    return [line for line in flat_text.splitlines() if line.startswith("model.")]
-
-
-def model_difference(recorded: str, rebuilt: str) -> Optional[str]:
-    """None when both flat texts have the same `model.` lines, else the first difference
-    and how many lines differ, e.g. "model.decoder.dim: recorded 128, now 64; 1 line"."""
-    def split(text: str) -> dict[str, str]:
-        return dict(line.split(": ", 1) for line in _model_lines(text))
-
-    a, b = split(recorded), split(rebuilt)
-    keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
-    if not keys:
-        return None
-    k = keys[0]
-    what = (f"recorded {a[k]}, now {b[k]}" if k in a and k in b
-            else "only in the record" if k in a else "not in the record")
-    return f"{k}: {what}; {len(keys)} line(s) differ"
-
-
-def open_source(path: str, experiment: Optional[str] = None,
-                overrides: Sequence[str] = ()) -> tuple[Any, Optional[str]]:
-    """(`interop.ModelSource` of --model PATH, where a jaxlearn run's model config came
-    from; None for HF / GGUF). A run's model, tokenizer and chat template are its record's
-    (`checkpoint.run_record.RunModel`: the recorded `model.` / `input.` lines), with
-    `--set` overrides on top; a recorded text that no longer parses is rebuilt from its
-    experiment and checked against the recorded `model.` lines; a checkpoint without a
-    record needs `--experiment`. UsageError (one line naming PATH) otherwise."""
-    from jaxlearn.checkpoint.run_record import RunModel, RunRecordError, find_model_record
-    from jaxlearn.cli.common import UsageError, final_config
-    from jaxlearn.config import FlatTextError, to_flat_text
-    from jaxlearn.interop import InteropError, open_model
-
-    p = Path(path)
-    if not p.exists():
-        raise UsageError(f"--model {path}: no such file or directory")
-    try:
-        source = open_model(p)
-        if source.kind != "jaxlearn":
-            return source, None
-        record = find_model_record(p)
-    except (InteropError, RunRecordError) as e:
-        raise UsageError(" ".join(str(e).split())) from None
-    if record is None:
-        if experiment is None:
-            raise UsageError(f"--model {path}: a jaxlearn checkpoint without a run record "
-                             "(run.json); pass --experiment NAME (the experiment that "
-                             "trained it)")
-        cfg = final_config(experiment, None, overrides)
-        return source.with_run(RunModel.from_config_text(to_flat_text(cfg), p)), \
-            f"--experiment {experiment}"
-    if record.experiment is not None and experiment not in (None, record.experiment):
-        raise UsageError(f"--experiment {experiment}: the run record of {path} says the run "
-                         f"is experiment {record.experiment!r}")
-    described = (f"experiment {record.experiment or experiment!r}, mesh_selector "
-                 f"{record.mesh_selector}, overrides {list(record.overrides)}")
-    try:
-        run = RunModel.from_config_text(record.config_text, p, base_model=record.base_model,
-                                        where=f"{path} (run record config_text)")
-        where = f"the run record's config text ({described})"
-    except FlatTextError as e:
-        text = to_flat_text(_rebuild_experiment(record, str(p), experiment, str(e)))
-        run = RunModel.from_config_text(text, p, base_model=record.base_model)
-        where = f"the run record: {described}"
-    return source.with_run(_overridden(run, overrides)), where
-
-
-def _overridden(run: Any, overrides: Sequence[str]) -> Any:
-    """`run` with `--set` overrides of its `model.` and `input.tokenizer.` fields."""
-    import dataclasses
-
-    from jaxlearn.cli.common import UsageError
-    from jaxlearn.config import ConfigError, apply_overrides
-
-    model, tok = run.model.clone(), run.tokenizer.clone() if run.tokenizer else None
-    for o in overrides:
-        target = (model, "model.") if o.startswith("model.") else (tok, "input.tokenizer.")
-        if not o.startswith(target[1]) or target[0] is None:
-            raise UsageError(f"--set {o}: a run's model.* and input.tokenizer.* fields are "
-                             "what serving reads")
-        try:
-            apply_overrides(target[0], [o.removeprefix(target[1])])
-        except ConfigError as e:
-            raise UsageError(f"--set: {' '.join(str(e).split())}") from None
-    return dataclasses.replace(run, model=model, tokenizer=tok)
-
-
-def _rebuild_experiment(record: Any, where: str, experiment: Optional[str], why: str) -> Any:
-    """The recorded experiment rebuilt by name (the recorded text did not parse: `why`),
-    checked against the recorded `model.` lines."""
-    from jaxlearn.cli.common import UsageError, final_config
-    from jaxlearn.config import to_flat_text
-
-    name = record.experiment or experiment
-    if name is None:
-        raise UsageError(f"--model {where}: cannot rebuild the recorded config ({why}) and "
-                         f"the record names no experiment; pass --experiment NAME")
-    try:
-        cfg = final_config(name, record.mesh_selector, record.overrides,
-                           init_from=record.base_model)
-    except UsageError as e:
-        raise UsageError(f"--model {where}: cannot rebuild the recorded config ({why}) nor "
-                         f"experiment {name!r}: {e}") from None
-    diff = model_difference(record.config_text, to_flat_text(cfg))
-    if diff is not None:
-        raise UsageError(f"--model {where}: cannot rebuild the recorded config ({why}), and "
-                         f"experiment {name!r} now builds a different model ({diff})")
-    return cfg
-
-
 def load_model(path: str, engine_cfg: Any, *, experiment: Optional[str] = None,
                overrides: Sequence[str] = (), dtype: Optional[str] = None,
                param_dtype: Optional[str] = None) -> Any:
     """An `Engine` with `engine_cfg` for PATH (see module docstring). `dtype` (compute) and
     `param_dtype` (weight storage) apply to HF / GGUF models; a jaxlearn run's dtypes are
     its config's (`--set model...`)."""
-    from jaxlearn.cli.common import UsageError
+    from jaxlearn.cli.common import UsageError, open_model_flag
     from jaxlearn.inference import Engine
     from jaxlearn.interop import InteropError
 
-    source, where = open_source(path, experiment, overrides)
+    source, where = open_model_flag(path, experiment, overrides)
     if source.kind == "jaxlearn":
         if param_dtype is not None:
             raise UsageError(f"--param_dtype: applies to HF / GGUF models; {path} is a "
@@ -320,10 +207,11 @@ def load_model(path: str, engine_cfg: Any, *, experiment: Optional[str] = None,
 
 def print_config(args: argparse.Namespace, engine_cfg: Any) -> int:
     """`--print_config`: the engine config and, for a jaxlearn run, its model config."""
+    from jaxlearn.cli.common import open_model_flag
     from jaxlearn.config import path_sort_key, to_flat_text
 
     sys.stdout.write(engine_text(engine_cfg))
-    source, where = open_source(args.model, args.experiment, args.overrides)
+    source, where = open_model_flag(args.model, args.experiment, args.overrides)
     if source.kind == "jaxlearn":
         print(f"jaxlearn: model config from {where}", file=sys.stderr)
         run = source.run

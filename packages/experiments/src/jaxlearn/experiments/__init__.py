@@ -17,6 +17,7 @@ from jaxlearn.experiments.recipes import (
     REAL_SIZE,
     get_experiment,
 )
+from jaxlearn.experiments.served_model import model_difference, open_run_model
 
 __all__ = [
     "RUN_FLAGS",
@@ -33,5 +34,7 @@ __all__ = [
     "golden_drift",
     "golden_texts",
     "resolve_selector",
+    "model_difference",
+    "open_run_model",
     "write_golden",
 ]
