@@ -108,10 +108,10 @@ def test_serve_matches_checkpoint_configs_written_before_new_fields():
     from jaxlearn.config import to_flat_text
 
     text = to_flat_text(final_config("tiny-llama", None, []))
-    old = "\n".join(line for line in text.splitlines() if ".fused_qkv:" not in line)
+    old = "\n".join(line for line in text.splitlines() if ".qkv_proj:" not in line)
     assert old != text and same_model(old, text)
     assert same_model(text, text)
-    changed = text.replace(".fused_qkv: False", ".fused_qkv: True", 1)
+    changed = text.replace(".qkv_bias: False", ".qkv_bias: True", 1)
     assert not same_model(changed, text)
     other = to_flat_text(final_config("tiny-moe", None, []))
     assert not same_model(other, text)

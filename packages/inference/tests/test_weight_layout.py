@@ -32,7 +32,7 @@ def _untied_or_tied(cfg, tied):
 
 
 def _dense_paths(paths, tied):
-    want = {k for k in paths if k.endswith(("_proj']", "['wi_0']", "['wi_1']", "['wo']"))}
+    want = {k for k in paths if k.endswith("['weight']") and "['emb']" not in k}
     return want if tied else want | {"['decoder']['lm_head']['weight']"}
 
 

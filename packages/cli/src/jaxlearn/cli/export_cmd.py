@@ -67,7 +67,7 @@ def _run_model(args: argparse.Namespace, path: Path, root: Path) -> tuple[Any, A
     model_cfg = cfg.model.clone(name="model")
     params, step = restore_params(root, model_cfg, step=args.step)
     params = jax.device_get(params)
-    if any(k.endswith(("_lora_a", "_lora_b")) for k in _leaf_names(params)):
+    if any(k.endswith(("lora_a", "lora_b")) for k in _leaf_names(params)):
         model_cfg, params = merge_lora(model_cfg, params)
         print(f"jaxlearn: folded the LoRA adapters of step {step} into the base weights",
               file=sys.stderr)

@@ -51,16 +51,18 @@ def _kind(p: pathlib.Path) -> tuple[str, pathlib.Path]:
 
 def _lora_settings(model: Any) -> Optional[dict[str, Any]]:
     """`use_lora` arguments that rebuild the LoRA layers of a recipe's model (None: none):
-    its first LoRA layer's rank, alpha and dropout, targets = every adapted weight name."""
+    its first LoRA layer's rank, alpha and dropout, targets = the config names of every
+    adapted projection (`q_proj`, `wi`, ...)."""
     from jaxlearn.config import visit
 
-    found: list[Any] = []
-    visit(model, lambda path, c: found.append(c) if hasattr(c, "lora_rank") else None)
+    found: list[tuple[str, Any]] = []
+    visit(model, lambda path, c: found.append((path, c)) if hasattr(c, "lora_rank") else None)
     if not found:
         return None
-    names = sorted({n for c in found for n in c.lora_targets})
-    return {"rank": found[0].lora_rank, "alpha": found[0].lora_alpha,
-            "dropout": found[0].lora_dropout, "targets": rf".*\.({'|'.join(names)})"}
+    names = sorted({path.rsplit(".", 1)[-1] for path, _ in found})
+    first = found[0][1]
+    return {"rank": first.lora_rank, "alpha": first.lora_alpha,
+            "dropout": first.lora_dropout, "targets": rf".*\.({'|'.join(names)})"}
 
 
 def _pretrained_model(cfg: Any, arch: Any) -> Any:

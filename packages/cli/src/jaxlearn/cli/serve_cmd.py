@@ -195,7 +195,7 @@ def same_model(saved_text: str, flat_text: str) -> bool:
     """Whether a checkpoint's saved config text and an experiment's flat text describe the
     same model: every saved `model.` line is in the experiment's, and the experiment's other
     lines are fields the saved text does not have at all (fields added to the layers since
-    the checkpoint was written, e.g. `fused_qkv`, which keep their defaults). Only used
+    the checkpoint was written, e.g. `qkv_proj`, which keep their defaults). Only used
     for checkpoints without a run record, where the match is a guess."""
     saved, have = set(_model_lines(saved_text)), set(_model_lines(flat_text))
     saved_keys = {line.split(": ", 1)[0] for line in saved}

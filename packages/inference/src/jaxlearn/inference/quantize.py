@@ -2,13 +2,13 @@
 
 `quantize_params(model, params, "int8")` returns the params with every dense weight
 replaced by a `jaxlearn.kernels.Int8Weight` (int8 values + float32 per-output-channel
-scales, computed once here): `Linear.weight`, the attention projections (`q/k/v/qkv/o_proj`),
-the feed-forward matrices (`wi`, `wi_0`, `wi_1`, `wi_fused`, `wo`) and the embedding table
+scales, computed once here): the `weight` of every `Linear` (the LM head, and the
+attention and feed-forward projections, which are Linear children) and the embedding table
 when it is tied as the output head (its per-row scales serve the lookup too). The layers'
 `dense()` then runs `kernels.int8_matmul` on them. Left in their dtype: norms, biases,
 an untied embedding table (a lookup reads a few rows per step), mixture-of-experts
-weights (einsum, not `dense()`) and every layer with an injected dot (LoRA adapters,
-int8/fp8 training dots), which `dense()` would otherwise bypass.
+weights (einsum, not `dense()`), `LoraLinear` projections and every layer with an
+injected dot (int8/fp8 training dots), which `dense()` would otherwise bypass.
 """
 
 from __future__ import annotations
@@ -16,13 +16,10 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from jaxlearn.kernels import Int8Weight, quantize_int8
-from jaxlearn.layers import Attention, Decoder, Embedding, FeedForward, Linear
+from jaxlearn.layers import Decoder, Embedding, Linear
 from jaxlearn.module import Module
 
 QUANTIZE_MODES = ("int8",)
-
-_FFN_WEIGHTS = {name: (0,) for name in ("wi", "wi_0", "wi_1", "wi_fused", "wo")}
-_ATTENTION_WEIGHTS = {**{f"{n}_proj": (0,) for n in ("q", "k", "v", "qkv")}, "o_proj": (0, 1)}
 
 
 def check_quantize(mode: Optional[str]) -> None:
@@ -37,12 +34,8 @@ def dense_weights(module: Module) -> dict[str, tuple[int, ...]]:
     with the default dot (see module docstring)."""
     if getattr(module, "_dot", None) is not None:
         return {}
-    if isinstance(module, Linear):
-        return {"weight": (0,)}
-    if isinstance(module, Attention):
-        return dict(_ATTENTION_WEIGHTS)
-    if isinstance(module, FeedForward):
-        return dict(_FFN_WEIGHTS)
+    if type(module) is Linear:  # Not a LoraLinear: its adapter reads the input too.
+        return {"weight": tuple(range(len(module.in_shape)))}
     parent = module.parent
     if isinstance(module, Embedding) and isinstance(parent, Decoder):
         return {"weight": (1,)} if parent.config.lm_head is None else {}

@@ -23,12 +23,8 @@ from jaxlearn.layers.dense import DotGeneral, Linear, dense, einsum, matmul
 from jaxlearn.layers.embedding import Embedding
 from jaxlearn.layers.ffn import ACTIVATIONS, FeedForward, get_activation
 from jaxlearn.layers.gemma import gemma2_config, gemma3_config, gemma_config
-from jaxlearn.layers.lora import (
-    ADAPTERS,
-    LoraAttention,
-    LoraFeedForward,
-    with_base_params,
-)
+from jaxlearn.layers.legacy import older_param_path
+from jaxlearn.layers.lora import ADAPTERS, LoraAdapter, LoraLinear, with_base_params
 from jaxlearn.layers.norm import LayerNorm, RMSNorm
 from jaxlearn.layers.pipeline import PipelineStack, pipeline_config, use_pipeline
 from jaxlearn.layers.recipes import (
@@ -68,6 +64,7 @@ __all__ = [
     "fuse_projection_params",
     "fuse_projections",
     "merge_lora",
+    "older_param_path",
     "set_norm",
     "set_rope",
     "use_dot",
@@ -75,8 +72,8 @@ __all__ = [
     "use_lora",
     "use_moe",
     "ADAPTERS",
-    "LoraAttention",
-    "LoraFeedForward",
+    "LoraAdapter",
+    "LoraLinear",
     "with_base_params",
     "use_pipeline",
     "pipeline_config",

@@ -62,10 +62,13 @@ class CheckpointParams(Configurable):
         root, step = locate(self.config.path)
         abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(tuple(s.shape), s.dtype),
                                 model.create_parameter_specs_recursively(), is_leaf=is_spec)
+        # A model may name where older checkpoints stored a renamed param (a CausalLM:
+        # the flat projection layout, `jaxlearn.layers.legacy`).
         params, step = restore_subtree(root, "params", abstract, shardings=shardings,
-                                       step=step, skip_missing=True)
+                                       step=step, skip_missing=True,
+                                       aliases=getattr(model, "older_param_path", None))
         absent = [".".join(p) for p in _paths(abstract) if p not in _paths(params)
-                  and not p[-1].endswith(("_lora_a", "_lora_b"))]
+                  and p[-2:-1] != ("adapter",)]
         if absent:
             raise InitFromError(f"init_from {self.config.path}: step {step} has no "
                                 f"params.{absent[0]} ({len(absent)} model params missing)")
