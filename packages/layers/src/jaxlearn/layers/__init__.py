@@ -46,6 +46,7 @@ from jaxlearn.layers.rope import (
     scaling_config,
     scaling_dict,
 )
+from jaxlearn.layers.serving import Int8Linear, TransposedLinear
 from jaxlearn.layers.transformer import (
     ACTIVATION_NAMES,
     BaseStack,
@@ -95,6 +96,7 @@ __all__ = [
     "scaling_dict",
     "phi3_config",
     "LayerNorm",
+    "Int8Linear",
     "Linear",
     "LinearFrequencyScaling",
     "Llama3FrequencyScaling",
@@ -103,6 +105,7 @@ __all__ = [
     "RotaryEmbedding",
     "ScanStack",
     "TransformerLayer",
+    "TransposedLinear",
     "cross_entropy",
     "dense",
     "einsum",

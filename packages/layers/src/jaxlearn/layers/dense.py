@@ -10,10 +10,10 @@ CPU lessons built in:
 - the custom VJP keeps bf16 backward dots bf16: the cotangent is cast to the operand dtype,
   dx uses the "NT" `dot_general` form and dW a 3-D einsum that YNNPACK accepts;
 - a one-row bf16 GEMV is padded to two rows (`kernels.matmul.pad_single_row`), which XLA
-  would upcast to f32 together with the whole weight;
-- an `Int8Weight` (weight-only int8 for serving) goes to `kernels.int8_matmul`;
-- a `TransposedWeight` (a serving weight stored [out, in], `kernels.weight_layout`: faster
-  for XLA:CPU's bf16 small-M dots) goes to `matmul_nt`, contracted on its stored layout.
+  would upcast to f32 together with the whole weight.
+
+The serving weight forms (int8, stored [out, in]) are `Linear` variants chosen by config
+(`serving.py`: `Int8Linear`, `TransposedLinear`), not weight types `dense` dispatches on.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from typing import Any, Optional, Sequence, Union
 import jax
 
 from jaxlearn.config import REQUIRED, Configurable
-from jaxlearn.kernels import Int8Weight, TransposedWeight, int8_matmul
 from jaxlearn.kernels.matmul import einsum, matmul, matmul_nt, pad_single_row
 from jaxlearn.module import FanAxes, Module, ParameterSpec, zeros
 
@@ -63,32 +62,18 @@ def dense(
 
     Flattens x's in dims to prod(in) and w to [prod(in), prod(out)], casts w to x's dtype
     (the compute dtype), runs `dot` (default: the custom-VJP `matmul`, on x's leading dims
-    as they are; an injected dot or an int8 weight gets x as [tokens, in]) and restores
-    the shape. The result is in `out_dtype` (default x.dtype). `w` may be an `Int8Weight`
-    whose scale has shape [1 x in_dims, *out] (see `jaxlearn.kernels.weight_quant`), or a
-    `TransposedWeight` (stored [prod(out), prod(in)], `jaxlearn.kernels.weight_layout`).
+    as they are; an injected dot gets x as [tokens, in]) and restores the shape. The
+    result is in `out_dtype` (default x.dtype).
     """
     in_shape, out_shape = w.shape[:in_dims], w.shape[in_dims:]
     if tuple(x.shape[x.ndim - in_dims :]) != tuple(in_shape):
         raise ValueError(f"dense: input {x.shape} does not end in the weight's in dims {in_shape}")
     lead = x.shape[: x.ndim - in_dims]
     k, n = math.prod(in_shape), math.prod(out_shape)
-    if isinstance(w, TransposedWeight):
-        if dot is not None:
-            raise ValueError("dense: a transposed weight takes no injected dot (LoRA, int8/fp8)")
-        # x as [tokens, in]: XLA canonicalises a dot with more leading dims to rhs [in, out]
-        # and would transpose the weight back (a copy hoisted out of the decode loop).
-        y = matmul_nt(x.reshape(-1, k), w.t, out_dtype)
-        return y.reshape(*lead, *out_shape)
-    if dot is None and not isinstance(w, Int8Weight) and math.prod(lead) > 1 and len(lead) > 1:
+    if dot is None and math.prod(lead) > 1 and len(lead) > 1:
         y = matmul(x.reshape(*lead, k), w.reshape(k, n), out_dtype)
         return y.reshape(*lead, *out_shape)
     x2d = x.reshape(-1, k)
-    if isinstance(w, Int8Weight):
-        if dot is not None:
-            raise ValueError("dense: an int8 weight takes no injected dot (LoRA, int8/fp8)")
-        y = int8_matmul(x2d, w.q.reshape(k, n), w.scale.reshape(n))
-        return y.astype(out_dtype or x.dtype).reshape(*lead, *out_shape)
     rows, w2d = x2d.shape[0], w.reshape(k, n)
     x2d = pad_single_row(x2d)
     if dot is None:  # matmul casts w itself (and returns its gradient in w's dtype).
