@@ -183,10 +183,10 @@ def test_export_refuses_params_the_table_does_not_list():
     )  # fmt: skip
     top, layers = random_canonical(arch, 2)
     layers[1]["self_attention"]["extra"] = np.zeros(2, np.float32)
-    del layers[0]["self_attention"]["k_bias"]
+    del layers[0]["self_attention"]["k_proj"]["bias"]
     with pytest.raises(ParameterMismatchError) as info:
         write_tensors(arch, "hf", top, layers)
-    assert info.value.missing == ["decoder.transformer.layer0.self_attention.k_bias"]
+    assert info.value.missing == ["decoder.transformer.layer0.self_attention.k_proj.bias"]
     assert info.value.unexpected == ["decoder.transformer.layer1.self_attention.extra"]
 
 
