@@ -113,6 +113,8 @@ def test_serve_matches_checkpoint_configs_written_before_new_fields():
     assert same_model(text, text)
     changed = text.replace(".qkv_bias: False", ".qkv_bias: True", 1)
     assert not same_model(changed, text)
+    removed = text + "\nmodel.decoder.transformer.layer.self_attention.fused_qkv: False"
+    assert same_model(removed, text)  # A field the layers no longer have.
     other = to_flat_text(final_config("tiny-moe", None, []))
     assert not same_model(other, text)
 

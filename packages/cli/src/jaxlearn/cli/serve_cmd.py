@@ -193,14 +193,20 @@ def _model_lines(flat_text: str) -> list[str]:
 
 def same_model(saved_text: str, flat_text: str) -> bool:
     """Whether a checkpoint's saved config text and an experiment's flat text describe the
-    same model: every saved `model.` line is in the experiment's, and the experiment's other
-    lines are fields the saved text does not have at all (fields added to the layers since
-    the checkpoint was written, e.g. `qkv_proj`, which keep their defaults). Only used
-    for checkpoints without a run record, where the match is a guess."""
+    same model: the lines both have a field for agree, the experiment's other lines are
+    fields the saved text does not have at all (fields added to the layers since the
+    checkpoint was written, e.g. `qkv_proj`, which keep their defaults) and the saved
+    text's other lines fields the experiment no longer has (e.g. `fused_qkv`, removed when
+    projections became Linear children). Only used for checkpoints without a run record,
+    where the match is a guess."""
+    def key(line: str) -> str:
+        return line.split(": ", 1)[0]
+
     saved, have = set(_model_lines(saved_text)), set(_model_lines(flat_text))
-    saved_keys = {line.split(": ", 1)[0] for line in saved}
-    extra = have - saved
-    return saved <= have and not any(line.split(": ", 1)[0] in saved_keys for line in extra)
+    saved_keys, have_keys = {key(line) for line in saved}, {key(line) for line in have}
+    shared = {line for line in saved if key(line) in have_keys}
+    extra = have - shared
+    return shared <= have and not any(key(line) in saved_keys for line in extra)
 
 
 def model_difference(recorded: str, rebuilt: str) -> Optional[str]:
