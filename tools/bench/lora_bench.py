@@ -108,7 +108,7 @@ def jl_stage(out: pathlib.Path, mode: str, warmup: int, tag: str) -> None:
     data = load_batches(out)
     n = data["input_ids"].shape[0]
     trained = sum(int(np.prod(x.shape)) for p, x in _flat(state["params"])
-                  if mode == "full" or "_lora_" in p)
+                  if mode == "full" or "lora_" in p)
     batches = [trainer.global_batch({k: v[i] for k, v in data.items()}) for i in range(n)]
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), batches[0])

@@ -60,3 +60,19 @@ def test_restore_subtree_skip_missing(run_dir):
     params, _ = restore_subtree(run_dir / "checkpoints", "params", abstract,
                                 skip_missing=True)
     assert set(params) == {"w"}
+
+
+def test_restore_subtree_reads_renamed_leaves_under_their_older_names(run_dir):
+    """`aliases`: a leaf the step lacks (`proj.weight`) is read where an older layout put
+    it (`w`) and returned at its own path; leaves the step holds are read as they are."""
+    abstract = {"proj": {"weight": jax.ShapeDtypeStruct((8, 4), np.float32)},
+                "adapter": {"a": jax.ShapeDtypeStruct((8, 2), np.float32)}}
+    older = {"proj.weight": "w"}
+    params, step = restore_subtree(run_dir / "checkpoints", "params", abstract,
+                                   skip_missing=True, aliases=older.get)
+    assert step == 2 and set(params) == {"proj"} and set(params["proj"]) == {"weight"}
+    assert np.all(np.asarray(params["proj"]["weight"]) == 2.0)
+    plain, _ = restore_subtree(run_dir / "checkpoints", "params",
+                               {"w": jax.ShapeDtypeStruct((8, 4), np.float32)},
+                               aliases=lambda path: "nowhere")
+    assert np.all(np.asarray(plain["w"]) == 2.0)

@@ -130,7 +130,7 @@ def test_sigkilled_finetune_resumes_its_checkpoint_bit_exact(model_dir, tmp_path
     assert steps == [1, 2, 3, 4, 5, 6]  # the rerun went on from step 4, not from step 0
     fa, fb = _final_params(straight, 6), _final_params(split, 6)
     assert fa.keys() == fb.keys()
-    assert any("_lora_" in k for k in fa) == (experiment == "lora")
+    assert any("lora_" in k for k in fa) == (experiment == "lora")
     for k in fa:
         np.testing.assert_array_equal(fa[k], fb[k], err_msg=k)
 
@@ -294,7 +294,7 @@ def test_lora_from_init_from_trains_only_the_adapters(model_dir, tmp_path):
     assert main(["train", "--experiment", "lora", "--init_from", str(model_dir),
                  "--output_dir", str(out), "--max_step", "6", *FAST]) == 0
     cfg = from_flat_text((out / "config.txt").read_text())
-    assert cfg.model.decoder.transformer.layer.self_attention.klass.__name__ == "LoraAttention"
+    assert cfg.model.decoder.transformer.layer.self_attention.q_proj.klass.__name__ == "LoraLinear"
     losses = _losses(out)
     assert losses[6] < losses[1], losses
     batch = next(cfg.input.instantiate().iterator(0, 1))
@@ -306,11 +306,11 @@ def test_lora_from_init_from_trains_only_the_adapters(model_dir, tmp_path):
                                                             partial=True)["params"]))
     ckpt.close()
     base = flatten(loaded.params)
-    adapters = [k for k in trained if "_lora_" in k]
+    adapters = [k for k in trained if ".adapter.lora_" in k]
     assert adapters and set(trained) == set(base) | set(adapters)
     for k, v in base.items():
         np.testing.assert_array_equal(trained[k], v, err_msg=k)
-    assert all(np.abs(trained[k]).max() > 0 for k in adapters if k.endswith("_lora_b"))
+    assert all(np.abs(trained[k]).max() > 0 for k in adapters if k.endswith("lora_b"))
 
 
 def test_lora_from_a_jaxlearn_run(model_dir, tmp_path):
@@ -328,14 +328,14 @@ def test_lora_from_a_jaxlearn_run(model_dir, tmp_path):
                  "--output_dir", str(out), "--max_step", "2", *FAST]) == 0
     cfg = from_flat_text((out / "config.txt").read_text())
     assert cfg.init_from.klass.__name__ == "ModelSource"
-    assert cfg.model.decoder.transformer.layer.self_attention.klass.__name__ == "LoraAttention"
+    assert cfg.model.decoder.transformer.layer.self_attention.q_proj.klass.__name__ == "LoraLinear"
     trained, base = {}, {}
     for run, step, into in ((out, 2, trained), (full, 2, base)):
         ckpt = Checkpointer.default_config().set(directory=str(run / "checkpoints")).instantiate()
         into.update(flatten(jax.tree.map(np.asarray, ckpt.restore(
             step, _abstract(ckpt, run), partial=True)["params"])))
         ckpt.close()
-    adapters = [k for k in trained if "_lora_" in k]
+    adapters = [k for k in trained if ".adapter.lora_" in k]
     assert adapters and set(trained) == set(base) | set(adapters)
     for k, v in base.items():
         np.testing.assert_array_equal(trained[k], v, err_msg=k)

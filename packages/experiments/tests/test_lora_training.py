@@ -50,7 +50,7 @@ def _setup(kind: str):
     # Trained-looking adapters, so that every gradient (A's too) is non-zero.
     params = jax.tree_util.tree_map_with_path(
         lambda kp, x: 0.2 * jax.random.normal(jax.random.key(len(str(kp))), x.shape)
-        if str(kp[-1].key).endswith("_lora_b") else x, params)
+        if str(kp[-1].key) == "lora_b" else x, params)
     ids = np.random.default_rng(0).integers(0, VOCAB, size=(BATCH, SEQ + 1)).astype(np.int32)
     batch = {"input_ids": ids[:, :-1], "target_labels": ids[:, 1:]}
 
@@ -90,10 +90,10 @@ def test_sharded_lora_equals_single_device(kind, strategy):
     shard = _leaves(p_shard)
     attn = "decoder/transformer/layer/self_attention"
     if strategy == "tp":
-        assert "model" in str(shard[f"{attn}/q_proj_lora_b"].spec)
-        assert shard[f"{attn}/q_proj_lora_b"].spec[1] is None  # [layers, rank, heads, d]
+        assert "model" in str(shard[f"{attn}/q_proj/adapter/lora_b"].spec)
+        assert shard[f"{attn}/q_proj/adapter/lora_b"].spec[1] is None  # [layers, rank, h, d]
     else:
-        assert "fsdp" in str(shard[f"{attn}/q_proj_lora_a"].spec)
+        assert "fsdp" in str(shard[f"{attn}/q_proj/adapter/lora_a"].spec)
 
 
 def _trainer_cfg(output_dir: str) -> Trainer.Config:

@@ -194,7 +194,7 @@ def test_pipeline_equals_single_device(kind, strategy):
     # Every stage parameter is split over `pipeline` on its leading [stage] axis.
     stage_specs = [s.spec for s in jax.tree.leaves(in_params["decoder"]["transformer"])]
     assert stage_specs and all(s[0] == "pipeline" for s in stage_specs), stage_specs
-    q = in_params["decoder"]["transformer"]["layer"]["self_attention"]["q_proj"]
+    q = in_params["decoder"]["transformer"]["layer"]["self_attention"]["q_proj"]["weight"]
     if strategy == "pp4_tp2":  # [stage, layers, embed, heads, head_dim]
         assert tuple(q.spec)[:4] == ("pipeline", None, None, "model"), q.spec
     else:

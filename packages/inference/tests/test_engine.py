@@ -246,6 +246,7 @@ def test_from_checkpoint_restores_params_also_onto_a_mesh(tmp_path, cfg, params,
                                      engine_cfg=mesh_cfg)
     assert dict(sharded.mesh.shape) == {"data": 1, "fsdp": 2, "model": 4}
     q = sharded.runner.params["decoder"]["transformer"]["layer"]["self_attention"]["q_proj"]
+    q = q["weight"]
     assert len(q.sharding.device_set) == 8
     np.testing.assert_allclose(sharded.logits(ids), want, atol=1e-5)
     res = sharded.generate(POOL[0][:16], max_new_tokens=6, ignore_eos=True)

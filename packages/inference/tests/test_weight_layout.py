@@ -1,6 +1,6 @@
-"""The stored layout of served weights (`Engine.Config.weight_layout`): which weights are
-stored [out, in] under each setting, logits and greedy tokens equal to the trained
-layout's (bad settings: test_engine_config.py)."""
+"""The stored layout of served weights (`Engine.Config.weight_layout`): which Linear
+configs become `TransposedLinear` under each setting, logits and greedy tokens equal to
+the trained layout's (bad settings: test_engine_config.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -8,16 +8,15 @@ import numpy as np
 import pytest
 from conftest import make_engine, tiny_config, tiny_params
 
-from jaxlearn.inference.quantize import quantize_params
+from jaxlearn.config import visit
+from jaxlearn.inference.quantize import quantize
 from jaxlearn.inference.weight_layout import apply_weight_layout
-from jaxlearn.kernels import Int8Weight, TransposedWeight
 
 PROMPT = [3, 17, 42, 9, 28, 5, 61, 12]
-_IS_W = lambda x: isinstance(x, (TransposedWeight, Int8Weight))  # noqa: E731
 
 
 def _paths(tree):
-    leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_IS_W)
+    leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
     return {jax.tree_util.keystr(k): v for k, v in leaves}
 
 
@@ -28,40 +27,53 @@ def _bf16(params):
 def _untied_or_tied(cfg, tied):
     if tied:  # The embedding table doubles as the output head.
         cfg.decoder.lm_head = None
-    return cfg
+    return cfg.clone(name="model")
 
 
-def _dense_paths(paths, tied):
-    want = {k for k in paths if k.endswith(("_proj']", "['wi_0']", "['wi_1']", "['wo']"))}
-    return want if tied else want | {"['decoder']['lm_head']['weight']"}
+def _klasses(cfg):
+    seen = []
+    visit(cfg, lambda path, c: seen.append(c.klass.__name__)
+          if hasattr(c, "keys") and "weight_axes" in c.keys() else None)
+    return set(seen)
+
+
+def _moved(params):
+    """The Linear params' paths stored [out, in] (`weight_t`), without the leaf name."""
+    return {k.removesuffix("['weight_t']") for k in _paths(params) if k.endswith("['weight_t']")}
 
 
 @pytest.mark.parametrize("stack,tied", [("scan", False), ("scan", True), ("loop", False),
                                         ("loop", True)])
 def test_auto_transposes_the_16_bit_dense_weights_only(stack, tied):
     cfg = _untied_or_tied(tiny_config(stack), tied)
-    model = cfg.clone(name="model").instantiate()
     params = _bf16(tiny_params(cfg))
-    out = _paths(apply_weight_layout(model, params, "auto"))
+    new_cfg, out = apply_weight_layout(cfg, params, "auto")
     before = _paths(params)
-    moved = {k for k, v in out.items() if isinstance(v, TransposedWeight)}
+    linears = {k.removesuffix("['weight']") for k in before
+               if k.endswith("['weight']") and "['emb']" not in k}
     # Not the tied table (already [vocab, dim]), the norms or an untied embedding.
-    assert moved == _dense_paths(before, tied)
-    for k in moved:
-        assert out[k].shape == before[k].shape
-        np.testing.assert_array_equal(np.asarray(out[k].untranspose()), np.asarray(before[k]))
-    for k in before.keys() - moved:
-        assert out[k] is before[k]
+    assert _moved(out) == linears and _klasses(new_cfg) == {"TransposedLinear"}
+    after = _paths(out)
+    for k in linears:  # weight_t [*layers, out, in] is the weight [*layers, *in, *out].
+        w, t = before[k + "['weight']"], after[k + "['weight_t']"]
+        flat = np.asarray(w).reshape(*t.shape[:-2], -1, t.shape[-2])
+        np.testing.assert_array_equal(np.swapaxes(np.asarray(t), -1, -2), flat)
+    for k in before:
+        if not k.endswith("['weight']") or "['emb']" in k:
+            assert after[k] is before[k]
+    shapes = jax.eval_shape(new_cfg.instantiate().initialize_parameters_recursively,
+                            jax.random.key(0))
+    assert jax.tree.map(lambda x: x.shape, shapes) == jax.tree.map(lambda x: x.shape, out)
     # f32 weights, a mesh, or int8 weights keep the trained layout under "auto".
     f32 = tiny_params(cfg)
-    assert not any(_IS_W(v) for v in _paths(apply_weight_layout(model, f32, "auto")).values())
-    for tree, kw in ((params, dict(mesh_shape=(1, 8, 1))), (quantize_params(model, params), {})):
-        kept = _paths(apply_weight_layout(model, tree, "auto", **kw))
-        assert not any(isinstance(v, TransposedWeight) for v in kept.values())
+    assert apply_weight_layout(cfg, f32, "auto") == (cfg, f32)
+    assert apply_weight_layout(cfg, params, "auto", mesh_shape=(1, 8, 1)) == (cfg, params)
+    qcfg, quant = quantize(cfg, params)
+    assert apply_weight_layout(qcfg, quant, "auto")[0] is qcfg
     # "out_in" moves f32 weights too; "in_out" moves nothing.
-    forced = _paths(apply_weight_layout(model, f32, "out_in"))
-    assert {k for k, v in forced.items() if isinstance(v, TransposedWeight)} == moved
-    assert apply_weight_layout(model, params, "in_out") is params
+    forced_cfg, forced = apply_weight_layout(cfg, f32, "out_in")
+    assert _moved(forced) == linears and forced_cfg == new_cfg
+    assert apply_weight_layout(cfg, params, "in_out") == (cfg, params)
 
 
 def _engine(cfg, params, layout):
@@ -80,7 +92,7 @@ def test_transposed_weights_serve_the_same_logits_and_tokens(stack, dtype):
     if dtype == "bf16":
         params = _bf16(params)
     base, moved = _engine(cfg, params, "in_out"), _engine(cfg, params, "out_in")
-    assert any(isinstance(v, TransposedWeight) for v in _paths(moved.runner.params).values())
+    assert _moved(moved.runner.params) and not _moved(base.runner.params)
     ref = np.asarray(base.logits([PROMPT]))[0]
     got = np.asarray(moved.logits([PROMPT]))[0]
     tol = 1e-5 if dtype == "f32" else 4 * 2.0**-8 * np.abs(ref).max()

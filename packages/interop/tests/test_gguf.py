@@ -272,10 +272,11 @@ def test_q8_0_logits_close_to_float_model(tmp_path, bpe):
     assert err < 0.05, err  # 8-bit blocks; this random model amplifies the error
     # Control: keeping llama.cpp's q/k row order (not undoing the permutation) is far off.
     attn = loaded.params["decoder"]["transformer"]["layer"]["self_attention"]
-    wrong = {k: v.copy() for k, v in attn.items()}
+    wrong = jax.tree.map(lambda v: v.copy(), attn)
     for k, n in (("q_proj", H), ("k_proj", KV)):
-        w = wrong[k].reshape(L, E, n * D)
-        wrong[k] = np.stack([permute_qk(w[i].T, n).T for i in range(L)]).reshape(attn[k].shape)
+        w = wrong[k]["weight"].reshape(L, E, n * D)
+        wrong[k]["weight"] = np.stack([permute_qk(w[i].T, n).T for i in range(L)]).reshape(
+            attn[k]["weight"].shape)
     bad = jax.tree.map(lambda x: x, loaded.params)
     bad["decoder"]["transformer"]["layer"]["self_attention"] = wrong
     assert rel_rms(logits_of(loaded.config, bad, ids)) > 3 * err

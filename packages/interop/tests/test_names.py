@@ -184,10 +184,10 @@ def test_export_refuses_params_the_table_does_not_list():
     )  # fmt: skip
     top, layers = random_canonical(arch, 2)
     layers[1]["self_attention"]["extra"] = np.zeros(2, np.float32)
-    del layers[0]["self_attention"]["k_bias"]
+    del layers[0]["self_attention"]["k_proj"]["bias"]
     with pytest.raises(ParameterMismatchError) as info:
         write_tensors(arch, "hf", top, layers)
-    assert info.value.missing == ["decoder.transformer.layer0.self_attention.k_bias"]
+    assert info.value.missing == ["decoder.transformer.layer0.self_attention.k_proj.bias"]
     assert info.value.unexpected == ["decoder.transformer.layer1.self_attention.extra"]
 
 
@@ -206,7 +206,7 @@ def test_fused_projection_models_export_and_import_through_the_table(family, sta
     assert "qkv_proj" in layer0["self_attention"]
     assert ("wi_fused" in layer0["feed_forward"]) == (family not in ("mixtral", "qwen3_moe"))
     if family == "qwen3_moe":  # layer 1 is dense (width 48; the experts' is 16)
-        assert transformer["layer1"]["feed_forward"]["wi_fused"].shape == (32, 96)
+        assert transformer["layer1"]["feed_forward"]["wi_fused"]["weight"].shape == (32, 96)
     out = export_hf(tmp_path / "fused", fused_cfg, fused_params)
     with safe_open(str(FIXTURES / f"hf_{family}" / "model.safetensors"), "numpy") as original:
         with safe_open(str(out / "model.safetensors"), "numpy") as exported:

@@ -64,10 +64,10 @@ def test_phi3_architecture_and_split_params():
     original = load_file(str(FIXTURES / "hf_phi3" / "model.safetensors"))
     qkv = original["model.layers.1.self_attn.qkv_proj.weight"]  # [(4 + 2 + 2) * 16, 64]
     layer = loaded.params["decoder"]["transformer"]["layer1"]
-    np.testing.assert_array_equal(layer["self_attention"]["k_proj"],
+    np.testing.assert_array_equal(layer["self_attention"]["k_proj"]["weight"],
                                   qkv[64:96].T.reshape(64, 2, 16))  # fmt: skip
     gate_up = original["model.layers.1.mlp.gate_up_proj.weight"]  # [2 * 80, 64]
-    np.testing.assert_array_equal(layer["feed_forward"]["wi_1"], gate_up[80:].T)
+    np.testing.assert_array_equal(layer["feed_forward"]["wi_1"]["weight"], gate_up[80:].T)
 
 
 def test_phi3_greedy_tokens_through_the_paged_engine_match_transformers():

@@ -70,7 +70,7 @@ def test_architecture_and_params_are_read():
     assert arch.sliding_windows == (None, 5, 5) and not arch.tie_embeddings
     layer = loaded.params["decoder"]["transformer"]["layer1"]["self_attention"]
     assert layer["q_norm"]["scale"].shape == (16,) and layer["k_norm"]["scale"].shape == (16,)
-    assert layer["q_proj"].shape == (32, 4, 16)
+    assert layer["q_proj"]["weight"].shape == (32, 4, 16)
     original = load_file(str(FIXTURES / "hf_qwen3" / "model.safetensors"))
     np.testing.assert_array_equal(
         layer["k_norm"]["scale"], original["model.layers.1.self_attn.k_norm.weight"]
@@ -132,7 +132,7 @@ def test_qwen3_moe_architecture_dense_layers_and_routing():
     ]  # fmt: skip
     t = moe.params["decoder"]["transformer"]
     assert t["layer0"]["feed_forward"]["wi_0"].shape == (8, 32, 16)
-    assert t["layer1"]["feed_forward"]["wi_0"].shape == (32, 48)
+    assert t["layer1"]["feed_forward"]["wi_0"]["weight"].shape == (32, 48)
     step = load_hf(FIXTURES / "hf_qwen3_moe_step").architecture
     assert step.dense_layers == (0,) and not step.normalize_top_k  # decoder_sparse_step 2
     assert step.num_experts_per_token == 2 and step.tie_embeddings
@@ -280,7 +280,7 @@ def test_lora_fine_tuned_qwen3_merges_and_exports_as_qwen3(tmp_path):
     params = jax.tree.unflatten(
         treedef,
         [
-            rng.normal(0, 0.3, x.shape).astype(np.float32) if "_lora_b" in str(p) else x
+            rng.normal(0, 0.3, x.shape).astype(np.float32) if "'lora_b'" in str(p) else x
             for p, x in flat
         ],
     )

@@ -19,6 +19,7 @@ from jaxlearn.interop.sharded import (
     load_sharded,
     param_readers,
 )
+from jaxlearn.layers import fuse_projections
 from jaxlearn.mesh import DEFAULT_AXIS_RULES, logical_to_partition_spec
 from jaxlearn.module import is_spec
 
@@ -78,15 +79,15 @@ def test_sharded_params_equal_load_pretrained(fixture, stack, mesh_name):
 def test_fused_qkv_and_gate_are_read_per_slice():
     directory = FIXTURES / "hf_llama"
     cfg = config_for(directory, stack="scan")
-    cfg.decoder.transformer.layer.self_attention.fused_qkv = True
-    cfg.decoder.transformer.layer.feed_forward.fused_gate = True
+    cfg, _ = fuse_projections(cfg, {})
     model = cfg.instantiate()
     want = load_pretrained(directory).params  # unfused: concatenate for the reference
     layer = want["decoder"]["transformer"]["layer"]
     att, ffn = layer["self_attention"], layer["feed_forward"]
-    qkv = np.concatenate([att.pop(f"{n}_proj") for n in "qkv"], axis=-2)
-    att["qkv_proj"] = qkv
-    ffn["wi_fused"] = np.concatenate([ffn.pop("wi_0"), ffn.pop("wi_1")], axis=-1)
+    qkv = np.concatenate([att.pop(f"{n}_proj")["weight"] for n in "qkv"], axis=-2)
+    att["qkv_proj"] = {"weight": qkv}
+    ffn["wi_fused"] = {"weight": np.concatenate(
+        [ffn.pop("wi_0")["weight"], ffn.pop("wi_1")["weight"]], axis=-1)}
     got = load_sharded(directory, model, shardings_for(model, make_mesh(MESHES["tp"])))
     assert_bit_equal(got, want)
 
@@ -147,7 +148,7 @@ def test_reader_slices_through_head_dim_and_config_errors():
     model = config_for(directory).instantiate()
     want = flatten(load_pretrained(directory).params)
     readers = param_readers(directory, model)
-    q = readers["decoder.transformer.layer.self_attention.q_proj"]
+    q = readers["decoder.transformer.layer.self_attention.q_proj.weight"]
     index = (slice(1, 2), slice(3, 20), slice(1, 3), slice(2, 5))
     np.testing.assert_array_equal(q(index), want[q.path][index])
     source = ModelSource.default_config().set(path=str(directory)).instantiate()

@@ -59,10 +59,10 @@ def test_feed_forward(activation, names):
     cfg = FeedForward.default_config().set(input_dim=6, hidden_dim=10, activation=activation)
     m, p = _init(cfg)
     assert set(p) == names
-    assert p["wo"].shape == (10, 6)
+    assert p["wo"]["weight"].shape == (10, 6)
     x = np.random.default_rng(2).normal(size=(2, 3, 6)).astype(np.float32)
     y, _ = functional(m, None, p, (jnp.asarray(x),))
-    P = {k: np.asarray(v) for k, v in p.items()}
+    P = {k: np.asarray(v["weight"]) for k, v in p.items()}
     if len(activation) == 2:
         gate = x @ P["wi_0"]
         h = gate / (1 + np.exp(-gate)) * (x @ P["wi_1"])

@@ -62,7 +62,8 @@ def test_mha_to_gqa_and_change_rope_everywhere():
     attn = gqa.decoder.transformer.layer.self_attention
     assert attn.num_kv_heads == 2 and attn.rope.rotary_fraction == 0.5
     out, params = logits(gqa)
-    assert params["decoder"]["transformer"]["layer"]["self_attention"]["k_proj"].shape == (
+    k_proj = params["decoder"]["transformer"]["layer"]["self_attention"]["k_proj"]
+    assert k_proj["weight"].shape == (
         2,
         16,
         2,

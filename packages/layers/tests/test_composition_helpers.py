@@ -82,7 +82,7 @@ def test_moe_every_second_layer():
 def test_gqa_and_rope_and_norm_change_what_they_should():
     base = _recipe("llama")
     _, p = _run(use_gqa(base, 1))
-    k_proj = p["decoder"]["transformer"]["layer"]["self_attention"]["k_proj"]
+    k_proj = p["decoder"]["transformer"]["layer"]["self_attention"]["k_proj"]["weight"]
     assert k_proj.shape[-2:] == (1, 4)  # [layers, embed, kv_heads=1, head_dim]
     _, p = _run(set_norm(base, LayerNorm.default_config().set(use_bias=True)))
     assert "bias" in p["decoder"]["output_norm"]
@@ -123,7 +123,7 @@ def test_fused_projections_give_the_same_logits(stack, kw):
             if "bias" in str(p) else x, params)
     fcfg, fparams = fuse_projections(cfg, params)
     fmodel = fcfg.instantiate()
-    names = {str(k[-1].key) for k, _ in jax.tree_util.tree_flatten_with_path(fparams)[0]}
+    names = {str(k[-2].key) for k, _ in jax.tree_util.tree_flatten_with_path(fparams)[0]}
     assert "qkv_proj" in names and "q_proj" not in names
     assert ("wi_fused" in names) != bool(kw.get("moe"))
     shapes = jax.tree.map(lambda s: s.shape, fmodel.create_parameter_specs_recursively(),

@@ -67,18 +67,19 @@ def params_from_hf(hf: dict, sd: dict, stack: str) -> dict:
 
     def layer(i):
         pre = f"model.layers.{i}."
+        w = lambda a: {"weight": a}  # noqa: E731  (a Linear child's params)
         attn = {
-            "q_proj": sd[pre + "self_attn.q_proj.weight"].T.reshape(e, h, d),
-            "k_proj": sd[pre + "self_attn.k_proj.weight"].T.reshape(e, kv, d),
-            "v_proj": sd[pre + "self_attn.v_proj.weight"].T.reshape(e, kv, d),
-            "o_proj": sd[pre + "self_attn.o_proj.weight"].T.reshape(h, d, e),
+            "q_proj": w(sd[pre + "self_attn.q_proj.weight"].T.reshape(e, h, d)),
+            "k_proj": w(sd[pre + "self_attn.k_proj.weight"].T.reshape(e, kv, d)),
+            "v_proj": w(sd[pre + "self_attn.v_proj.weight"].T.reshape(e, kv, d)),
+            "o_proj": w(sd[pre + "self_attn.o_proj.weight"].T.reshape(h, d, e)),
         }
         if hf["attention_bias"]:
-            attn["q_bias"] = sd[pre + "self_attn.q_proj.bias"].reshape(h, d)
-            attn["k_bias"] = sd[pre + "self_attn.k_proj.bias"].reshape(kv, d)
-            attn["v_bias"] = sd[pre + "self_attn.v_proj.bias"].reshape(kv, d)
-            attn["o_bias"] = sd[pre + "self_attn.o_proj.bias"]
-        if "num_local_experts" in hf:
+            attn["q_proj"]["bias"] = sd[pre + "self_attn.q_proj.bias"].reshape(h, d)
+            attn["k_proj"]["bias"] = sd[pre + "self_attn.k_proj.bias"].reshape(kv, d)
+            attn["v_proj"]["bias"] = sd[pre + "self_attn.v_proj.bias"].reshape(kv, d)
+            attn["o_proj"]["bias"] = sd[pre + "self_attn.o_proj.bias"]
+        if "num_local_experts" in hf:  # Expert weights stay raw arrays of the MoE layer.
             f = hf["intermediate_size"]
             gate_up = sd[pre + "mlp.experts.gate_up_proj"]  # [experts, 2F, E]
             ffn = {
@@ -89,14 +90,14 @@ def params_from_hf(hf: dict, sd: dict, stack: str) -> dict:
             }
         else:
             ffn = {
-                "wi_0": sd[pre + "mlp.gate_proj.weight"].T,
-                "wi_1": sd[pre + "mlp.up_proj.weight"].T,
-                "wo": sd[pre + "mlp.down_proj.weight"].T,
+                "wi_0": w(sd[pre + "mlp.gate_proj.weight"].T),
+                "wi_1": w(sd[pre + "mlp.up_proj.weight"].T),
+                "wo": w(sd[pre + "mlp.down_proj.weight"].T),
             }
         if hf["mlp_bias"]:
-            ffn["wi_0_bias"] = sd[pre + "mlp.gate_proj.bias"]
-            ffn["wi_1_bias"] = sd[pre + "mlp.up_proj.bias"]
-            ffn["wo_bias"] = sd[pre + "mlp.down_proj.bias"]
+            ffn["wi_0"]["bias"] = sd[pre + "mlp.gate_proj.bias"]
+            ffn["wi_1"]["bias"] = sd[pre + "mlp.up_proj.bias"]
+            ffn["wo"]["bias"] = sd[pre + "mlp.down_proj.bias"]
         return {
             "attention_norm": {"scale": sd[pre + "input_layernorm.weight"]},
             "self_attention": attn,

@@ -12,8 +12,9 @@ import pytest
 from jaxlearn.config import visit
 from jaxlearn.layers import (
     ADAPTERS,
-    LoraAttention,
-    LoraFeedForward,
+    FeedForward,
+    Linear,
+    LoraLinear,
     llama_config,
     merge_lora,
     mixtral_config,
@@ -68,7 +69,7 @@ def _perturbed_b(params, scale=0.3):
     """Non-zero lora_b (a trained adapter) and biases, each leaf from its own key."""
     def one(kp, x):
         path = "/".join(str(k.key) for k in kp)
-        if not path.endswith(("_lora_b", "_bias")):
+        if not path.endswith(("lora_b", "bias")):
             return x
         return scale * jax.random.normal(jax.random.key(len(path) * 7919 % 1000), x.shape, x.dtype)
 
@@ -89,21 +90,22 @@ def test_parameter_names_shapes_and_logical_axes():
     attn = "decoder/transformer/layer0/self_attention"
     ffn = "decoder/transformer/layer1/feed_forward"
     expect = {
-        f"{attn}/q_proj_lora_a": ((16, 4), ("embed", None)),
-        f"{attn}/q_proj_lora_b": ((4, 4, 4), (None, "heads", "head_dim")),
-        f"{attn}/k_proj_lora_b": ((4, 1, 4), (None, "kv_heads", "head_dim")),
-        f"{attn}/o_proj_lora_a": ((4, 4, 4), ("heads", "head_dim", None)),
-        f"{attn}/o_proj_lora_b": ((4, 16), (None, "embed")),
-        f"{ffn}/wi_0_lora_a": ((16, 4), ("embed", None)),
-        f"{ffn}/wi_1_lora_b": ((4, 24), (None, "mlp")),
-        f"{ffn}/wo_lora_a": ((24, 4), ("mlp", None)),
+        f"{attn}/q_proj/adapter/lora_a": ((16, 4), ("embed", None)),
+        f"{attn}/q_proj/adapter/lora_b": ((4, 4, 4), (None, "heads", "head_dim")),
+        f"{attn}/k_proj/adapter/lora_b": ((4, 1, 4), (None, "kv_heads", "head_dim")),
+        f"{attn}/o_proj/adapter/lora_a": ((4, 4, 4), ("heads", "head_dim", None)),
+        f"{attn}/o_proj/adapter/lora_b": ((4, 16), (None, "embed")),
+        f"{ffn}/wi_0/adapter/lora_a": ((16, 4), ("embed", None)),
+        f"{ffn}/wi_1/adapter/lora_b": ((4, 24), (None, "mlp")),
+        f"{ffn}/wo/adapter/lora_a": ((24, 4), ("mlp", None)),
     }
     for path, (shape, axes) in expect.items():
         assert (specs[path].shape, specs[path].mesh_axes) == (shape, axes), path
     assert len(extra) == 2 * 2 * 7  # 2 layers x 7 projections x (a, b).
-    assert lcfg.decoder.transformer.layer.self_attention.klass is LoraAttention
-    assert lcfg.decoder.transformer.layer.feed_forward.klass is LoraFeedForward
-    assert lcfg.decoder.lm_head.klass.__name__ == "Linear"  # Not a default target.
+    attn_cfg = lcfg.decoder.transformer.layer.self_attention
+    assert all(getattr(attn_cfg, n).klass is LoraLinear for n in ("q_proj", "k_proj", "o_proj"))
+    assert lcfg.decoder.transformer.layer.feed_forward.wi.klass is LoraLinear
+    assert lcfg.decoder.lm_head.klass is Linear  # Not a default target.
 
 
 @pytest.mark.parametrize("kind", sorted(MODELS))
@@ -149,11 +151,11 @@ def test_cached_decoding_with_adapters_equals_forward(kind):
 def test_default_targets_leave_moe_experts_alone():
     _, _, _, lcfg, lora, params = _setup("moe_scan")
     layer = lcfg.decoder.transformer.layer
-    assert layer.self_attention.klass is LoraAttention
+    assert layer.self_attention.q_proj.klass is LoraLinear
     assert layer.feed_forward.klass is MixtureOfExperts
     moe = params["decoder"]["transformer"]["layer"]["feed_forward"]
     assert not any("lora" in p for p in _paths(moe))
-    with pytest.raises(ValueError, match="use_lora: targets .* match no weight"):
+    with pytest.raises(ValueError, match="use_lora: targets .* match no Linear"):
         use_lora(_cfg(moe=True), targets=r".*feed_forward\.(wi_0|wi_1|wo)")
 
 
@@ -172,19 +174,19 @@ def test_gradients_reach_every_adapter_and_no_base_weight(kind):
         flat = {"/".join(str(k.key) for k in kp): g
                 for kp, g in jax.tree_util.tree_flatten_with_path(grads)[0]}
         for path, g in flat.items():
-            adapted = re.sub(r"_lora_[ab]$", "", path)
-            if path.endswith("_lora_b") or (path.endswith("_lora_a") and p is not params):
+            adapted = path.rsplit("/", 1)[0]  # .../q_proj
+            if path.endswith("lora_b") or (path.endswith("lora_a") and p is not params):
                 assert float(jnp.abs(g).max()) > 0, path  # Each target's adapter was applied.
-            elif not re.fullmatch(ADAPTERS, path) and adapted + "_lora_a" in flat:
+            elif not re.fullmatch(ADAPTERS, path) and adapted + "/adapter/lora_a" in flat:
                 assert not np.asarray(g).any(), path  # Adapted base weights: no gradient.
 
 
 def test_dropout_only_on_the_adapter_branch_and_unbiased():
     """FFN `wo(x @ wi + s * dropout(x) @ A @ B)` with a linear activation: the base path
     never sees dropout, eval ignores it, and the mean over keys is the no-dropout output."""
-    cfg = LoraFeedForward.default_config().set(
-        name="ffn", input_dim=8, hidden_dim=6, activation=("linear",), lora_rank=2,
-        lora_alpha=4.0, lora_dropout=0.5, lora_targets=("wi",))
+    cfg = FeedForward.default_config().set(
+        name="ffn", input_dim=8, hidden_dim=6, activation=("linear",),
+        wi=LoraLinear.default_config().set(lora_rank=2, lora_alpha=4.0, lora_dropout=0.5))
     layer = cfg.instantiate()
     params = layer.initialize_parameters_recursively(jax.random.key(0))
     x = jax.random.normal(jax.random.key(1), (2, 3, 8))
@@ -210,12 +212,12 @@ def test_bad_settings_name_what_is_wrong():
         use_lora(cfg, rank=0)
     with pytest.raises(ValueError, match=r"use_lora: dropout must be in \[0, 1\), got 1.0"):
         use_lora(cfg, dropout=1.0)
-    with pytest.raises(ValueError, match="use_lora: targets 'nothing' match no weight"):
+    with pytest.raises(ValueError, match="use_lora: targets 'nothing' match no Linear"):
         use_lora(cfg, targets="nothing")
     lcfg = use_lora(cfg)
-    lcfg.decoder.transformer.layer.self_attention.lora_targets = ("q_proj", "w_q")
+    lcfg.decoder.transformer.layer.self_attention.q_proj.lora_rank = 0
     with pytest.raises(ValueError, match=r"model\.decoder\.transformer\.layer\.self_attention"
-                                         r"\.lora_targets: 'w_q' is not a weight"):
+                                         r"\.q_proj\.adapter: rank must be an int >= 1"):
         lcfg.instantiate()
     _, _, base_params, _, lora, params = _setup("scan")
     bad = jax.tree.map(lambda x: x, base_params)
@@ -230,9 +232,9 @@ def test_bad_settings_name_what_is_wrong():
 def test_only_the_targets_given_are_adapted():
     lcfg = use_lora(_cfg(), targets=r".*self_attention\.(q_proj|v_proj)")
     seen = []
-    visit(lcfg, lambda path, v: seen.append((path, v.lora_targets))
-          if hasattr(v, "keys") and "lora_targets" in v.keys() else None)
-    assert seen == [("decoder.transformer.layer.self_attention", ("q_proj", "v_proj"))]
+    visit(lcfg, lambda path, v: seen.append(path)
+          if hasattr(v, "keys") and "klass" in v.keys() and v.klass is LoraLinear else None)
+    assert seen == [f"decoder.transformer.layer.self_attention.{n}" for n in ("q_proj", "v_proj")]
 
 
 def test_no_weight_gradient_matmuls_for_adapted_weights():

@@ -139,7 +139,7 @@ def test_one_expert_with_full_capacity_equals_dense_ffn() -> None:
     assert float(oc.summaries["dropped_fraction"]) == 0.0
     # ... and the FeedForward layer with the same weights (drop-in replacement).
     ffn = FeedForward.default_config().set(name="ffn", input_dim=8, hidden_dim=12).instantiate()
-    y_ffn, _ = functional(ffn, None, {n: p[n][0] for n in ("wi_0", "wi_1", "wo")}, (x,))
+    y_ffn, _ = functional(ffn, None, {n: {"weight": p[n][0]} for n in ("wi_0", "wi_1", "wo")}, (x,))
     np.testing.assert_allclose(y, y_ffn, rtol=1e-5, atol=1e-5)
 
 

@@ -126,7 +126,7 @@ def test_layout_specs_and_init():
     model = cfg.instantiate()
     assert model.decoder.transformer.layout == StageLayout(2, 2, 1)
     specs = model.create_parameter_specs_recursively()
-    q = specs["decoder"]["transformer"]["layer"]["self_attention"]["q_proj"]
+    q = specs["decoder"]["transformer"]["layer"]["self_attention"]["q_proj"]["weight"]
     assert q.shape == (2, 2, DIM, 4, 4)
     assert q.mesh_axes == ("stage", "layers", "embed", "heads", "head_dim")
     assert q.fan_axes.batch_axis[:2] == (0, 1)

@@ -51,7 +51,7 @@ def test_scan_equals_loop():
         np.testing.assert_allclose(a, c, rtol=1e-4, atol=1e-6)
     # Stacked specs carry the "layers" logical axis.
     specs = scan.create_parameter_specs_recursively()
-    q = specs["decoder"]["transformer"]["layer"]["self_attention"]["q_proj"]
+    q = specs["decoder"]["transformer"]["layer"]["self_attention"]["q_proj"]["weight"]
     assert q.shape == (2, DIM, 4, 4) and q.mesh_axes == ("layers", "embed", "heads", "head_dim")
 
 
@@ -79,8 +79,8 @@ def test_heterogeneous_loop_stack():
     model = cfg.instantiate()
     params = model.initialize_parameters_recursively(jax.random.key(0))
     t = params["decoder"]["transformer"]
-    assert t["layer0"]["feed_forward"]["wi_0"].shape == (DIM, 40)
-    assert t["layer1"]["feed_forward"]["wi_0"].shape == (DIM, 24)
+    assert t["layer0"]["feed_forward"]["wi_0"]["weight"].shape == (DIM, 40)
+    assert t["layer1"]["feed_forward"]["wi_0"]["weight"].shape == (DIM, 24)
     loss, _ = loss_and_grads(model, params, batch())
     assert np.isfinite(loss)
     with pytest.raises(ValueError, match="num_layers=3 but 2 layers"):
@@ -121,7 +121,7 @@ def test_aux_losses_are_collected_from_both_stacks():
 def test_scan_stack_init_is_per_layer():
     model = tiny("scan").instantiate()
     params = model.initialize_parameters_recursively(jax.random.key(0))
-    wo = params["decoder"]["transformer"]["layer"]["feed_forward"]["wo"]
+    wo = params["decoder"]["transformer"]["layer"]["feed_forward"]["wo"]["weight"]
     assert wo.shape == (2, 24, DIM)
     assert not np.allclose(wo[0], wo[1])  # Layers get distinct keys.
     assert isinstance(model.decoder.transformer, ScanStack)

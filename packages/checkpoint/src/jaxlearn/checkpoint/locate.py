@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import re
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import jax
 
@@ -54,13 +54,18 @@ def is_checkpoint(path: Union[str, Path]) -> bool:
 
 def restore_subtree(root: Union[str, Path], subtree: str, abstract: Any, *,
                     shardings: Any = None, step: Optional[int] = None,
-                    skip_missing: bool = False) -> tuple[Any, int]:
+                    skip_missing: bool = False,
+                    aliases: Optional[Callable[[str], Optional[str]]] = None
+                    ) -> tuple[Any, int]:
     """(the `subtree` ("params" or "ema") of `step`, step). `abstract`: a tree like the
     subtree of shapes/dtypes (jax.ShapeDtypeStruct, arrays); `shardings`: a tree like it
     of shardings (default: those of `abstract`, else the default device). `step` None:
     the newest step that verifies (damaged steps are skipped). `skip_missing`: leaves of
     `abstract` the step does not hold (adapters a base run lacks) are left out of the
-    result (dict trees only) instead of failing the restore."""
+    result (dict trees only) instead of failing the restore. `aliases(path)`: the older
+    name ("."-joined, inside the subtree) a leaf the step does not hold may be stored
+    under (None: none), e.g. a param renamed since the step was written; the leaf is read
+    from there and returned at its own path (dict trees only)."""
     from jaxlearn.checkpoint.checkpointer import Checkpointer
 
     if subtree not in SUBTREES:
@@ -69,6 +74,9 @@ def restore_subtree(root: Union[str, Path], subtree: str, abstract: Any, *,
         abstract = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(tuple(a.shape), a.dtype, sharding=s),
             abstract, shardings)
+    renamed: dict[str, str] = {}
+    if aliases is not None:
+        abstract, renamed = _aliased(Path(root), subtree, abstract, step, aliases)
     if skip_missing:
         abstract = _held(Path(root), subtree, abstract, step)
     ckpt = Checkpointer.default_config().set(directory=str(root)).instantiate()
@@ -83,12 +91,50 @@ def restore_subtree(root: Union[str, Path], subtree: str, abstract: Any, *,
     finally:
         ckpt.close()
     log.info("restored %s of step %d from %s", subtree, step, root)
-    return tree[subtree], int(step)
+    out = tree[subtree]
+    if renamed:
+        back = {old: new for new, old in renamed.items()}
+        out = _nest({back.get(p, p): v for p, v in _flat(out).items()})
+    return out, int(step)
 
 
-def _held(root: Path, subtree: str, abstract: Any, step: Optional[int]) -> Any:
-    """`abstract` without the leaves that the manifest of `step` (None: the newest step)
-    does not list."""
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        out.update(_flat(v, f"{prefix}.{k}" if prefix else k))
+    return out
+
+
+def _nest(flat: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for path, v in flat.items():
+        *parents, leaf = path.split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = v
+    return out
+
+
+def _aliased(root: Path, subtree: str, abstract: Any, step: Optional[int],
+             aliases: Callable[[str], Optional[str]]) -> tuple[Any, dict[str, str]]:
+    """(`abstract` with each leaf the step lacks but holds under `aliases(path)` moved
+    there, {path: older path} of those moved)."""
+    names = _saved_names(root, step)
+    renamed: dict[str, str] = {}
+    for path in _flat(abstract):
+        old = None if f"{subtree}.{path}" in names else aliases(path)
+        if old is not None and f"{subtree}.{old}" in names:
+            renamed[path] = old
+    if not renamed:
+        return abstract, {}
+    return _nest({renamed.get(p, p): v for p, v in _flat(abstract).items()}), renamed
+
+
+def _saved_names(root: Path, step: Optional[int]) -> set[str]:
+    """The array names in the manifest of `step` (None: the newest committed step)."""
     from jaxlearn.checkpoint import layout
     from jaxlearn.checkpoint.manifest import Manifest
 
@@ -100,7 +146,13 @@ def _held(root: Path, subtree: str, abstract: Any, step: Optional[int]) -> Any:
         step = max(steps)
     if step not in steps:
         raise CheckpointNotFoundError(f"{layout.step_dir(root, step)}: no committed step")
-    names = set(Manifest.read(steps[step], step).arrays)
+    return set(Manifest.read(steps[step], step).arrays)
+
+
+def _held(root: Path, subtree: str, abstract: Any, step: Optional[int]) -> Any:
+    """`abstract` without the leaves that the manifest of `step` (None: the newest step)
+    does not list."""
+    names = _saved_names(root, step)
 
     def keep(tree: Any, prefix: str) -> Any:
         if not isinstance(tree, dict):

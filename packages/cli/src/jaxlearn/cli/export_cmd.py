@@ -61,7 +61,7 @@ def _run_model(args: argparse.Namespace, source: Any) -> tuple[Any, Any, Any, An
 
     model_cfg = source.model_config().clone(name="model")
     params, step = source.host_params(model_cfg, step=args.step)
-    if any(k.endswith(("_lora_a", "_lora_b")) for k in _leaf_names(params)):
+    if any(k.endswith(("lora_a", "lora_b")) for k in _leaf_names(params)):
         model_cfg, params = merge_lora(model_cfg, params)
         print(f"jaxlearn: folded the LoRA adapters of step {step} into the base weights",
               file=sys.stderr)

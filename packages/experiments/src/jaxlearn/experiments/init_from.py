@@ -37,7 +37,8 @@ class InitFromUsageError(ValueError):
 
 def _lora_settings(model: Any) -> Optional[dict[str, Any]]:
     """`use_lora` arguments that rebuild the LoRA layers of a recipe's model (None: none):
-    its first LoRA layer's rank, alpha and dropout, targets = every adapted weight name."""
+    its first LoRA layer's rank, alpha and dropout, targets = the config names of every
+    adapted projection (`q_proj`, `wi`, ...)."""
     from jaxlearn.config import leaves
 
     # One call for the whole tree (no per-node callback back into this package).
@@ -46,12 +47,13 @@ def _lora_settings(model: Any) -> Optional[dict[str, Any]]:
         node, _, name = path.rpartition(".")
         if name.startswith("lora_"):
             fields.setdefault(node, {})[name] = value
-    found = [f for f in fields.values() if "lora_rank" in f]
+    found = {node: f for node, f in fields.items() if "lora_rank" in f}
     if not found:
         return None
-    names = sorted({n for f in found for n in f["lora_targets"]})
-    return {"rank": found[0]["lora_rank"], "alpha": found[0]["lora_alpha"],
-            "dropout": found[0]["lora_dropout"], "targets": rf".*\.({'|'.join(names)})"}
+    names = sorted({node.rpartition(".")[2] for node in found})
+    first = next(iter(found.values()))
+    return {"rank": first["lora_rank"], "alpha": first["lora_alpha"],
+            "dropout": first["lora_dropout"], "targets": rf".*\.({'|'.join(names)})"}
 
 
 def _pretrained_model(cfg: Any, source: Any) -> Any:

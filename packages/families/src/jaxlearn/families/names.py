@@ -3,8 +3,8 @@ jaxlearn parameter path, HF name, GGUF name and the transform between the layout
 Import (HF safetensors, GGUF) and export (HF, GGUF tensor dicts) all iterate these rows.
 
 A `Row` is one jaxlearn parameter. Its `path` is a template over the model's params
-(`decoder.transformer.layer{i}.self_attention.q_proj`; a scanned stack holds the same
-tensor at `decoder.transformer.layer.self_attention.q_proj[i]`), `shape` its jaxlearn
+(`decoder.transformer.layer{i}.self_attention.q_proj.weight`; a scanned stack holds the
+same tensor at `decoder.transformer.layer.self_attention.q_proj.weight[i]`), `shape` its jaxlearn
 shape, and `hf` / `gguf` the file tensors that hold it, each a `Name`:
 
     Name("model.layers.{i}.self_attn.q_proj.weight", "H*D E", transpose=True)
@@ -24,7 +24,8 @@ A row may list several names for a format: export writes the first, import reads
 whichever the file holds. `when` names the architecture feature the row needs (per layer
 for `sparse` / `dense_ffn`: the MoE and dense FFN layers of a Qwen3-MoE model).
 
-`FUSIONS` are jaxlearn-side fused parameters (configs with `fused_qkv` / `fused_gate`):
+`FUSIONS` are jaxlearn-side fused parameters (layer configs whose attention has a
+`qkv_proj` child, feature `fused_qkv`, or whose FFN has a `wi_fused` one, `fused_gate`):
 import concatenates the unfused rows into them, export splits them back.
 
 The row groups here are shared; each family module (`llama.py`, `qwen.py`, ...: a
@@ -96,7 +97,7 @@ class Row:
 @dataclasses.dataclass(frozen=True)
 class Fusion:
     """`path` holds the `parts` (unfused row paths) concatenated on `axis`, in models whose
-    layer config sets `when` (`fused_qkv` / `fused_gate`)."""
+    layer config has feature `when` (`fused_qkv` / `fused_gate`, `tree.layer_layouts`)."""
 
     path: str
     parts: tuple[str, ...]
@@ -135,28 +136,28 @@ ATTENTION_ROWS = (
     _layer("attention_norm.scale", "E",
            _hf("input_layernorm.weight", "E"),
            _gg("attn_norm.weight", "E")),
-    _layer("self_attention.q_proj", "E H D",
+    _layer("self_attention.q_proj.weight", "E H D",
            _hf("self_attn.q_proj.weight", "H*D E", T),
            _gg("attn_q.weight", "H*D E", T, "H")),
-    _layer("self_attention.k_proj", "E K D",
+    _layer("self_attention.k_proj.weight", "E K D",
            _hf("self_attn.k_proj.weight", "K*D E", T),
            _gg("attn_k.weight", "K*D E", T, "K")),
-    _layer("self_attention.v_proj", "E K D",
+    _layer("self_attention.v_proj.weight", "E K D",
            _hf("self_attn.v_proj.weight", "K*D E", T),
            _gg("attn_v.weight", "K*D E", T)),
-    _layer("self_attention.o_proj", "H D E",
+    _layer("self_attention.o_proj.weight", "H D E",
            _hf("self_attn.o_proj.weight", "E H*D", T),
            _gg("attn_output.weight", "E H*D", T)),
-    _layer("self_attention.q_bias", "H D",
+    _layer("self_attention.q_proj.bias", "H D",
            _hf("self_attn.q_proj.bias", "H*D"),
            _gg("attn_q.bias", "H*D", permute="H"), "qkv_bias"),
-    _layer("self_attention.k_bias", "K D",
+    _layer("self_attention.k_proj.bias", "K D",
            _hf("self_attn.k_proj.bias", "K*D"),
            _gg("attn_k.bias", "K*D", permute="K"), "qkv_bias"),
-    _layer("self_attention.v_bias", "K D",
+    _layer("self_attention.v_proj.bias", "K D",
            _hf("self_attn.v_proj.bias", "K*D"),
            _gg("attn_v.bias", "K*D"), "qkv_bias"),
-    _layer("self_attention.o_bias", "E",
+    _layer("self_attention.o_proj.bias", "E",
            _hf("self_attn.o_proj.bias", "E"),
            _gg("attn_output.bias", "E"), "output_bias"),
     _layer("ffn_norm.scale", "E",
@@ -173,17 +174,17 @@ QK_NORM_ROWS = (
            _gg("attn_k_norm.weight", "D")),
 )  # fmt: skip
 DENSE_FFN_ROWS = (
-    _layer("feed_forward.wi_0", "E F", _hf("mlp.gate_proj.weight", "F E", T),
+    _layer("feed_forward.wi_0.weight", "E F", _hf("mlp.gate_proj.weight", "F E", T),
            _gg("ffn_gate.weight", "F E", T)),
-    _layer("feed_forward.wi_1", "E F", _hf("mlp.up_proj.weight", "F E", T),
+    _layer("feed_forward.wi_1.weight", "E F", _hf("mlp.up_proj.weight", "F E", T),
            _gg("ffn_up.weight", "F E", T)),
-    _layer("feed_forward.wo", "F E", _hf("mlp.down_proj.weight", "E F", T),
+    _layer("feed_forward.wo.weight", "F E", _hf("mlp.down_proj.weight", "E F", T),
            _gg("ffn_down.weight", "E F", T)),
-    _layer("feed_forward.wi_0_bias", "F", _hf("mlp.gate_proj.bias", "F"),
+    _layer("feed_forward.wi_0.bias", "F", _hf("mlp.gate_proj.bias", "F"),
            _gg("ffn_gate.bias", "F"), "mlp_bias"),
-    _layer("feed_forward.wi_1_bias", "F", _hf("mlp.up_proj.bias", "F"),
+    _layer("feed_forward.wi_1.bias", "F", _hf("mlp.up_proj.bias", "F"),
            _gg("ffn_up.bias", "F"), "mlp_bias"),
-    _layer("feed_forward.wo_bias", "E", _hf("mlp.down_proj.bias", "E"),
+    _layer("feed_forward.wo.bias", "E", _hf("mlp.down_proj.bias", "E"),
            _gg("ffn_down.bias", "E"), "mlp_bias"),
 )  # fmt: skip
 # Mixtral: the hub layout (one tensor per expert) is written; transformers 5's fused
@@ -236,12 +237,13 @@ _QWEN3_MOE_ROWS = (
 # (llama.cpp `ffn_up`); llama.cpp's `phi3` does not permute q/k rows.
 _QKV = ("H*D", "K*D", "K*D")
 PHI3_ROWS = tuple(
-    _layer(f"self_attention.{n}_proj", "E H D" if n == "q" else "E K D",
+    _layer(f"self_attention.{n}_proj.weight", "E H D" if n == "q" else "E K D",
            _hf("self_attn.qkv_proj.weight", "H*D+2*K*D E", T, part=(p, _QKV)),
            _gg("attn_qkv.weight", "H*D+2*K*D E", T, part=(p, _QKV)))
     for p, n in enumerate("qkv")
 ) + tuple(
-    _layer(f"feed_forward.wi_{p}", "E F", _hf("mlp.gate_up_proj.weight", "2*F E", T, part=(p, 2)),
+    _layer(f"feed_forward.wi_{p}.weight", "E F",
+           _hf("mlp.gate_up_proj.weight", "2*F E", T, part=(p, 2)),
            _gg("ffn_up.weight", "2*F E", T, part=(p, 2)))
     for p in range(2)
 )  # fmt: skip
@@ -272,14 +274,14 @@ def _fusion(fused: str, parts: Sequence[str], axis: int, when: str) -> Fusion:
 
 
 FUSIONS = (
-    _fusion("self_attention.qkv_proj",
-            [f"self_attention.{n}_proj" for n in "qkv"], -2, "fused_qkv"),
-    _fusion("self_attention.qkv_bias",
-            [f"self_attention.{n}_bias" for n in "qkv"], -2, "fused_qkv"),
-    _fusion("feed_forward.wi_fused",
-            ["feed_forward.wi_0", "feed_forward.wi_1"], -1, "fused_gate"),
-    _fusion("feed_forward.wi_fused_bias",
-            ["feed_forward.wi_0_bias", "feed_forward.wi_1_bias"], -1, "fused_gate"),
+    _fusion("self_attention.qkv_proj.weight",
+            [f"self_attention.{n}_proj.weight" for n in "qkv"], -2, "fused_qkv"),
+    _fusion("self_attention.qkv_proj.bias",
+            [f"self_attention.{n}_proj.bias" for n in "qkv"], -2, "fused_qkv"),
+    _fusion("feed_forward.wi_fused.weight",
+            ["feed_forward.wi_0.weight", "feed_forward.wi_1.weight"], -1, "fused_gate"),
+    _fusion("feed_forward.wi_fused.bias",
+            ["feed_forward.wi_0.bias", "feed_forward.wi_1.bias"], -1, "fused_gate"),
 )  # fmt: skip
 # Gemma 2/3: four norms per layer (`post_norm`); HF's `post_attention_layernorm` is the
 # norm of the attention output, not of the FFN input as in Llama. llama.cpp stores every
@@ -314,7 +316,8 @@ GEMMA2_ROWS = _gemma(_GEMMA_BASE, untied_gguf=False)
 GEMMA3_ROWS = _gemma(_GEMMA_BASE + QK_NORM_ROWS)
 _PHI3 = TOP_ROWS + PHI3_ROWS + tuple(
     r for r in ATTENTION_ROWS + DENSE_FFN_ROWS
-    if not r.when and not r.path.endswith(("q_proj", "k_proj", "v_proj", "wi_0", "wi_1"))
+    if not r.when and not r.path.endswith(
+        ("q_proj.weight", "k_proj.weight", "v_proj.weight", "wi_0.weight", "wi_1.weight"))
 )  # fmt: skip
 # Phi-3's whole name table (`phi3.py`); the other families compose theirs from the row
 # groups above in their own modules.

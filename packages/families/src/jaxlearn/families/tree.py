@@ -64,14 +64,15 @@ def stack_layers(stacked: Nested, num_layers: int, p: Optional[int]) -> list[Nes
 
 def layer_layouts(model: Any) -> list[frozenset[str]]:
     """Per layer of `model`'s stack: the fused parameter layouts its config asks for
-    ("fused_qkv": one `qkv_proj`; "fused_gate": one `wi_fused`), see `names.FUSIONS`."""
+    ("fused_qkv": a `qkv_proj` child; "fused_gate": a `wi_fused` child), see
+    `names.FUSIONS`."""
     from jaxlearn.families.arch import layer_configs
 
     out = []
     for lc in layer_configs(model.decoder.transformer.config):
         flags = {
-            "fused_qkv": getattr(lc.self_attention, "fused_qkv", False),
-            "fused_gate": getattr(lc.feed_forward, "fused_gate", False),
+            "fused_qkv": getattr(lc.self_attention, "qkv_proj", None) is not None,
+            "fused_gate": getattr(lc.feed_forward, "wi_fused", None) is not None,
         }
         out.append(frozenset(k for k, v in flags.items() if v))
     return out
@@ -82,8 +83,9 @@ def assemble_params(
 ) -> Nested:
     """Canonical (top, layers) -> the model's params, checked and cast to the spec dtypes.
 
-    `names` maps jaxlearn paths (e.g. "decoder.transformer.layer3.self_attention.q_proj")
-    to checkpoint tensor names for the error message.
+    `names` maps jaxlearn paths (e.g.
+    "decoder.transformer.layer3.self_attention.q_proj.weight") to checkpoint tensor names
+    for the error message.
     """
     kind, p = stack_kind(model), group_size(model)
     transformer: Nested

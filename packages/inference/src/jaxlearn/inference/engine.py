@@ -50,7 +50,7 @@ from jaxlearn.inference.errors import InferenceError, QueueFullError, RequestErr
 from jaxlearn.inference.grammar import response_format_grammar
 from jaxlearn.inference.logprobs import TokenLogprob
 from jaxlearn.inference.metrics import Metrics
-from jaxlearn.inference.quantize import quantize_params
+from jaxlearn.inference.quantize import quantize
 from jaxlearn.inference.runner import ModelRunner, kv_window, next_pow2
 from jaxlearn.inference.sampling import SamplingParams
 from jaxlearn.inference.scheduler import Request, Scheduler
@@ -204,12 +204,12 @@ class Engine(Configurable):
             model_cfg = model_cfg.clone(name="model")
         if cfg.fuse_projections:
             model_cfg, params = layers.fuse_projections(model_cfg, params)
+        if cfg.quantize is not None:  # Int8Linear configs, int8 params.
+            model_cfg, params = quantize(model_cfg, params, cfg.quantize)
+        model_cfg, params = apply_weight_layout(model_cfg, params, cfg.weight_layout,
+                                                mesh_shape=cfg.mesh_shape)
         self.model_cfg = model_cfg
         self.model: Module = model_cfg.instantiate()
-        if cfg.quantize is not None:
-            params = quantize_params(self.model, params, cfg.quantize)
-        params = apply_weight_layout(self.model, params, cfg.weight_layout,
-                                     mesh_shape=cfg.mesh_shape)
         self.tokenizer = as_tokenizer(tokenizer) if tokenizer is not None else None
         self.model_name = cfg.model_name
         self.max_seq_len = cfg.max_seq_len

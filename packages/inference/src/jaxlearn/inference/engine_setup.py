@@ -14,6 +14,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxlearn.config import REQUIRED
 from jaxlearn.inference.quantize import check_quantize
 from jaxlearn.inference.weight_layout import check_weight_layout
+from jaxlearn.layers import older_param_path
 from jaxlearn.mesh import (
     DEFAULT_AXIS_RULES,
     logical_to_partition_spec,
@@ -113,4 +114,5 @@ def restore_params(root: Union[str, Path], model_cfg: Any, *, step: Optional[int
     model = model_cfg.instantiate()
     shapes = jax.eval_shape(model.initialize_parameters_recursively, jax.random.key(0))
     return restore_subtree(root, "ema" if use_ema else "params", shapes,
-                           shardings=shardings, step=step)
+                           shardings=shardings, step=step,
+                           aliases=older_param_path)

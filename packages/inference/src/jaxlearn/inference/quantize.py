@@ -1,28 +1,31 @@
-"""Weight-only quantization of a model's params for serving (`Engine.Config.quantize`).
+"""Weight-only quantization of a model for serving (`Engine.Config.quantize`).
 
-`quantize_params(model, params, "int8")` returns the params with every dense weight
-replaced by a `jaxlearn.kernels.Int8Weight` (int8 values + float32 per-output-channel
-scales, computed once here): `Linear.weight`, the attention projections (`q/k/v/qkv/o_proj`),
-the feed-forward matrices (`wi`, `wi_0`, `wi_1`, `wi_fused`, `wo`) and the embedding table
-when it is tied as the output head (its per-row scales serve the lookup too). The layers'
-`dense()` then runs `kernels.int8_matmul` on them. Left in their dtype: norms, biases,
-an untied embedding table (a lookup reads a few rows per step), mixture-of-experts
-weights (einsum, not `dense()`) and every layer with an injected dot (LoRA adapters,
-int8/fp8 training dots), which `dense()` would otherwise bypass.
+`quantize(model_cfg, params, "int8")` returns (config, params) with every plain `Linear`
+(the LM head and the attention / feed-forward projections, which are Linear children)
+swapped for an `Int8Linear` (`jaxlearn.layers.serving`) and its `weight` converted to
+int8 values + float32 per-output-channel scales (`weight`, `scale`; computed once here),
+and the embedding table, when it is tied as the output head, held as a
+`jaxlearn.kernels.Int8Weight` (its per-row scales serve the lookup too). Left as they
+are: norms, biases, an untied embedding table (a lookup reads a few rows per step),
+mixture-of-experts weights (raw params of the MoE layer, not Linear children),
+`LoraLinear` projections and every Linear with an injected dot (int8/fp8 training dots).
+
+`swap_linears` is the conversion both this and `weight_layout` run: a config rewrite of
+the plain Linear configs and the matching conversion of their params.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+from jaxlearn.config import replace_config
 from jaxlearn.kernels import Int8Weight, quantize_int8
-from jaxlearn.layers import Attention, Decoder, Embedding, FeedForward, Linear
+from jaxlearn.layers import Decoder, Embedding, Int8Linear, Linear
 from jaxlearn.module import Module
 
 QUANTIZE_MODES = ("int8",)
-
-_FFN_WEIGHTS = {name: (0,) for name in ("wi", "wi_0", "wi_1", "wi_fused", "wo")}
-_ATTENTION_WEIGHTS = {**{f"{n}_proj": (0,) for n in ("q", "k", "v", "qkv")}, "o_proj": (0, 1)}
+# fn(weight [*lead, *in, *out], in_dims, lead) -> the variant's params (bias aside).
+Convert = Callable[[Any, int, int], dict[str, Any]]
 
 
 def check_quantize(mode: Optional[str]) -> None:
@@ -32,53 +35,70 @@ def check_quantize(mode: Optional[str]) -> None:
                          f"{', '.join(QUANTIZE_MODES)}")
 
 
-def dense_weights(module: Module) -> dict[str, tuple[int, ...]]:
-    """{param name: contracted axes} of the weights `module` multiplies through `dense()`
-    with the default dot (see module docstring)."""
-    if getattr(module, "_dot", None) is not None:
-        return {}
-    if isinstance(module, Linear):
-        return {"weight": (0,)}
-    if isinstance(module, Attention):
-        return dict(_ATTENTION_WEIGHTS)
-    if isinstance(module, FeedForward):
-        return dict(_FFN_WEIGHTS)
-    parent = module.parent
-    if isinstance(module, Embedding) and isinstance(parent, Decoder):
-        return {"weight": (1,)} if parent.config.lm_head is None else {}
-    return {}
+def is_plain_linear(c: Any) -> bool:
+    """A `Linear` config (not a subclass: LoRA, int8, transposed) with the default dot."""
+    return "klass" in c and c.klass is Linear and c.dot is None
 
 
-def map_dense_weights(model: Module, params: Any, fn: Callable[[Any, tuple[int, ...]], Any]
-                      ) -> Any:
-    """`params` (a tree like `model`'s) with each dense weight `w` (see `dense_weights`)
-    replaced by `fn(w, contracted axes)`. A scanned stack's weights keep their leading
-    layer axis; the axes passed to `fn` count it."""
+def plain_linears(model: Module, params: Any) -> list[tuple[Module, dict[str, Any]]]:
+    """(module, its params) of every plain Linear of `model` (see `is_plain_linear`)."""
+    out: list[tuple[Module, dict[str, Any]]] = []
+
+    def walk(module: Module, p: Any) -> None:
+        if is_plain_linear(module.config):
+            out.append((module, p))
+            return
+        for name, child in module.children.items():
+            if isinstance(p, dict) and isinstance(p.get(name), dict):
+                walk(child, p[name])
+
+    walk(model, params)
+    return out
+
+
+def swap_linears(model_cfg: Any, params: Any, variant: type[Linear], fn: Convert
+                 ) -> tuple[Any, Any]:
+    """(config with every plain Linear config replaced by `variant`'s (fields carried
+    over), params with each plain Linear's `weight` replaced by `fn(weight, in dims,
+    lead dims)`). A scanned stack's weights keep their leading layer axis (`lead`)."""
+    model = model_cfg.instantiate()
 
     def walk(module: Module, p: Any) -> Any:
+        if is_plain_linear(module.config):
+            own = module._create_layer_parameter_specs()["weight"]
+            lead = len(p["weight"].shape) - len(own.shape)
+            rest = {k: v for k, v in p.items() if k != "weight"}
+            return {**rest, **fn(p["weight"], len(module.in_shape), lead)}
         out = dict(p)
-        own = module._create_layer_parameter_specs()  # The unstacked shapes.
-        for name, axes in dense_weights(module).items():
-            w = p.get(name)
-            if w is not None and name in own:
-                lead = len(w.shape) - len(own[name].shape)  # Stacked layers: [layers, ...].
-                out[name] = fn(w, tuple(a + lead for a in axes))
         for name, child in module.children.items():
             if isinstance(p.get(name), dict):
                 out[name] = walk(child, p[name])
         return out
 
-    return walk(model, params)
+    new_cfg = replace_config(model_cfg, lambda path, c: is_plain_linear(c),
+                             lambda old, path: variant.default_config(), allow_no_match=True)
+    return new_cfg, walk(model, params)
 
 
-def quantize_params(model: Module, params: Any, mode: str = "int8") -> Any:
-    """`params` (a tree like `model`'s) with its dense weights as `Int8Weight`s (see
-    module docstring). A scanned stack's weights keep their leading layer axis: scales are
-    per layer and output channel."""
+def _int8(w: Any, in_dims: int, lead: int) -> dict[str, Any]:
+    q = quantize_int8(w, tuple(range(lead, lead + in_dims)))
+    return {"weight": q.q, "scale": q.scale}
+
+
+def quantize(model_cfg: Any, params: Any, mode: str = "int8") -> tuple[Any, Any]:
+    """(config, params) of `model_cfg` / `params` served with int8 weights (see module
+    docstring). A scanned stack's scales are per layer and output channel."""
     check_quantize(mode)
-    return map_dense_weights(
-        model, params,
-        lambda w, axes: w if isinstance(w, Int8Weight) else quantize_int8(w, axes))
+    cfg, params = swap_linears(model_cfg, params, Int8Linear, _int8)
+    decoder = model_cfg.instantiate().children.get("decoder")
+    emb = decoder.children.get("emb") if isinstance(decoder, Decoder) else None
+    if (isinstance(emb, Embedding) and emb.config.dot is None
+            and decoder.config.lm_head is None):  # Tied head: per-row scales.
+        table = params["decoder"]["emb"]["weight"]
+        if not isinstance(table, Int8Weight):
+            params = dict(params, decoder=dict(params["decoder"], emb=dict(
+                params["decoder"]["emb"], weight=quantize_int8(table, (1,)))))
+    return cfg, params
 
 
 def params_nbytes(params: Any) -> int:

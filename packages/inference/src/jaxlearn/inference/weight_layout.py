@@ -4,16 +4,18 @@ A trained dense weight is `[*in, *out]`. On XLA:CPU a bf16 dot with few rows (de
 reads the same weight 1.0-1.5x faster stored `[out, in]`; f32 dots are faster `[in, out]`
 (`jaxlearn.kernels.weight_layout`). So:
 
-- "auto" (default): on one CPU device every 16-bit float dense weight is stored
-  `[out, in]`; f32 weights, int8 weights (`quantize`) and any other backend or a mesh
-  keep the trained layout;
-- "out_in": every float dense weight stored `[out, in]` (one device only);
+- "auto" (default): on one CPU device, when every plain `Linear` weight is a 16-bit
+  float, they are all stored `[out, in]`; f32 weights, int8 weights (`quantize`) and any
+  other backend or a mesh keep the trained layout;
+- "out_in": every plain float Linear weight stored `[out, in]` (one device only);
 - "in_out": the trained layout.
 
-The weights are those `quantize` would quantize (`quantize.dense_weights`), minus a tied
-embedding table, which is `[vocab, dim]` already: `layers.dense` contracts a
-`TransposedWeight` on its stored layout (`kernels.matmul_nt`). The copy is made once,
-when the engine is built; the engine's params then hold the transposed arrays only.
+Stored `[out, in]` means a config swap: every plain Linear (`quantize.is_plain_linear`:
+the LM head and the attention / FFN projections) becomes a `layers.TransposedLinear`
+whose `weight_t [*lead, prod(out), prod(in)]` is contracted on its stored layout
+(`kernels.matmul_nt`). A tied embedding table is `[vocab, dim]` already and stays. The
+copy is made once, when the engine is built; the engine's params then hold the
+transposed arrays only.
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-from jaxlearn.inference.quantize import map_dense_weights
-from jaxlearn.kernels import Int8Weight, TransposedWeight, transpose_weight
-from jaxlearn.module import Module
+from jaxlearn.inference.quantize import plain_linears, swap_linears
+from jaxlearn.kernels import transpose_weight
+from jaxlearn.layers import TransposedLinear
 
 WEIGHT_LAYOUTS = ("auto", "in_out", "out_in")
 
@@ -40,29 +42,26 @@ def check_weight_layout(layout: str, mesh_shape: Optional[tuple[int, ...]]) -> N
                          f"device), got mesh_shape={mesh_shape}")
 
 
-def _transposable(w: Any, axes: tuple[int, ...], only_16bit: bool) -> bool:
-    if isinstance(w, (Int8Weight, TransposedWeight)) or not jnp.issubdtype(w.dtype, jnp.floating):
+def _transposable(w: Any, only_16bit: bool) -> bool:
+    if not jnp.issubdtype(w.dtype, jnp.floating):
         return False
-    if only_16bit and jnp.dtype(w.dtype).itemsize != 2:
-        return False
-    # The contracted axes must lead (after a stack axis): [*lead, *in, *out].
-    return axes == tuple(range(axes[0], axes[0] + len(axes))) and axes[-1] < len(w.shape) - 1
+    return not only_16bit or jnp.dtype(w.dtype).itemsize == 2
 
 
-def apply_weight_layout(model: Module, params: Any, layout: str, *,
-                        mesh_shape: Any = None) -> Any:
-    """`params` with their dense weights stored as `layout` says (see module docstring);
-    `Int8Weight`s (`quantize`) are left as they are."""
+def apply_weight_layout(model_cfg: Any, params: Any, layout: str, *,
+                        mesh_shape: Any = None) -> tuple[Any, Any]:
+    """(config, params) with the plain Linear weights stored as `layout` says (see module
+    docstring); `Int8Linear`s (`quantize`) are left as they are."""
     check_weight_layout(layout, mesh_shape)
     if layout == "in_out":
-        return params
+        return model_cfg, params
     if layout == "auto" and (mesh_shape is not None or jax.default_backend() != "cpu"):
-        return params
-    only_16bit = layout == "auto"
+        return model_cfg, params
+    linears = plain_linears(model_cfg.instantiate(), params)
+    if not linears or not all(_transposable(p["weight"], layout == "auto") for _, p in linears):
+        return model_cfg, params
 
-    def fn(w: Any, axes: tuple[int, ...]) -> Any:
-        if not _transposable(w, axes, only_16bit):
-            return w
-        return transpose_weight(w, len(axes), lead=axes[0])
+    def fn(w: Any, in_dims: int, lead: int) -> dict[str, Any]:
+        return {"weight_t": transpose_weight(w, in_dims, lead=lead).t}
 
-    return map_dense_weights(model, params, fn)
+    return swap_linears(model_cfg, params, TransposedLinear, fn)

@@ -278,10 +278,13 @@ class ModelSource(Configurable):
 
         abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(tuple(s.shape), s.dtype),
                                 model.create_parameter_specs_recursively(), is_leaf=is_spec)
+        # A model may name where older checkpoints stored a renamed param (a CausalLM:
+        # the flat projection layout, `jaxlearn.layers.legacy`).
         params, step = restore_subtree(self._root(), "params", abstract, shardings=shardings,
-                                       step=self.step, skip_missing=True)
+                                       step=self.step, skip_missing=True,
+                                       aliases=getattr(model, "older_param_path", None))
         have, want = _paths(params), _paths(abstract)
-        absent = [k for k in want if k not in have and not re.search(r"_lora_[ab]$", k)]
+        absent = [k for k in want if k not in have and not re.search(r"(^|\.)adapter\.", k)]
         if absent:
             raise ParameterMismatchError(f"{self.path} (step {step})", missing=absent)
         return params
@@ -310,10 +313,11 @@ class ModelSource(Configurable):
 
         if model_cfg.name is REQUIRED:
             model_cfg = model_cfg.clone(name="model")
-        shapes = jax.eval_shape(model_cfg.instantiate().initialize_parameters_recursively,
-                                jax.random.key(0))
+        model = model_cfg.instantiate()
+        shapes = jax.eval_shape(model.initialize_parameters_recursively, jax.random.key(0))
         params, found = restore_subtree(self._root(), "params", shapes,
-                                        step=self.step if step is None else step)
+                                        step=self.step if step is None else step,
+                                        aliases=getattr(model, "older_param_path", None))
         return jax.device_get(params), found
 
     def _root(self) -> pathlib.Path:

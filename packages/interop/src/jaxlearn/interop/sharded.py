@@ -2,7 +2,7 @@
 sharded arrays: nothing reads or holds the whole model.
 
     readers = param_readers("model_dir_or_file.gguf", model)   # {param path: SliceReader}
-    r = readers["decoder.transformer.layer.self_attention.q_proj"]
+    r = readers["decoder.transformer.layer.self_attention.q_proj.weight"]
     r.shape                                 # the jaxlearn shape, e.g. (L, E, H, D)
     block = r((slice(0, 2), slice(None), slice(4, 8), slice(None)))   # numpy, spec dtype
 

@@ -23,12 +23,8 @@ from jaxlearn.layers.dense import DotGeneral, Linear, dense, einsum, matmul
 from jaxlearn.layers.embedding import Embedding
 from jaxlearn.layers.ffn import ACTIVATIONS, FeedForward, get_activation
 from jaxlearn.layers.gemma import gemma2_config, gemma3_config, gemma_config
-from jaxlearn.layers.lora import (
-    ADAPTERS,
-    LoraAttention,
-    LoraFeedForward,
-    with_base_params,
-)
+from jaxlearn.layers.legacy import older_param_path
+from jaxlearn.layers.lora import ADAPTERS, LoraAdapter, LoraLinear, with_base_params
 from jaxlearn.layers.norm import LayerNorm, RMSNorm
 from jaxlearn.layers.pipeline import PipelineStack, pipeline_config, use_pipeline
 from jaxlearn.layers.recipes import (
@@ -50,6 +46,7 @@ from jaxlearn.layers.rope import (
     scaling_config,
     scaling_dict,
 )
+from jaxlearn.layers.serving import Int8Linear, TransposedLinear
 from jaxlearn.layers.transformer import (
     ACTIVATION_NAMES,
     BaseStack,
@@ -68,6 +65,7 @@ __all__ = [
     "fuse_projection_params",
     "fuse_projections",
     "merge_lora",
+    "older_param_path",
     "set_norm",
     "set_rope",
     "use_dot",
@@ -75,8 +73,8 @@ __all__ = [
     "use_lora",
     "use_moe",
     "ADAPTERS",
-    "LoraAttention",
-    "LoraFeedForward",
+    "LoraAdapter",
+    "LoraLinear",
     "with_base_params",
     "use_pipeline",
     "pipeline_config",
@@ -98,6 +96,7 @@ __all__ = [
     "scaling_dict",
     "phi3_config",
     "LayerNorm",
+    "Int8Linear",
     "Linear",
     "LinearFrequencyScaling",
     "Llama3FrequencyScaling",
@@ -106,6 +105,7 @@ __all__ = [
     "RotaryEmbedding",
     "ScanStack",
     "TransformerLayer",
+    "TransposedLinear",
     "cross_entropy",
     "dense",
     "einsum",

@@ -17,16 +17,9 @@ from jax import lax
 
 from jaxlearn.config import REQUIRED, InstantiableConfig
 from jaxlearn.kernels import blockwise_attention, paged, ring_attention
-from jaxlearn.layers.dense import DotGeneral, dense, einsum, maybe_dot
+from jaxlearn.layers.dense import Linear, einsum
 from jaxlearn.layers.rope import RotaryEmbedding
-from jaxlearn.module import (
-    FanAxes,
-    Module,
-    ParameterSpec,
-    logical_partition_spec,
-    with_logical_constraint,
-    zeros,
-)
+from jaxlearn.module import Module, logical_partition_spec, with_logical_constraint
 
 IMPLEMENTATIONS = ("auto", "einsum", "dot_product_attention", "blockwise", "ring")
 _NEG = float(jnp.finfo(jnp.float32).min)
@@ -68,8 +61,11 @@ def make_mask(
 class Attention(Module):
     """Self-attention. x [batch, seq, embed] -> [batch, seq, embed].
 
-    Params: q_proj [embed, heads, head_dim], k_proj/v_proj [embed, kv_heads, head_dim],
-    o_proj [heads, head_dim, embed] (+ q_bias/k_bias/v_bias [*, head_dim], o_bias [embed]).
+    Children (`Linear` configs; the layer sets their dims, logical axes and `use_bias`):
+    q_proj [embed] -> [heads, head_dim], k_proj / v_proj [embed] -> [kv_heads, head_dim],
+    o_proj [heads, head_dim] -> [embed]; params `<child>.weight` (+ `<child>.bias` with
+    `qkv_bias` / `output_bias`). `qkv_proj` set (and q/k/v_proj None): one projection
+    [embed] -> [heads + 2 kv_heads, head_dim] in their place (`fuse_projections`).
     Query head n uses kv head n // (heads // kv_heads) (the HF `repeat_kv` grouping).
     """
 
@@ -98,12 +94,15 @@ class Attention(Module):
         block_q: int = 512
         block_k: int = 512
         blockwise_min_seq: int = 1024
-        dot: Optional[DotGeneral.Config] = None
-        # One `qkv_proj` [embed, heads + 2 kv_heads, head_dim] (and `qkv_bias`) in place of
-        # q/k/v_proj: one matmul instead of three (decode on CPU: a GEMV each has a fixed
-        # cost). Single-device serving only (`fuse_projections`); the heads axis is not
-        # sharded. Params convert with `composition.fuse_projection_params`.
-        fused_qkv: bool = False
+        q_proj: Optional[InstantiableConfig] = Linear.default_config()
+        k_proj: Optional[InstantiableConfig] = Linear.default_config()
+        v_proj: Optional[InstantiableConfig] = Linear.default_config()
+        o_proj: InstantiableConfig = Linear.default_config()
+        # A projection [embed] -> [heads + 2 kv_heads, head_dim] in place of q/k/v_proj
+        # (which must then be None): one matmul instead of three (decode on CPU: a GEMV
+        # each has a fixed cost). Single-device serving only (`fuse_projections`); its
+        # heads axis is not sharded. Params convert with `fuse_projection_params`.
+        qkv_proj: Optional[InstantiableConfig] = None
 
         def implementation_at(self, seq: int) -> str:
             """The implementation a call with `seq` query positions runs ("auto" resolved).
@@ -131,7 +130,7 @@ class Attention(Module):
                              "'blockwise' or 'ring'")
         if c.head_dim is None and c.input_dim % c.num_heads:
             raise ValueError(f"{where}: input_dim {c.input_dim} % num_heads {c.num_heads} != 0")
-        self._dot = maybe_dot(c.dot)
+        self._add_projections()
         self._rope = c.rope.instantiate() if c.rope is not None else None
         if c.qk_norm is not None:
             norm = c.qk_norm.clone(input_dim=self.head_dim)
@@ -150,36 +149,28 @@ class Attention(Module):
         c = self.config
         return c.head_dim if c.head_dim is not None else c.input_dim // c.num_heads
 
-    def _create_layer_parameter_specs(self) -> dict[str, ParameterSpec]:
-        c = self.config
+    def _add_projections(self) -> None:
+        c, where = self.config, self.path()
         e, h, kv, d = c.input_dim, c.num_heads, self.num_kv_heads, self.head_dim
-        fan_in = FanAxes((0,), (1, 2))
-        specs = {
-            "q_proj": ParameterSpec((e, h, d), ("embed", "heads", "head_dim"), fan_axes=fan_in),
-            "k_proj": ParameterSpec((e, kv, d), ("embed", "kv_heads", "head_dim"), fan_axes=fan_in),
-            "v_proj": ParameterSpec((e, kv, d), ("embed", "kv_heads", "head_dim"), fan_axes=fan_in),
-            "o_proj": ParameterSpec(
-                (h, d, e), ("heads", "head_dim", "embed"), fan_axes=FanAxes((0, 1), (2,))
-            ),
-        }
-        if c.fused_qkv:
-            for name in ("q", "k", "v"):
-                specs.pop(f"{name}_proj")
-            specs["qkv_proj"] = ParameterSpec(
-                (e, h + 2 * kv, d), ("embed", None, "head_dim"), fan_axes=fan_in
-            )
-            if c.qkv_bias:
-                specs["qkv_bias"] = ParameterSpec(
-                    (h + 2 * kv, d), (None, "head_dim"), initializer=zeros()
-                )
-        elif c.qkv_bias:
-            for name, n, axis in (("q", h, "heads"), ("k", kv, "kv_heads"), ("v", kv, "kv_heads")):
-                specs[f"{name}_bias"] = ParameterSpec(
-                    (n, d), (axis, "head_dim"), initializer=zeros()
-                )
-        if c.output_bias:
-            specs["o_bias"] = ParameterSpec((e,), ("embed",), initializer=zeros())
-        return specs
+        separate = [n for n in ("q_proj", "k_proj", "v_proj") if getattr(c, n) is not None]
+        if c.qkv_proj is not None:
+            if separate:
+                raise ValueError(f"{where}: qkv_proj replaces q_proj / k_proj / v_proj; set "
+                                 f"{', '.join(separate)} to None")
+            self._add_child("qkv_proj", c.qkv_proj.clone(
+                input_dim=e, output_dim=(h + 2 * kv, d), weight_axes=("embed", None, "head_dim"),
+                use_bias=c.qkv_bias))
+        elif len(separate) != 3:
+            raise ValueError(f"{where}: q_proj, k_proj and v_proj are all needed (or qkv_proj)")
+        else:
+            for name, n, axis in (("q_proj", h, "heads"), ("k_proj", kv, "kv_heads"),
+                                  ("v_proj", kv, "kv_heads")):
+                self._add_child(name, getattr(c, name).clone(
+                    input_dim=e, output_dim=(n, d), weight_axes=("embed", axis, "head_dim"),
+                    use_bias=c.qkv_bias))
+        self._add_child("o_proj", c.o_proj.clone(
+            input_dim=(h, d), output_dim=e, weight_axes=("heads", "head_dim", "embed"),
+            use_bias=c.output_bias))
 
     # ---- public methods ---------------------------------------------------------------------
 
@@ -250,18 +241,12 @@ class Attention(Module):
         self, x: jax.Array, positions: jax.Array
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [batch, seq, embed] -> q [b, s, heads, d], k, v [b, s, kv_heads, d] (RoPE'd)."""
-        p = self.parameters
-        names = ("qkv",) if self.config.fused_qkv else ("q", "k", "v")
-        out = []
-        for name in names:
-            y = dense(x, p[f"{name}_proj"], dot=self._dot)  # [b, s, heads, d]
-            if f"{name}_bias" in p:
-                y = y + p[f"{name}_bias"].astype(y.dtype)
-            out.append(y)
-        if self.config.fused_qkv:  # [b, s, heads + 2 kv_heads, d] -> q, k, v
+        if "qkv_proj" in self.children:  # [b, s, heads + 2 kv_heads, d] -> q, k, v
             h, kv = self.config.num_heads, self.num_kv_heads
-            out = [out[0][:, :, :h], out[0][:, :, h : h + kv], out[0][:, :, h + kv :]]
-        q, k, v = out
+            y = self.qkv_proj(x)
+            q, k, v = y[:, :, :h], y[:, :, h : h + kv], y[:, :, h + kv :]
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [b, s, heads, d]
         if self.config.qk_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self._rope is not None:
@@ -390,11 +375,8 @@ class Attention(Module):
         return c.query_scale if c.query_scale is not None else self.head_dim**-0.5
 
     def _output(self, o: jax.Array) -> jax.Array:
-        """o [b, s, heads, head_dim] -> y [b, s, embed] through o_proj (+ o_bias)."""
-        o, p = self.checkpoint_name(o, "context"), self.parameters
-        y = dense(o, p["o_proj"], dot=self._dot, in_dims=2)
-        if "o_bias" in p:
-            y = y + p["o_bias"].astype(y.dtype)
+        """o [b, s, heads, head_dim] -> y [b, s, embed] through o_proj."""
+        y = self.o_proj(self.checkpoint_name(o, "context"))
         return with_logical_constraint(y, ("batch", "seq", "embed"))
 
     def _core(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:

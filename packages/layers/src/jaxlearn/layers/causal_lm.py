@@ -15,6 +15,7 @@ from jax import lax
 from jaxlearn.config import InstantiableConfig
 from jaxlearn.kernels.chunked_loss import head_cross_entropy
 from jaxlearn.layers.decoder import Decoder
+from jaxlearn.layers.legacy import older_param_path
 from jaxlearn.module import Module
 
 Array = jax.Array
@@ -105,6 +106,12 @@ class CausalLM(Module):
             "lse_squared": jnp.sum(jnp.square(lse) * weights),
             "correct": jnp.sum(correct * weights),
         }
+
+    @staticmethod
+    def older_param_path(path: str) -> Optional[str]:
+        """Where a checkpoint in the flat projection layout stored the param at `path`
+        (`layers.legacy`); restore sites pass it as `restore_subtree(aliases=...)`."""
+        return older_param_path(path)
 
     def logits(self, input_batch: dict[str, Array]) -> Array:
         """input_batch (input_ids, optional positions/segment_ids) -> [batch, seq, vocab]."""

@@ -10,7 +10,7 @@ visit) and returns a new config; the input is not modified.
     cfg = set_norm(cfg, LayerNorm.default_config())           # every norm
     cfg = use_dot(cfg, Int8Dot.default_config())              # int8 dots everywhere
     cfg, params = fuse_projections(cfg, params)              # serving: fused QKV / gate
-    cfg = use_lora(cfg, rank=8, alpha=16)                    # adapters on q/k/v/o, wi*/wo
+    cfg = use_lora(cfg, rank=8, alpha=16)                    # LoraLinear q/k/v/o, wi/wo
     cfg, params = merge_lora(cfg, params)                    # fold them in: a plain model
 """
 
@@ -24,14 +24,9 @@ import jax.numpy as jnp
 
 from jaxlearn.config import ConfigBase, replace_config, visit
 from jaxlearn.layers.attention import Attention
+from jaxlearn.layers.dense import Linear
 from jaxlearn.layers.ffn import FeedForward
-from jaxlearn.layers.lora import (
-    BASE_CLASSES,
-    DEFAULT_TARGETS,
-    LORA_CLASSES,
-    LoraMixin,
-    check_lora_settings,
-)
+from jaxlearn.layers.lora import DEFAULT_TARGETS, LoraLinear, check_lora_settings
 from jaxlearn.layers.moe import MixtureOfExperts
 from jaxlearn.layers.norm import LayerNorm, RMSNorm
 from jaxlearn.layers.transformer import BaseStack, LoopStack
@@ -88,16 +83,19 @@ def use_dot(cfg: Any, dot: Optional[ConfigBase]) -> Any:
 
 
 def fuse_projections(cfg: Any, params: Any) -> tuple[Any, Any]:
-    """(config, params) with every attention's q/k/v projections fused into `qkv_proj` and
-    every gated FFN's two input projections into `wi_fused` (same function, fewer and
-    larger matmuls: on CPU a decode GEMV has a fixed cost). For single-device serving: the
-    fused axes carry no sharding. Params may be stacked ([layers, ...] under ScanStack)."""
+    """(config, params) with every attention's q/k/v projections swapped for one
+    `qkv_proj` child and every gated FFN's two input projections for one `wi_fused` child
+    (same function, fewer and larger matmuls: on CPU a decode GEMV has a fixed cost). For
+    single-device serving: the fused axes carry no sharding. Params may be stacked
+    ([layers, ...] under ScanStack)."""
 
     def fuse_cfg(old: Any, path: str) -> Any:
-        if old.klass is Attention or issubclass(old.klass, Attention):
-            return old.clone(fused_qkv=True)
-        if len(old.activation) == 2:
-            return old.clone(fused_gate=True)
+        if issubclass(old.klass, Attention):
+            if old.qkv_proj is not None:
+                return old
+            return old.clone(qkv_proj=old.q_proj, q_proj=None, k_proj=None, v_proj=None)
+        if len(old.activation) == 2 and old.wi_fused is None:
+            return old.clone(wi_fused=old.wi)
         return old
 
     new_cfg = replace_config(
@@ -108,37 +106,34 @@ def fuse_projections(cfg: Any, params: Any) -> tuple[Any, Any]:
     return new_cfg, fuse_projection_params(params)
 
 
+def _concat(parts: list[Any], axis: int) -> dict[str, Any]:
+    """Linear params {weight, bias?} concatenated on `axis` (counted from the end)."""
+    out = {"weight": jnp.concatenate([p["weight"] for p in parts], axis=axis)}
+    if "bias" in parts[0]:
+        out["bias"] = jnp.concatenate([p["bias"] for p in parts], axis=axis)
+    return out
+
+
 def fuse_projection_params(params: Any) -> Any:
-    """The params of `fuse_projections`: q/k/v_proj (+ biases) concatenated on the heads
-    axis into qkv_proj (qkv_bias); gated FFN wi_0/wi_1 (+ biases) on the mlp axis into
-    wi_fused (wi_fused_bias); mixture-of-experts weights (a dict with a `router`) are left
-    alone, like the MoE configs. Other leaves are returned as they are."""
+    """The params of `fuse_projections`: q/k/v_proj (weight, bias) concatenated on the
+    heads axis into qkv_proj; gated FFN wi_0/wi_1 on the mlp axis into wi_fused;
+    mixture-of-experts weights (raw arrays next to a `router`) are left alone, like the
+    MoE configs. Other leaves are returned as they are."""
     if not isinstance(params, dict):
         return params
     out = {k: fuse_projection_params(v) for k, v in params.items()}
-    if {"q_proj", "k_proj", "v_proj"} <= out.keys():
-        out["qkv_proj"] = jnp.concatenate([out.pop(f"{n}_proj") for n in "qkv"], axis=-2)
-        if "q_bias" in out:
-            out["qkv_bias"] = jnp.concatenate([out.pop(f"{n}_bias") for n in "qkv"], axis=-2)
-    if {"wi_0", "wi_1", "wo"} <= out.keys() and "router" not in out:  # Not MoE experts.
-        out["wi_fused"] = jnp.concatenate([out.pop("wi_0"), out.pop("wi_1")], axis=-1)
-        if "wi_0_bias" in out:
-            out["wi_fused_bias"] = jnp.concatenate(
-                [out.pop("wi_0_bias"), out.pop("wi_1_bias")], axis=-1
-            )
+
+    def linear(name: str) -> bool:
+        return isinstance(out.get(name), dict) and "weight" in out[name]
+
+    if all(linear(f"{n}_proj") for n in "qkv"):
+        out["qkv_proj"] = _concat([out.pop(f"{n}_proj") for n in "qkv"], -2)
+    if linear("wi_0") and linear("wi_1"):
+        out["wi_fused"] = _concat([out.pop("wi_0"), out.pop("wi_1")], -1)
     return out
 
 
 # ---- LoRA (layers in lora.py) ----------------------------------------------------------
-
-
-def _weight_names(cfg: Any) -> list[str]:
-    """The projection weights an Attention / FeedForward config will have."""
-    if cfg.klass is Attention:
-        return ["qkv_proj", "o_proj"] if cfg.fused_qkv else ["q_proj", "k_proj", "v_proj", "o_proj"]
-    if cfg.fused_gate:
-        return ["wi_fused", "wo"]
-    return ["wi_0", "wi_1", "wo"] if len(cfg.activation) == 2 else ["wi", "wo"]
 
 
 def use_lora(
@@ -149,35 +144,29 @@ def use_lora(
     targets: str = DEFAULT_TARGETS,
     dropout: float = 0.0,
 ) -> Any:
-    """Every Attention / FeedForward config with a weight whose "<config path>.<weight>"
-    fully matches `targets` becomes its LoRA subclass, adapting those weights (fields carry
-    over). Mixture-of-experts layers are not FeedForward and are never touched. Raises if
-    nothing matches."""
+    """Every plain `Linear` config whose config path fully matches `targets` (e.g.
+    'decoder.transformer.layer.self_attention.q_proj') becomes a `LoraLinear` (fields carry
+    over). Mixture-of-experts weights are not Linear children and are never touched.
+    Raises if nothing matches."""
     check_lora_settings("use_lora", rank, alpha, dropout)
     pattern = re.compile(targets)
-
-    def names(path: str, c: Any) -> list[str]:
-        return [n for n in _weight_names(c) if pattern.fullmatch(f"{path}.{n}")]
-
     matched = []
 
     def match(path: str, c: Any) -> bool:
-        hit = "klass" in c and c.klass in LORA_CLASSES and bool(names(path, c))
+        hit = "klass" in c and c.klass is Linear and bool(pattern.fullmatch(path))
         if hit:
             matched.append(path)
         return hit
 
     def swap(old: Any, path: str) -> Any:
-        return LORA_CLASSES[old.klass].default_config().set(
-            lora_rank=rank, lora_alpha=float(alpha), lora_dropout=float(dropout),
-            lora_targets=tuple(names(path, old)),
-        )
+        return LoraLinear.default_config().set(
+            lora_rank=rank, lora_alpha=float(alpha), lora_dropout=float(dropout))
 
     new = replace_config(cfg, match, swap, allow_no_match=True)
     if not matched:
         raise ValueError(
-            f"use_lora: targets {targets!r} match no weight of an Attention or FeedForward "
-            f"config (they are matched against '<config path>.<weight>', e.g. "
+            f"use_lora: targets {targets!r} match no Linear projection config (they are "
+            f"matched against its config path, e.g. "
             f"'decoder.transformer.layer.self_attention.q_proj')"
         )
     return new
@@ -191,8 +180,8 @@ def merge_lora(cfg: Any, params: Any) -> tuple[Any, Any]:
     merged = _merge_tree(model, params)
     plain = replace_config(
         cfg,
-        lambda path, c: "klass" in c and c.klass in BASE_CLASSES,
-        lambda old, path: BASE_CLASSES[old.klass].default_config(),
+        lambda path, c: "klass" in c and c.klass is LoraLinear,
+        lambda old, path: Linear.default_config(),
         allow_no_match=True,
     )
     return plain, merged
@@ -200,15 +189,13 @@ def merge_lora(cfg: Any, params: Any) -> tuple[Any, Any]:
 
 def _merge_tree(module: Any, params: dict[str, Any]) -> dict[str, Any]:
     out = dict(params)
-    if isinstance(module, LoraMixin):
-        c = module.config
-        for name in c.lora_targets:
-            keys = (name, f"{name}_lora_a", f"{name}_lora_b")
-            if any(k not in out for k in keys):
-                missing = [k for k in keys if k not in out]
-                raise ValueError(f"merge_lora: {module._where()}: params lack {missing}")
-            w, a, b = out[name], out.pop(keys[1]), out.pop(keys[2])
-            out[name] = _folded(w, a, b, module.lora_scale)
+    if isinstance(module, LoraLinear):
+        adapter = out.pop("adapter", None)
+        if adapter is None or "weight" not in out:
+            raise ValueError(f"merge_lora: {module.path()}: params lack weight / adapter")
+        out["weight"] = _folded(out["weight"], adapter["lora_a"], adapter["lora_b"],
+                                module.adapter.scale)
+        return out
     for child_name, child in module.children.items():
         if child_name in out and isinstance(out[child_name], dict):
             out[child_name] = _merge_tree(child, out[child_name])

@@ -10,25 +10,26 @@ CPU lessons built in:
 - the custom VJP keeps bf16 backward dots bf16: the cotangent is cast to the operand dtype,
   dx uses the "NT" `dot_general` form and dW a 3-D einsum that YNNPACK accepts;
 - a one-row bf16 GEMV is padded to two rows (`kernels.matmul.pad_single_row`), which XLA
-  would upcast to f32 together with the whole weight;
-- an `Int8Weight` (weight-only int8 for serving) goes to `kernels.int8_matmul`;
-- a `TransposedWeight` (a serving weight stored [out, in], `kernels.weight_layout`: faster
-  for XLA:CPU's bf16 small-M dots) goes to `matmul_nt`, contracted on its stored layout.
+  would upcast to f32 together with the whole weight.
+
+The serving weight forms (int8, stored [out, in]) are `Linear` variants chosen by config
+(`serving.py`: `Int8Linear`, `TransposedLinear`), not weight types `dense` dispatches on.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Optional, Sequence, Union
 
 import jax
 
 from jaxlearn.config import REQUIRED, Configurable
-from jaxlearn.kernels import Int8Weight, TransposedWeight, int8_matmul
 from jaxlearn.kernels.matmul import einsum, matmul, matmul_nt, pad_single_row
 from jaxlearn.module import FanAxes, Module, ParameterSpec, zeros
 
-__all__ = ["DotGeneral", "Linear", "dense", "einsum", "matmul", "matmul_nt", "maybe_dot"]
+__all__ = [
+    "DotGeneral", "Linear", "dense", "dims", "einsum", "matmul", "matmul_nt", "maybe_dot"
+]
 
 
 
@@ -61,32 +62,18 @@ def dense(
 
     Flattens x's in dims to prod(in) and w to [prod(in), prod(out)], casts w to x's dtype
     (the compute dtype), runs `dot` (default: the custom-VJP `matmul`, on x's leading dims
-    as they are; an injected dot or an int8 weight gets x as [tokens, in]) and restores
-    the shape. The result is in `out_dtype` (default x.dtype). `w` may be an `Int8Weight`
-    whose scale has shape [1 x in_dims, *out] (see `jaxlearn.kernels.weight_quant`), or a
-    `TransposedWeight` (stored [prod(out), prod(in)], `jaxlearn.kernels.weight_layout`).
+    as they are; an injected dot gets x as [tokens, in]) and restores the shape. The
+    result is in `out_dtype` (default x.dtype).
     """
     in_shape, out_shape = w.shape[:in_dims], w.shape[in_dims:]
     if tuple(x.shape[x.ndim - in_dims :]) != tuple(in_shape):
         raise ValueError(f"dense: input {x.shape} does not end in the weight's in dims {in_shape}")
     lead = x.shape[: x.ndim - in_dims]
     k, n = math.prod(in_shape), math.prod(out_shape)
-    if isinstance(w, TransposedWeight):
-        if dot is not None:
-            raise ValueError("dense: a transposed weight takes no injected dot (LoRA, int8/fp8)")
-        # x as [tokens, in]: XLA canonicalises a dot with more leading dims to rhs [in, out]
-        # and would transpose the weight back (a copy hoisted out of the decode loop).
-        y = matmul_nt(x.reshape(-1, k), w.t, out_dtype)
-        return y.reshape(*lead, *out_shape)
-    if dot is None and not isinstance(w, Int8Weight) and math.prod(lead) > 1 and len(lead) > 1:
+    if dot is None and math.prod(lead) > 1 and len(lead) > 1:
         y = matmul(x.reshape(*lead, k), w.reshape(k, n), out_dtype)
         return y.reshape(*lead, *out_shape)
     x2d = x.reshape(-1, k)
-    if isinstance(w, Int8Weight):
-        if dot is not None:
-            raise ValueError("dense: an int8 weight takes no injected dot (LoRA, int8/fp8)")
-        y = int8_matmul(x2d, w.q.reshape(k, n), w.scale.reshape(n))
-        return y.astype(out_dtype or x.dtype).reshape(*lead, *out_shape)
     rows, w2d = x2d.shape[0], w.reshape(k, n)
     x2d = pad_single_row(x2d)
     if dot is None:  # matmul casts w itself (and returns its gradient in w's dtype).
@@ -104,39 +91,72 @@ def maybe_dot(cfg: Optional[DotGeneral.Config]) -> Optional[DotGeneral]:
 # ---- Linear ------------------------------------------------------------------------------
 
 
-class Linear(Module):
-    """y [..., output_dim] = x [..., input_dim] @ weight [input_dim, output_dim] (+ bias).
+def dims(d: Union[int, Sequence[int]]) -> tuple[int, ...]:
+    """A Linear's `input_dim` / `output_dim` (an int or a tuple of ints) as a shape."""
+    return (int(d),) if isinstance(d, int) else tuple(int(n) for n in d)
 
-    Params: `weight [in, out]` with logical axes `weight_axes`, optional `bias [out]`.
+
+class Linear(Module):
+    """y [..., *out] = x [..., *in] @ weight [*in, *out] (+ bias [*out]).
+
+    `input_dim` / `output_dim` are an int or a tuple (e.g. attention's q projection
+    [embed] -> [heads, head_dim], its output projection [heads, head_dim] -> [embed]).
+    Params: `weight [*in, *out]` with logical axes `weight_axes` (one per dim; fan-in: the
+    in dims), optional `bias [*out]` with the out dims' axes. Attention and FeedForward own
+    their projections as Linear children; a config rewrite swaps a child for a variant
+    (`LoraLinear`, and the serving `Int8Linear` / `TransposedLinear`).
     """
 
     class Config(Module.Config):
-        input_dim: int = REQUIRED
-        output_dim: int = REQUIRED
+        input_dim: Union[int, tuple[int, ...]] = REQUIRED
+        output_dim: Union[int, tuple[int, ...]] = REQUIRED
         use_bias: bool = False
-        weight_axes: tuple[Optional[str], Optional[str]] = ("embed", "mlp")
+        weight_axes: tuple[Optional[str], ...] = ("embed", "mlp")
         # Injectable dot (int8/fp8); None = the bf16-friendly custom-VJP matmul.
         dot: Optional[DotGeneral.Config] = None
 
     def __init__(self, cfg: "Linear.Config", *, parent: Optional[Module] = None):
         super().__init__(cfg, parent=parent)
-        self._dot = maybe_dot(self.config.dot)
+        c = self.config
+        if len(c.weight_axes) != len(self.in_shape) + len(self.out_shape):
+            raise ValueError(
+                f"{self.path()}.weight_axes: {tuple(c.weight_axes)} has not one axis per dim "
+                f"of the weight {self.in_shape + self.out_shape}"
+            )
+        self._dot = maybe_dot(c.dot)
+
+    @property
+    def in_shape(self) -> tuple[int, ...]:
+        return dims(self.config.input_dim)
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        return dims(self.config.output_dim)
 
     def _create_layer_parameter_specs(self) -> dict[str, ParameterSpec]:
         c = self.config
+        n_in, n_out = len(self.in_shape), len(self.out_shape)
+        fan = FanAxes(tuple(range(n_in)), tuple(range(n_in, n_in + n_out)))
         specs = {
             "weight": ParameterSpec(
-                (c.input_dim, c.output_dim), tuple(c.weight_axes), fan_axes=FanAxes((0,), (1,))
+                self.in_shape + self.out_shape, tuple(c.weight_axes), fan_axes=fan
             )
         }
         if c.use_bias:
-            specs["bias"] = ParameterSpec((c.output_dim,), (c.weight_axes[1],), initializer=zeros())
+            specs["bias"] = ParameterSpec(
+                self.out_shape, tuple(c.weight_axes[n_in:]), initializer=zeros()
+            )
         return specs
 
+    def _params(self) -> Any:
+        """The params the forward reads (LoRA: the base weights behind stop_gradient)."""
+        return self.parameters
+
     def forward(self, x: jax.Array, *, out_dtype: Any = None) -> jax.Array:
-        """x [..., input_dim] -> [..., output_dim] in `out_dtype` (default: compute dtype)."""
-        p = self.parameters
-        y = dense(x.astype(self.dtype), p["weight"], dot=self._dot, out_dtype=out_dtype)
+        """x [..., *in] -> [..., *out] in `out_dtype` (default: the compute dtype)."""
+        p = self._params()
+        y = dense(x.astype(self.dtype), p["weight"], dot=self._dot,
+                  in_dims=len(self.in_shape), out_dtype=out_dtype)
         if "bias" in p:
             y = y + p["bias"].astype(y.dtype)
         return y

@@ -52,7 +52,7 @@ class Learner(Configurable):
         num_microbatches: int = 1
         # (path regex, "freeze" | scale) applied to updates; first full match wins.
         update_rules: list[tuple[str, Any]] = []
-        # Path regex ("decoder/.../q_proj_lora_a"): only fully matching parameters are
+        # Path regex ("decoder/.../q_proj/adapter/lora_a"): only fully matching parameters are
         # trained and have optimizer state; None: all of them.
         trainable: Optional[str] = None
         # Keep an exponential moving average of parameters with this decay (None: off).
