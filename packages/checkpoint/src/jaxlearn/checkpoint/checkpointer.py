@@ -34,7 +34,7 @@ from jaxlearn.checkpoint.errors import (
     NoGoodCheckpointError,
 )
 from jaxlearn.checkpoint.manifest import ArrayRecord, Manifest, check_json_metadata, check_metrics
-from jaxlearn.checkpoint.restore import restore_step
+from jaxlearn.checkpoint.restore import Aliases, restore_step
 from jaxlearn.checkpoint.retention import RetentionPolicy
 from jaxlearn.checkpoint.tree import flatten, leaf_spec
 from jaxlearn.config import REQUIRED, Configurable
@@ -390,13 +390,19 @@ class Checkpointer(Configurable):
 
     # ---- restore -------------------------------------------------------------------------
 
-    def restore(self, step: int, target: Any, *, partial: bool = False) -> Any:
+    def restore(
+        self, step: int, target: Any, *, partial: bool = False, aliases: Optional[Aliases] = None
+    ) -> Any:
         """Restores `step` into the structure, shardings and dtypes of `target`.
 
         `target` leaves: jax.ShapeDtypeStruct (with a sharding; optional with one process),
         jax.Array, numpy.ndarray or a scalar. With `partial=True` the target may name a
-        subset of the saved arrays. Raises CheckpointStructureError on a mismatch,
-        CheckpointCorruptionError when the step fails verification.
+        subset of the saved arrays. `aliases(rest)`: the older name of a "."-joined path
+        tail (None: none); a target leaf at `prefix.rest` the step does not hold is read
+        from the array saved at `prefix.<aliases(rest)>` (e.g. a param renamed since the
+        step was written, also inside the optimizer state: `opt_state.1.mu.<param>`).
+        Raises CheckpointStructureError on a mismatch, CheckpointCorruptionError when the
+        step fails verification.
         """
         path = self._step_path(step)
         manifest = Manifest.read(path, step)
@@ -408,18 +414,22 @@ class Checkpointer(Configurable):
             partial=partial,
             verify=self.config.verify_on_restore,
             handler=self._restore_handler,
+            aliases=aliases,
         )
 
-    def restore_latest(self, target: Any, *, partial: bool = False) -> Optional[tuple[int, Any]]:
+    def restore_latest(
+        self, target: Any, *, partial: bool = False, aliases: Optional[Aliases] = None
+    ) -> Optional[tuple[int, Any]]:
         """(step, state) from the newest step that passes verification, or None if there
         is no step at all. Damaged steps are skipped with a warning; if every step is
-        damaged, raises NoGoodCheckpointError. Structure errors are raised at once."""
+        damaged, raises NoGoodCheckpointError. Structure errors are raised at once.
+        `partial`, `aliases`: as in `restore`."""
         found = layout.scan(self._root)
         candidates = sorted(set(found.committed) | set(found.uncommitted), reverse=True)
         failures: dict[int, CheckpointCorruptionError] = {}
         for step in candidates:
             try:
-                return step, self.restore(step, target, partial=partial)
+                return step, self.restore(step, target, partial=partial, aliases=aliases)
             except CheckpointCorruptionError as e:
                 log.warning("checkpoint step %d is unusable, falling back: %s", step, e)
                 failures[step] = e

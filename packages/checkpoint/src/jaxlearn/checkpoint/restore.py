@@ -12,6 +12,10 @@ Order of work:
 Any damage found in 2-4 raises CheckpointCorruptionError naming the step, the arrays and
 the files. When a read fails or files are damaged, each requested array is read and
 verified on its own to name exactly which arrays are affected.
+
+With `aliases`, a target leaf the manifest lacks may be read from an array saved under an
+older name (`_source`); only then is the read request shaped like the saved structure
+instead of the target, and those arrays are verified like any other.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import functools
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import jax
 import numpy as np
@@ -44,6 +48,7 @@ class _Plan:
     """How one target leaf is read, verified and converted."""
 
     path: str
+    saved: str  # The manifest's name of the array read: `path`, or an older name.
     record: ArrayRecord
     target_kind: LeafKind
     target_dtype: str
@@ -70,19 +75,45 @@ class _Plan:
         return ocp.RestoreArgs(restore_type=np.ndarray)
 
 
+Aliases = Callable[[str], Optional[str]]
+
+
+def _source(path: str, saved: Mapping[str, Any], aliases: Optional[Aliases]) -> str:
+    """The saved array a target leaf is read from: `path` itself when saved (aliases are
+    never consulted then), else the first `prefix.old` saved, trying `path` = `prefix` +
+    "." + `rest` from the shortest `prefix` ("" first) with `old` = `aliases(rest)`;
+    `path` when none is saved (the leaf is missing)."""
+    if path in saved or aliases is None:
+        return path
+    parts = path.split(".")
+    for i in range(len(parts)):
+        old = aliases(".".join(parts[i:]))
+        candidate = ".".join(parts[:i] + [old]) if old is not None else None
+        if candidate is not None and candidate in saved:
+            return candidate
+    return path
+
+
 def plan_restore(
-    step: int, manifest: Manifest, target: Any, *, partial: bool
+    step: int,
+    manifest: Manifest,
+    target: Any,
+    *,
+    partial: bool,
+    aliases: Optional[Aliases] = None,
 ) -> tuple[list[_Plan], Any]:
     named, treedef = flatten(target)
-    missing, unexpected = structure_diff(set(manifest.arrays), {p for p, _ in named})
+    sources = {p: _source(p, manifest.arrays, aliases) for p, _ in named}
+    missing, unexpected = structure_diff(set(manifest.arrays), set(sources.values()))
     if partial:
         missing = []
     mismatched: list[str] = []
     plans: list[_Plan] = []
     for path, leaf in named:
-        if path not in manifest.arrays:
+        saved = sources[path]
+        if saved not in manifest.arrays:
             continue
-        rec = manifest.arrays[path]
+        rec = manifest.arrays[saved]
         kind, shape, dtype, sharding = target_spec(path, leaf)
         if shape != rec.shape:
             mismatched.append(f"{path}: target shape {shape} != saved shape {rec.shape}")
@@ -100,7 +131,7 @@ def plan_restore(
             stored = np.dtype(rec.dtype)
             if rec.kind == "jax" and not _jax_can_hold(stored):
                 rec = dataclasses.replace(rec, kind="numpy")  # e.g. int64 without x64.
-        plans.append(_Plan(path, rec, kind, dtype, sharding, leaf, stored))
+        plans.append(_Plan(path, saved, rec, kind, dtype, sharding, leaf, stored))
     if missing or unexpected or mismatched:
         raise CheckpointStructureError(
             step, missing=missing, unexpected=unexpected, mismatched=mismatched
@@ -121,16 +152,20 @@ def restore_step(
     partial: bool,
     verify: bool,
     handler: ocp.PyTreeCheckpointHandler,
+    aliases: Optional[Aliases] = None,
 ) -> Any:
     t0 = time.perf_counter()
-    plans, treedef = plan_restore(step, manifest, target, partial=partial)
+    plans, treedef = plan_restore(step, manifest, target, partial=partial, aliases=aliases)
     file_problems = check_inventory(step_path, manifest.files) if verify else []
     t1 = time.perf_counter()
     values: list[Any] | None = None
     read_error: BaseException | None = None
     if not file_problems:
-        request = _request(treedef, plans)
         try:
+            if all(p.saved == p.path for p in plans):
+                request = _request(treedef, plans)
+            else:  # Some leaves are read from older names: ask over the saved structure.
+                request = _saved_request(step_path, plans, handler)
             values = _read(step_path, request, plans, handler)
         except Exception as e:  # Orbax wraps tensorstore errors in a bare Exception.
             read_error = e
@@ -180,19 +215,25 @@ def _request(treedef: Any, plans: Sequence[_Plan]) -> ocp.args.PyTreeRestore:
     )
 
 
-def _single_request(
-    step_path: Path, plan: _Plan, handler: ocp.PyTreeCheckpointHandler
+def _saved_request(
+    step_path: Path, plans: Sequence[_Plan], handler: ocp.PyTreeCheckpointHandler
 ) -> ocp.args.PyTreeRestore:
-    """The orbax request for one array: the saved structure with every other leaf
-    a placeholder (orbax cannot trim a list to one element)."""
+    """The orbax request for `plans` shaped like the saved structure, every other leaf
+    a placeholder (orbax cannot trim a list to one element); arrays come back under
+    their saved names."""
     saved = handler.metadata(epath.Path(step_path / STATE_DIR)).tree
+    by_saved = {p.saved: p for p in plans}
 
-    def pick(value: Any) -> Callable[[Any, Any], Any]:
-        return lambda path, _: value if path_str(path) == plan.path else ocp.PLACEHOLDER
+    def pick(part: Callable[[_Plan], Any]) -> Callable[[Any, Any], Any]:
+        def leaf(path: Any, _: Any) -> Any:
+            plan = by_saved.get(path_str(path))
+            return ocp.PLACEHOLDER if plan is None else part(plan)
+
+        return leaf
 
     return ocp.args.PyTreeRestore(
-        item=jax.tree_util.tree_map_with_path(pick(plan.orbax_item()), saved),
-        restore_args=jax.tree_util.tree_map_with_path(pick(plan.orbax_args()), saved),
+        item=jax.tree_util.tree_map_with_path(pick(_Plan.orbax_item), saved),
+        restore_args=jax.tree_util.tree_map_with_path(pick(_Plan.orbax_args), saved),
     )
 
 
@@ -202,13 +243,16 @@ def _read(
     plans: Sequence[_Plan],
     handler: ocp.PyTreeCheckpointHandler,
 ) -> list[Any]:
-    """Runs `request`; only errors raised here count as damage (read failures)."""
+    """Runs `request` (shaped like the target, or like the saved structure: a leaf is
+    looked up by its target name, else by its saved name); only errors raised here count
+    as damage (read failures)."""
     restored = handler.restore(epath.Path(step_path / STATE_DIR), args=request)
     by_path = dict(flatten(restored)[0])
-    missing = [p.path for p in plans if p.path not in by_path]
+    found = {p.path: by_path.get(p.path, by_path.get(p.saved)) for p in plans}
+    missing = [p.saved for p in plans if found[p.path] is None]
     if missing:
         raise ValueError(f"orbax returned no value for {', '.join(missing)}")
-    return [by_path[p.path] for p in plans]
+    return [found[p.path] for p in plans]
 
 
 def _verify(plans: Sequence[_Plan], values: Sequence[Any]) -> dict[str, str]:
@@ -223,9 +267,9 @@ def _verify(plans: Sequence[_Plan], values: Sequence[Any]) -> dict[str, str]:
     bad: dict[str, str] = {}
     for i, p in enumerate(plans):
         if tuple(np.shape(values[i])) != p.record.shape:
-            bad[p.path] = f"read shape {np.shape(values[i])}, saved shape {p.record.shape}"
+            bad[p.saved] = f"read shape {np.shape(values[i])}, saved shape {p.record.shape}"
         elif got[i] != p.record.digest:
-            bad[p.path] = (
+            bad[p.saved] = (
                 f"content digest {got[i]} != committed digest {p.record.digest} "
                 "(flipped or overwritten bytes)"
             )
@@ -243,13 +287,13 @@ def _diagnose(
     for plan in plans:
         value, error = None, None
         try:
-            request = _single_request(step_path, plan, handler)
+            request = _saved_request(step_path, [plan], handler)
             value = _read(step_path, request, [plan], handler)[0]
         except Exception as e:
             error = e
         # Agree before verifying: the digest is a collective every process must join.
         if not multihost.all_processes_ok(error is None):
-            bad[plan.path] = f"unreadable: {_root_cause(error) if error else 'on another process'}"
+            bad[plan.saved] = f"unreadable: {_root_cause(error) if error else 'on another process'}"
         elif verify:
             bad.update(_verify([plan], [value]))
     return bad

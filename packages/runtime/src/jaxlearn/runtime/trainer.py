@@ -559,7 +559,10 @@ class Trainer(Configurable):
 
     def _restore_or_init(self, checkpointer: Any, data: Any) -> tuple[State, int]:
         if checkpointer is not None:
-            restored = checkpointer.restore_latest(self.abstract_state())
+            # Leaves the step lacks may be saved under the model's older param names
+            # (params, EMA and the optimizer state alike).
+            restored = checkpointer.restore_latest(
+                self.abstract_state(), aliases=getattr(self.model, "older_param_path", None))
             if restored is not None:
                 step, state = restored
                 meta = checkpointer.read_metadata(step, process_index=jax.process_index())
