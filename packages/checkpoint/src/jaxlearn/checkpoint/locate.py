@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional, Union
 import jax
 
 from jaxlearn.checkpoint.errors import CheckpointNotFoundError
+from jaxlearn.checkpoint.restore import Aliases, source_path
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ def restore_subtree(root: Union[str, Path], subtree: str, abstract: Any, *,
     result (dict trees only) instead of failing the restore. `aliases(path)`: the older
     name ("."-joined, inside the subtree) a leaf the step does not hold may be stored
     under (None: none), e.g. a param renamed since the step was written; the leaf is read
-    from there and returned at its own path (dict trees only)."""
+    from there and returned at its own path (`Checkpointer.restore(aliases=)`)."""
     from jaxlearn.checkpoint.checkpointer import Checkpointer
 
     if subtree not in SUBTREES:
@@ -74,63 +75,33 @@ def restore_subtree(root: Union[str, Path], subtree: str, abstract: Any, *,
         abstract = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(tuple(a.shape), a.dtype, sharding=s),
             abstract, shardings)
-    renamed: dict[str, str] = {}
-    if aliases is not None:
-        abstract, renamed = _aliased(Path(root), subtree, abstract, step, aliases)
+    scoped = None if aliases is None else _scoped(subtree, aliases)
     if skip_missing:
-        abstract = _held(Path(root), subtree, abstract, step)
+        abstract = _held(Path(root), subtree, abstract, step, scoped)
     ckpt = Checkpointer.default_config().set(directory=str(root)).instantiate()
     try:
         if step is None:
-            found = ckpt.restore_latest({subtree: abstract}, partial=True)
+            found = ckpt.restore_latest({subtree: abstract}, partial=True, aliases=scoped)
             if found is None:
                 raise CheckpointNotFoundError(f"{root}: no checkpoint steps")
             step, tree = found
         else:
-            tree = ckpt.restore(step, {subtree: abstract}, partial=True)
+            tree = ckpt.restore(step, {subtree: abstract}, partial=True, aliases=scoped)
     finally:
         ckpt.close()
     log.info("restored %s of step %d from %s", subtree, step, root)
-    out = tree[subtree]
-    if renamed:
-        back = {old: new for new, old in renamed.items()}
-        out = _nest({back.get(p, p): v for p, v in _flat(out).items()})
-    return out, int(step)
+    return tree[subtree], int(step)
 
 
-def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(tree, dict):
-        return {prefix: tree}
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-        out.update(_flat(v, f"{prefix}.{k}" if prefix else k))
-    return out
+def _scoped(subtree: str, aliases: Aliases) -> Aliases:
+    """`aliases` of paths inside `subtree` as aliases of whole paths (`subtree.<path>`)."""
+    head = f"{subtree}."
 
+    def whole(path: str) -> Optional[str]:
+        old = aliases(path[len(head):]) if path.startswith(head) else None
+        return None if old is None else head + old
 
-def _nest(flat: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for path, v in flat.items():
-        *parents, leaf = path.split(".")
-        node = out
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = v
-    return out
-
-
-def _aliased(root: Path, subtree: str, abstract: Any, step: Optional[int],
-             aliases: Callable[[str], Optional[str]]) -> tuple[Any, dict[str, str]]:
-    """(`abstract` with each leaf the step lacks but holds under `aliases(path)` moved
-    there, {path: older path} of those moved)."""
-    names = _saved_names(root, step)
-    renamed: dict[str, str] = {}
-    for path in _flat(abstract):
-        old = None if f"{subtree}.{path}" in names else aliases(path)
-        if old is not None and f"{subtree}.{old}" in names:
-            renamed[path] = old
-    if not renamed:
-        return abstract, {}
-    return _nest({renamed.get(p, p): v for p, v in _flat(abstract).items()}), renamed
+    return whole
 
 
 def _saved_names(root: Path, step: Optional[int]) -> set[str]:
@@ -149,14 +120,15 @@ def _saved_names(root: Path, step: Optional[int]) -> set[str]:
     return set(Manifest.read(steps[step], step).arrays)
 
 
-def _held(root: Path, subtree: str, abstract: Any, step: Optional[int]) -> Any:
+def _held(root: Path, subtree: str, abstract: Any, step: Optional[int],
+          aliases: Optional[Aliases]) -> Any:
     """`abstract` without the leaves that the manifest of `step` (None: the newest step)
-    does not list."""
+    lists neither under their own path nor under an alias."""
     names = _saved_names(root, step)
 
     def keep(tree: Any, prefix: str) -> Any:
         if not isinstance(tree, dict):
-            return tree if prefix in names else None
+            return tree if source_path(prefix, names, aliases) in names else None
         out = {k: keep(v, f"{prefix}.{k}") for k, v in tree.items()}
         return {k: v for k, v in out.items() if v is not None and v != {}}
 

@@ -14,7 +14,7 @@ the files. When a read fails or files are damaged, each requested array is read 
 verified on its own to name exactly which arrays are affected.
 
 With `aliases`, a target leaf the manifest lacks may be read from an array saved under an
-older name (`_source`); only then is the read request shaped like the saved structure
+older name (`source_path`); only then is the read request shaped like the saved structure
 instead of the target, and those arrays are verified like any other.
 """
 
@@ -25,7 +25,7 @@ import functools
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Container, Optional, Sequence
 
 import jax
 import numpy as np
@@ -78,7 +78,7 @@ class _Plan:
 Aliases = Callable[[str], Optional[str]]
 
 
-def _source(path: str, saved: Mapping[str, Any], aliases: Optional[Aliases]) -> str:
+def source_path(path: str, saved: Container[str], aliases: Optional[Aliases]) -> str:
     """The saved array a target leaf is read from: `path` itself when saved (aliases are
     never consulted then), else the first `prefix.old` saved, trying `path` = `prefix` +
     "." + `rest` from the shortest `prefix` ("" first) with `old` = `aliases(rest)`;
@@ -103,7 +103,7 @@ def plan_restore(
     aliases: Optional[Aliases] = None,
 ) -> tuple[list[_Plan], Any]:
     named, treedef = flatten(target)
-    sources = {p: _source(p, manifest.arrays, aliases) for p, _ in named}
+    sources = {p: source_path(p, manifest.arrays, aliases) for p, _ in named}
     missing, unexpected = structure_diff(set(manifest.arrays), set(sources.values()))
     if partial:
         missing = []
