@@ -393,7 +393,8 @@ def _sbatch(capsys, *launch_args, selector="gpu-h100-8x4"):
     return script, options, srun
 
 
-def test_sbatch_script_for_a_gpu_cluster(capsys, tmp_path):
+def test_sbatch_script_for_a_gpu_cluster(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXLEARN_CHECKOUT", str(CHECKOUT))  # What tools/jaxlearn sets.
     script, options, srun = _sbatch(
         capsys, "--partition", "a3", "--time", "2:00:00", "--env", "NCCL_DEBUG=WARN",
         "--setup", "source /opt/venv/bin/activate", "--initialization_timeout", "600")
