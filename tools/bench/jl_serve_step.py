@@ -108,8 +108,8 @@ def main() -> None:
     for pair in args.dtypes.split(","):
         dt, pdt = (names[x] for x in pair.split("/"))
         loaded = load_pretrained(model, dtype=dt, param_dtype=pdt, stack=args.stack)
-        cfg = Engine.default_config().set(max_seq_len=512, max_batch=8, kv_cache_tokens=4096,
-                                          **overrides)
+        cfg = Engine.default_config().set(
+            **{"max_seq_len": 512, "max_batch": 8, "kv_cache_tokens": 4096, **overrides})
         engine = cfg.instantiate(model_cfg=loaded.config, params=loaded.params,
                                  tokenizer=loaded)
         # The served weights (int8 values + scales with quantize="int8").
