@@ -15,7 +15,6 @@ measured, so module imports (first-call lazy imports) are not counted.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -24,49 +23,28 @@ from typing import Any, Callable
 
 def write_tiny_gguf(path: Path) -> Path:
     """A 2-layer llama GGUF (vocab 320, dim 32) with a byte-level BPE tokenizer and a chat
-    template in its metadata (random weights)."""
-    import gguf
+    template in its metadata (random weights), written by the library's `export_gguf`."""
     import jax
-    import numpy as np
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from jaxlearn.interop.gguf import gguf_params_to_tensors
+    from jaxlearn.interop import export_gguf
     from jaxlearn.layers import llama_config
+    from jaxlearn.text.chat import ChatTemplate
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    text = ["the quick brown fox jumps over the lazy dog"] * 8
-    tok.train_from_iterator(text, trainers.BpeTrainer(
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 8,
+                            trainers.BpeTrainer(
         vocab_size=320, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    state = json.loads(tok.to_str())
-    tokens = [t for t, _ in sorted(state["model"]["vocab"].items(), key=lambda kv: kv[1])]
-    tokens += [f"<pad{i}>" for i in range(320 - len(tokens))]
-    merges = [m if isinstance(m, str) else " ".join(m) for m in state["model"]["merges"]]
-    config = llama_config(vocab_size=320, dim=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                          ffn_dim=64, rope_theta=10000.0, norm_eps=1e-5)
+    config = llama_config(vocab_size=tok.get_vocab_size(), dim=32, num_layers=2, num_heads=4,
+                          num_kv_heads=2, ffn_dim=64, rope_theta=10000.0, norm_eps=1e-5)
     params = config.instantiate().initialize_parameters_recursively(jax.random.key(0))
-    w = gguf.GGUFWriter(str(path), arch="llama")
-    template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + ' ' + m['content'] "
-                "+ '<|im_end|>' }}{% endfor %}")
-    header: list[tuple[Callable[[Any], Any], Any]] = [
-        (w.add_block_count, 2), (w.add_context_length, 128), (w.add_embedding_length, 32),
-        (w.add_feed_forward_length, 64), (w.add_head_count, 4), (w.add_head_count_kv, 2),
-        (w.add_layer_norm_rms_eps, 1e-5), (w.add_rope_freq_base, 10000.0),
-        (w.add_rope_dimension_count, 8), (w.add_vocab_size, 320),
-        (w.add_tokenizer_model, "gpt2"), (w.add_tokenizer_pre, "default"),
-        (w.add_token_list, tokens), (w.add_token_merges, merges),
-        (w.add_token_types, [3 if t.startswith("<|") else 1 for t in tokens]),
-        (w.add_bos_token_id, 1), (w.add_eos_token_id, 2), (w.add_chat_template, template)]
-    for add, value in header:
-        add(value)
-    for name, value in gguf_params_to_tensors(config, jax.tree.map(np.asarray, params)).items():
-        w.add_tensor(name, value.astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    template = ChatTemplate("{% for m in messages %}{{ '<|im_start|>' + m['role'] + ' ' + "
+                            "m['content'] + '<|im_end|>' }}{% endfor %}")
+    export_gguf(path, config, params, tokenizer=tok, chat_template=template,
+                context_length=128)
     return path
 
 
