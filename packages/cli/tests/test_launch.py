@@ -654,11 +654,20 @@ def test_launch_uses_the_recorded_aot_matrix(capsys, tmp_path, monkeypatch, env_
 # ---- failures -------------------------------------------------------------------------------
 
 
-def test_launch_local_fails_fast_and_names_the_process(capsys, env_for_children):
-    code = ("import os, sys, time\n"
+def test_launch_local_fails_fast_and_names_the_process(capsys, env_for_children, tmp_path):
+    # Process 1 fails only once process 0 has printed (a marker file), so both lines are
+    # there to check whatever order the processes start in.
+    marker = tmp_path / "zero_printed"
+    code = ("import os, pathlib, sys, time\n"
+            f"marker = pathlib.Path({str(marker)!r})\n"
             "i = int(os.environ['JAXLEARN_PROCESS_ID'])\n"
             "print('hello from', i, flush=True)\n"
-            "sys.exit(5) if i == 1 else time.sleep(300)\n")
+            "if i == 0:\n"
+            "    marker.touch(); time.sleep(300)\n"
+            "deadline = time.monotonic() + 20\n"
+            "while not marker.exists() and time.monotonic() < deadline:\n"
+            "    time.sleep(0.05)\n"
+            "sys.exit(5)\n")
     t0 = time.monotonic()
     assert main(["launch", "local", "--num_processes", "2", "--", sys.executable, "-c",
                  code]) == 5
