@@ -3,10 +3,8 @@
     python jl_decode_ab.py --dtype bf16 --batches 1,4,16 [--compare attention|fuse|layout]
 
 Two engines on the ~60M Llama (as `jl_decode.py --case latency`). `--compare attention`:
-`window` gathers each row's pages into a window in position order and runs one dot over
-it (the path of prefill chunks) vs `pages`, attention over the pages themselves
-(`paged.paged_attention`, the decode default; `jaxlearn.layers.attention.
-_PAGE_MAJOR_MAX_ROWS` picks between them when the programs are traced). `--compare fuse`:
+the block of `paged.attend_pages`' loop, `block64` (64 positions) vs `block256`
+(`paged.BLOCK_POSITIONS`, read when the programs are traced). `--compare fuse`:
 the default engine (`base`) vs `Engine.Config.fuse_projections=True` (`fused`: one q/k/v
 and one gate/up matmul per layer). (A third A/B, bf16 decode matmuls on oneDNN through a
 custom call, measured 0.85-0.90x of XLA's own dots in the whole step, results/
@@ -43,7 +41,7 @@ def main() -> None:
     import jax
     import numpy as np
 
-    import jaxlearn.layers.attention as attention
+    from jaxlearn.kernels import paged
 
     c = model_cfg("llama")
     batches = [int(b) for b in args.batches.split(",")]
@@ -51,15 +49,15 @@ def main() -> None:
     prompts = {b: [rng.integers(0, c["vocab"], args.prompt).tolist() for _ in range(b)]
                for b in batches}
     engines: dict[str, Any] = {}
-    page = attention._PAGE_MAJOR_MAX_ROWS
-    # (name, page-major rows, fused projections, weight layout) of each variant.
-    variants = {"attention": [("window", 0, False, "auto"), ("pages", page, False, "auto")],
-                "fuse": [("base", page, False, "auto"), ("fused", page, True, "auto")],
-                "layout": [("in_out", page, False, "in_out"), ("out_in", page, False, "out_in")],
+    block = paged.BLOCK_POSITIONS
+    # (name, attention block, fused projections, weight layout) of each variant.
+    variants = {"attention": [("block64", 64, False, "auto"), ("block256", 256, False, "auto")],
+                "fuse": [("base", block, False, "auto"), ("fused", block, True, "auto")],
+                "layout": [("in_out", block, False, "in_out"),
+                           ("out_in", block, False, "out_in")],
                 }[args.compare]
-    for name, rows, fuse, layout in variants:
-        # Read when the engine's programs are traced.
-        attention._PAGE_MAJOR_MAX_ROWS = rows
+    for name, positions, fuse, layout in variants:
+        paged.BLOCK_POSITIONS = positions  # Read when the engine's programs are traced.
         eng = build_engine(c, args.dtype, max_batch=max(batches),
                            max_seq_len=args.prompt + args.new + 1, decode_burst=8,
                            fuse_projections=fuse, weight_layout=layout)
@@ -67,7 +65,7 @@ def main() -> None:
             generate(eng, prompts[b], [1] * b)
             generate(eng, prompts[b], [1 + args.new] * b)
         engines[name] = eng
-    attention._PAGE_MAJOR_MAX_ROWS = page
+    paged.BLOCK_POSITIONS = block
     rows_out = []
     for b in batches:
         t1: dict[str, list[float]] = {n: [] for n in engines}

@@ -62,14 +62,19 @@ def test_positions_past_the_table_write_page_zero_only():
 
 @given(
     seed=st.integers(0, 2**16),
-    steps=st.integers(1, 3),
+    steps=st.integers(1, 6),
     group=st.sampled_from([1, 2, 4]),
     dtype=st.sampled_from(["float32", "bfloat16"]),
     soft_cap=st.sampled_from([None, 2.0]),
+    window=st.sampled_from([None, 5]),
+    block=st.sampled_from([4, 8, 128]),
 )
-def test_paged_attention_matches_numpy_over_the_window(seed, steps, group, dtype, soft_cap):
+def test_attend_pages_matches_numpy_over_the_window(seed, steps, group, dtype, soft_cap,
+                                                    window, block):
+    """Ragged rows (each its own end), blocks of one page, two pages (a table of 5 pages
+    padded to whole blocks) or all of them, causal with and without a sliding window."""
     rng = np.random.default_rng(seed)
-    b, pages, num_pages, kv, d = 3, 3, 12, 2, 8
+    b, pages, num_pages, kv, d = 3, 5, 18, 2, 8
     h = kv * group
     table = rng.permutation(np.arange(1, num_pages))[: b * pages].reshape(b, pages)
     keys = rng.normal(size=(2, num_pages, PS, kv, d))  # Logical [layers, pages, t, k, d].
@@ -85,12 +90,15 @@ def test_paged_attention_matches_numpy_over_the_window(seed, steps, group, dtype
     # Each row's queries sit at the end of its own prefix (ragged rows), causal.
     end = rng.integers(steps, pages * PS + 1, size=b)
     qpos = end[:, None] - steps + np.arange(steps)  # [b, s]
-    mask = np.arange(pages * PS)[None, None, :] <= qpos[:, :, None]  # [b, s, T]
+    t = np.arange(pages * PS)[None, None, :]
+    mask = (t <= qpos[:, :, None]) & (t < end[:, None, None])  # [b, s, T]
+    if window is not None:
+        mask &= qpos[:, :, None] - t < window
     layer = 1
-    kp = paged.gather_page_blocks(kpool, jnp.asarray(table), dtype, jnp.int32(layer))
-    vp = paged.gather_page_blocks(vpool, jnp.asarray(table), dtype, jnp.int32(layer))
-    assert kp.shape == (b, pages, kv, d, PS) and vp.shape == (b, pages, kv, PS, d)
-    got = paged.paged_attention(q, kp, vp, jnp.asarray(mask), scale=0.3, logit_soft_cap=soft_cap)
+    got = paged.attend_pages(q, kpool, vpool, jnp.asarray(table), jnp.asarray(qpos),
+                             jnp.asarray(end), scale=0.3, sliding_window=window,
+                             logit_soft_cap=soft_cap, layer=jnp.int32(layer),
+                             block_positions=block)
     assert got.shape == q.shape and got.dtype == q.dtype
     # Reference: float64 over the window in position order, from the values as stored.
     as64 = lambda x: np.asarray(jnp.asarray(x, dtype).astype(jnp.float32), np.float64)  # noqa: E731

@@ -15,15 +15,16 @@ the same layer code as training:
 
 KV memory is one pool of pages per layer ([num_pages, *page], `jaxlearn.kernels.paged`),
 allocated once and donated to every call. The scheduler's
-`PageTable` hands pages to requests as they grow; a call receives its rows' page tables,
-cut to the `time_len` window it needs. Page 0 belongs to nobody: padding rows and
+`PageTable` hands pages to requests as they grow; a call receives its rows' page
+tables. Page 0 belongs to nobody: padding rows and
 positions past a row's pages read and write it, and the mask hides it.
 
-Every call works on a window of `time_len` positions per row (a power of two >= 64
-covering the longest row), so attention and the page gathers cost O(rows x live length),
-and only this call's new entries are scattered back. Programs are compiled per
-(rows, bucket, time_len, scoring) for prefill and (rows, time_len, steps) for decode;
-rows and buckets are powers of two. Sampling settings are never part of the key: every
+Every call passes each row's whole page table ([rows, max_len / page_size], page 0 past
+its pages); attention loops over blocks of pages up to the longest row of the call
+(`kernels.paged.attend_pages`, a run-time bound), so attention and the page gathers
+cost O(rows x live length) while no length is part of a program's shape, and only this
+call's new entries are scattered back. Programs are compiled per (rows, bucket,
+scoring) for prefill and (rows, steps) for decode; rows and buckets are powers of two. Sampling settings are never part of the key: every
 call passes the same fixed-width per-row arrays (`sampling.py`: temperature, top-k/p,
 penalties, a `MAX_LOGIT_BIAS`-wide logit bias, grammar bit rows, whether the row wants
 logprobs) and the program skips at run time what no row uses, logprobs included (the
@@ -131,7 +132,6 @@ class ModelRunner:
         self.vocab_limit = vocab_limit if vocab_limit and vocab_limit < vocab_size else None
         self.mesh = mesh
         self._spec_fn = spec_fn
-        self.min_window = 64
         if mesh is not None:
             rep = NamedSharding(mesh, PartitionSpec())
             abstract = jax.eval_shape(self._init_pool)
@@ -191,16 +191,11 @@ class ModelRunner:
     def bytes_per_page(self) -> int:
         return self.cache_bytes() // self.num_pages
 
-    def window(self, needed: int) -> int:
-        """Positions a call must see to reach position `needed - 1`: a power of two
-        (>= min_window, >= page_size). Attention and page gathers scale with it. It may
-        pass max_len (a padded prefill chunk near the end): those positions map to page 0."""
-        return max(self.min_window, self.page_size, next_pow2(needed))
-
-    def _table(self, tables: Any, rows: int, time_len: int) -> np.ndarray:
-        """Page tables [n, pages] -> [rows, time_len / page_size], padded with page 0."""
+    def _table(self, tables: Any, rows: int) -> np.ndarray:
+        """Page tables [n, pages] -> [rows, max_len / page_size], padded with page 0 (a
+        padded prefill chunk near max_len writes its positions past it there)."""
         tables = np.asarray(tables, np.int32)
-        out = np.zeros((rows, time_len // self.page_size), np.int32)
+        out = np.zeros((rows, self.max_len // self.page_size), np.int32)
         w = min(out.shape[1], tables.shape[1])
         out[: len(tables), :w] = tables[:, :w]
         return out
@@ -234,7 +229,7 @@ class ModelRunner:
         scoring: bool,
     ) -> tuple[Any, Array, Array, dict[str, Array]]:
         """ids [rows, bucket] at positions [start, start + bucket) of each row's pages
-        (table [rows, time_len / page_size]); positions >= gen_from [rows] hold generated
+        (table [rows, max_len / page_size]); positions >= gen_from [rows] hold generated
         tokens (they count for presence / frequency penalties). Returns {"tok": [rows]}
         sampled after position start + n_valid - 1 and its `wanted_logprobs` ("lp" [rows],
         "top_ids" / "top_lp" [rows, MAX_LOGPROBS]); with scoring also "prompt": the
@@ -384,7 +379,6 @@ class ModelRunner:
         [next_pow2(n), mask_words] (`grammar.fill_masks`; None: no row has a grammar)."""
         n = len(slots)
         rows = next_pow2(n)
-        time_len = self.window(max(s + bucket for s in starts))
         ids = np.zeros((rows, bucket), np.int32)
         tgt = np.zeros((rows, bucket), np.int32)
         n_valid = np.ones(rows, np.int32)
@@ -399,7 +393,7 @@ class ModelRunner:
         pen, allow = self._features(rows, penalties, allow)
         args = (
             self._pad(slots, rows, self.num_slots, np.int32),
-            self._table(tables, rows, time_len),
+            self._table(tables, rows),
             ids,
             self._pad(starts, rows, 0, np.int32),
             n_valid,
@@ -442,11 +436,10 @@ class ModelRunner:
         rows = next_pow2(n)
         if allow is not None and steps != 1:
             raise ValueError(f"decode: grammar masks need steps=1, got steps={steps}")
-        time_len = self.window(max(time_step) + steps)
         pen, allow = self._features(rows, penalties, allow)
         args = (
             self._pad(slots, rows, self.num_slots, np.int32),
-            self._table(tables, rows, time_len),
+            self._table(tables, rows),
             self._pad(ids, rows, 0, np.int32),
             self._pad(time_step, rows, 0, np.int32),
             np.arange(rows) < n,
@@ -484,8 +477,8 @@ class ModelRunner:
                 self.compiled_late += 1
                 log.warning("compiling a program warm-up did not cover (%s %s): every "
                             "request waits for it", "decode" if key[0] else "prefill",
-                            dict(static, rows=args[0].shape[0], time_len=args[1].shape[1]
-                                 * self.page_size))
+                            dict(static, rows=args[0].shape[0],
+                                 **({} if key[0] else {"bucket": args[2].shape[1]})))
             program = self.programs[key] = self._lower(fn, args, static).compile()
         self.pool, self.seen, self.counts, out = program(
             self.params, self.pool, self.seen, self.counts, *args)

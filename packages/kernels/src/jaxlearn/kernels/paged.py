@@ -14,24 +14,22 @@ page 0 (by convention a page nobody owns), so a padded row can never touch anoth
 pages.
 
 `Attention.extend_step(pool, x, time_step, page_table=...)` first writes this call's
-keys/values (`write_pages`), then gathers its window from the updated pool
-(`gather_pages`), so the read depends on the write and XLA updates the (donated) pool in
+keys/values (`write_pages`), then attends over the rows' pages of the updated pool
+(`attend_pages`), so the read depends on the write and XLA updates the (donated) pool in
 place. Two whole-pool copies per call are avoided that way, both measured: (1) pools
 passed through a scanned stack as xs/ys are copied (1 s vs 0.6 ms per step for a 2 GB
 pool), so scanned stacks keep the stacked pools in the scan *carry* and pass each layer
 its `layer_index`; (2) a read of the pool and a scatter into it with no dependence
 between them made XLA copy every layer's pool each step, so decode calls cost 2x.
 
-`paged_attention` attends a few query rows per (row, kv head) -- decode -- over the pages
-themselves: `gather_page_blocks` copies the rows' pages out of the pool as whole pages in
-the pool's layout (a row gather of contiguous pages), and QK^T / PV are dots batched over
-(row, page, kv head), which read keys [.., k, d, t] and values [.., k, t, d] as stored.
-The window path (`gather_pages`, then one dot over the window) has to transpose the
-gathered pages into position order first, a copy of 16-64-element runs. Decode of the
-~60M Llama (8 layers, pages of 16, window 256), the two paths interleaved in one process:
-page-major is 1.02-1.10x / 1.06-1.10x / 1.33-1.39x faster in bf16 and 0.96x / 1.16x /
-1.21x in f32 at batch 1 / 4 / 16 (tools/bench/jl_decode_ab.py). The gather of whole
-pages remains (in bf16 fused with the uint16 -> bf16 bitcast).
+`attend_pages` loops (`lax.while_loop`) over blocks of whole pages up to the block of the
+call's longest row, a bound computed at run time, with an online softmax: the page table
+is always the row's whole table, so no length is part of a compiled program's shape (an
+engine compiles one program per batch shape instead of one per batch shape and length
+window) while the work follows the live length. `gather_page_blocks` copies a block's
+pages out of the pool as whole pages in the pool's layout (a row gather of contiguous
+pages), and QK^T / PV are dots that read keys [.., k, d, t] and values [.., k, t, d] as
+stored (in bf16 the gather is fused with the uint16 -> bf16 bitcast).
 
 A 16-bit float pool is stored as its raw bits (uint16; `init_pool`), and only the
 gathered windows and the new entries are bitcast: XLA:CPU runs bf16 gathers/scatters
@@ -129,52 +127,91 @@ def gather_page_blocks(
     return blocks.astype(dtype).reshape(b, n, *page)
 
 
-def paged_attention(
+# Positions per block of `attend_pages`' loop (whole pages; at least one).
+BLOCK_POSITIONS = 128
+
+
+def attend_pages(
     q: Array,
-    keys: Array,
-    values: Array,
-    mask: Array,
+    key_pool: Array,
+    value_pool: Array,
+    page_table: Array,
+    q_index: Array,
+    kv_end: Array,
     *,
     scale: float,
+    causal: bool = True,
+    sliding_window: Optional[int] = None,
     logit_soft_cap: Optional[float] = None,
+    layer: Optional[Array] = None,
+    block_positions: Optional[int] = None,
 ) -> Array:
-    """Attention of q [batch, steps, heads, head_dim] over the rows' pages: keys
-    [batch, pages, kv_heads, head_dim, page_size] ("kdt" pages), values [batch, pages,
-    kv_heads, page_size, head_dim] ("ktd" pages), mask [batch, steps, pages * page_size]
-    (True: attend; position order) -> [batch, steps, heads, head_dim] in q's dtype.
+    """Attention of q [batch, s, heads, head_dim] (positions q_index [batch, s]) over the
+    rows' pages: key_pool "kdt" / value_pool "ktd" pages as stored ([num_pages, *page], or
+    stacked [layers, num_pages, *page] with `layer`), page_table [batch, pages]; keys at
+    positions >= kv_end [batch] are hidden -> [batch, s, heads, head_dim] in q's dtype.
 
-    Heads share kv heads in groups (heads // kv_heads). The logits and the softmax over
-    (pages, page_size) are f32; the probabilities are cast to q's dtype for PV, whose
-    per-page partial sums are added in f32. Made for few query rows per kv head (steps x
-    group): q is broadcast over the pages."""
+    A `lax.while_loop` over blocks of `block_positions` (None: BLOCK_POSITIONS) positions
+    (whole pages) with an
+    online softmax (f32 max, sum and output), from the first block any query may see
+    (sliding windows) to the block holding max(kv_end) - 1: a run-time bound, so one
+    program serves every length up to the table's width and its cost follows the longest
+    row of the call, not the table. Heads share kv heads in groups (heads // kv_heads)."""
     b, s, h, d = q.shape
-    n, kv, ps = keys.shape[1], keys.shape[2], keys.shape[4]
+    ps = key_pool.shape[-1]
+    kv = key_pool.shape[-3]
     g = h // kv
-    # Query rows r = (step, group member) per kv head: [b, kv, s * g, d].
-    qr = q.reshape(b, s, kv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, kv, s * g, d)
-    rows = s * g
-    if jnp.dtype(q.dtype).itemsize < 4 and rows == 1:
-        # A one-row bf16 dot is a GEMV that XLA:CPU runs through f32 copies of its
-        # operands (the pages here); two rows keep it a bf16 dot.
-        qr = jnp.concatenate([qr, jnp.zeros_like(qr)], axis=2)
-    qr = jnp.broadcast_to(qr[:, None], (b, n, *qr.shape[1:]))  # [b, n, kv, r, d]
-    logits = jnp.einsum(
-        "bnkrd,bnkdt->bnkrt", qr, keys.astype(q.dtype), preferred_element_type=jnp.float32
-    )
-    logits = logits * scale
-    if logit_soft_cap is not None:
-        logits = logit_soft_cap * jnp.tanh(logits / logit_soft_cap)
-    m = mask.reshape(b, s, 1, n, ps).transpose(0, 3, 1, 2, 4)  # [b, n, s, 1, t]
-    m = jnp.broadcast_to(m, (b, n, s, g, ps)).reshape(b, n, 1, rows, ps)
-    if logits.shape[3] != rows:  # The padding row attends like row 0.
-        m = jnp.concatenate([m, m], axis=3)
-    logits = jnp.where(m, logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=(1, 4)).astype(q.dtype)
-    o = jnp.einsum(
-        "bnkrt,bnktd->bnkrd", probs, values.astype(q.dtype), preferred_element_type=jnp.float32
-    ).sum(axis=1)  # [b, kv, r, d]
-    o = o[:, :, :rows].astype(q.dtype).reshape(b, kv, s, g, d)
-    return o.transpose(0, 2, 1, 3, 4).reshape(b, s, h, d)
+    bp = max(1, (block_positions or BLOCK_POSITIONS) // ps)  # pages per block
+    blk = bp * ps
+    n = page_table.shape[1]
+    if n % bp:  # Whole blocks: the extra entries are page 0, past every kv_end.
+        page_table = jnp.pad(page_table, ((0, 0), (0, bp - n % bp)))
+    pad = jnp.dtype(q.dtype).itemsize < 4 and s * g == 1
+    if pad:  # A one-row bf16 dot is a GEMV XLA:CPU runs through f32 copies of the pages.
+        q = jnp.concatenate([q, jnp.zeros_like(q)], axis=1)
+        q_index = jnp.concatenate([q_index, q_index], axis=1)
+    sq = q.shape[1]
+    qg = q.reshape(b, sq, kv, g, d).transpose(0, 2, 3, 1, 4)  # [b, kv, g, sq, d]
+    kv_end = jnp.asarray(kv_end, jnp.int32)
+    hi = (jnp.max(kv_end) + blk - 1) // blk
+    lo = jnp.int32(0)
+    if sliding_window is not None:
+        lo = jnp.maximum(jnp.min(q_index) - (sliding_window - 1), 0) // blk
+    neg = jnp.float32(-1e30)
+
+    def body(carry: tuple) -> tuple:
+        j, m, l, acc = carry
+        table = jax.lax.dynamic_slice_in_dim(page_table, j * bp, bp, axis=1)
+        kp = gather_page_blocks(key_pool, table, q.dtype, layer)  # [b, bp, kv, d, ps]
+        vp = gather_page_blocks(value_pool, table, q.dtype, layer)  # [b, bp, kv, ps, d]
+        logits = jnp.einsum("bkgsd,bnkdt->bkgsnt", qg, kp,
+                            preferred_element_type=jnp.float32).reshape(b, kv, g, sq, blk)
+        logits = logits * scale
+        if logit_soft_cap is not None:
+            logits = logit_soft_cap * jnp.tanh(logits / logit_soft_cap)
+        pos = j * blk + jnp.arange(blk, dtype=jnp.int32)
+        qi, kj = q_index[:, :, None], pos[None, None, :]
+        mask = kj < kv_end[:, None, None]
+        if causal:
+            mask &= kj <= qi
+        if sliding_window is not None:
+            mask &= qi - kj < sliding_window
+        mask = mask[:, None, None]  # [b, 1, 1, sq, blk]
+        logits = jnp.where(mask, logits, neg)
+        m_new = jnp.maximum(m, logits.max(axis=-1))
+        p = jnp.where(mask, jnp.exp(logits - m_new[..., None]), 0.0)
+        corr = jnp.exp(m - m_new)
+        l = l * corr + p.sum(axis=-1)
+        pv = jnp.einsum("bkgsnt,bnktd->bkgsd", p.astype(q.dtype).reshape(b, kv, g, sq, bp, ps),
+                        vp, preferred_element_type=jnp.float32)
+        return j + 1, m_new, l, acc * corr[..., None] + pv
+
+    init = (lo, jnp.full((b, kv, g, sq), neg), jnp.zeros((b, kv, g, sq), jnp.float32),
+            jnp.zeros((b, kv, g, sq, d), jnp.float32))
+    _, _, l, acc = jax.lax.while_loop(lambda c: c[0] < hi, body, init)
+    o = acc / jnp.maximum(l, 1e-30)[..., None]  # [b, kv, g, sq, d]
+    o = o.transpose(0, 3, 1, 2, 4).reshape(b, sq, h, d)[:, :s]
+    return o.astype(q.dtype)
 
 
 def page_slots(

@@ -24,8 +24,8 @@ from jaxlearn.module import Module, logical_partition_spec, with_logical_constra
 IMPLEMENTATIONS = ("auto", "einsum", "dot_product_attention", "blockwise", "ring")
 _NEG = float(jnp.finfo(jnp.float32).min)
 # Pages of keys [kv_heads, head_dim, page_size], of values [kv_heads, page_size, head_dim]:
-# the layouts `_core`'s two einsums read them in, and the ones `paged.paged_attention`
-# takes (see `jaxlearn.kernels.paged`).
+# the layouts the two dots of `paged.attend_pages` read them in
+# (see `jaxlearn.kernels.paged`).
 _PAGE_LAYOUT = {"key": "kdt", "value": "ktd"}
 KVCache = dict[str, jax.Array]  # {"key", "value": [batch, max_len, kv_heads, head_dim]}
 
@@ -331,42 +331,29 @@ class Attention(Module):
         c = self.config
         b, s = q.shape[:2]
         t = jnp.broadcast_to(jnp.asarray(time_step, jnp.int32), (b,))
-        if page_table is None:
-            k_all = _write(cache["key"], k, time_step)
-            v_all = _write(cache["value"], v, time_step)
-            extra = {"key": k_all, "value": v_all}
-            kv_len = k_all.shape[1]
-        else:  # Write first: the gather then depends on the write (no pool copy).
+        if page_table is not None:  # Write first: the gather then depends on the write.
             extra = {
                 name: paged.write_pages(
                     cache[name], new, t, page_table, layer_index, _PAGE_LAYOUT[name]
                 )
                 for name, new in (("key", k), ("value", v))
             }
-            kv_len = page_table.shape[1] * _page_size(extra)
+            o = paged.attend_pages(
+                q, extra["key"], extra["value"], page_table, q_index, t + s,
+                scale=self._scale, causal=c.causal, sliding_window=c.sliding_window,
+                logit_soft_cap=c.logit_soft_cap, layer=layer_index,
+            )
+            return o, extra
+        k_all = _write(cache["key"], k, time_step)
+        v_all = _write(cache["value"], v, time_step)
+        extra = {"key": k_all, "value": v_all}
         mask = make_mask(
             q_index,
-            jnp.arange(kv_len, dtype=jnp.int32),
+            jnp.arange(k_all.shape[1], dtype=jnp.int32),
             causal=c.causal,
             sliding_window=c.sliding_window,
             kv_end=t + s,
         )
-        if page_table is not None and _page_major(c, s * (c.num_heads // self.num_kv_heads)):
-            kp, vp = (
-                paged.gather_page_blocks(extra[name], page_table, q.dtype, layer_index)
-                for name in ("key", "value")
-            )
-            o = paged.paged_attention(
-                q, kp, vp, mask, scale=self._scale, logit_soft_cap=c.logit_soft_cap
-            )
-            return o, extra
-        if page_table is not None:
-            k_all, v_all = (
-                paged.gather_pages(
-                    extra[name], page_table, self.dtype, layer_index, _PAGE_LAYOUT[name]
-                )
-                for name in ("key", "value")
-            )
         return self._core(q, k_all.astype(q.dtype), v_all.astype(q.dtype), mask), extra
 
     @property
@@ -410,23 +397,6 @@ class Attention(Module):
         probs = jax.nn.softmax(logits, axis=-1).astype(q.dtype)
         o = ein("bkgst,btkd->bskgd", probs, v)
         return o[:, :s].reshape(b, s, h, d)
-
-
-# Decode attends over the pages themselves (`paged.paged_attention`) when a call has at
-# most this many query rows per kv head (steps x heads per kv head); longer calls (prefill
-# chunks) gather the window and run one dot over it. Measured on the attention alone
-# (8 layers, window 256, batch 4 / 16, bf16): page-major is faster at 1 and 8 query rows
-# per kv head and even at 4.
-_PAGE_MAJOR_MAX_ROWS = 8
-
-
-def _page_major(c: Any, rows: int) -> bool:
-    return c.implementation != "dot_product_attention" and rows <= _PAGE_MAJOR_MAX_ROWS
-
-
-def _page_size(pool: KVCache) -> int:
-    """Positions per page of a key pool (stored "kdt": [.., kv_heads, head_dim, page])."""
-    return int(pool["key"].shape[-1])
 
 
 def _write(buf: jax.Array, new: jax.Array, time_step: jax.Array) -> jax.Array:
