@@ -180,7 +180,7 @@ def attend_pages(
     neg = jnp.float32(-1e30)
 
     def body(carry: tuple) -> tuple:
-        j, m, l, acc = carry
+        j, m, denom, acc = carry
         table = jax.lax.dynamic_slice_in_dim(page_table, j * bp, bp, axis=1)
         kp = gather_page_blocks(key_pool, table, q.dtype, layer)  # [b, bp, kv, d, ps]
         vp = gather_page_blocks(value_pool, table, q.dtype, layer)  # [b, bp, kv, ps, d]
@@ -201,15 +201,15 @@ def attend_pages(
         m_new = jnp.maximum(m, logits.max(axis=-1))
         p = jnp.where(mask, jnp.exp(logits - m_new[..., None]), 0.0)
         corr = jnp.exp(m - m_new)
-        l = l * corr + p.sum(axis=-1)
+        denom = denom * corr + p.sum(axis=-1)
         pv = jnp.einsum("bkgsnt,bnktd->bkgsd", p.astype(q.dtype).reshape(b, kv, g, sq, bp, ps),
                         vp, preferred_element_type=jnp.float32)
-        return j + 1, m_new, l, acc * corr[..., None] + pv
+        return j + 1, m_new, denom, acc * corr[..., None] + pv
 
     init = (lo, jnp.full((b, kv, g, sq), neg), jnp.zeros((b, kv, g, sq), jnp.float32),
             jnp.zeros((b, kv, g, sq, d), jnp.float32))
-    _, _, l, acc = jax.lax.while_loop(lambda c: c[0] < hi, body, init)
-    o = acc / jnp.maximum(l, 1e-30)[..., None]  # [b, kv, g, sq, d]
+    _, _, denom, acc = jax.lax.while_loop(lambda c: c[0] < hi, body, init)
+    o = acc / jnp.maximum(denom, 1e-30)[..., None]  # [b, kv, g, sq, d]
     o = o.transpose(0, 3, 1, 2, 4).reshape(b, sq, h, d)[:, :s]
     return o.astype(q.dtype)
 
