@@ -25,12 +25,12 @@ its pages); attention loops over blocks of pages up to the longest row of the ca
 cost O(rows x live length) while no length is part of a program's shape, and only this
 call's new entries are scattered back. Programs are compiled per (rows, bucket,
 scoring) for prefill and (rows, steps) for decode; rows and buckets are powers of two.
-Sampling settings are never part of the key: every call passes the same fixed-width per-row arrays (`sampling.py`: temperature, top-k/p,
-penalties, a `MAX_LOGIT_BIAS`-wide logit bias, grammar bit rows, whether the row wants
-logprobs) and the program skips at run time what no row uses, logprobs included (the
-top `MAX_LOGPROBS` alternatives are computed, the host keeps each row's k). So the set
-of programs is fixed by the engine's shapes (`program_shapes`), compiled by `warmup`,
-and no request can add one.
+Sampling settings are never part of the key: every call passes the same fixed-width
+per-row arrays (`sampling.py`: temperature, top-k/p, penalties, a `MAX_LOGIT_BIAS`-wide
+logit bias, grammar bit rows, whether the row wants logprobs) and the program skips at
+run time what no row uses, logprobs included (the top `MAX_LOGPROBS` alternatives are
+computed, the host keeps each row's k). So the set of programs is fixed by the engine's
+config (`programs.reachable`), compiled by `warmup`, and no request can add one.
 
 Padding rows (to reach a power of two) use slot `num_slots`, a seen-mask / counts row
 nobody owns, and the null page table.
