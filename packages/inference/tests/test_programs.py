@@ -128,3 +128,22 @@ def test_bad_warmup_level(cfg, params, tok):
     eng = make_engine(cfg, params, tok, max_seq_len=64, max_batch=2)
     with pytest.raises(ValueError, match="warmup='most'"):
         eng.warmup("most")
+
+
+def test_step_time_is_split_into_prefill_decode_and_host(cfg, params, tok):
+    """`step_part_seconds_total` splits the steps' time (prefill and decode calls, the
+    host rest) and adds up to it; `decode_calls_total` counts calls by fused steps."""
+    eng = make_engine(cfg, params, tok, max_seq_len=64, max_batch=2, decode_burst=4)
+    eng.generate(["abc", "de"], max_new_tokens=9, ignore_eos=True)
+    m = eng.metrics
+    parts = {p: m.counter_value("step_part_seconds_total", part=p)
+             for p in ("prefill", "decode", "host")}
+    assert all(v > 0 for v in parts.values()), parts
+    text = m.render()
+    total = float(next(line.split()[-1] for line in text.splitlines()
+                       if line.startswith("jaxlearn_step_seconds_sum")))
+    assert abs(sum(parts.values()) - total) < 1e-6 * max(1.0, total) + 1e-3, (parts, total)
+    bursts = m.counter_value("decode_calls_total", steps="4")
+    singles = m.counter_value("decode_calls_total", steps="1")
+    # 9 tokens: the first from prefill, then 8 decoded: two bursts of 4 (nobody waits).
+    assert (bursts, singles) == (2, 0), (bursts, singles)

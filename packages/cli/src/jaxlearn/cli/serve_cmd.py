@@ -93,10 +93,10 @@ def add_parsers(sub: Any) -> None:
                    help="waiting requests before 429 (default 64)")
     p.add_argument("--served_model_name", default=None, help="the `model` name clients use")
     p.add_argument("--warmup", default="auto", choices=("none", "auto", "all"),
-                   help="programs compiled before serving: auto (default) those of requests "
-                        "within the first 64 positions, at every batch size and sampling "
-                        "feature; all: every program the engine can run (minutes the "
-                        "first time, then loaded from the compilation cache); none")
+                   help="programs compiled before serving: auto (default) and all: every "
+                        "program the engine can run (one per batch shape: no length or "
+                        "sampling feature adds one; loaded from the compilation cache "
+                        "after the first start); none: each compiles on first use")
     p.add_argument("--api_key", default=None,
                    help="require 'Authorization: Bearer KEY' (all paths but /health; "
                         "default: $JAXLEARN_API_KEY, else none)")

@@ -115,6 +115,10 @@ def scheduler_metrics(m: Metrics, sched: Any) -> None:
     m.describe("time_to_first_token_seconds", "Arrival to first token.")
     m.describe("request_latency_seconds", "Arrival to last token.")
     m.describe("step_seconds", "Duration of one scheduler step.")
+    m.describe("step_part_seconds_total",
+               "Scheduler step time by part: prefill / decode calls (device work and the "
+               "copy of their results) and host (scheduling, detokenization, sinks).")
+    m.describe("decode_calls_total", "Decode calls, by fused steps per call.")
     m.describe("programs_compiled", "Prefill / decode programs compiled (warm-up included).")
     m.describe("programs_compiled_late", "Programs compiled after warm-up, while serving.")
     m.gauge("requests_running", lambda: float(sched.num_running))

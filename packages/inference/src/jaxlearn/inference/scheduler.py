@@ -194,6 +194,7 @@ class Scheduler:
         self.slots: list[Optional[Request]] = [None] * max_batch
         self.waiting: collections.deque[Request] = collections.deque()
         self.step_lock = threading.RLock()
+        self._device_s = 0.0  # Time in runner calls during the current step.
         self._lock = threading.Lock()
         self._cancels: list[Request] = []
         self._wakeup = threading.Condition(self._lock)
@@ -310,16 +311,32 @@ class Scheduler:
     # ---- the step (one thread) ----------------------------------------------------------
 
     def step(self) -> bool:
-        """One scheduling round; returns whether it did anything."""
+        """One scheduling round; returns whether it did anything. Its time is split in
+        `step_part_seconds_total` by part: "prefill" and "decode" (the runner's calls,
+        device work and the copy of their results to the host) and "host" (the rest:
+        admission, pages, sampling arrays, detokenization, stops, sinks)."""
         with self.step_lock:
             t0 = time.monotonic()
+            self._device_s = 0.0
             did = self._drop_cancelled()
             self._admit()
             did |= self._prefill()
             did |= self._decode()
             if did:
-                self.metrics.observe("step_seconds", time.monotonic() - t0)
+                total = time.monotonic() - t0
+                self.metrics.observe("step_seconds", total)
+                self.metrics.inc("step_part_seconds_total", max(0.0, total - self._device_s),
+                                 part="host")
             return did
+
+    def _timed(self, part: str, fn: Any, **kwargs: Any) -> Any:
+        """fn(**kwargs), its wall time counted as `part` of the step."""
+        t0 = time.monotonic()
+        out = fn(**kwargs)
+        dt = time.monotonic() - t0
+        self._device_s += dt
+        self.metrics.inc("step_part_seconds_total", dt, part=part)
+        return out
 
     def fail_all(self, reason: str = "error") -> None:
         """Ends every queued and running request with `reason` (after a device failure)."""
@@ -417,7 +434,9 @@ class Scheduler:
         reqs = [r for r, _ in batch]
         slots = [_slot(r) for r in reqs]
         params = [r.params for r in reqs]
-        out = self.runner.prefill(
+        out = self._timed(
+            "prefill",
+            self.runner.prefill,
             slots=slots,
             chunks=[np.asarray(c, np.int32) for _, c in batch],
             starts=[r.prefilled for r in reqs],
@@ -543,7 +562,10 @@ class Scheduler:
         """One decode call of `steps` tokens for `rows` (pages reserved), then emits."""
         slots = [_slot(r) for r in rows]
         params = [r.params for r in rows]
-        out = self.runner.decode(
+        self.metrics.inc("decode_calls_total", steps=str(steps))
+        out = self._timed(
+            "decode",
+            self.runner.decode,
             steps=steps,
             slots=slots,
             tables=self.pages.rows(slots),
