@@ -154,6 +154,33 @@ def test_bounded_queue_and_slot_reuse(engine):
         assert tuple(r.output.tokens) == _alone(engine, i, 8, 3, None)
 
 
+def test_prefill_calls_carry_no_padding_rows(engine):
+    """Three prompts waiting: the first call prefills two (a third would be padded to four
+    rows, one of them wasted), the next call the third; results as alone."""
+    sched = Scheduler(engine.runner, engine.tokenizer, max_batch=4, max_seq_len=64,
+                      prefill_chunk=16, decode_burst=2)
+    rows = []
+    real = engine.runner.prefill
+
+    def spy(**kw):
+        rows.append(len(kw["slots"]))
+        return real(**kw)
+
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    reqs = [sched.make_request(POOL[i][:8], params) for i in range(3)]
+    for r in reqs:
+        sched.submit(r)
+    engine.runner.prefill = spy
+    try:
+        while not all(r.done for r in reqs):
+            sched.step()
+    finally:
+        engine.runner.prefill = real
+    assert rows == [2, 1], rows
+    for i, r in enumerate(reqs):
+        assert tuple(r.output.tokens) == _alone(engine, i, 8, 3, None)
+
+
 def test_long_prompt_prefill_interleaves_with_decode(engine):
     """While a 48-token prompt is prefilled in 16-token chunks, a running request still
     gets a token every step."""
@@ -177,7 +204,7 @@ def test_long_prompt_prefill_interleaves_with_decode(engine):
 
 @pytest.fixture(scope="module")
 def long_engine(cfg, params, tok):
-    """256-token slots: calls see 64-, 128- or 256-position windows of the cache."""
+    """256-token slots: calls attend over 1 or 2 blocks of pages (128 positions each)."""
     return make_engine(cfg, params, tok, max_seq_len=256, max_batch=3, prefill_chunk=32,
                        decode_burst=4)
 
@@ -216,9 +243,27 @@ def _alone_long(eng, which, length, max_new):
     return tuple(eng.generate(LONG[which][:length], max_new_tokens=max_new, ignore_eos=True).tokens)
 
 
-def test_window_sizes(long_engine):
-    r = long_engine.runner
-    assert [r.window(n) for n in (1, 64, 65, 129, 256)] == [64, 64, 128, 256, 256]
+def test_prefill_chunks_are_padded_or_split_by_cost(cfg, params, tok):
+    """A prompt's chunks: padded up to their bucket or split at a power of two, whichever
+    costs fewer padded tokens plus CALL_COST_TOKENS per call; they cover the prompt."""
+    from jaxlearn.inference.scheduler import CALL_COST_TOKENS
+
+    sched = make_engine(cfg, params, tok, max_seq_len=1024, max_batch=2,
+                        prefill_chunk=256).scheduler
+
+    def plan(n):
+        out = []
+        while n:
+            out.append(sched._chunk_len(n))
+            n -= out[-1]
+        return out
+
+    assert CALL_COST_TOKENS == 32  # The cases below are worked out for it.
+    assert plan(130) == [128, 2] and plan(160) == [128, 32] and plan(70) == [64, 6]
+    assert plan(234) == [234] and plan(17) == [17] and plan(600) == [256, 256, 88]
+    for n in range(1, 700):
+        chunks = plan(n)
+        assert sum(chunks) == n and max(chunks) <= 256, (n, chunks)
 
 
 @pytest.mark.parametrize("length,new", [(100, 40), (60, 8)])
