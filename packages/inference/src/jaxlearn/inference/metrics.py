@@ -119,6 +119,9 @@ def scheduler_metrics(m: Metrics, sched: Any) -> None:
                "Scheduler step time by part: prefill / decode calls (device work and the "
                "copy of their results) and host (scheduling, detokenization, sinks).")
     m.describe("decode_calls_total", "Decode calls, by fused steps per call.")
+    m.describe("prefill_calls_total", "Prefill calls.")
+    m.describe("prefill_padded_tokens_total",
+               "Token positions computed by prefill calls, padding included (rows x bucket).")
     m.describe("programs_compiled", "Prefill / decode programs compiled (warm-up included).")
     m.describe("programs_compiled_late", "Programs compiled after warm-up, while serving.")
     m.gauge("requests_running", lambda: float(sched.num_running))

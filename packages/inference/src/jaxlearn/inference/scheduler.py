@@ -14,8 +14,8 @@ Each `step()`:
      whose prompt tokens are scored (`prompt_logprobs`) go in calls of their own. The
      chunk that ends a prompt also samples the request's first token (or ends a request
      of max_new_tokens=0);
-  4. decodes one token for every decoding request, or, when nobody is waiting or
-     prefilling, a fused burst of up to `decode_burst` tokens (never more than any
+  4. decodes one token for every decoding request, or, when nobody is prefilling or
+     waiting for a free slot, a fused burst of up to `decode_burst` tokens (never more than any
      running request still may produce). Before the call every row gets the pages its
      new positions need (with `window`, prefill and decode rows first give back the
      pages behind every layer's sliding window: `PageTable.trim`); when the pool is
@@ -459,6 +459,9 @@ class Scheduler:
         reqs = [r for r, _ in batch]
         slots = [_slot(r) for r in reqs]
         params = [r.params for r in reqs]
+        bucket = self._bucket(max(len(c) for _, c in batch))
+        self.metrics.inc("prefill_calls_total")
+        self.metrics.inc("prefill_padded_tokens_total", next_pow2(len(batch)) * bucket)
         out = self._timed(
             "prefill",
             self.runner.prefill,
@@ -466,7 +469,7 @@ class Scheduler:
             chunks=[np.asarray(c, np.int32) for _, c in batch],
             starts=[r.prefilled for r in reqs],
             tables=self.pages.rows(slots),
-            bucket=self._bucket(max(len(c) for _, c in batch)),
+            bucket=bucket,
             sampling=_sampling(reqs),
             gen_from=[len(r.prompt_ids) for r in reqs],
             targets=[np.asarray(r.context[r.prefilled + 1 : r.prefilled + len(c) + 1], np.int32)
@@ -560,7 +563,10 @@ class Scheduler:
             return False
         for r in decoding:  # Pages behind the window of the call's first position.
             self.pages.trim(_slot(r), self._position(r))
-        busy = bool(self.waiting) or any(r is not None and r.state == "prefill" for r in self.slots)
+        # A burst would delay a prefill: one running, or one a waiting request could start
+        # in a free slot (with every slot taken, waiting requests wait for the burst anyway).
+        busy = any(r is not None and r.state == "prefill" for r in self.slots) or (
+            bool(self.waiting) and any(r is None for r in self.slots))
         # Rows with a grammar take one token per step (their masks follow each token), in
         # a call of their own when the others can burst.
         running = [r for r in decoding if r.matcher is None]
