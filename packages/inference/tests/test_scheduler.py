@@ -154,33 +154,38 @@ def test_bounded_queue_and_slot_reuse(engine):
         assert tuple(r.output.tokens) == _alone(engine, i, 8, 3, None)
 
 
+def _run_spying(engine, method, record, max_new_tokens):
+    """Runs 3 requests of 8 prompt ids through `engine.scheduler` with `record(kwargs)`
+    called on each runner `method` call; checks each got its tokens as alone."""
+    sched, real = engine.scheduler, getattr(engine.runner, method)
+
+    def spy(**kw):
+        record(kw)
+        return real(**kw)
+
+    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    reqs = [sched.make_request(POOL[i][:8], params) for i in range(3)]
+    for r in reqs:
+        sched.submit(r)
+    setattr(engine.runner, method, spy)
+    try:
+        while not all(r.done for r in reqs):
+            sched.step()
+    finally:
+        delattr(engine.runner, method)  # The class's method again.
+    for i, r in enumerate(reqs):
+        assert r.output.tokens == engine.generate(POOL[i][:8], max_new_tokens=max_new_tokens,
+                                                  ignore_eos=True).tokens
+
+
 def test_prefill_calls_carry_no_padding_rows(cfg, params, tok):
     """Three prompts waiting: the first call prefills two (a third would be padded to four
     rows, one of them wasted), the next call the third; results as alone."""
     engine = make_engine(cfg, params, tok, max_seq_len=64, max_batch=4, prefill_chunk=16,
                          decode_burst=2)
-    sched = engine.scheduler
     rows = []
-    real = engine.runner.prefill
-
-    def spy(**kw):
-        rows.append(len(kw["slots"]))
-        return real(**kw)
-
-    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
-    reqs = [sched.make_request(POOL[i][:8], params) for i in range(3)]
-    for r in reqs:
-        sched.submit(r)
-    engine.runner.prefill = spy
-    try:
-        while not all(r.done for r in reqs):
-            sched.step()
-    finally:
-        engine.runner.prefill = real
+    _run_spying(engine, "prefill", lambda kw: rows.append(len(kw["slots"])), 3)
     assert rows == [2, 1], rows
-    for i, r in enumerate(reqs):
-        assert r.output.tokens == engine.generate(POOL[i][:8], max_new_tokens=3,
-                                                  ignore_eos=True).tokens
 
 
 def test_full_slots_burst_while_requests_wait(cfg, params, tok):
@@ -188,28 +193,10 @@ def test_full_slots_burst_while_requests_wait(cfg, params, tok):
     in fused bursts instead of single steps; results as alone."""
     engine = make_engine(cfg, params, tok, max_seq_len=64, max_batch=2, prefill_chunk=16,
                          decode_burst=4)
-    sched = engine.scheduler
     calls = []
-    real = engine.runner.decode
-
-    def spy(**kw):
-        calls.append((kw["steps"], len(sched.waiting)))
-        return real(**kw)
-
-    params = SamplingParams(max_new_tokens=9, ignore_eos=True)
-    reqs = [sched.make_request(POOL[i][:8], params) for i in range(3)]
-    for r in reqs:
-        sched.submit(r)
-    engine.runner.decode = spy
-    try:
-        while not all(r.done for r in reqs):
-            sched.step()
-    finally:
-        engine.runner.decode = real
+    sched = engine.scheduler
+    _run_spying(engine, "decode", lambda kw: calls.append((kw["steps"], len(sched.waiting))), 9)
     assert (4, 1) in calls, calls  # A burst while the third request waited.
-    for i, r in enumerate(reqs):
-        assert r.output.tokens == engine.generate(POOL[i][:8], max_new_tokens=9,
-                                                  ignore_eos=True).tokens
 
 
 def test_long_prompt_prefill_interleaves_with_decode(engine):
