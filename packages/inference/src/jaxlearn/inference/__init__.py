@@ -15,9 +15,10 @@ from jaxlearn.inference.errors import (
 from jaxlearn.inference.logprobs import TokenLogprob
 from jaxlearn.inference.metrics import Metrics
 from jaxlearn.inference.pages import PageTable
+from jaxlearn.inference.request import Request
 from jaxlearn.inference.runner import ModelRunner
 from jaxlearn.inference.sampling import SamplingParams, sample_tokens
-from jaxlearn.inference.scheduler import Request, Scheduler
+from jaxlearn.inference.scheduler import Scheduler
 from jaxlearn.text.detokenize import Delta, OutputState
 from jaxlearn.text.protocol import Tokenizer, as_tokenizer, chat_prompt
 from jaxlearn.text.tokenizers import ByteTokenizer, HFTokenizer

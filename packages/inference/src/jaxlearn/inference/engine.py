@@ -51,9 +51,10 @@ from jaxlearn.inference.grammar import response_format_grammar
 from jaxlearn.inference.logprobs import TokenLogprob
 from jaxlearn.inference.metrics import Metrics
 from jaxlearn.inference.quantize import quantize
+from jaxlearn.inference.request import Request
 from jaxlearn.inference.runner import ModelRunner, kv_window, next_pow2
 from jaxlearn.inference.sampling import SamplingParams
-from jaxlearn.inference.scheduler import Request, Scheduler
+from jaxlearn.inference.scheduler import Scheduler
 from jaxlearn.inference.weight_layout import apply_weight_layout
 from jaxlearn.module import Module
 from jaxlearn.text.detokenize import Delta

@@ -41,20 +41,20 @@ at a time (it takes `step_lock`).
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 import threading
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
 from jaxlearn.inference import penalties
 from jaxlearn.inference.errors import QueueFullError, RequestError
 from jaxlearn.inference.grammar import GrammarVocab, Matcher, fill_masks
-from jaxlearn.inference.logprobs import TokenLogprob, unpack
+from jaxlearn.inference.logprobs import unpack
 from jaxlearn.inference.metrics import Metrics, scheduler_metrics
 from jaxlearn.inference.pages import PageTable
+from jaxlearn.inference.request import NoText, Request, Sink, eos_ids, sampling_lists, slot_of
 from jaxlearn.inference.runner import ModelRunner, next_pow2
 from jaxlearn.inference.sampling import SamplingParams
 from jaxlearn.text.detokenize import Delta, OutputState
@@ -64,84 +64,6 @@ from jaxlearn.text.detokenize import Delta, OutputState
 # SmolLM2-135M prefill runs at ~500 tokens/s and a one-row call that reads every weight
 # once costs ~30 ms, i.e. ~16 tokens; 32 leans towards fewer calls.
 CALL_COST_TOKENS = 32
-
-Sink = Callable[["Request", Delta], None]
-_ids = itertools.count()
-
-
-def _slot(req: "Request") -> int:
-    """The slot of a running request."""
-    assert req.slot is not None, req.request_id
-    return req.slot
-
-
-def _sampling(reqs: Sequence["Request"]) -> dict[str, list[Any]]:
-    """The runner's per-row sampling lists (`ModelRunner.SAMPLING`) of `reqs`; `index` is
-    the generated index of each request's next token (its sampling key)."""
-    ps = [r.params for r in reqs]
-    return {
-        "temperature": [p.temperature for p in ps],
-        "top_k": [p.top_k for p in ps],
-        "top_p": [p.top_p for p in ps],
-        "penalty": [p.repetition_penalty for p in ps],
-        "seeds": [r.seed for r in reqs],
-        "index": [r.num_generated for r in reqs],
-        "logprobs": [p.logprobs is not None for p in ps],
-    }
-
-
-def eos_ids(tokenizer: Any) -> set[int]:
-    """Ids that end a generation: the tokenizer's `eos_token_ids` (optional) and `eos_id`."""
-    out = {int(t) for t in getattr(tokenizer, "eos_token_ids", None) or ()}
-    eos = getattr(tokenizer, "eos_id", None)
-    if eos is not None:
-        out.add(int(eos))
-    return out
-
-
-class _NoText:
-    """The detokenizer of an engine without a tokenizer: every token decodes to ""."""
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return ""
-
-
-@dataclasses.dataclass(eq=False)
-class Request:
-    """One generation request and its progress (owned by the scheduler once submitted)."""
-
-    prompt_ids: list[int]
-    params: SamplingParams
-    output: OutputState
-    seed: int
-    sink: Optional[Sink] = None
-    request_id: str = dataclasses.field(default_factory=lambda: f"req-{next(_ids)}")
-    state: str = "waiting"  # waiting -> prefill -> decode -> done (preempted: -> waiting)
-    slot: Optional[int] = None
-    prefilled: int = 0  # Tokens of `context` in the cache.
-    context: list[int] = dataclasses.field(default_factory=list)  # Ids to prefill.
-    admitted: int = 0  # Admission order (the youngest is preempted first).
-    preemptions: int = 0
-    cancelled: bool = False
-    arrival: float = dataclasses.field(default_factory=time.monotonic)
-    first_token_at: Optional[float] = None
-    done_event: threading.Event = dataclasses.field(default_factory=threading.Event)
-    # With params.logprobs: one entry per generated token, appended before its delta is
-    # handed to the sink. With params.prompt_logprobs: prompt tokens 1.. (the first has
-    # no logprob), complete before the first delta.
-    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
-    prompt_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
-    # With params.grammar: the grammar state, advanced past every generated token.
-    matcher: Optional[Matcher] = None
-
-    @property
-    def done(self) -> bool:
-        return self.state == "done"
-
-    @property
-    def num_generated(self) -> int:
-        return len(self.output.tokens)
-
 
 class Scheduler:
     """Slots, pages, queue and the step loop (see module docstring).
@@ -257,7 +179,7 @@ class Scheduler:
         if not params.ignore_eos:
             stops |= eos_ids(self.tokenizer)
         output = OutputState(
-            self.tokenizer if self.tokenizer is not None else _NoText(),
+            self.tokenizer if self.tokenizer is not None else NoText(),
             ids,
             max_new_tokens=params.max_new_tokens,
             stop=params.stop,
@@ -386,7 +308,7 @@ class Scheduler:
                 if cached:
                     hits.append(req)
         for req in hits:  # The seen-mask and counts of the positions not prefilled.
-            self.runner.set_history(_slot(req), req.context[: req.prefilled],
+            self.runner.set_history(slot_of(req), req.context[: req.prefilled],
                                     gen_from=len(req.prompt_ids))
             self.metrics.inc("prefix_cache_hit_tokens_total", req.prefilled)
 
@@ -450,14 +372,14 @@ class Scheduler:
             return False
         batch, scoring = self._prefill_batch(pending)
         for r, _ in batch:  # Pages behind the window of the chunk's first position.
-            self.pages.trim(_slot(r), r.prefilled)
+            self.pages.trim(slot_of(r), r.prefilled)
         # With a window admission reserved only the first chunk's pages.
         kept = set(self._reserve({r: r.prefilled + len(c) for r, c in batch}))
         batch = [(r, c) for r, c in batch if r in kept]
         if not batch:
             return True
         reqs = [r for r, _ in batch]
-        slots = [_slot(r) for r in reqs]
+        slots = [slot_of(r) for r in reqs]
         params = [r.params for r in reqs]
         bucket = self._bucket(max(len(c) for _, c in batch))
         self.metrics.inc("prefill_calls_total")
@@ -470,7 +392,7 @@ class Scheduler:
             starts=[r.prefilled for r in reqs],
             tables=self.pages.rows(slots),
             bucket=bucket,
-            sampling=_sampling(reqs),
+            sampling=sampling_lists(reqs),
             gen_from=[len(r.prompt_ids) for r in reqs],
             targets=[np.asarray(r.context[r.prefilled + 1 : r.prefilled + len(c) + 1], np.int32)
                      for r, c in batch] if scoring else None,
@@ -482,7 +404,7 @@ class Scheduler:
             if scoring:
                 self._record_prompt(req, out["prompt"], i, len(chunk))
             req.prefilled += len(chunk)
-            self.pages.commit(_slot(req), req.context, req.prefilled)
+            self.pages.commit(slot_of(req), req.context, req.prefilled)
             self.metrics.inc("prompt_tokens_total", len(chunk))
             if req.prefilled == len(req.context):
                 self._prefilled(req, out, i)
@@ -530,8 +452,8 @@ class Scheduler:
         last token's is not yet) for prefix caching."""
         n = self._position(req)
         if self.pages.prefix_caching and n // self.pages.page_size > self.pages.committed(
-                _slot(req)):
-            self.pages.commit(_slot(req), req.prompt_ids + req.output.tokens, n)
+                slot_of(req)):
+            self.pages.commit(slot_of(req), req.prompt_ids + req.output.tokens, n)
 
     def _preempt(self, req: Request) -> None:
         """Frees `req`'s slot and pages and requeues it first, to be recomputed."""
@@ -553,7 +475,7 @@ class Scheduler:
         `tokens` that hold their pages, oldest first."""
         while True:
             running = sorted((r for r in self.slots if r is not None), key=lambda r: r.admitted)
-            if all(self.pages.ensure(_slot(r), tokens[r]) for r in running if r in tokens):
+            if all(self.pages.ensure(slot_of(r), tokens[r]) for r in running if r in tokens):
                 return [r for r in running if r in tokens]
             self._preempt(running[-1])
 
@@ -562,7 +484,7 @@ class Scheduler:
         if not decoding:
             return False
         for r in decoding:  # Pages behind the window of the call's first position.
-            self.pages.trim(_slot(r), self._position(r))
+            self.pages.trim(slot_of(r), self._position(r))
         # A burst would delay a prefill: one running, or one a waiting request could start
         # in a free slot (with every slot taken, waiting requests wait for the burst anyway).
         busy = any(r is not None and r.state == "prefill" for r in self.slots) or (
@@ -573,10 +495,9 @@ class Scheduler:
         steps = 1
         if running and not busy and min(self._room(r) for r in running) >= self.decode_burst:
             burst = self.decode_burst
-            need = sum(
-                max(0, self.pages.pages_for(self._position(r) + burst) - self.pages.owned(_slot(r)))
-                for r in running
-            )
+            pages = self.pages
+            need = sum(max(0, pages.pages_for(self._position(r) + burst) - pages.owned(slot_of(r)))
+                       for r in running)
             if need <= self.pages.num_free:  # A burst never preempts anybody.
                 steps = self.decode_burst  # Only 1 or decode_burst: fewer compiled programs.
         rows = sorted(self._reserve({r: self._position(r) + (1 if r.matcher is not None
@@ -591,7 +512,7 @@ class Scheduler:
 
     def _decode_rows(self, rows: list[Request], steps: int) -> None:
         """One decode call of `steps` tokens for `rows` (pages reserved), then emits."""
-        slots = [_slot(r) for r in rows]
+        slots = [slot_of(r) for r in rows]
         params = [r.params for r in rows]
         self.metrics.inc("decode_calls_total", steps=str(steps))
         out = self._timed(
@@ -602,7 +523,7 @@ class Scheduler:
             tables=self.pages.rows(slots),
             ids=[r.output.tokens[-1] for r in rows],
             time_step=[self._position(r) for r in rows],
-            sampling=_sampling(rows),
+            sampling=sampling_lists(rows),
             penalties=penalties.pack(params, next_pow2(len(rows)), self.runner.vocab_size),
             allow=self._masks([r.matcher for r in rows]) if steps == 1 else None,
         )

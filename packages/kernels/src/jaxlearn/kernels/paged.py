@@ -174,9 +174,8 @@ def attend_pages(
     qg = q.reshape(b, sq, kv, g, d).transpose(0, 2, 3, 1, 4)  # [b, kv, g, sq, d]
     kv_end = jnp.asarray(kv_end, jnp.int32)
     hi = (jnp.max(kv_end) + blk - 1) // blk
-    lo = jnp.int32(0)
-    if sliding_window is not None:
-        lo = jnp.maximum(jnp.min(q_index) - (sliding_window - 1), 0) // blk
+    lo = (jnp.int32(0) if sliding_window is None  # The first block any query sees.
+          else jnp.maximum(jnp.min(q_index) - (sliding_window - 1), 0) // blk)
     neg = jnp.float32(-1e30)
 
     def body(carry: tuple) -> tuple:

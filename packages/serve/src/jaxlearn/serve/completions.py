@@ -34,8 +34,8 @@ from jaxlearn.inference.logprobs import (
     completion_logprobs,
     cumulative,
 )
+from jaxlearn.inference.request import Request
 from jaxlearn.inference.sampling import SamplingParams
-from jaxlearn.inference.scheduler import Request
 from jaxlearn.serve.protocol import ParsedRequest, choice, usage
 from jaxlearn.text.detokenize import Delta
 from jaxlearn.text.protocol import chat_prompt
