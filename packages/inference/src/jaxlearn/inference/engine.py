@@ -142,6 +142,12 @@ class Engine(Configurable):
         prefill_chunk: prompt tokens per prefill chunk (rounded up to a power of two and
             clipped to max_seq_len).
         decode_burst: most decode steps fused into one jit call when nobody waits.
+        speculative_tokens: k > 0 turns on speculative decoding with prompt-lookup drafts
+            (`inference.speculative`): while at most `speculative_max_rows` requests
+            decode and one of them finds an earlier occurrence of its last (up to
+            `speculative_ngram`) tokens, one call verifies k draft tokens per request and
+            emits 1 to k + 1 tokens each, identical to plain decoding's (greedy or seeded).
+            0 (default): off.
         max_queue: most requests waiting for a slot (beyond it: QueueFullError / 429).
         page_size: tokens per KV page (power of two <= 64).
         kv_cache_tokens: tokens the KV pool holds, all requests together (None: max_batch
@@ -181,6 +187,9 @@ class Engine(Configurable):
         max_batch: int = 8
         prefill_chunk: int = 256
         decode_burst: int = 8
+        speculative_tokens: int = 0
+        speculative_max_rows: int = 4
+        speculative_ngram: int = 3
         max_queue: int = 64
         page_size: int = 16
         kv_cache_tokens: Optional[int] = None
@@ -256,6 +265,9 @@ class Engine(Configurable):
             metrics=self.metrics,
             prefix_caching=cfg.prefix_caching,
             window=kv_window(self.model) if cfg.window_page_release else None,
+            speculative_tokens=cfg.speculative_tokens,
+            speculative_max_rows=cfg.speculative_max_rows,
+            speculative_ngram=cfg.speculative_ngram,
         )
         self.add_bos = _resolve_add_bos(cfg.add_bos, self.tokenizer)
         self._thread: Optional[threading.Thread] = None

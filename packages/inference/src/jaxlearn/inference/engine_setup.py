@@ -33,7 +33,8 @@ def check_settings(cfg: Any) -> int:
     """Validates an `Engine.Config`; returns the KV pool size in tokens. Each error names
     the field and its value."""
     for name, low in (("max_seq_len", 2), ("max_batch", 1), ("prefill_chunk", 1),
-                      ("decode_burst", 1), ("max_queue", 1)):
+                      ("decode_burst", 1), ("max_queue", 1), ("speculative_tokens", 0),
+                      ("speculative_max_rows", 1), ("speculative_ngram", 1)):
         if getattr(cfg, name) < low:
             raise ValueError(f"Engine.Config.{name}={getattr(cfg, name)}: must be >= {low}")
     ps = cfg.page_size

@@ -118,7 +118,10 @@ def scheduler_metrics(m: Metrics, sched: Any) -> None:
     m.describe("step_part_seconds_total",
                "Scheduler step time by part: prefill / decode calls (device work and the "
                "copy of their results) and host (scheduling, detokenization, sinks).")
-    m.describe("decode_calls_total", "Decode calls, by fused steps per call.")
+    m.describe("decode_calls_total",
+               "Decode calls, by fused steps per call (\"verify\": speculative).")
+    m.describe("speculative_draft_tokens_total", "Draft tokens verified.")
+    m.describe("speculative_accepted_tokens_total", "Draft tokens accepted.")
     m.describe("prefill_calls_total", "Prefill calls.")
     m.describe("prefill_padded_tokens_total",
                "Token positions computed by prefill calls, padding included (rows x bucket).")

@@ -9,8 +9,10 @@ is a small set fixed by the engine's config (`reachable`): 12 decode and 39 pref
 programs for 32 rows and chunks of 256. Warm-up levels:
 
 - "none": nothing; the first request of each shape compiles it.
-- "auto" (default) and "all": every reachable program. The persistent compilation cache
-  (`jaxlearn serve` enables it) makes later starts load them instead of compiling.
+- "auto" (default) and "all": every reachable program (with speculative decoding, one
+  verification program per row count up to `speculative_max_rows` too). The persistent
+  compilation cache (`jaxlearn serve` enables it) makes later starts load them instead
+  of compiling.
 
 A program compiled after warm-up is counted (`ModelRunner.compiled_late`, the
 `programs_compiled_late` metric) and logged with its shape; with "auto" / "all" none
@@ -49,6 +51,14 @@ def decode_call(runner: ModelRunner, rows: int, steps: int) -> Any:
         ids=[0] * rows, time_step=[0] * rows, sampling=_sampling(rows))
 
 
+def verify_call(runner: ModelRunner, rows: int, width: int) -> Any:
+    """The (program, inputs, static) of a speculative verification of `rows` rows of
+    `width` = k + 1 tokens."""
+    return runner.verify_call(
+        slots=[0] * rows, tables=np.zeros((rows, 1), np.int32), ids=[[0] * width] * rows,
+        time_step=[0] * rows, sampling=_sampling(rows))
+
+
 def prefill_call(runner: ModelRunner, rows: int, bucket: int, scoring: bool) -> Any:
     """The (program, inputs, static) of a prefill call of [rows, bucket]."""
     one = np.ones(1, np.int32)
@@ -59,13 +69,17 @@ def prefill_call(runner: ModelRunner, rows: int, bucket: int, scoring: bool) -> 
 
 
 def reachable(scheduler: Any, level: str = "all") -> Iterator[tuple[str, dict[str, Any]]]:
-    """("prefill" | "decode", shape) of the programs `scheduler` can run (every level
+    """("prefill" | "decode" | "verify", shape) of the programs `scheduler` can run (every level
     but "none" warms all of them: module docstring)."""
     del level
     rows_all = _pow2_range(1, next_pow2(scheduler.max_batch))
     for steps in sorted({1, scheduler.decode_burst}):
         for rows in rows_all:
             yield "decode", {"rows": rows, "steps": steps}
+    if scheduler.speculative_tokens:
+        most = min(scheduler.max_batch, scheduler.speculative_max_rows)
+        for rows in _pow2_range(1, next_pow2(most)):
+            yield "verify", {"rows": rows, "width": scheduler.speculative_tokens + 1}
     buckets = _pow2_range(scheduler.min_prefill_bucket, scheduler.prefill_chunk)
     for scoring in (False, True):
         budget = scheduler.prefill_chunk * (1 if scoring else 4)
@@ -87,6 +101,8 @@ def warmup(scheduler: Any, level: str = "auto", threads: int = 0) -> int:
         for kind, shape in reachable(scheduler, level):
             if kind == "decode":
                 calls.append(decode_call(runner, **shape))
+            elif kind == "verify":
+                calls.append(verify_call(runner, **shape))
             else:
                 calls.append(prefill_call(runner, **shape))
     new = runner.compile_programs(calls, threads=threads or os.cpu_count() or 1)

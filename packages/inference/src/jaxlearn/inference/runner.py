@@ -146,6 +146,7 @@ class ModelRunner:
         self.compiled_late = 0
         self._jit_prefill = self._jit(self._prefill, static=("scoring",))
         self._jit_decode = self._jit(self._decode, static=("steps",))
+        self._jit_verify = self._jit(self._verify, static=())
         self._jit_logits = jax.jit(self._logits)
         rows_kw: dict[str, Any] = {} if mesh is None else {"out_shardings": (self._rep,) * 2}
         self._jit_rows = jax.jit(_set_rows, donate_argnums=(0, 1), **rows_kw)
@@ -310,6 +311,54 @@ class ModelRunner:
         (pool, sub_seen, sub_counts, _, _, _), outs = lax.scan(body, init, None, length=steps)
         return pool, seen.at[slots].set(sub_seen), counts.at[slots].set(sub_counts), outs
 
+    def _verify(
+        self,
+        params: Any,
+        pool: Any,
+        seen: Array,
+        counts: Array,
+        slots: Array,
+        table: Array,
+        ids: Array,
+        time_step: Array,
+        active: Array,
+        samp: dict[str, Array],
+        pen: dict[str, Array],
+        allow: Array,
+    ) -> tuple[Any, Array, Array, dict[str, Array]]:
+        """Speculative verification: ids [rows, k + 1] = each row's last token and k draft
+        tokens at positions time_step + [0, k]; one forward computes every position's
+        logits and samples position j with the row's settings and generated index
+        index + j (the token plain decoding would draw there, given the same prefix).
+        Returns {"tok": [rows, k + 1], "accepted": [rows]}: the drafts matching the
+        samples before the first that does not (tok[r, :accepted + 1] are the row's new
+        tokens). The seen-mask and counts take the row's last token and its accepted
+        drafts, as plain decode steps would. Rows are never penalized by history here
+        (the scheduler verifies rows without repetition / presence / frequency
+        penalties or grammars)."""
+        rows, width = ids.shape
+        v = seen.shape[1]
+        pool, logits = self._forward(params, pool, table, time_step, ids, None)
+        samp = dict(samp)
+        index0 = samp.pop("index")
+        samp.pop("logprobs")
+        rep = lambda a: jnp.repeat(a, width, axis=0)  # noqa: E731  [rows, ...] -> [rows * w, ...]
+        index = (index0[:, None] + jnp.arange(width, dtype=index0.dtype)[None, :]).reshape(-1)
+        tok = sample_tokens(
+            logits.reshape(rows * width, v), rep(seen[slots]), vocab_limit=self.vocab_limit,
+            index=index, counts=rep(counts[slots]), pen=jax.tree.map(rep, pen),
+            allow=rep(allow), **{k: rep(a) for k, a in samp.items()},
+        ).reshape(rows, width)
+        match = ids[:, 1:] == tok[:, :-1]  # [rows, k]
+        accepted = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)
+        taken = active[:, None] & (jnp.arange(width)[None, :] <= accepted[:, None])
+        r = jnp.broadcast_to(jnp.arange(rows)[:, None], ids.shape)
+        where = jnp.where(taken, ids, v)
+        sub_seen = seen[slots].at[r, where].set(True, mode="drop")
+        sub_counts = counts[slots].at[r, where].add(1, mode="drop")
+        return (pool, seen.at[slots].set(sub_seen), counts.at[slots].set(sub_counts),
+                {"tok": tok, "accepted": accepted})
+
     def _logits(self, params: Any, ids: Array) -> Array:
         return _call(self.model, params, "logits", ({"input_ids": ids},))
 
@@ -456,12 +505,51 @@ class ModelRunner:
         out = self._run(*self.decode_call(**kwargs))
         return jax.tree.map(lambda a: np.asarray(a)[:, : len(kwargs["slots"])], out)
 
+    def verify_call(
+        self,
+        *,
+        slots: list[int],
+        tables: np.ndarray,
+        ids: list[list[int]],
+        time_step: list[int],
+        sampling: dict[str, list[Any]],
+        penalties: Optional[dict[str, np.ndarray]] = None,
+    ) -> tuple[Any, tuple, dict[str, Any]]:
+        """The speculative verification program and its inputs: ids[i] = row i's last
+        token and its k drafts (every row the same k), written at positions time_step[i]
+        + [0, k] (covered by its pages)."""
+        n = len(slots)
+        rows = next_pow2(n)
+        width = len(ids[0])
+        pen, allow = self._features(rows, penalties, None)
+        grid = np.zeros((rows, width), np.int32)
+        grid[:n] = np.asarray(ids, np.int32)
+        args = (
+            self._pad(slots, rows, self.num_slots, np.int32),
+            self._table(tables, rows),
+            grid,
+            self._pad(time_step, rows, 0, np.int32),
+            np.arange(rows) < n,
+            self._row_sampling(sampling, rows),
+            pen,
+            allow,
+        )
+        return self._jit_verify, args, {}
+
+    def verify(self, **kwargs: Any) -> dict[str, Any]:
+        """Runs `verify_call(**kwargs)`. Returns host arrays cut to n rows: "tok"
+        [n, k + 1] int32 and "accepted" [n] (see `_verify`)."""
+        out = self._run(*self.verify_call(**kwargs))
+        return jax.tree.map(lambda a: np.asarray(a)[: len(kwargs["slots"])], out)
+
     # ---- the program table ----------------------------------------------------------------
 
     def _key(self, fn: Any, args: tuple, static: dict[str, Any]) -> tuple:
         """A program's identity: which program, its static settings, its inputs' shapes."""
         shapes = tuple((a.shape, a.dtype.str) for a in jax.tree.leaves(args))
-        return (fn is self._jit_decode, tuple(sorted(static.items())), shapes)
+        kind = ("decode" if fn is self._jit_decode else "verify" if fn is self._jit_verify
+                else "prefill")
+        return (kind, tuple(sorted(static.items())), shapes)
 
     def _lower(self, fn: Any, args: tuple, static: dict[str, Any]) -> Any:
         return self._traced(fn.lower, self.params, self.pool, self.seen, self.counts, *args,
@@ -476,9 +564,10 @@ class ModelRunner:
             if self.sealed:
                 self.compiled_late += 1
                 log.warning("compiling a program warm-up did not cover (%s %s): every "
-                            "request waits for it", "decode" if key[0] else "prefill",
+                            "request waits for it", key[0],
                             dict(static, rows=args[0].shape[0],
-                                 **({} if key[0] else {"bucket": args[2].shape[1]})))
+                                 **({"width": args[2].shape[1]} if key[0] != "decode"
+                                    else {})))
             program = self.programs[key] = self._lower(fn, args, static).compile()
         self.pool, self.seen, self.counts, out = program(
             self.params, self.pool, self.seen, self.counts, *args)

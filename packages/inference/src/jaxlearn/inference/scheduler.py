@@ -57,6 +57,7 @@ from jaxlearn.inference.pages import PageTable
 from jaxlearn.inference.request import NoText, Request, Sink, eos_ids, sampling_lists, slot_of
 from jaxlearn.inference.runner import ModelRunner, next_pow2
 from jaxlearn.inference.sampling import SamplingParams
+from jaxlearn.inference.speculative import ngram_draft
 from jaxlearn.text.detokenize import Delta, OutputState
 
 # The fixed cost of a prefill call in prompt tokens, for choosing between padding a chunk
@@ -80,6 +81,9 @@ class Scheduler:
         the prefill of a request starts after them.
     window: the model's sliding window (`runner.kv_window`) when pages behind it are to
         be released before each call (`PageTable.trim`); None: keep every page.
+    speculative_tokens: k > 0 verifies k prompt-lookup draft tokens per call when at most
+        `speculative_max_rows` requests decode, all of them can (`speculative.py`), and
+        one has a draft (n-grams of up to `speculative_ngram` tokens); 0: off.
     """
 
     def __init__(
@@ -96,6 +100,9 @@ class Scheduler:
         metrics: Optional[Metrics] = None,
         prefix_caching: bool = False,
         window: Optional[int] = None,
+        speculative_tokens: int = 0,
+        speculative_max_rows: int = 4,
+        speculative_ngram: int = 3,
     ):
         if prefill_chunk < 1 or prefill_chunk & (prefill_chunk - 1):
             raise ValueError(f"prefill_chunk={prefill_chunk} must be a power of two")
@@ -107,6 +114,9 @@ class Scheduler:
         self.max_seq_len = max_seq_len
         self.prefill_chunk = prefill_chunk
         self.decode_burst = max(1, decode_burst)
+        self.speculative_tokens = speculative_tokens
+        self.speculative_max_rows = speculative_max_rows
+        self.speculative_ngram = speculative_ngram
         self.max_queue = max_queue
         self.min_prefill_bucket = min(min_prefill_bucket, prefill_chunk)
         self.metrics = metrics or Metrics()
@@ -491,6 +501,12 @@ class Scheduler:
             bool(self.waiting) and any(r is None for r in self.slots))
         # Rows with a grammar take one token per step (their masks follow each token), in
         # a call of their own when the others can burst.
+        drafts = self._drafts(decoding)
+        if drafts is not None:
+            rows = self._reserve({r: self._position(r) + len(d) + 1 for r, d in drafts.items()})
+            if rows:
+                self._verify_rows(sorted(rows, key=lambda r: r.slot or 0), drafts)
+            return True
         running = [r for r in decoding if r.matcher is None]
         steps = 1
         if running and not busy and min(self._room(r) for r in running) >= self.decode_burst:
@@ -509,6 +525,53 @@ class Scheduler:
             if group:
                 self._decode_rows(group, n)
         return True
+
+    def _drafts(self, decoding: list[Request]) -> Optional[dict[Request, list[int]]]:
+        """k draft tokens per decoding request when this step verifies drafts (see
+        `speculative_tokens`), else None. A request without an n-gram match gets its
+        last token repeated (it still gets one token from the call)."""
+        k = self.speculative_tokens
+        if not k or len(decoding) > self.speculative_max_rows:
+            return None
+        for r in decoding:
+            p = r.params
+            if (r.matcher is not None or p.logprobs is not None or p.repetition_penalty != 1
+                    or p.presence_penalty or p.frequency_penalty or self._room(r) < k + 1):
+                return None
+        drafts = {}
+        for r in decoding:
+            d = ngram_draft(r.prompt_ids + r.output.tokens, k, self.speculative_ngram)
+            drafts[r] = d + [d[-1] if d else r.output.tokens[-1]] * (k - len(d))
+        if all(d == [r.output.tokens[-1]] * k for r, d in drafts.items()):
+            return None  # Nothing found: a burst does more.
+        return drafts
+
+    def _verify_rows(self, rows: list[Request], drafts: dict[Request, list[int]]) -> None:
+        """One verification call for `rows` (pages reserved), then emits each row's
+        accepted drafts and the sample after them."""
+        slots = [_slot(r) for r in rows]
+        self.metrics.inc("decode_calls_total", steps="verify")
+        out = self._timed(
+            "decode",
+            self.runner.verify,
+            slots=slots,
+            tables=self.pages.rows(slots),
+            ids=[[r.output.tokens[-1]] + drafts[r] for r in rows],
+            time_step=[self._position(r) for r in rows],
+            sampling=_sampling(rows),
+            penalties=penalties.pack([r.params for r in rows], next_pow2(len(rows)),
+                                     self.runner.vocab_size),
+        )
+        for i, r in enumerate(rows):
+            accepted = int(out["accepted"][i])
+            self.metrics.inc("speculative_draft_tokens_total", len(drafts[r]))
+            self.metrics.inc("speculative_accepted_tokens_total", accepted)
+            for j in range(accepted + 1):
+                if r.done:
+                    break
+                self._emit(r, int(out["tok"][i, j]))
+            if not r.done:
+                self._commit(r)
 
     def _decode_rows(self, rows: list[Request], steps: int) -> None:
         """One decode call of `steps` tokens for `rows` (pages reserved), then emits."""
