@@ -264,7 +264,7 @@ def _alone_long(eng, which, length, max_new):
 def test_prefill_chunks_are_padded_or_split_by_cost(cfg, params, tok):
     """A prompt's chunks: padded up to their bucket or split at a power of two, whichever
     costs fewer padded tokens plus CALL_COST_TOKENS per call; they cover the prompt."""
-    from jaxlearn.inference.scheduler import CALL_COST_TOKENS
+    from jaxlearn.inference.prefill_plan import CALL_COST_TOKENS
 
     sched = make_engine(cfg, params, tok, max_seq_len=1024, max_batch=2,
                         prefill_chunk=256).scheduler

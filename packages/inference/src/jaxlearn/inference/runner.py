@@ -326,16 +326,10 @@ class ModelRunner:
         pen: dict[str, Array],
         allow: Array,
     ) -> tuple[Any, Array, Array, dict[str, Array]]:
-        """Speculative verification: ids [rows, k + 1] = each row's last token and k draft
-        tokens at positions time_step + [0, k]; one forward computes every position's
-        logits and samples position j with the row's settings and generated index
-        index + j (the token plain decoding would draw there, given the same prefix).
-        Returns {"tok": [rows, k + 1], "accepted": [rows]}: the drafts matching the
-        samples before the first that does not (tok[r, :accepted + 1] are the row's new
-        tokens). The seen-mask and counts take the row's last token and its accepted
-        drafts, as plain decode steps would. Rows are never penalized by history here
-        (the scheduler verifies rows without repetition / presence / frequency
-        penalties or grammars)."""
+        """Speculative verification (`speculative.py`): ids [rows, k + 1] (last token, k
+        drafts) at positions time_step + [0, k]; position j is sampled with generated
+        index index + j. Returns {"tok": [rows, k + 1], "accepted": [rows]} (drafts
+        matching their position's sample; tok[r, :accepted + 1] are the new tokens)."""
         rows, width = ids.shape
         v = seen.shape[1]
         pool, logits = self._forward(params, pool, table, time_step, ids, None)
@@ -515,30 +509,21 @@ class ModelRunner:
         sampling: dict[str, list[Any]],
         penalties: Optional[dict[str, np.ndarray]] = None,
     ) -> tuple[Any, tuple, dict[str, Any]]:
-        """The speculative verification program and its inputs: ids[i] = row i's last
-        token and its k drafts (every row the same k), written at positions time_step[i]
-        + [0, k] (covered by its pages)."""
+        """The verification program and its inputs: ids[i] = row i's last token and k
+        drafts, at positions time_step[i] + [0, k] (covered by its pages)."""
         n = len(slots)
         rows = next_pow2(n)
         width = len(ids[0])
         pen, allow = self._features(rows, penalties, None)
         grid = np.zeros((rows, width), np.int32)
         grid[:n] = np.asarray(ids, np.int32)
-        args = (
-            self._pad(slots, rows, self.num_slots, np.int32),
-            self._table(tables, rows),
-            grid,
-            self._pad(time_step, rows, 0, np.int32),
-            np.arange(rows) < n,
-            self._row_sampling(sampling, rows),
-            pen,
-            allow,
-        )
+        args = (self._pad(slots, rows, self.num_slots, np.int32), self._table(tables, rows),
+                grid, self._pad(time_step, rows, 0, np.int32), np.arange(rows) < n,
+                self._row_sampling(sampling, rows), pen, allow)
         return self._jit_verify, args, {}
 
     def verify(self, **kwargs: Any) -> dict[str, Any]:
-        """Runs `verify_call(**kwargs)`. Returns host arrays cut to n rows: "tok"
-        [n, k + 1] int32 and "accepted" [n] (see `_verify`)."""
+        """Runs `verify_call(**kwargs)`: host "tok" [n, k + 1], "accepted" [n]."""
         out = self._run(*self.verify_call(**kwargs))
         return jax.tree.map(lambda a: np.asarray(a)[: len(kwargs["slots"])], out)
 

@@ -54,17 +54,13 @@ from jaxlearn.inference.grammar import GrammarVocab, Matcher, fill_masks
 from jaxlearn.inference.logprobs import unpack
 from jaxlearn.inference.metrics import Metrics, scheduler_metrics
 from jaxlearn.inference.pages import PageTable
+from jaxlearn.inference.prefill_plan import bucket, chunk_len
 from jaxlearn.inference.request import NoText, Request, Sink, eos_ids, sampling_lists, slot_of
 from jaxlearn.inference.runner import ModelRunner, next_pow2
 from jaxlearn.inference.sampling import SamplingParams
-from jaxlearn.inference.speculative import ngram_draft
+from jaxlearn.inference.speculative import choose_drafts
 from jaxlearn.text.detokenize import Delta, OutputState
 
-# The fixed cost of a prefill call in prompt tokens, for choosing between padding a chunk
-# up to its bucket and splitting it (`Scheduler._chunk_len`): on a 2-core AVX2 host a
-# SmolLM2-135M prefill runs at ~500 tokens/s and a one-row call that reads every weight
-# once costs ~30 ms, i.e. ~16 tokens; 32 leans towards fewer calls.
-CALL_COST_TOKENS = 32
 
 class Scheduler:
     """Slots, pages, queue and the step loop (see module docstring).
@@ -323,23 +319,11 @@ class Scheduler:
             self.metrics.inc("prefix_cache_hit_tokens_total", req.prefilled)
 
     def _bucket(self, n: int) -> int:
-        return min(self.prefill_chunk, max(self.min_prefill_bucket, next_pow2(n)))
+        return bucket(n, self.prefill_chunk, self.min_prefill_bucket)
 
     def _chunk_len(self, n: int) -> int:
-        """How many of a prompt's n remaining tokens its next chunk takes: all of them
-        (padded up to their bucket) or the largest power of two below, the rest in later
-        chunks, whichever costs fewer padded tokens plus `CALL_COST_TOKENS` per call
-        (a 130-token prompt is prefilled as 128 + 2, not padded to 256; 234 as 256)."""
-        return self._prefill_plan(min(n, self.prefill_chunk))[1]
-
-    def _prefill_plan(self, n: int) -> tuple[int, int]:
-        """(cost in tokens, first chunk length) of prefilling n <= prefill_chunk tokens."""
-        pad = self._bucket(n) + CALL_COST_TOKENS
-        low = 1 << (n.bit_length() - 1)
-        if n <= self.min_prefill_bucket or low == n:
-            return pad, n
-        split = self._bucket(low) + CALL_COST_TOKENS + self._prefill_plan(n - low)[0]
-        return (pad, n) if pad <= split else (split, low)
+        """How many of a prompt's n remaining tokens its next chunk takes (`chunk_len`)."""
+        return chunk_len(n, self.prefill_chunk, self.min_prefill_bucket)
 
     def _scores(self, req: Request, chunk: Sequence[int]) -> bool:
         """Whether `chunk` (the next one of `req`) holds prompt positions still to score."""
@@ -501,7 +485,10 @@ class Scheduler:
             bool(self.waiting) and any(r is None for r in self.slots))
         # Rows with a grammar take one token per step (their masks follow each token), in
         # a call of their own when the others can burst.
-        drafts = self._drafts(decoding)
+        drafts = None
+        if self.speculative_tokens and len(decoding) <= self.speculative_max_rows:
+            drafts = choose_drafts(decoding, self.speculative_tokens, self.speculative_ngram,
+                                   self._room)
         if drafts is not None:
             rows = self._reserve({r: self._position(r) + len(d) + 1 for r, d in drafts.items()})
             if rows:
@@ -526,30 +513,10 @@ class Scheduler:
                 self._decode_rows(group, n)
         return True
 
-    def _drafts(self, decoding: list[Request]) -> Optional[dict[Request, list[int]]]:
-        """k draft tokens per decoding request when this step verifies drafts (see
-        `speculative_tokens`), else None. A request without an n-gram match gets its
-        last token repeated (it still gets one token from the call)."""
-        k = self.speculative_tokens
-        if not k or len(decoding) > self.speculative_max_rows:
-            return None
-        for r in decoding:
-            p = r.params
-            if (r.matcher is not None or p.logprobs is not None or p.repetition_penalty != 1
-                    or p.presence_penalty or p.frequency_penalty or self._room(r) < k + 1):
-                return None
-        drafts = {}
-        for r in decoding:
-            d = ngram_draft(r.prompt_ids + r.output.tokens, k, self.speculative_ngram)
-            drafts[r] = d + [d[-1] if d else r.output.tokens[-1]] * (k - len(d))
-        if all(d == [r.output.tokens[-1]] * k for r, d in drafts.items()):
-            return None  # Nothing found: a burst does more.
-        return drafts
-
     def _verify_rows(self, rows: list[Request], drafts: dict[Request, list[int]]) -> None:
         """One verification call for `rows` (pages reserved), then emits each row's
         accepted drafts and the sample after them."""
-        slots = [_slot(r) for r in rows]
+        slots = [slot_of(r) for r in rows]
         self.metrics.inc("decode_calls_total", steps="verify")
         out = self._timed(
             "decode",
@@ -558,7 +525,7 @@ class Scheduler:
             tables=self.pages.rows(slots),
             ids=[[r.output.tokens[-1]] + drafts[r] for r in rows],
             time_step=[self._position(r) for r in rows],
-            sampling=_sampling(rows),
+            sampling=sampling_lists(rows),
             penalties=penalties.pack([r.params for r in rows], next_pow2(len(rows)),
                                      self.runner.vocab_size),
         )

@@ -18,7 +18,7 @@ grammar) and that want no logprobs; others decode as usual.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -37,3 +37,23 @@ def ngram_draft(tokens: Sequence[int], k: int, max_n: int = 3) -> list[int]:
             start = int(hits[-1]) + n
             return [int(t) for t in a[start : start + k]]
     return []
+
+
+def choose_drafts(decoding: Sequence[Any], k: int, max_n: int,
+                  room: Callable[[Any], int]) -> Optional[dict[Any, list[int]]]:
+    """k draft tokens per decoding request (`scheduler.Request`) when the step verifies
+    drafts, else None: every request can be verified (no grammar, logprobs or
+    history-dependent penalty; room(r) >= k + 1 tokens left) and one finds an n-gram. A
+    request without a match gets its last token repeated (it still gets one token)."""
+    for r in decoding:
+        p = r.params
+        if (r.matcher is not None or p.logprobs is not None or p.repetition_penalty != 1
+                or p.presence_penalty or p.frequency_penalty or room(r) < k + 1):
+            return None
+    drafts = {}
+    for r in decoding:
+        d = ngram_draft(r.prompt_ids + r.output.tokens, k, max_n)
+        drafts[r] = d + [d[-1] if d else r.output.tokens[-1]] * (k - len(d))
+    if all(d == [r.output.tokens[-1]] * k for r, d in drafts.items()):
+        return None  # Nothing found: a fused burst does more.
+    return drafts
