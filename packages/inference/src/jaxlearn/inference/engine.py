@@ -147,7 +147,8 @@ class Engine(Configurable):
             decode and one of them finds an earlier occurrence of its last (up to
             `speculative_ngram`) tokens, one call verifies k draft tokens per request and
             emits 1 to k + 1 tokens each, identical to plain decoding's (greedy or seeded).
-            0 (default): off.
+            Float weights only (refused with quantize="int8", whose multi-token forward
+            is not bit-identical to single steps). 0 (default): off.
         max_queue: most requests waiting for a slot (beyond it: QueueFullError / 429).
         page_size: tokens per KV page (power of two <= 64).
         kv_cache_tokens: tokens the KV pool holds, all requests together (None: max_batch

@@ -48,6 +48,13 @@ def check_settings(cfg: Any) -> int:
     if cfg.quantize is not None and cfg.mesh_shape is not None:
         raise ValueError(f"Engine.Config.quantize={cfg.quantize!r} needs mesh_shape=None (one "
                          f"device), got mesh_shape={cfg.mesh_shape}")
+    if cfg.speculative_tokens and cfg.quantize is not None:
+        # The int8 forward of k + 1 tokens is not bit-identical to k + 1 one-token steps
+        # (SmolLM2-135M: greedy outputs part after 25-61 tokens), so drafts would change
+        # what a request generates.
+        raise ValueError(f"Engine.Config.speculative_tokens={cfg.speculative_tokens} needs "
+                         f"quantize=None (its outputs equal plain decoding's only on float "
+                         f"weights), got quantize={cfg.quantize!r}")
     max_len = -(-cfg.max_seq_len // ps) * ps
     tokens = cfg.max_batch * max_len if cfg.kv_cache_tokens is None else cfg.kv_cache_tokens
     if tokens < max_len:
