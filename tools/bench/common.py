@@ -48,9 +48,32 @@ def train_flops_per_token(c: dict[str, Any]) -> float:
     return 6.0 * matmul_params_per_token(c) + 12.0 * c["layers"] * c["dim"] * c["seq"]
 
 
+SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
+
+
+def host_cpu() -> str:
+    """The CPU a result was measured on: model name, logical CPUs and which of the SIMD
+    flags that move ratios between hosts it has (/proc/cpuinfo, as `lscpu` shows them)."""
+    model, flags = "unknown CPU", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    model = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+    except OSError:
+        pass
+    have = [f for f in SIMD_FLAGS if f in flags]
+    no512 = "" if any(f.startswith("avx512") for f in flags) else ", no AVX-512"
+    return f"{model}, {os.cpu_count()} CPUs, {'+'.join(have) or 'no AVX2'}{no512}"
+
+
 def emit(**fields: Any) -> None:
     """The measurement's result: one JSON line on stdout (the driver reads the last one)."""
     fields.setdefault("pid", os.getpid())
+    fields.setdefault("host", host_cpu())
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     fields.setdefault("max_rss_mb", round(rss, 1))
     print("BENCH_RESULT " + json.dumps(fields, sort_keys=True), flush=True)

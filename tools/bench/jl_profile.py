@@ -3,6 +3,10 @@ steps, aggregated per XLA op and per category (YNNPACK dot fusions, other fusion
 copies, scatters, ...), joined with the compiled HLO for each op's output shape.
 
     python jl_profile.py --model llama --dtype bf16 [--steps 2] [--top 30] [--set PATH=VALUE]
+    python jl_profile.py --config /tmp/lora_bench/full.txt --batches /tmp/lora_bench/batches.npz
+
+(the second form profiles a recipe's own step: the flat config `jaxlearn config` prints, its
+parameters from `init_from`, on the first batch `lora_bench.py data` saved).
 
 Prints a table and emits one BENCH_RESULT line with the per-category milliseconds per step.
 """
@@ -70,6 +74,22 @@ def trace_op_ms(call: Callable[[], Any], top: int = 8) -> dict[str, Any]:
                      for n, v in sorted(per_op.items(), key=lambda x: -x[1])[:top]])
 
 
+def build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """(trainer, global batch, initial state) of a bench model or of a recipe's config."""
+    if args.config:
+        from jl_train import recipe_trainer
+
+        trainer, batch = recipe_trainer(args.config, args.batches, tuple(args.set))
+        return trainer, trainer.global_batch(batch), trainer.init_state()
+    from jl_train import build_trainer, random_batch
+
+    c = model_cfg(args.model)
+    trainer = build_trainer(c, dtype=args.dtype, stack=args.stack, remat=None,
+                            nonfinite=args.nonfinite, moe_method="ragged_dot",
+                            overrides=tuple(args.set))
+    return trainer, trainer.global_batch(random_batch(c)), trainer.init_state()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="llama", choices=["llama", "mixtral"])
@@ -80,15 +100,12 @@ def main() -> None:
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--set", action="append", default=[],
                    help="trainer config override PATH=VALUE (repeatable)")
+    p.add_argument("--config", help="a flat trainer config (`jaxlearn config` output)")
+    p.add_argument("--batches", help="with --config: an .npz of stacked batches")
     args = p.parse_args()
     import jax
-    from jl_train import build_trainer, random_batch
 
-    c = model_cfg(args.model)
-    trainer = build_trainer(c, dtype=args.dtype, stack=args.stack, remat=None,
-                            nonfinite=args.nonfinite, moe_method="ragged_dot",
-                            overrides=tuple(args.set))
-    batch = trainer.global_batch(random_batch(c))
+    trainer, batch, state = build(args)
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), batch)
     step = trainer.compile_train_step(abstract)
@@ -97,7 +114,6 @@ def main() -> None:
     hlo = step.as_text()
     shapes = {m.group(1): m.group(2) for m in re.finditer(r"%([\w.\-]+) = (\S+) ", hlo)}
     lines = {m.group(1): m.group(0) for m in re.finditer(r"%([\w.\-]+) = [^\n]*", hlo)}
-    state = trainer.init_state()
     with jax.set_mesh(trainer.mesh):
         for _ in range(2):
             state, s = step(state, batch)
@@ -135,7 +151,7 @@ def main() -> None:
         meta = re.search(r'op_name="([^"]*)"', lines.get(name, ""))
         print(f"  {us / args.steps / 1e3:8.2f}  {name:34s} {shapes.get(name, '')[:40]:40s} "
               f"{(meta.group(1) if meta else '')[-60:]}")
-    emit(bench="profile", framework="jaxlearn", model=args.model, dtype=args.dtype,
+    emit(bench="profile", framework="jaxlearn", model=args.config or args.model, dtype=args.dtype,
          overrides=list(args.set), compiled_flops=float(cost.get("flops", 0.0)),
          op_ms_per_step=rnd(total), categories={k: rnd(v) for k, v in cats.items()},
          top=[[n, rnd(us / args.steps / 1e3)] for n, us in

@@ -22,6 +22,25 @@ from typing import Any
 from common import Timer, emit, log, med, model_cfg, rnd, train_flops_per_token
 
 
+def recipe_trainer(config: str, batches: str, overrides: tuple[str, ...] = ()) -> Any:
+    """(trainer, host batch) of a recipe: the flat config `jaxlearn config` printed (with
+    its `init_from`), `overrides` applied, and the first batch of an .npz of stacked
+    batches (`lora_bench.py data`)."""
+    import tempfile
+
+    import numpy as np
+
+    from jaxlearn.config import from_flat_text
+    from jaxlearn.config.overrides import apply_overrides
+
+    with open(config) as f:
+        cfg = apply_overrides(from_flat_text(f.read()), overrides)
+    cfg.output_dir = tempfile.mkdtemp(prefix="jlbench_")
+    with np.load(batches) as z:
+        batch = {k: z[k][0] for k in z.files}
+    return cfg.instantiate(), batch
+
+
 def build_trainer(c: dict[str, Any], *, dtype: str, stack: str, remat: str | None,
                   nonfinite: str, moe_method: str, mesh_shape: Any = None,
                   attention: str = "einsum", loss_chunk: int | None = None,

@@ -10,7 +10,9 @@ times do not. Each variant is a list of trainer config overrides (`--set` syntax
 Emits, per variant: median wall and process-CPU s/step, ratios to the first variant,
 compiled temp and argument (state + batch) bytes and FLOPs, the loss after the last step
 (the variants train the same model from the same state, so it should agree to rounding).
-`--seq` / `--batch` override the model's sequence length and batch.
+`--seq` / `--batch` override the model's sequence length and batch. `--config FLAT
+--batches NPZ` A/Bs a recipe's own step instead (the flat config `jaxlearn config` prints,
+its `init_from` weights, the first batch `lora_bench.py data` saved).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import time
 from typing import Any
 
 from common import Timer, emit, log, med, model_cfg, rnd
-from jl_train import build_trainer, random_batch
+from jl_train import build_trainer, random_batch, recipe_trainer
 
 
 def main() -> None:
@@ -36,6 +38,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--tag", default="")
+    p.add_argument("--config", help="a flat trainer config (`jaxlearn config` output)")
+    p.add_argument("--batches", help="with --config: an .npz of stacked batches")
     args = p.parse_args()
 
     import jax
@@ -45,9 +49,13 @@ def main() -> None:
     for spec in args.variant:
         name, _, rest = spec.partition("=")
         overrides = tuple(o for o in rest.split(";") if o)
-        tr = build_trainer(c, dtype=args.dtype, stack=args.stack, remat=None,
-                           nonfinite="skip", moe_method="ragged_dot", overrides=overrides)
-        batch = tr.global_batch(random_batch(c))
+        if args.config:
+            tr, host_batch = recipe_trainer(args.config, args.batches, overrides)
+        else:
+            tr = build_trainer(c, dtype=args.dtype, stack=args.stack, remat=None,
+                               nonfinite="skip", moe_method="ragged_dot", overrides=overrides)
+            host_batch = random_batch(c)
+        batch = tr.global_batch(host_batch)
         abstract = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), batch)
         with jax.set_mesh(tr.mesh), tr._logical():
@@ -82,9 +90,11 @@ def main() -> None:
                         compiled_flops=run["flops"], loss_last=rnd(run["loss"], 5)))
         log(f"{run['name']}: {w:.3f} s/step wall, {cs:.3f} cpu s; speed-up vs "
             f"{runs[0]['name']}: wall {base_wall / w:.3f}x, cpu {base_cpu / cs:.3f}x")
-    emit(bench="train_ab", framework="jaxlearn", version=jax.__version__, model=args.model,
-         dtype=args.dtype, stack=args.stack, layers=c["layers"], batch=c["batch"],
-         seq=c["seq"], rounds=args.rounds, variants=out, tag=args.tag, wall_time=time.time())
+    emit(bench="train_ab", framework="jaxlearn", version=jax.__version__,
+         model=args.config or args.model,
+         dtype=args.dtype, stack=args.stack, layers=None if args.config else c["layers"],
+         batch=int(host_batch["input_ids"].shape[0]), seq=int(host_batch["input_ids"].shape[1]),
+         rounds=args.rounds, variants=out, tag=args.tag, wall_time=time.time())
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Timer, emit, log, med, rnd  # noqa: E402
+from common import Timer, emit, host_cpu, log, med, rnd  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "lora.jsonl"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -230,7 +230,8 @@ def drive(args: argparse.Namespace) -> None:
             row = {"bench": "lora-round", "round": r, "mode": mode, "order": order,
                    "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
                    "tag": args.tag, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                   "load_1min": os.getloadavg()[0], **{s: got[s] for s in got}}
+                   "load_1min": os.getloadavg()[0], "host": host_cpu(),
+                   **{s: got[s] for s in got}}
             jl, pt = got["jaxlearn"], got["torch"]
             if "tokens_per_s" in jl and "tokens_per_s" in pt:
                 row["tokens_per_s_ratio"] = rnd(jl["tokens_per_s"] / pt["tokens_per_s"], 3)

@@ -45,9 +45,11 @@ def test_one_row_bf16_is_padded_and_equal():
     assert "concatenate" in jaxpr  # The GEMV became a 2-row GEMM.
 
 
-def test_matmul_custom_vjp_matches_autodiff_f32():
-    x, w = _rand(0, (12, 8)), _rand(1, (8, 6))
-    g = _rand(2, (12, 6))
+@pytest.mark.parametrize("lead, n_in, n_out", [((12,), 8, 6), ((3, 5), 32, 4), ((2, 3), 16, 4)])
+def test_matmul_custom_vjp_matches_autodiff_f32(lead, n_in, n_out):
+    # 4 * n_out <= n_in: a narrow weight (LoRA's A), whose dW is computed transposed.
+    x, w = _rand(0, (*lead, n_in)), _rand(1, (n_in, n_out))
+    g = _rand(2, (*lead, n_out))
 
     def loss(f, x, w):
         return jnp.sum(f(x, w) * g)

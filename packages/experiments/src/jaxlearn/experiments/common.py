@@ -21,6 +21,8 @@ from jaxlearn.runtime.trainer import Trainer
 
 # Path of the repeated transformer layer in every CausalLM recipe.
 LAYER_PATH = r"model\.decoder\.transformer\.layer"
+# Path of its layer stack.
+STACK_PATH = r"model\.decoder\.transformer"
 
 
 def remat(policy: str = "nothing_saveable") -> Any:

@@ -11,22 +11,27 @@ import os
 
 from jaxlearn.config import diff_flat_texts, to_flat_text
 from jaxlearn.experiments.recipes import EXPERIMENTS
+from jaxlearn.experiments.remat_fit import planned_host_memory
 from jaxlearn.mesh import apply_mesh_rules
 
 # One representative selector per hardware family.
 SELECTORS = ("cpu-8", "tpu-v5e-256", "tpu-v5p-512", "tpu-v6e-256", "gpu-h100-8x4",
              "gpu-h200-8x16", "gpu-b200-8x8", "trn2-64")
+# The host memory CPU rules that depend on it (`RematToFitModifier`) plan for here, so
+# that the files do not depend on the machine that writes or checks them.
+GOLDEN_HOST_MEMORY = 16 << 30
 
 
 def golden_texts() -> dict[str, str]:
     """{file name: flat text}: `<exp>.txt` for the recipe, `<exp>@<selector>.txt` per target."""
     out: dict[str, str] = {}
-    for name, fn in sorted(EXPERIMENTS.items()):
-        base = fn()
-        out[f"{name}.txt"] = to_flat_text(base)
-        for selector in SELECTORS:
-            cfg, _ = apply_mesh_rules(base, selector)
-            out[f"{name}@{selector}.txt"] = to_flat_text(cfg)
+    with planned_host_memory(GOLDEN_HOST_MEMORY):
+        for name, fn in sorted(EXPERIMENTS.items()):
+            base = fn()
+            out[f"{name}.txt"] = to_flat_text(base)
+            for selector in SELECTORS:
+                cfg, _ = apply_mesh_rules(base, selector)
+                out[f"{name}@{selector}.txt"] = to_flat_text(cfg)
     return out
 
 

@@ -13,6 +13,7 @@ naming PATH).
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -24,12 +25,19 @@ from jaxlearn.interop import InteropError, ModelSource, open_model
 __all__ = ["model_difference", "open_run_model"]
 
 
+# Fields that change how a step runs, not what the model computes (a CPU rule sets them
+# by the host's memory: `remat_fit`).
+_EXECUTION_ONLY = re.compile(r".*\.(remat_spec(\..*)?|unroll)$")
+
+
 def _model_lines(flat_text: str) -> list[str]:
-    return [line for line in flat_text.splitlines() if line.startswith("model.")]
+    return [line for line in flat_text.splitlines() if line.startswith("model.")
+            and not _EXECUTION_ONLY.fullmatch(line.split(": ", 1)[0])]
 
 
 def model_difference(recorded: str, rebuilt: str) -> Optional[str]:
-    """None when both flat texts have the same `model.` lines, else the first difference
+    """None when both flat texts have the same `model.` lines (remat and unroll fields
+    aside), else the first difference
     and how many lines differ, e.g. "model.decoder.dim: recorded 128, now 64; 1 line"."""
     def split(text: str) -> dict[str, str]:
         return dict(line.split(": ", 1) for line in _model_lines(text))

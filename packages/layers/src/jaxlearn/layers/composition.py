@@ -8,6 +8,7 @@ visit) and returns a new config; the input is not modified.
     cfg = use_gqa(cfg, num_kv_heads=8)                       # MHA -> GQA
     cfg = set_rope(cfg, RotaryEmbedding.default_config().set(theta=1e6))
     cfg = set_norm(cfg, LayerNorm.default_config())           # every norm
+    cfg = set_unroll(cfg, 1)                                  # every layer scan rolled
     cfg = use_dot(cfg, Int8Dot.default_config())              # int8 dots everywhere
     cfg, params = fuse_projections(cfg, params)              # serving: fused QKV / gate
     cfg = use_lora(cfg, rank=8, alpha=16)                    # LoraLinear q/k/v/o, wi/wo
@@ -29,7 +30,7 @@ from jaxlearn.layers.ffn import FeedForward
 from jaxlearn.layers.lora import DEFAULT_TARGETS, LoraLinear, check_lora_settings
 from jaxlearn.layers.moe import MixtureOfExperts
 from jaxlearn.layers.norm import LayerNorm, RMSNorm
-from jaxlearn.layers.transformer import BaseStack, LoopStack
+from jaxlearn.layers.transformer import BaseStack, LoopStack, ScanStack
 
 
 def use_moe(cfg: Any, *, num_experts: int, top_k: int = 2, every: int = 1, **moe: Any) -> Any:
@@ -60,6 +61,12 @@ def use_gqa(cfg: Any, num_kv_heads: int) -> Any:
 def set_rope(cfg: Any, rope: Optional[ConfigBase]) -> Any:
     """Every attention uses `rope` (a RotaryEmbedding config), or no position encoding."""
     return replace_config(cfg, Attention, lambda old, path: old.clone(rope=rope))
+
+
+def set_unroll(cfg: Any, unroll: int) -> Any:
+    """Every `ScanStack` unrolls its `lax.scan` `unroll` layers at a time (1: rolled)."""
+    return replace_config(cfg, ScanStack, lambda old, path: old.clone(unroll=unroll),
+                          carry_over=False, allow_no_match=True)
 
 
 def set_norm(cfg: Any, norm: ConfigBase) -> Any:

@@ -71,6 +71,7 @@ from jaxlearn.mesh.modifiers import (
     SetMatchingModifier,
     as_modifier,
     is_modifier_config,
+    matching_config_paths,
 )
 from jaxlearn.mesh.rules import (
     MatchedMeshRule,
@@ -131,6 +132,7 @@ __all__ = [
     "infer_mesh_shape",
     "is_logical_axes",
     "is_modifier_config",
+    "matching_config_paths",
     "logical_to_mesh_axes",
     "logical_to_partition_spec",
     "logical_to_sharding",

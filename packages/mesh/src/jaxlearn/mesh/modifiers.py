@@ -136,7 +136,7 @@ class ReplaceConfigModifier(ConfigModifier):
             raise MeshRuleError(f"{type(self).__name__}: {e}") from e
 
 
-def _matching_configs(cfg: ConfigBase, target: str, field: str) -> list[str]:
+def matching_config_paths(cfg: ConfigBase, target: str, field: str) -> list[str]:
     """Paths of sub-configs (outside modifier configs) fully matching `target` with `field`."""
     pattern = re.compile(target)
     paths: list[str] = []
@@ -154,7 +154,7 @@ def _matching_configs(cfg: ConfigBase, target: str, field: str) -> list[str]:
 
 def _set_matching(cfg: ConfigBase, target: str, field: str, value: Any, who: str) -> ConfigBase:
     """Sets `field = value` on every sub-config matching `target` (at least one)."""
-    paths = _matching_configs(cfg, target, field)
+    paths = matching_config_paths(cfg, target, field)
     if not paths:
         raise MeshRuleError(
             f"{who}: no config path fully matches {target!r} and has a field {field!r}"

@@ -1,0 +1,116 @@
+"""Remat only where it is needed: the CPU rule of the fine-tuning recipes.
+
+Rematerialising every layer buys memory with about a third more compute. On an
+accelerator the memory is scarce; on a host with tens of GiB a laptop-size fine-tune fits
+without it, and there the step is faster without remat and with the layer scan unrolled
+(SmolLM2-135M full fine-tune, 8 x 128 tokens, f32 on a 2-core EPYC: 1.29x; XLA:CPU
+zero-fills and copies the scan's stacked residuals, which the unrolled program does not
+have). `RematToFitModifier` estimates the step's memory without remat and applies the
+remat policy only when that estimate does not fit the host's budget.
+
+The estimate (bytes, all on one host): the parameters, their gradients and AdamW's two
+moments (4 x the parameter bytes, as if every parameter trained: an over-count for LoRA),
+the activations the backward keeps with no remat (`jaxlearn.aot.estimate.
+activation_bytes`, einsum attention's [heads, seq] weights included) and three f32
+[tokens, vocab] buffers of the loss, times `safety` (1.5: the compiler's temporaries; the
+SmolLM2 step above needs 4.4 GB by XLA's buffer assignment, estimated 3.6 GB).
+The budget is `memory_fraction` of the host's memory (`host_memory_bytes`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+import os
+from typing import Any, Iterator, Optional
+
+from jaxlearn.aot.estimate import activation_bytes, find_int_field, model_shape
+from jaxlearn.config import REQUIRED, ConfigBase
+from jaxlearn.mesh import ConfigModifier, MeshRuleError, matching_config_paths
+from jaxlearn.module import RematSpec, flatten_specs
+
+# Plan for this much host memory instead of the machine's own (bytes): what `jaxlearn
+# config` prints for another machine, and what the golden configs are written with.
+HOST_MEMORY_ENV = "JAXLEARN_HOST_MEMORY_BYTES"
+_PLANNED: contextvars.ContextVar[Optional[int]] = contextvars.ContextVar(
+    "planned_host_memory", default=None)
+
+
+@contextlib.contextmanager
+def planned_host_memory(num_bytes: int) -> Iterator[None]:
+    """Inside: `host_memory_bytes()` is `num_bytes` (configs planned for another host)."""
+    token = _PLANNED.set(num_bytes)
+    try:
+        yield
+    finally:
+        _PLANNED.reset(token)
+
+
+def host_memory_bytes() -> int:
+    """`planned_host_memory`'s figure, else $JAXLEARN_HOST_MEMORY_BYTES, else the smaller
+    of physical memory and the cgroup's memory limit."""
+    if _PLANNED.get() is not None:
+        return int(_PLANNED.get())  # type: ignore[arg-type]
+    if os.environ.get(HOST_MEMORY_ENV):
+        try:
+            return int(os.environ[HOST_MEMORY_ENV])
+        except ValueError:
+            raise ValueError(f"${HOST_MEMORY_ENV}={os.environ[HOST_MEMORY_ENV]!r}: not a "
+                             f"number of bytes") from None
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit.isdigit():
+            total = min(total, int(limit))
+    except OSError:
+        pass
+    return int(total)
+
+
+def step_bytes_without_remat(cfg: ConfigBase) -> int:
+    """Estimated host bytes of trainer config `cfg`'s step with no remat (module doc)."""
+    model = cfg.model.clone(name="model").instantiate()
+    specs = [s for _, s in flatten_specs(model.create_parameter_specs_recursively())]
+    batch = int(cfg.input.global_batch_size)
+    shape = model_shape(cfg, specs, batch)
+    tokens = batch * shape.seq_len
+    state = 4 * sum(math.prod(s.shape) for s in specs) * shape.param_bytes
+    acts = activation_bytes(shape, tokens, 1, "none", "einsum")
+    emb = find_int_field(cfg.model, "num_embeddings")
+    vocab = int(getattr(emb, "num_embeddings", 0) or 0)
+    return state + acts + 3 * tokens * vocab * 4
+
+
+class RematToFitModifier(ConfigModifier):
+    """Sets `remat_spec = RematSpec(policy)` on the layers matching `target` when the step
+    without remat would not fit `memory_fraction` of the host's memory; otherwise leaves
+    them without remat and unrolls the stacks matching `stack` (`ScanStack.unroll` =
+    its layer count)."""
+
+    class Config(ConfigModifier.Config):
+        target: str = REQUIRED  # regex of the repeated layer's path
+        stack: str = REQUIRED  # regex of the stack's path
+        policy: str = "nothing_saveable"
+        memory_fraction: float = 0.5
+        safety: float = 1.5
+        memory_bytes: Optional[int] = None  # None: host_memory_bytes()
+
+    def __call__(self, cfg: ConfigBase) -> ConfigBase:
+        c = self.config
+        who = type(self).__name__
+        budget = c.memory_fraction * (c.memory_bytes or host_memory_bytes())
+        need = c.safety * step_bytes_without_remat(cfg)
+        if need > budget:
+            paths = matching_config_paths(cfg, c.target, "remat_spec")
+            if not paths:
+                raise MeshRuleError(f"{who}: no config path fully matches {c.target!r} "
+                                    f"and has a field 'remat_spec'")
+            for path in paths:
+                cfg.set_recursively(f"{path}.remat_spec", RematSpec(policy=c.policy))
+            return cfg
+        for path in matching_config_paths(cfg, c.stack, "unroll"):
+            stack: Any = cfg.get_recursively(path)
+            stack.unroll = int(stack.num_layers)
+        return cfg

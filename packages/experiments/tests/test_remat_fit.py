@@ -1,0 +1,90 @@
+"""The fine-tuning recipes' CPU rule remats only where the step would not fit the host
+(`RematToFitModifier`): without remat it unrolls the layer scan, which computes the same
+loss and gradients as the rolled, rematerialised step; serving runs the stack rolled."""
+
+import jax
+import numpy as np
+import pytest
+
+from jaxlearn.config import to_flat_text
+from jaxlearn.experiments import build_config
+from jaxlearn.experiments.remat_fit import (
+    HOST_MEMORY_ENV,
+    host_memory_bytes,
+    planned_host_memory,
+    step_bytes_without_remat,
+)
+from jaxlearn.experiments.served_model import model_difference
+from jaxlearn.layers import llama_config, set_unroll
+from jaxlearn.module import functional
+
+LAYER = "model.decoder.transformer.layer.remat_spec"
+
+
+def _finetune(selector, memory):
+    with planned_host_memory(memory):
+        return build_config("finetune", selector, [])
+
+
+def test_cpu_rule_drops_remat_and_unrolls_where_the_step_fits():
+    cfg = _finetune("cpu-1", 64 << 30)
+    assert cfg.get_recursively(LAYER) is None
+    assert cfg.model.decoder.transformer.unroll == cfg.model.decoder.transformer.num_layers == 30
+    assert cfg.input.seq_len == 128
+    # SmolLM2-135M, 8 x 128 tokens: params + grads + AdamW (2.15 GB), activations, logits.
+    assert 2.5e9 < step_bytes_without_remat(cfg) < 4e9
+
+
+@pytest.mark.parametrize("memory", [1 << 30, 8 << 30])
+def test_cpu_rule_remats_where_it_does_not_fit(memory):
+    # 8 GiB: a budget of 4 GiB < 1.5 x the ~3 GB estimate.
+    cfg = _finetune("cpu-1", memory)
+    assert cfg.get_recursively(LAYER).policy == "nothing_saveable"
+    assert cfg.model.decoder.transformer.unroll == 1
+
+
+def test_accelerator_rules_keep_remat_whatever_the_host():
+    cfg = _finetune("tpu-v5e-256", 1 << 40)
+    assert cfg.get_recursively(LAYER).policy == "nothing_saveable"
+    assert cfg.model.decoder.transformer.unroll == 1
+
+
+def test_the_served_model_does_not_depend_on_the_host_rule():
+    small, large = _finetune("cpu-1", 1 << 30), _finetune("cpu-1", 64 << 30)
+    assert to_flat_text(small) != to_flat_text(large)
+    assert model_difference(to_flat_text(small), to_flat_text(large)) is None
+    served = set_unroll(large.model, 1)
+    assert served.decoder.transformer.unroll == 1
+
+
+def test_host_memory_sources(monkeypatch):
+    monkeypatch.setenv(HOST_MEMORY_ENV, "12345")
+    assert host_memory_bytes() == 12345
+    with planned_host_memory(99):
+        assert host_memory_bytes() == 99
+    monkeypatch.setenv(HOST_MEMORY_ENV, "lots")
+    with pytest.raises(ValueError, match=HOST_MEMORY_ENV):
+        host_memory_bytes()
+    monkeypatch.delenv(HOST_MEMORY_ENV)
+    assert host_memory_bytes() > 1 << 28
+
+
+def test_unrolled_step_without_remat_equals_the_rolled_rematerialised_one():
+    def model(**kw):
+        return llama_config(64, 32, 3, 4, 2, 48, stack="scan", **kw).set(name="model")
+
+    rolled = model(remat_policy="nothing_saveable").instantiate()
+    unrolled_cfg = set_unroll(model(), 3)
+    assert unrolled_cfg.decoder.transformer.unroll == 3
+    unrolled = unrolled_cfg.instantiate()
+    params = rolled.initialize_parameters_recursively(jax.random.key(0))
+    ids = jax.random.randint(jax.random.key(1), (2, 9), 0, 64)
+    batch = {"input_ids": ids[:, :-1], "target_labels": ids[:, 1:]}
+
+    def loss(m, p):
+        return functional(m, jax.random.key(2), p, (batch,))[0][0]
+
+    l1, g1 = jax.value_and_grad(loss, argnums=1)(rolled, params)
+    l2, g2 = jax.value_and_grad(loss, argnums=1)(unrolled, params)
+    np.testing.assert_allclose(l1, l2, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), g1, g2)
