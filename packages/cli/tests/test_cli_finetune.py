@@ -362,3 +362,19 @@ def test_moved_lora_run_generates_without_its_base_model(model_dir, tmp_path, ca
     shutil.move(str(out), str(moved))
     assert main(["generate", "--model", str(moved), *argv]) == 0
     assert capsys.readouterr().out == before
+
+
+def test_dpo_lora_starts_at_log2_and_learns_the_bundled_preferences(model_dir, tmp_path):
+    """`dpo-lora` on the pretrained model and the bundled pairs: the reference is the base
+    (adapters off), so step 1's loss is exactly log 2 with a zero margin; training raises
+    the chosen answers' reward over the rejected ones."""
+    out = tmp_path / "dpo"
+    assert main(["train", "--experiment", "dpo-lora", "--init_from", str(model_dir),
+                 "--output_dir", str(out), "--max_step", "6", *FAST,
+                 "--set", "learner.learning_rate=2e-2"]) == 0
+    with open(out / "metrics.jsonl") as f:
+        rows = {r["step"]: r for r in map(json.loads, f) if r["split"] == "train"}
+    assert rows[1]["loss"] == pytest.approx(np.log(2), abs=1e-5)
+    assert rows[1]["reward_margin"] == pytest.approx(0.0, abs=1e-5)
+    assert rows[6]["loss"] < rows[1]["loss"] and rows[6]["reward_margin"] > 0, rows[6]
+    assert rows[6]["num_tokens"] > 0

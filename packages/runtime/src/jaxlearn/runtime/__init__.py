@@ -11,6 +11,7 @@ __all__ = [
     "init_from",
     "input_pipeline",
     "learner",
+    "objective",
     "record",
     "sft",
     "summary",

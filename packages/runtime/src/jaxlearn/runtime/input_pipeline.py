@@ -122,20 +122,21 @@ class Input(Configurable):
 
     def batch_shapes(self, process_count: int = 1) -> dict[str, tuple[tuple[int, int], Any]]:
         """{feature: ((per_process_batch, seq_len), numpy dtype)} of every batch."""
-        shape = (_per_process(self.config.global_batch_size, 0, process_count), self.config.seq_len)
+        shape = (rows_per_process(self.config.global_batch_size, 0, process_count),
+                 self.config.seq_len)
         return {name: (shape, np.dtype(dtype)) for name, dtype in FEATURES.items()}
 
     def iterator(self, process_index: int = 0, process_count: int = 1) -> "InputIterator":
         """Batches for process `process_index` of `process_count` (see the module doc).
         Reads and checks every input file first: raises DataError before any batch."""
-        per = _per_process(self.config.global_batch_size, process_index, process_count)
+        per = rows_per_process(self.config.global_batch_size, process_index, process_count)
         docs, corpus = self._load()
         return InputIterator(
             self, docs, corpus, streams=range(process_index * per, (process_index + 1) * per)
         )
 
 
-def _per_process(global_batch: int, process_index: int, process_count: int) -> int:
+def rows_per_process(global_batch: int, process_index: int, process_count: int) -> int:
     if process_count < 1 or not 0 <= process_index < process_count:
         raise ConfigError(f"process_index {process_index} is not in [0, {process_count})")
     if global_batch % process_count:
@@ -348,4 +349,4 @@ def _untag(x: Any) -> Any:
     return x
 
 
-__all__ = ["FEATURES", "Input", "InputIterator", "merge_states"]
+__all__ = ["FEATURES", "Input", "InputIterator", "merge_states", "rows_per_process"]

@@ -85,7 +85,7 @@ from grain.experimental import FirstFitPackIterDataset
 
 from jaxlearn.config import REQUIRED, ConfigError, InstantiableConfig, to_flat_text
 from jaxlearn.runtime.data import DataError, Document, InlineSource, Source, read_text
-from jaxlearn.runtime.input_pipeline import Input, InputIterator, _per_process
+from jaxlearn.runtime.input_pipeline import Input, InputIterator, rows_per_process
 from jaxlearn.runtime.sft_encode import (
     Example,
     Rendered,
@@ -107,6 +107,8 @@ CHATML_TEMPLATE = (
 )
 BUNDLED_PREFIX = "bundled:"
 CHAT_EXAMPLE = BUNDLED_PREFIX + "chat_example.jsonl"
+# Preference pairs on the same facts (a correct and a wrong answer), for DPO examples.
+PREFERENCE_EXAMPLE = BUNDLED_PREFIX + "preference_example.jsonl"
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -395,7 +397,7 @@ class SFTInput(Input):
     def iterator(self, process_index: int = 0, process_count: int = 1) -> "SFTIterator":
         """Batches for process `process_index` of `process_count`; reads, checks and
         tokenises every row first (DataError before any batch)."""
-        per = _per_process(self.config.global_batch_size, process_index, process_count)
+        per = rows_per_process(self.config.global_batch_size, process_index, process_count)
         _, corpus = self._load()
         split = self._split_examples()
         streams = range(process_index * per, (process_index + 1) * per)
@@ -442,6 +444,7 @@ __all__ = [
     "BUNDLED_PREFIX",
     "CHATML_TEMPLATE",
     "CHAT_EXAMPLE",
+    "PREFERENCE_EXAMPLE",
     "Rendered",
     "SFTDocument",
     "SFTInput",

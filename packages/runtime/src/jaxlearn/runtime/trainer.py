@@ -39,11 +39,12 @@ from jaxlearn.mesh import (
     mesh_from_config,
     mesh_shape_from_axes,
 )
-from jaxlearn.module import Module, functional, is_spec, logical_sharding
+from jaxlearn.module import Module, is_spec, logical_sharding
 from jaxlearn.resilience import nonfinite
 from jaxlearn.resilience.manager import Resilience
 from jaxlearn.runtime.compute_copy import COPY_KEY, ComputeCopy
 from jaxlearn.runtime.learner import Learner, ema_update, microbatched_grads
+from jaxlearn.runtime.objective import Objective
 from jaxlearn.runtime.record import RECORD_FILE, RunRecord
 from jaxlearn.runtime.summary import SummaryWriter, format_flops, format_number
 from jaxlearn.runtime.trainer_support import (
@@ -98,6 +99,9 @@ class Trainer(Configurable):
         # The first params when output_dir has no checkpoint: a `runtime.init_from.
         # ParamSource` config (jaxlearn run, HF dir, GGUF file); None: from `seed`.
         init_from: Optional[InstantiableConfig] = None
+        # What the step minimises (`runtime.objective.Objective`); None: the model's forward
+        # loss. Post-training objectives (DPO) plug in here.
+        objective: Optional[InstantiableConfig] = None
 
         def _field_problems(self) -> dict[str, str]:
             problems = below_minimum(self, max_step=1, log_every_n_steps=1,
@@ -131,6 +135,7 @@ class Trainer(Configurable):
             devices = devices_for(cfg.mesh_shape)
         self.mesh: Mesh = mesh_from_config(cfg, devices)
         self.model: Module = cfg.model.clone(name="model").instantiate()
+        self.objective: Objective = (cfg.objective or Objective.default_config()).instantiate()
         self.learner: Learner = cfg.learner.instantiate(total_steps=cfg.max_step)
         self.param_specs = self.model.create_parameter_specs_recursively()
         self.tx = self.learner.optimizer(self.param_specs)
@@ -252,9 +257,8 @@ class Trainer(Configurable):
     # ---- the step -------------------------------------------------------------------------
 
     def _loss(self, params: Any, batch: Any, key: jax.Array) -> tuple[jax.Array, Any]:
-        (loss, metrics), collection = functional(
-            self.model, key, params, (batch,), is_training=True
-        )
+        loss, metrics, collection = self.objective(self.model, params, batch, key,
+                                                   is_training=True)
         return loss, (metrics, collection)
 
     def _grads(self, state: State, batch: Any, key: jax.Array) -> tuple[Any, ...]:
@@ -315,7 +319,7 @@ class Trainer(Configurable):
             return fn.lower(state, batch_abstract).compile()
 
     def _eval(self, params: Any, batch: Any) -> dict[str, jax.Array]:
-        (loss, metrics), _ = functional(self.model, None, params, (batch,), is_training=False)
+        loss, metrics, _ = self.objective(self.model, params, batch, None, is_training=False)
         return {"loss": loss, **{k: v for k, v in metrics.items() if jnp.ndim(v) == 0}}
 
     # ---- data -----------------------------------------------------------------------------

@@ -1,0 +1,27 @@
+"""What a training step minimises: `Objective(model, params, batch, key, is_training=...)
+-> (loss, metrics, collection)`.
+
+The default is the model's own forward (`CausalLM.forward`: next-token cross entropy).
+Post-training swaps it by config (`Trainer.Config.objective`, e.g. `jaxlearn.posttrain.
+DPOObjective`), so the model, its parameter tree, init_from, checkpoints and export stay
+those of the plain recipe: only the loss changes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import jax
+
+from jaxlearn.config import Configurable
+from jaxlearn.module import Module, functional
+
+
+class Objective(Configurable):
+    """The model's forward loss: `(loss, metrics), collection = functional(model, ...)`."""
+
+    def __call__(self, model: Module, params: Any, batch: Any, key: Optional[jax.Array], *,
+                 is_training: bool) -> tuple[jax.Array, dict[str, jax.Array], Any]:
+        (loss, metrics), collection = functional(model, key, params, (batch,),
+                                                 is_training=is_training)
+        return loss, metrics, collection
