@@ -47,6 +47,7 @@ def test_one_row_bf16_is_padded_and_equal():
 
 @pytest.mark.parametrize("lead, n_in, n_out", [((12,), 8, 6), ((3, 5), 32, 4), ((2, 3), 16, 4)])
 def test_matmul_custom_vjp_matches_autodiff_f32(lead, n_in, n_out):
+    # (The bf16 form of a narrow weight's dW runs in test_attention's bf16 gradients.)
     # 4 * n_out <= n_in: a narrow weight (LoRA's A), whose dW is computed transposed.
     x, w = _rand(0, (*lead, n_in)), _rand(1, (n_in, n_out))
     g = _rand(2, (*lead, n_out))

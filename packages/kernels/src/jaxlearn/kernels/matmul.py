@@ -48,10 +48,11 @@ def matmul_grads(x: jax.Array, w: jax.Array, g: jax.Array, w_dtype: Any) -> tupl
     g, w = g.astype(x.dtype), w.astype(x.dtype)
     dx = lax.dot_general(g, w, (((g.ndim - 1,), (1,)), ((), ())), preferred_element_type=_F32)
     lead = tuple(range(x.ndim))  # of x[None]: the added dim and x's leading dims
-    if w.ndim == 2 and 4 * w.shape[1] <= w.shape[0]:
-        # A narrow weight (a LoRA `A`: [in, rank]): XLA:CPU copies x transposed for the
-        # form below, once per dot; dW.T = g.T @ x transposes the narrow g instead (LoRA
-        # step of SmolLM2-135M on CPU: 1.16x). Not for square or wide weights (0.97x).
+    if w.ndim == 2 and 4 * w.shape[1] <= w.shape[0] and x.dtype == _F32:
+        # A narrow f32 weight (a LoRA `A`: [in, rank]): XLA:CPU copies x transposed for
+        # the form below, once per dot; dW.T = g.T @ x transposes the narrow g instead
+        # (f32 LoRA step of SmolLM2-135M on CPU: 1.16x). Not for square or wide weights
+        # (0.97x), nor bf16 (XLA:CPU has no bf16 x bf16 -> f32 dot of this form).
         dwt = lax.dot_general(g[None], x[None], ((lead, lead), ((), ())),
                               preferred_element_type=_F32)
         return dx.astype(x.dtype), dwt.T.astype(w_dtype)

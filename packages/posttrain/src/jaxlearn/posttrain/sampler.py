@@ -1,0 +1,79 @@
+"""The sampler of RL post-training: the serving `Engine`, in the trainer's process, on the
+trainer's model config, running the trainer's current params.
+
+    sampler = EngineSampler(model_cfg, params, tokenizer, max_batch=16, max_seq_len=256)
+    rollouts = sampler.sample(prompt_ids, n=4, temperature=1.0, max_new_tokens=64, seed=s)
+    sampler.set_params(new_params)      # after a train step: swapped, never copied
+
+Each `Rollout` carries the sampled tokens and the log-probability the engine computed for
+each of them (the raw f32 model distribution, before temperature / top-p), so a trainer
+can check them against its own forward (`logprobs.token_logprobs`). The engine is built
+with prefix caching off (cached KV pages would outlive a weight swap), the trained weight
+layout (`weight_layout="in_out"`: the params are the trainer's tree as is), no fusion or
+quantization. Copy j of the prompts (prompt j // n, sample j % n) samples with seed
+`seed + j`, so a rerun of a step with the same seed samples the same tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Sequence
+
+import jax
+
+from jaxlearn.inference.engine import Engine
+
+__all__ = ["EngineSampler", "Rollout"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+    """One sampled completion of prompt `prompt_index`: ids, per-token log-probabilities
+    (the sampler's), and why it ended ("stop" or "length")."""
+
+    prompt_index: int
+    prompt_ids: tuple[int, ...]
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: str
+
+
+class EngineSampler:
+    """An in-process `Engine` whose weights are swapped for the trainer's (module doc)."""
+
+    def __init__(self, model_cfg: Any, params: Any, tokenizer: Any = None, *,
+                 max_batch: int = 16, max_seq_len: int = 512, page_size: int = 16):
+        cfg = Engine.default_config().set(
+            max_batch=max_batch, max_seq_len=max_seq_len, page_size=page_size,
+            prefix_caching=False, weight_layout="in_out", fuse_projections=False,
+            quantize=None, add_bos=False)
+        self.engine = Engine(cfg, model_cfg=model_cfg, params=params, tokenizer=tokenizer)
+
+    def set_params(self, params: Any) -> None:
+        """Runs `params` from now on (same tree, shapes and dtypes as the first; placed
+        like the engine's current ones, which is no copy when they already are)."""
+        current = self.engine.runner.params
+        shardings = jax.tree.map(lambda x: x.sharding, current)
+        new = jax.device_put(params, shardings)
+        shapes = jax.tree.map(lambda x: (x.shape, x.dtype), current)
+        if jax.tree.map(lambda x: (x.shape, x.dtype), new) != shapes:
+            raise ValueError("EngineSampler.set_params: the params' tree, shapes or dtypes "
+                             "differ from the engine's")
+        self.engine.runner.params = new
+
+    def sample(self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float = 1.0,
+               top_p: float = 1.0, max_new_tokens: int = 64, seed: int = 0,
+               stop: Optional[Sequence[Any]] = None) -> list[Rollout]:
+        """`n` completions of each prompt (token ids), in prompt-major order."""
+        if n < 1:
+            raise ValueError(f"EngineSampler.sample: n must be >= 1, got {n}")
+        copies = [(i, list(ids)) for i, ids in enumerate(prompts) for _ in range(n)]
+        params = self.engine.sampling_params(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+            seed=seed, stop=list(stop) if stop else None, logprobs=0)
+        # One continuous batch; copy j (prompt j // n, sample j % n) uses seed + j.
+        results = self.engine.generate([ids for _, ids in copies], params=params)
+        assert isinstance(results, list)
+        return [Rollout(i, tuple(ids), tuple(r.tokens),
+                        tuple(lp.logprob for lp in (r.logprobs or [])), r.finish_reason)
+                for (i, ids), r in zip(copies, results)]
