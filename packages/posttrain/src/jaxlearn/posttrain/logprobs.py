@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jaxlearn.layers.lora import ADAPTERS
 from jaxlearn.module import Module, functional
 
-__all__ = ["adapters_off", "has_adapters", "token_logprobs"]
+__all__ = ["adapters_off", "has_adapters", "token_logprobs", "token_logprobs_and_entropy"]
 
 
 def token_logprobs(model: Module, params: Any, batch: dict[str, jax.Array],
@@ -28,15 +28,28 @@ def token_logprobs(model: Module, params: Any, batch: dict[str, jax.Array],
                    is_training: bool = False) -> tuple[jax.Array, Any]:
     """(log p(target_labels | prefix) [n, seq] f32, the forward's collection) of a causal
     LM (`model.logits`); 0 where the label is negative."""
+    logp, _, collection = token_logprobs_and_entropy(model, params, batch, key,
+                                                     is_training=is_training)
+    return logp, collection
+
+
+def token_logprobs_and_entropy(model: Module, params: Any, batch: dict[str, jax.Array],
+                               key: Optional[jax.Array] = None, *, is_training: bool = False
+                               ) -> tuple[jax.Array, jax.Array, Any]:
+    """`token_logprobs` plus the entropy of each position's next-token distribution
+    [n, seq] (no gradient: a metric)."""
     inputs = {k: batch[k] for k in ("input_ids", "positions", "segment_ids") if k in batch}
     logits, collection = functional(model, key, params, (inputs,), method="logits",
                                     is_training=is_training)
     logits = logits.astype(jnp.float32)
     labels = batch["target_labels"]
     safe = jnp.where(labels >= 0, labels, 0)
+    lse = jax.nn.logsumexp(logits, axis=-1)
     picked = jnp.take_along_axis(logits, safe[..., None], axis=-1)[..., 0]
-    logp = picked - jax.nn.logsumexp(logits, axis=-1)
-    return jnp.where(labels >= 0, logp, 0.0), collection
+    logp = jnp.where(labels >= 0, picked - lse, 0.0)
+    probs = jax.lax.stop_gradient(jax.nn.softmax(logits, axis=-1))
+    entropy = lse - jnp.sum(probs * jax.lax.stop_gradient(logits), axis=-1)
+    return logp, jax.lax.stop_gradient(entropy), collection
 
 
 def _path(keypath: Any) -> str:
