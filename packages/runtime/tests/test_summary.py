@@ -42,6 +42,13 @@ def test_progress_line_names_the_mfu_peak():
     assert line.endswith("ETA 1:05")
 
 
+def test_progress_line_shows_the_reward_of_post_training():
+    line = progress_line(3, 10, {"loss": 0.6, "reward_margin": 0.349, "reward_accuracy": 0.875},
+                         10.0)
+    assert "loss 0.6  reward margin 0.349  reward acc 0.875" in line
+    assert "reward 1.5" in progress_line(3, 10, {"reward_mean": 1.5}, 1.0)
+
+
 class _Terminal(io.StringIO):
     def isatty(self):
         return True

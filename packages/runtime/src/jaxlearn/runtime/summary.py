@@ -271,13 +271,15 @@ def purge_jsonl(path: str, last_step: int) -> int:
 def progress_line(step: int, max_step: int, scalars: dict[str, float], eta_s: float,
                   mfu_peak: Optional[str] = None) -> str:
     """`step 12/100 [##---] loss 2.346  grad_norm 0.5123  11.6k tok/s  MFU 31% of ...  ETA
-    1:02` from the scalars present (loss, eval_loss, perplexity, grad_norm,
-    tokens_per_sec, mfu)."""
+    1:02` from the scalars present (loss, eval_loss, perplexity, grad_norm, the
+    post-training objectives' reward figures, tokens_per_sec, mfu)."""
     frac = step / max(max_step, 1)
     filled = min(20, int(20 * frac))
     parts = [f"step {step}/{max_step} [{'#' * filled}{'-' * (20 - filled)}]"]
     for key, label in (("loss", "loss"), ("eval_loss", "eval loss"),
-                       ("eval_perplexity", "eval ppl"), ("grad_norm", "grad_norm")):
+                       ("eval_perplexity", "eval ppl"), ("grad_norm", "grad_norm"),
+                       ("reward_mean", "reward"), ("reward_margin", "reward margin"),
+                       ("reward_accuracy", "reward acc")):
         if key in scalars:
             parts.append(f"{label} {format_number(scalars[key])}")
     if "tokens_per_sec" in scalars:
