@@ -79,6 +79,19 @@ def emit(**fields: Any) -> None:
     print("BENCH_RESULT " + json.dumps(fields, sort_keys=True), flush=True)
 
 
+def run_result(cmd: list[str]) -> dict[str, Any]:
+    """Runs one measuring process (`cmd`) and returns its last BENCH_RESULT record, or
+    {"error", "cmd"} when it failed or emitted none."""
+    import subprocess
+
+    log("$ " + " ".join(cmd))
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("BENCH_RESULT ")]
+    if proc.returncode != 0 or not lines:
+        return {"error": f"exit {proc.returncode}", "cmd": " ".join(cmd)}
+    return json.loads(lines[-1][len("BENCH_RESULT "):])
+
+
 def log(*a: Any) -> None:
     print(*a, file=sys.stderr, flush=True)
 

@@ -25,12 +25,11 @@ import json
 import os
 import pathlib
 import shlex
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Timer, emit, host_cpu, log, med, rnd  # noqa: E402
+from common import Timer, emit, host_cpu, log, med, rnd, run_result  # noqa: E402
 from lora_bench import TARGETS, smollm2_gguf  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "dpo.jsonl"
@@ -52,6 +51,10 @@ def data_stage(out: pathlib.Path) -> None:
     if rc != 0:
         raise SystemExit(f"dpo_bench: jaxlearn config failed ({rc})")
     (out / "dpo.txt").write_text(buf.getvalue())
+    from jaxlearn.runtime.sft import PREFERENCE_EXAMPLE, resolve_path
+
+    # The same pairs for the peer, which has no jaxlearn to resolve `bundled:`.
+    (out / "pairs.jsonl").write_text(pathlib.Path(resolve_path(PREFERENCE_EXAMPLE)).read_text())
     (out / "meta.json").write_text(json.dumps({"gguf": gguf}))
     log(f"dpo_bench: config in {out / 'dpo.txt'}")
 
@@ -99,7 +102,7 @@ def pt_stage(out: pathlib.Path, steps: int, warmup: int, tag: str) -> None:
     # quantized, which transformers' Trainer refuses to train.
     model.hf_quantizer, model.is_quantized = None, False
     model.config.quantization_config = None
-    rows = [json.loads(x) for x in _bundled_pairs().read_text().splitlines() if x.strip()]
+    rows = [json.loads(x) for x in (out / "pairs.jsonl").read_text().splitlines() if x.strip()]
     data = datasets.Dataset.from_list([
         {"prompt": [{"role": "user", "content": r["prompt"]}],
          "chosen": [{"role": "assistant", "content": r["chosen"]}],
@@ -134,11 +137,6 @@ def pt_stage(out: pathlib.Path, steps: int, warmup: int, tag: str) -> None:
           threads=torch.get_num_threads())
 
 
-def _bundled_pairs() -> pathlib.Path:
-    root = pathlib.Path(__file__).resolve().parents[2]
-    return root / "packages/runtime/src/jaxlearn/runtime/preference_example.jsonl"
-
-
 def _emit(framework, version, times, losses, warmup, tag, **extra) -> None:
     dt = med(times[warmup:])
     log(f"{framework}: {dt:.2f} s/step, {PAIRS / dt:.2f} pairs/s, losses {losses}")
@@ -148,22 +146,13 @@ def _emit(framework, version, times, losses, warmup, tag, **extra) -> None:
          wall_time=time.time(), tag=tag, **extra)
 
 
-def _run(cmd: list[str]) -> dict:
-    log("$ " + " ".join(cmd))
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("BENCH_RESULT ")]
-    if proc.returncode != 0 or not lines:
-        return {"error": f"exit {proc.returncode}", "cmd": " ".join(cmd)}
-    return json.loads(lines[-1][len("BENCH_RESULT "):])
-
-
 def drive(args: argparse.Namespace) -> None:
     me = os.path.abspath(__file__)
     sides = {"jaxlearn": shlex.split(args.jl) + [me, "jl"],
              "trl": shlex.split(args.pt) + [me, "pt"]}
     for r in range(args.rounds):
         order = ["jaxlearn", "trl"] if r % 2 == 0 else ["trl", "jaxlearn"]
-        got = {s: _run(sides[s] + ["--out", str(args.out), "--steps", str(args.steps),
+        got = {s: run_result(sides[s] + ["--out", str(args.out), "--steps", str(args.steps),
                                    "--warmup", str(args.warmup), "--tag", args.tag])
                for s in order}
         row = {"bench": "dpo-round", "round": r, "order": order, "tag": args.tag,

@@ -28,12 +28,11 @@ import json
 import os
 import pathlib
 import shlex
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Timer, emit, host_cpu, log, med, rnd  # noqa: E402
+from common import Timer, emit, host_cpu, log, med, rnd, run_result  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "lora.jsonl"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -207,15 +206,6 @@ def pt_stage(out: pathlib.Path, mode: str, warmup: int, tag: str) -> None:
 # ---- driver --------------------------------------------------------------------------------
 
 
-def _run(cmd: list[str]) -> dict:
-    log("$ " + " ".join(cmd))
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("BENCH_RESULT ")]
-    if proc.returncode != 0 or not lines:
-        return {"error": f"exit {proc.returncode}", "cmd": " ".join(cmd)}
-    return json.loads(lines[-1][len("BENCH_RESULT "):])
-
-
 def drive(args: argparse.Namespace) -> None:
     me = os.path.abspath(__file__)
     sides = {"jaxlearn": shlex.split(args.jl) + [me, "jl"],
@@ -225,7 +215,7 @@ def drive(args: argparse.Namespace) -> None:
             order = ["jaxlearn", "torch"] if r % 2 == 0 else ["torch", "jaxlearn"]
             got = {}
             for side in order:
-                got[side] = _run(sides[side] + ["--out", str(args.out), "--mode", mode,
+                got[side] = run_result(sides[side] + ["--out", str(args.out), "--mode", mode,
                                                 "--warmup", str(args.warmup), "--tag", args.tag])
             row = {"bench": "lora-round", "round": r, "mode": mode, "order": order,
                    "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},

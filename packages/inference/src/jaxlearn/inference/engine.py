@@ -313,9 +313,6 @@ class Engine(Configurable):
         engine_cfg = engine_cfg if engine_cfg is not None else cls.default_config()
         if getattr(model_cfg, "name", None) is REQUIRED:
             model_cfg = model_cfg.clone(name="model")
-        # Layer scans rolled whatever the training rule chose: every prefill / decode
-        # program then compiles one layer body, not one per layer.
-        model_cfg = layers.set_unroll(model_cfg, 1)
         mesh = build_mesh(engine_cfg)
         shardings = None
         if mesh is not None:

@@ -128,6 +128,12 @@ def stack_spec(spec: ParameterSpec, n: int, axis_name: Optional[str] = "layers")
     )
 
 
+def keypath_str(keypath: Any) -> str:
+    """The "/"-joined path of a `jax.tree_util` key path ("decoder/emb/weight"), as
+    `flatten_specs` names parameters."""
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in keypath)
+
+
 def flatten_specs(tree: Any, prefix: str = "") -> list[tuple[str, ParameterSpec]]:
     """[(path, spec)] for a nested dict of specs, in sorted key order."""
     out: list[tuple[str, ParameterSpec]] = []

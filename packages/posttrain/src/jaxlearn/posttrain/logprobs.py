@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxlearn.layers.lora import ADAPTERS
-from jaxlearn.module import Module, functional
+from jaxlearn.module import Module, functional, keypath_str
 
 __all__ = ["adapters_off", "has_adapters", "token_logprobs", "token_logprobs_and_entropy"]
 
@@ -52,13 +52,9 @@ def token_logprobs_and_entropy(model: Module, params: Any, batch: dict[str, jax.
     return logp, jax.lax.stop_gradient(entropy), collection
 
 
-def _path(keypath: Any) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in keypath)
-
-
 def has_adapters(params: Any) -> bool:
     """Whether `params` hold LoRA adapters (`layers.use_lora`)."""
-    return any(re.fullmatch(ADAPTERS, _path(kp))
+    return any(re.fullmatch(ADAPTERS, keypath_str(kp))
                for kp, _ in jax.tree_util.tree_flatten_with_path(params)[0])
 
 
@@ -67,7 +63,7 @@ def adapters_off(params: Any) -> Any:
     computes its base (the reference policy of LoRA post-training). Every other leaf is
     the same array: no copy of the base weights."""
     def leaf(keypath: Any, x: Any) -> Any:
-        path = _path(keypath)
+        path = keypath_str(keypath)
         return jnp.zeros_like(x) if re.fullmatch(ADAPTERS, path) and \
             path.endswith("lora_b") else x
 

@@ -26,9 +26,9 @@ from typing import Any, Optional, Sequence
 import grain
 import numpy as np
 
-from jaxlearn.runtime.data import DataError, Document, read_text
+from jaxlearn.runtime.data import DataError, Document
 from jaxlearn.runtime.input_pipeline import FEATURES, InputIterator, rows_per_process
-from jaxlearn.runtime.sft import SFTInput, SFTSource, jsonl_files
+from jaxlearn.runtime.sft import SFTInput, SFTSource
 from jaxlearn.runtime.sft_encode import encode_row
 from jaxlearn.runtime.sft_rows import DEFAULT_ROLES, TRAINED_ROLE, SFTRow
 
@@ -108,19 +108,9 @@ class PreferenceSource(SFTSource):
         return f"PreferenceSource({', '.join([paths] if isinstance(paths, str) else paths)})"
 
     def _read(self) -> list[Document]:
-        docs: list[Document] = []
-        limit = self.config.max_row_chars
-        for path in jsonl_files(self.config.paths):
-            for number, line in enumerate(read_text(path).splitlines(), 1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{number}"
-                if len(line) > limit:
-                    raise DataError(f"{where}: the row has {len(line):,} characters, over "
-                                    f"max_row_chars={limit:,}")
-                pair = parse_pair(line, where, self.config.roles)
-                docs.append(PreferenceDocument(line.strip(), where, pair))
-        return docs
+        return [PreferenceDocument(line.strip(), where,
+                                   parse_pair(line, where, self.config.roles))
+                for _, where, line in self.lines()]
 
 
 def _last_span(weights: np.ndarray) -> np.ndarray:

@@ -28,7 +28,7 @@ import optax
 from jax import lax
 
 from jaxlearn.config import ConfigError, Configurable
-from jaxlearn.module import flatten_specs
+from jaxlearn.module import flatten_specs, keypath_str
 
 
 class Learner(Configurable):
@@ -186,7 +186,7 @@ def _labels(specs: Any, label_fn: Any) -> tuple[set[str], Any]:
 
     def labels(tree: Any) -> Any:
         def one(keypath: Any, _: Any) -> str:
-            path = "/".join(str(getattr(k, "key", k)) for k in keypath)
+            path = keypath_str(keypath)
             return str(label_fn(path, by_path[path]))
 
         return jax.tree_util.tree_map_with_path(one, tree)
@@ -227,7 +227,7 @@ def _decay_scales(specs: Any) -> Any:
 
     def scales(tree: Any) -> Any:
         def one(keypath: Any, _: Any) -> float:
-            path = "/".join(str(getattr(k, "key", k)) for k in keypath)
+            path = keypath_str(keypath)
             return float(by_path[path].weight_decay_scale)
 
         return jax.tree_util.tree_map_with_path(one, tree)

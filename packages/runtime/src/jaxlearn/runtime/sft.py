@@ -77,7 +77,7 @@ import hashlib
 import logging
 import os
 import threading
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import grain
 import numpy as np
@@ -227,11 +227,11 @@ class SFTSource(Source):
             _SHARED.put(key, shared)
         return list(shared)
 
-    def _read(self) -> list[Document]:
-        docs: list[Document] = []
+    def lines(self) -> Iterator[tuple[str, str, str]]:
+        """(path, `path:line`, text) of every non-blank line of the files, in order; a line
+        over `max_row_chars` is a DataError naming it, before it is parsed."""
         limit = self.config.max_row_chars
         for path in jsonl_files(self.config.paths):
-            first: Optional[SFTRow] = None
             for number, line in enumerate(read_text(path).splitlines(), 1):
                 if not line.strip():
                     continue
@@ -239,18 +239,23 @@ class SFTSource(Source):
                 if len(line) > limit:
                     raise DataError(
                         f"{where}: the row has {len(line):,} characters, over "
-                        f"SFTSource.max_row_chars={limit:,}; shorten or split it, or raise "
-                        "the bound"
+                        f"{type(self).__name__}.max_row_chars={limit:,}; shorten or split "
+                        "it, or raise the bound"
                     )
-                row = parse_row(line, where, self.config.roles)
-                if first is None:
-                    first = row
-                elif row.kind != first.kind:
-                    raise DataError(
-                        f"{where}: a {row.kind!r} row in a file of {first.kind!r} rows "
-                        f"(from {first.origin}); put each kind in its own file"
-                    )
-                docs.append(SFTDocument(line.strip(), where, row))
+                yield path, where, line
+
+    def _read(self) -> list[Document]:
+        docs: list[Document] = []
+        first: dict[str, SFTRow] = {}
+        for path, where, line in self.lines():
+            row = parse_row(line, where, self.config.roles)
+            kind = first.setdefault(path, row)
+            if row.kind != kind.kind:
+                raise DataError(
+                    f"{where}: a {row.kind!r} row in a file of {kind.kind!r} rows "
+                    f"(from {kind.origin}); put each kind in its own file"
+                )
+            docs.append(SFTDocument(line.strip(), where, row))
         return docs
 
 
