@@ -107,9 +107,11 @@ def _closed(schema: Any) -> Any:
     return out
 
 
-def response_format_grammar(value: Any) -> Optional[str]:
+def response_format_grammar(value: Any, *, whitespace_flexible: bool = False) -> Optional[str]:
     """OpenAI `response_format` -> llguidance grammar text; None for absent / "text".
-    An invalid or unsatisfiable schema is a RequestError naming the field."""
+    An invalid or unsatisfiable schema is a RequestError naming the field. Generation
+    wants compact JSON; `whitespace_flexible` accepts any JSON whitespace (checking text
+    someone else wrote)."""
     if value is None:
         return None
     if not isinstance(value, dict):
@@ -132,7 +134,8 @@ def response_format_grammar(value: Any) -> Optional[str]:
     try:
         if len(text) > MAX_SCHEMA_CHARS:
             raise ValueError(f"over {MAX_SCHEMA_CHARS} characters")
-        grammar = llg.LLMatcher.grammar_from_json_schema(text, defaults=_JSON_OPTIONS)
+        grammar = llg.LLMatcher.grammar_from_json_schema(
+            text, defaults=dict(_JSON_OPTIONS, whitespace_flexible=whitespace_flexible))
     except (TypeError, ValueError) as e:
         raise RequestError(f"'{where}': not a JSON schema: {_one_line(str(e))[:200]}",
                            param=where) from None

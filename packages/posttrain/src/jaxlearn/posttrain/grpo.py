@@ -135,7 +135,7 @@ class GRPOObjective(Objective):
 
 def rollout_batch(rollouts: Any, advantages: Any, *, seq_len: int,
                   pad_id: int = 0) -> dict[str, Any]:
-    """The training batch of `rollouts` (`sampler.Rollout`s, prompt + completion per row):
+    """The training batch of `rollouts` (`sampler.Completion`s, prompt + completion per row):
     `input_ids`, `target_labels` (-1 on the prompt and padding), `target_weights` (1 on
     the completion), `positions`, `segment_ids`, `advantages` (each row's, from
     `advantages` [n], at every position) and `old_logprobs` [n, seq_len] (the sampler's,

@@ -49,7 +49,7 @@ def _response(record: dict[str, Any], key: str, where: str) -> str:
     return value
 
 
-def _context(record: dict[str, Any], where: str,
+def parse_context(record: dict[str, Any], where: str,
              roles: Sequence[str]) -> tuple[tuple[str, str], ...]:
     if ("prompt" in record) == ("messages" in record):
         raise DataError(f"{where}: a preference row needs exactly one of 'prompt' and "
@@ -87,7 +87,7 @@ def parse_pair(line: str, where: str,
         if key not in record:
             raise DataError(f"{where}: a preference row needs 'chosen' and 'rejected' (no "
                             f"{key!r})")
-    context = _context(record, where, roles)
+    context = parse_context(record, where, roles)
     return tuple(SFTRow("messages", where, messages=context + ((TRAINED_ROLE,
                                                                  _response(record, k, where)),))
                  for k in ("chosen", "rejected"))  # type: ignore[return-value]

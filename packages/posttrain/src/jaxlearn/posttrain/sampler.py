@@ -5,7 +5,7 @@ trainer's model config, running the trainer's current params.
     rollouts = sampler.sample(prompt_ids, n=4, temperature=1.0, max_new_tokens=64, seed=s)
     sampler.set_params(new_params)      # after a train step: swapped, never copied
 
-Each `Rollout` carries the sampled tokens and the log-probability the engine computed for
+Each `Completion` carries the sampled tokens and the log-probability the engine computed for
 each of them (the raw f32 model distribution, before temperature / top-p), so a trainer
 can check them against its own forward (`logprobs.token_logprobs`). The engine is built
 with prefix caching off (cached KV pages would outlive a weight swap), the trained weight
@@ -23,19 +23,21 @@ import jax
 
 from jaxlearn.inference.engine import Engine
 
-__all__ = ["EngineSampler", "Rollout"]
+__all__ = ["EngineSampler", "Completion"]
 
 
 @dataclasses.dataclass(frozen=True)
-class Rollout:
+class Completion:
     """One sampled completion of prompt `prompt_index`: ids, per-token log-probabilities
-    (the sampler's), and why it ended ("stop" or "length")."""
+    (the sampler's), why it ended ("stop" or "length"), and its text (cut before a stop
+    string, no special tokens)."""
 
     prompt_index: int
     prompt_ids: tuple[int, ...]
     tokens: tuple[int, ...]
     logprobs: tuple[float, ...]
     finish_reason: str
+    text: str = ""
 
 
 class EngineSampler:
@@ -63,7 +65,7 @@ class EngineSampler:
 
     def sample(self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float = 1.0,
                top_p: float = 1.0, max_new_tokens: int = 64, seed: int = 0,
-               stop: Optional[Sequence[Any]] = None) -> list[Rollout]:
+               stop: Optional[Sequence[Any]] = None) -> list[Completion]:
         """`n` completions of each prompt (token ids), in prompt-major order."""
         if n < 1:
             raise ValueError(f"EngineSampler.sample: n must be >= 1, got {n}")
@@ -74,6 +76,7 @@ class EngineSampler:
         # One continuous batch; copy j (prompt j // n, sample j % n) uses seed + j.
         results = self.engine.generate([ids for _, ids in copies], params=params)
         assert isinstance(results, list)
-        return [Rollout(i, tuple(ids), tuple(r.tokens),
-                        tuple(lp.logprob for lp in (r.logprobs or [])), r.finish_reason)
+        return [Completion(i, tuple(ids), tuple(r.tokens),
+                        tuple(lp.logprob for lp in (r.logprobs or [])), r.finish_reason,
+                        r.text)
                 for (i, ids), r in zip(copies, results)]

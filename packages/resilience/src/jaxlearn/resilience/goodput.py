@@ -43,9 +43,11 @@ from typing import Any, Iterator, Optional
 
 log = logging.getLogger("jaxlearn.goodput")
 
-BUCKETS = ("startup", "health", "restore", "compile", "data", "step", "rework", "skipped",
-           "checkpoint", "eval", "sdc", "other", "lost", "restart")
-BADPUT = tuple(b for b in BUCKETS if b != "step")
+BUCKETS = ("startup", "health", "restore", "compile", "data", "step", "rollout", "rework",
+           "skipped", "checkpoint", "eval", "sdc", "other", "lost", "restart")
+# Productive time: training steps and (RL) sampling the step's batch from the policy.
+GOODPUT = ("step", "rollout")
+BADPUT = tuple(b for b in BUCKETS if b not in GOODPUT)
 ENV_SPAWN_TIME = "JAXLEARN_SPAWN_TIME"
 ENV_ATTEMPT = "JAXLEARN_ATTEMPT"
 SUPERVISOR_FILE = "supervisor.json"
@@ -212,7 +214,8 @@ class GoodputRecorder:
         """This attempt so far: goodput fraction and seconds per bucket (for summaries)."""
         rec = self.record()
         out = {f"{k}_s": v for k, v in rec["seconds"].items()}
-        out["goodput"] = rec["seconds"]["step"] / max(rec["wall_s"], 1e-9)
+        out["goodput"] = (sum(rec["seconds"].get(b, 0.0) for b in GOODPUT)
+                          / max(rec["wall_s"], 1e-9))
         return out
 
     def flush(self) -> None:
@@ -292,7 +295,7 @@ def summarize(output_dir: str) -> dict[str, Any]:
         "wall_s": wall,
         "seconds": {k: round(v, 4) for k, v in totals.items()},
         "fractions": {k: round(v / wall, 4) for k, v in totals.items()},
-        "goodput": totals["step"] / wall,
+        "goodput": sum(totals[b] for b in GOODPUT) / wall,
         "badput": sum(totals[b] for b in BADPUT) / wall,
         "steps": steps,
         "steps_lost": steps["rework"] + steps["skipped"],

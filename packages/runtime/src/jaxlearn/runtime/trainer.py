@@ -46,6 +46,7 @@ from jaxlearn.runtime.compute_copy import COPY_KEY, ComputeCopy
 from jaxlearn.runtime.learner import Learner, ema_update, microbatched_grads
 from jaxlearn.runtime.objective import Objective
 from jaxlearn.runtime.record import RECORD_FILE, RunRecord
+from jaxlearn.runtime.rollout import Rollout
 from jaxlearn.runtime.summary import SummaryWriter, format_flops, format_number
 from jaxlearn.runtime.trainer_support import (
     BackgroundCompile,
@@ -102,6 +103,10 @@ class Trainer(Configurable):
         # What the step minimises (`runtime.objective.Objective`); None: the model's forward
         # loss. Post-training objectives (DPO) plug in here.
         objective: Optional[InstantiableConfig] = None
+        # What makes each step's batch from the input's rows and the current params
+        # (`runtime.rollout.Rollout`: RL's sample-and-score, `posttrain.GRPORollout`);
+        # None: the input's batches are the steps' batches.
+        rollout: Optional[InstantiableConfig] = None
 
         def _field_problems(self) -> dict[str, str]:
             problems = below_minimum(self, max_step=1, log_every_n_steps=1,
@@ -137,6 +142,7 @@ class Trainer(Configurable):
         self.model: Module = cfg.model.clone(name="model").instantiate()
         self.objective: Objective = (cfg.objective or Objective.default_config()).instantiate()
         self.learner: Learner = cfg.learner.instantiate(total_steps=cfg.max_step)
+        self.rollout: Optional[Rollout] = cfg.rollout.instantiate() if cfg.rollout else None
         self.param_specs = self.model.create_parameter_specs_recursively()
         self.tx = self.learner.optimizer(self.param_specs)
         self.copy = ComputeCopy(self.model.dtype if cfg.learner.compute_param_copy else None,
@@ -150,7 +156,6 @@ class Trainer(Configurable):
         self._check_batch_size()
         self.state_shardings = self._state_shardings()
         self._train_step: Any = None
-        # The non-donating variant (the step after a save) and the thread compiling it.
         # The non-donating step (first needed after the first save), compiled on a thread.
         self._keep_step = BackgroundCompile(
             lambda abstract: self.compile_train_step(abstract, donate=False))
@@ -366,7 +371,12 @@ class Trainer(Configurable):
         (or freshly initialized) state."""
         cfg = self.config
         run.guard.start(list(self.mesh.devices.flat))
-        run.data = cfg.input.instantiate().iterator(jax.process_index(), jax.process_count())
+        data = cfg.input.instantiate()
+        run.data = data.iterator(jax.process_index(), jax.process_count())
+        if self.rollout is not None:
+            self.rollout.bind(model_cfg=cfg.model, input=data,
+                              process_index=jax.process_index(),
+                              process_count=jax.process_count())
         if cfg.checkpointer is not None:
             directory = storage.join(cfg.output_dir, "checkpoints")
             run.checkpointer = cfg.checkpointer.clone(directory=directory).instantiate()
@@ -397,8 +407,9 @@ class Trainer(Configurable):
             jax.profiler.start_trace(storage.join(storage.local_dir(cfg.output_dir), "profile"),
                                      create_perfetto_trace=True)
             run.profiling = True
+        local = self._next_batch(run)
         with guard.span("data"):
-            local = guard.before_step(run.step + 1, next(run.data))
+            local = guard.before_step(run.step + 1, local)
             if batch_target_weight(local) == 0.0:  # Loss 0, nothing learned: say so.
                 raise TrainerError(
                     f"step {run.step + 1}: the batch has no trained target (its "
@@ -429,11 +440,22 @@ class Trainer(Configurable):
             jax.profiler.stop_trace()
             run.profiling = False
 
+    def _next_batch(self, run: Run) -> dict[str, np.ndarray]:
+        """The input's next batch, or (RL) the rollout's batch of the input's next rows."""
+        with run.guard.span("data"):
+            local = next(run.data)
+        if self.rollout is None:
+            return local
+        with run.guard.span("rollout", step=run.step + 1, wait_for=run.state):
+            local, run.rollout_scalars = self.rollout(local, run.state["params"], run.step + 1)
+        return local
+
     def _after_step(self, run: Run) -> None:
         """Logging, evaluation and checkpointing, each when due at `run.step`."""
         cfg, step, writer = self.config, run.step, run.writer
         if step % cfg.log_every_n_steps == 0 or step == cfg.max_step or step == 1:
             scalars = {k: float(v) for k, v in jax.device_get(run.summaries).items()}
+            scalars.update(run.rollout_scalars)
             dt = (time.monotonic() - run.t_last) / max(run.steps_since, 1)
             run.t_last, run.steps_since = time.monotonic(), 0
             scalars["step_time"] = dt

@@ -35,6 +35,7 @@ class Run:
     tokens_per_step: int = 0
     t_last: float = dataclasses.field(default_factory=time.monotonic)
     steps_since: int = 0
+    rollout_scalars: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)

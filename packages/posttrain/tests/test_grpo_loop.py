@@ -1,0 +1,126 @@
+"""The GRPO loop through `Trainer.run`: prompts from JSONL, the in-process engine samples
+from the trainer's params, a reward function loaded from a file scores them, the step
+trains on them; the reward rises, a crashed run resumes bit for bit, and bad rewards or
+prompts fail naming the row."""
+
+import json
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from jaxlearn.config import ConfigError
+from jaxlearn.layers import llama_config
+from jaxlearn.posttrain import GRPOObjective, GRPORollout, PromptInput, PromptSource
+from jaxlearn.posttrain.rewards import RewardError
+from jaxlearn.runtime.data import DataError
+from jaxlearn.runtime.trainer import Trainer
+
+VOCAB, SEQ, NEW = 272, 80, 8
+PROMPTS = ["Say digits.", "Numbers please.", "Count!", "Write 0-9."]
+# Dense toy reward: the share of the completion's characters that are digits.
+REWARD = "def digits(prompt, completion, row):\n" \
+         "    return sum(c.isdigit() for c in completion) / max(len(completion), 1)\n"
+
+
+def _files(tmp_path, rows=None, reward=REWARD):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in
+                               (rows or [{"prompt": p, "id": i} for i, p in enumerate(PROMPTS)])))
+    fn = tmp_path / "reward.py"
+    fn.write_text(reward)
+    return str(prompts), f"{fn}:digits"
+
+
+def _config(tmp_path, out, *, rows=None, reward=REWARD, max_step=10, **rollout):
+    prompts, spec = _files(tmp_path, rows, reward)
+    cfg = Trainer.default_config().set(
+        model=llama_config(VOCAB, 32, 2, 4, 2, 64, stack="scan"),
+        input=PromptInput.default_config().set(
+            source=PromptSource.default_config().set(paths=[prompts]), seq_len=SEQ,
+            global_batch_size=8, num_generations=4, eval_fraction=0.0),
+        rollout=GRPORollout.default_config().set(rewards=[spec], max_new_tokens=NEW,
+                                                 **rollout),
+        objective=GRPOObjective.default_config(),
+        output_dir=str(out), max_step=max_step, save_every_n_steps=4, log_every_n_steps=1)
+    cfg.learner.set(learning_rate=3e-2, warmup_steps=0, weight_decay=0.0)
+    cfg.summary_writer.set(progress=False)
+    return cfg
+
+
+def _rows(out):
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()
+            if json.loads(x)["split"] == "train"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("grpo")
+    cfg = _config(tmp, tmp / "run")
+    result = cfg.instantiate().run()
+    return tmp / "run", result
+
+
+def test_grpo_raises_the_reward_on_policy(reference):
+    out, result = reference
+    rows = _rows(out)
+    assert [r["step"] for r in rows] == list(range(1, 11))
+    first, last = np.mean([r["reward_mean"] for r in rows[:3]]), np.mean(
+        [r["reward_mean"] for r in rows[-2:]])
+    assert last > first + 0.15, [r["reward_mean"] for r in rows]
+    for r in rows:  # The sampler's log-probabilities are the trainer's (f32).
+        assert r["logprob_mismatch_max"] <= 1e-5, r
+        assert r["completion_length"] <= NEW and r["sampling_tokens_per_sec"] > 0
+    goodput = json.loads((out / "goodput.json").read_text())
+    assert goodput["seconds"]["rollout"] > 0
+
+
+def test_a_crashed_run_resumes_bit_exact(tmp_path, reference):
+    ref_out, ref = reference
+    out = tmp_path / "run"
+    cfg = _config(tmp_path, out)
+    cfg.resilience.set(faults="crash@6")
+    with pytest.raises(RuntimeError, match="crash before step 6"):
+        cfg.instantiate().run()
+    result = cfg.instantiate().run()  # Resumes from step 4, samples what the first run did.
+    assert result.step == 10
+    for a, b in zip(jax.tree.leaves(result.state["params"]),
+                    jax.tree.leaves(ref.state["params"])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    want = {r["step"]: r["reward_mean"] for r in _rows(ref_out)}
+    assert {r["step"]: r["reward_mean"] for r in _rows(out)} == want
+
+
+def test_old_logprobs_from_the_trainer_agree_with_the_sampler(tmp_path):
+    cfg = _config(tmp_path, tmp_path / "fwd", max_step=1, old_logprobs="trainer")
+    result = cfg.instantiate().run()
+    assert result.metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert result.metrics["logprob_mismatch_max"] <= 1e-5
+
+
+def test_failing_rewards_and_bad_prompts_name_the_row(tmp_path):
+    raising = "def digits(prompt, completion, row):\n    raise KeyError(row['id'])\n"
+    with pytest.raises(RewardError, match=r"prompts.jsonl:\d: reward .*reward.py:digits raised "
+                                          "KeyError") as e:
+        _config(tmp_path, tmp_path / "a", reward=raising, max_step=1).instantiate().run()
+    line, row_id = re.search(r"prompts.jsonl:(\d).*KeyError: (\d)", str(e.value)).groups()
+    assert int(line) == int(row_id) + 1  # The row named is the one the reward failed on.
+    nan = "def digits(prompt, completion, row):\n    return float('nan')\n"
+    with pytest.raises(RewardError, match=r"prompts.jsonl:\d: reward .* returned nan, not a "
+                                          "finite number"):
+        _config(tmp_path, tmp_path / "b", reward=nan, max_step=1).instantiate().run()
+    rows = [{"prompt": "ok"}, {"messages": [{"role": "user", "content": "x"},
+                                            {"role": "assistant", "content": "y"}]}]
+    with pytest.raises(DataError, match="prompts.jsonl:2: 'messages' ends with an assistant"):
+        _config(tmp_path, tmp_path / "c", rows=rows, max_step=1).instantiate().run()
+    long = [{"prompt": "x" * 200}]
+    with pytest.raises(DataError, match=r"prompts.jsonl:1: the prompt has \d+ tokens"):
+        _config(tmp_path, tmp_path / "d", rows=long, max_step=1).instantiate().run()
+    with pytest.raises(ConfigError, match="num_generations=3 must be >= 1 and divide"):
+        PromptInput.default_config().set(
+            source=PromptSource.default_config().set(paths=["x"]), seq_len=8,
+            global_batch_size=8, num_generations=3).instantiate()
+    with pytest.raises(RewardError, match="no function 'nope'"):
+        _config(tmp_path, tmp_path / "e", max_step=1).rollout.set(
+            rewards=[str(tmp_path / "reward.py") + ":nope"]).instantiate()
