@@ -378,3 +378,35 @@ def test_dpo_lora_starts_at_log2_and_learns_the_bundled_preferences(model_dir, t
     assert rows[1]["reward_margin"] == pytest.approx(0.0, abs=1e-5)
     assert rows[6]["loss"] < rows[1]["loss"] and rows[6]["reward_margin"] > 0, rows[6]
     assert rows[6]["num_tokens"] > 0
+
+
+def test_grpo_lora_samples_scores_and_trains_from_the_command_line(model_dir, tmp_path,
+                                                                   monkeypatch, capsys):
+    """`grpo-lora` with the user's prompts (--data) and reward file (--reward, relative):
+    the in-process engine samples from the pretrained model's params, the reward file
+    scores the completions, the logged log-probability mismatch is f32 rounding, and the
+    run record names the reward file by its absolute path. A reward that does not load is
+    a usage error naming the flag."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "prompts.jsonl").write_text(
+        "".join(json.dumps({"prompt": p}) + "\n" for p in ["hi", "the lantern", "charge", "a"]))
+    (tmp_path / "score.py").write_text(
+        "def short(prompt, completion, row):\n    return -len(completion) / 10\n")
+    out = tmp_path / "grpo"
+    assert main(["train", "--experiment", "grpo-lora", "--init_from", str(model_dir),
+                 "--output_dir", str(out), "--max_step", "2", "--data", "prompts.jsonl",
+                 "--reward", "score.py:short", *FAST,
+                 "--set", "rollout.max_new_tokens=8"]) == 0
+    with open(out / "metrics.jsonl") as f:
+        rows = [r for r in map(json.loads, f) if r["split"] == "train"]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["reward_mean"] <= 0 and r["logprob_mismatch_max"] <= 1e-5, r
+        assert 0 < r["completion_length"] <= 8
+    record = json.loads((out / "run.json").read_text())
+    assert f"rollout.rewards=['{tmp_path / 'score.py'}:short']" in record["overrides"]
+    capsys.readouterr()
+    assert main(["train", "--experiment", "grpo-lora", "--init_from", str(model_dir),
+                 "--output_dir", str(tmp_path / "bad"), "--reward", "score.py:long",
+                 *FAST]) == 2
+    assert "--reward: reward" in capsys.readouterr().err

@@ -99,6 +99,19 @@ def test_old_logprobs_from_the_trainer_agree_with_the_sampler(tmp_path):
     assert result.metrics["logprob_mismatch_max"] <= 1e-5
 
 
+def test_a_released_kv_pool_samples_the_same(tmp_path, reference):
+    """`keep_kv_pool=False` frees the pool while each step trains; the samples (so the
+    rewards and the params) are those of the run that keeps it."""
+    out = tmp_path / "release"
+    result = _config(tmp_path, out, keep_kv_pool=False).instantiate().run()
+    rows, want = _rows(out), _rows(reference[0])
+    assert [r["reward_mean"] for r in rows] == [r["reward_mean"] for r in want]
+    for a, b in zip(jax.tree.leaves(result.state["params"]),
+                    jax.tree.leaves(reference[1].state["params"])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert all(r["sampler_kv_gb"] > 0 and r["peak_memory_gb"] > 0 for r in rows)
+
+
 def test_failing_rewards_and_bad_prompts_name_the_row(tmp_path):
     raising = "def digits(prompt, completion, row):\n    raise KeyError(row['id'])\n"
     with pytest.raises(RewardError, match=r"prompts.jsonl:\d: reward .*reward.py:digits raised "

@@ -2,7 +2,7 @@
 
     jaxlearn train --experiment NAME --output_dir DIR [--mesh_selector SEL] [--set ...]
                    [--max_step N] [--data PATH ...] [--profile_steps 5,6] [--elastic]
-                   [--init_from PATH] [--supervise [--max_restarts N] [--restart_backoff_s S]]
+                   [--init_from PATH] [--reward SPEC ...] [--supervise [--max_restarts N] [--restart_backoff_s S]]
                    [--coordinator_address H:P --num_processes N --process_id I ...]
     jaxlearn config --experiment NAME [--mesh_selector SEL] [--set ...] [train's run flags]
 
@@ -74,6 +74,10 @@ RUN_FLAG_ARGS: dict[str, dict[str, Any]] = {
     "elastic": dict(action="store_true", help=(
         "on a device count other than the run's first, keep the global batch by raising "
         "learner.num_microbatches (the mesh's -1 axis adapts)")),
+    "reward": dict(action="append", default=[], metavar="SPEC", help=(
+        "RL recipes: a reward function, repeatable: a built-in (numeric_match, exact_match, "
+        "length), regex:PATTERN, json_schema:FILE, FILE.py:function or module:function; "
+        "weights: --set rollout.reward_weights=[...]")),
 }
 
 
@@ -91,6 +95,7 @@ def run_flags(args: argparse.Namespace) -> RunFlags:
     """The parsed run flags as typed `RunFlags`."""
     values = {name: getattr(args, name) for name in RUN_FLAGS}
     values["data"] = tuple(values["data"])
+    values["reward"] = tuple(values["reward"])
     return RunFlags(**values)
 
 

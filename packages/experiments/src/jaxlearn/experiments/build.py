@@ -62,6 +62,7 @@ class RunFlags:
     profile_steps: Optional[str] = None
     elastic: bool = False
     init_from: Optional[str] = None
+    reward: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +106,20 @@ def _data(cfg: Any, paths: tuple[str, ...]) -> list[Setting]:
     return out
 
 
+def _reward(cfg: Any, specs: tuple[str, ...]) -> list[Setting]:
+    if getattr(cfg, "rollout", None) is None:
+        raise BuildError("--reward: this experiment samples nothing to reward (no rollout); "
+                         "use an RL recipe such as grpo or grpo-lora")
+    # A reward file is named by its absolute path: the run record rebuilds the run anywhere.
+    def absolute(spec: str) -> str:
+        target, sep, name = spec.rpartition(":")
+        if sep and target.endswith(".py") and not storage.is_remote(target):
+            return f"{os.path.abspath(target)}:{name}"
+        return spec
+
+    return [_setting("rollout.rewards", [absolute(s) for s in specs])]
+
+
 def _profile_steps(cfg: Any, text: str) -> list[Setting]:
     try:
         steps = tuple(int(s) for s in text.split(",") if s.strip())
@@ -135,6 +150,7 @@ RUN_FLAGS: dict[str, RunFlag] = {
     "profile_steps": RunFlag("profile_steps", _profile_steps),
     "elastic": RunFlag("resilience.elastic", lambda cfg, v: [
         _setting("resilience.elastic", True)]),
+    "reward": RunFlag("rollout.rewards", _reward),
 }
 
 
@@ -241,6 +257,12 @@ def check_inputs(cfg: Any, flags: RunFlags) -> None:
         cfg.input.instantiate().iterator(0, 1)
     except (ConfigError, ValueError, OSError) as e:
         raise BuildError(f"{'--data' if flags.data else 'input'}: {one_line(e)}") from None
+    if getattr(cfg, "rollout", None) is not None:
+        try:  # Loads the reward functions.
+            cfg.rollout.instantiate()
+        except (ConfigError, ValueError) as e:
+            raise BuildError(f"{'--reward' if flags.reward else 'rollout'}: "
+                             f"{one_line(e)}") from None
 
 
 def build_run(experiment: str, selector: Optional[str], overrides: Sequence[str],

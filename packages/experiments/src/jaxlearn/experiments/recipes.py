@@ -33,10 +33,24 @@ from jaxlearn.layers import (
     use_moe,
 )
 from jaxlearn.mesh import SetFieldsModifier
-from jaxlearn.posttrain import DPOObjective, PreferenceInput, PreferenceSource
+from jaxlearn.posttrain import (
+    DPOObjective,
+    GRPOObjective,
+    GRPORollout,
+    PreferenceInput,
+    PreferenceSource,
+    PromptInput,
+    PromptSource,
+)
 from jaxlearn.runtime.bundled import BundledSource
 from jaxlearn.runtime.input_pipeline import Input
-from jaxlearn.runtime.sft import CHAT_EXAMPLE, PREFERENCE_EXAMPLE, SFTInput, SFTSource
+from jaxlearn.runtime.sft import (
+    ARITHMETIC_PROMPTS,
+    CHAT_EXAMPLE,
+    PREFERENCE_EXAMPLE,
+    SFTInput,
+    SFTSource,
+)
 from jaxlearn.runtime.trainer import Trainer
 from jaxlearn.text.tokenizers import ByteTokenizer
 
@@ -295,6 +309,38 @@ def dpo_lora() -> Trainer.Config:
     return cfg
 
 
+def grpo() -> Trainer.Config:
+    """GRPO of --init_from on prompts JSONL (--data; default: the bundled arithmetic
+    questions) scored by --reward functions (default: `numeric_match` against each row's
+    "answer"). Each step the in-process engine samples 4 completions (temperature 1, at
+    most 48 new tokens) of each of 4 prompts from the current params, and
+    `posttrain.GRPOObjective` (clip 0.2, no KL, per-sequence mean) trains on them with the
+    sampler's log-probabilities as the old policy's: batch 16 completions, seq 128, AdamW
+    lr 1e-5, 30 steps; `finetune`'s model and mesh rules."""
+    cfg = finetune()
+    cfg.input = PromptInput.default_config().set(
+        source=PromptSource.default_config().set(paths=[ARITHMETIC_PROMPTS]),
+        tokenizer=ByteTokenizer.default_config(), seq_len=128, global_batch_size=16,
+        num_generations=4, eval_fraction=0.0)
+    cfg.eval_input = None
+    cfg.rollout = GRPORollout.default_config().set(rewards=["numeric_match"],
+                                                   max_new_tokens=48)
+    cfg.objective = GRPOObjective.default_config()
+    cfg.learner.set(learning_rate=1e-5, warmup_steps=2)
+    cfg.set(max_step=30, save_every_n_steps=10, log_every_n_steps=1)
+    return cfg
+
+
+def grpo_lora() -> Trainer.Config:
+    """`grpo` with `lora`'s adapters (rank 8, alpha 16; only they train) at lr 2e-4: the
+    base model with adapters off is the reference a KL term would use (`--set
+    objective.beta=0.04`), with no second copy of the weights."""
+    cfg = grpo()
+    cfg.model = use_lora(cfg.model, rank=8, alpha=16.0)
+    cfg.learner.set(trainable=ADAPTERS, learning_rate=2e-4)
+    return cfg
+
+
 EXPERIMENTS = {
     "tiny-llama": tiny_llama,
     "tiny-llama-long": tiny_llama_long,
@@ -310,6 +356,8 @@ EXPERIMENTS = {
     "finetune": finetune,
     "lora": lora,
     "dpo-lora": dpo_lora,
+    "grpo": grpo,
+    "grpo-lora": grpo_lora,
 }
 DEFAULT_EXPERIMENT = "tiny-llama"
 # The pretraining recipes at published sizes: the rows of the AOT matrix (docs/aot_matrix.md).

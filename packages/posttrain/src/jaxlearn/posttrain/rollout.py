@@ -18,12 +18,15 @@ run samples what the uninterrupted one did, and N processes sample what one does
 per step: `reward_mean`, `reward_std`, `reward_<name>` (each function's mean),
 `completion_length` (tokens), `completion_clipped` (share that hit max_new_tokens),
 `zero_advantage_groups` (share of groups whose rewards were all equal: no signal),
-`sample_time`, `sampling_tokens_per_sec`.
+`sample_time`, `sampling_tokens_per_sec`, `sampler_kv_gb` (the engine's KV pool; freed
+while the step trains with `keep_kv_pool=False`), `peak_memory_gb` (the device's peak, or
+on CPU the process's peak RSS).
 """
 
 from __future__ import annotations
 
 import re
+import resource
 import time
 from typing import Any, Literal, Optional, Sequence
 
@@ -42,6 +45,15 @@ from jaxlearn.runtime.input_pipeline import rows_per_process
 from jaxlearn.runtime.rollout import Rollout
 
 __all__ = ["GRPORollout"]
+
+
+def peak_memory_bytes() -> int:
+    """The first local device's peak bytes in use where the backend reports it (GPU,
+    TPU), else this process's peak resident set (CPU: host memory is device memory)."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+        return int(stats["peak_bytes_in_use"])
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _metric_name(spec: str) -> str:
@@ -63,6 +75,8 @@ class GRPORollout(Rollout):
         seed: int = 0
         max_batch: Optional[int] = None  # The engine's rows (None: a step's completions).
         page_size: int = 16
+        # Keep the engine's KV pool between steps (False: free it while the step trains).
+        keep_kv_pool: bool = True
 
         def _field_problems(self) -> dict[str, str]:
             problems = {}
@@ -135,6 +149,10 @@ class GRPORollout(Rollout):
         if not indices:
             raise DataError("GRPORollout: the input gave no prompt for this step")
         completions = self._sample(indices, params, step)
+        assert self._sampler is not None
+        kv_bytes = self._sampler.kv_bytes
+        if not self.config.keep_kv_pool:
+            self._sampler.release()
         sample_time = time.monotonic() - t0
         rewards = np.zeros(len(completions), np.float64)
         parts = np.zeros((len(completions), len(self._rewards)), np.float64)
@@ -165,6 +183,7 @@ class GRPORollout(Rollout):
             "zero_advantage_groups": float(np.mean(groups.std(axis=1) == 0)),
             "sample_time": sample_time,
             "sampling_tokens_per_sec": float(lengths.sum()) / max(sample_time, 1e-9),
+            "sampler_kv_gb": kv_bytes / 1e9, "peak_memory_gb": peak_memory_bytes() / 1e9,
         }
         if len(self._rewards) > 1:
             for k, r in enumerate(self._rewards):

@@ -4,6 +4,7 @@ trainer's model config, running the trainer's current params.
     sampler = EngineSampler(model_cfg, params, tokenizer, max_batch=16, max_seq_len=256)
     rollouts = sampler.sample(prompt_ids, n=4, temperature=1.0, max_new_tokens=64, seed=s)
     sampler.set_params(new_params)      # after a train step: swapped, never copied
+    sampler.release()                   # frees the KV pool until the next set_params
 
 Each `Completion` carries the sampled tokens and the log-probability the engine computed for
 each of them (the raw f32 model distribution, before temperature / top-p), so a trainer
@@ -50,18 +51,35 @@ class EngineSampler:
             prefix_caching=False, weight_layout="in_out", fuse_projections=False,
             quantize=None, add_bos=False)
         self.engine = Engine(cfg, model_cfg=model_cfg, params=params, tokenizer=tokenizer)
+        current = self.engine.runner.params
+        self._shardings = jax.tree.map(lambda x: x.sharding, current)
+        self._shapes = jax.tree.map(lambda x: (x.shape, x.dtype), current)
+        self._released = False
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of the engine's KV pool (0 while released)."""
+        return 0 if self.engine.runner.pool is None else self.engine.runner.cache_bytes()
+
+    def release(self) -> None:
+        """Frees the KV pool and drops the engine's reference to the params (training
+        time-sliced with sampling gets that memory back); the next `sample` reallocates
+        the pool and needs a `set_params` first."""
+        runner = self.engine.runner
+        runner.pool = runner.seen = runner.counts = runner.params = None
+        self._released = True
 
     def set_params(self, params: Any) -> None:
         """Runs `params` from now on (same tree, shapes and dtypes as the first; placed
         like the engine's current ones, which is no copy when they already are)."""
-        current = self.engine.runner.params
-        shardings = jax.tree.map(lambda x: x.sharding, current)
-        new = jax.device_put(params, shardings)
-        shapes = jax.tree.map(lambda x: (x.shape, x.dtype), current)
-        if jax.tree.map(lambda x: (x.shape, x.dtype), new) != shapes:
+        new = jax.device_put(params, self._shardings)
+        if jax.tree.map(lambda x: (x.shape, x.dtype), new) != self._shapes:
             raise ValueError("EngineSampler.set_params: the params' tree, shapes or dtypes "
                              "differ from the engine's")
         self.engine.runner.params = new
+        if self._released:
+            self.engine.runner.reset()
+            self._released = False
 
     def sample(self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float = 1.0,
                top_p: float = 1.0, max_new_tokens: int = 64, seed: int = 0,
@@ -69,6 +87,8 @@ class EngineSampler:
         """`n` completions of each prompt (token ids), in prompt-major order."""
         if n < 1:
             raise ValueError(f"EngineSampler.sample: n must be >= 1, got {n}")
+        if self._released:
+            raise ValueError("EngineSampler.sample: released; set_params first")
         copies = [(i, list(ids)) for i, ids in enumerate(prompts) for _ in range(n)]
         params = self.engine.sampling_params(
             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,

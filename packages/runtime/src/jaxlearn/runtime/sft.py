@@ -109,6 +109,8 @@ BUNDLED_PREFIX = "bundled:"
 CHAT_EXAMPLE = BUNDLED_PREFIX + "chat_example.jsonl"
 # Preference pairs on the same facts (a correct and a wrong answer), for DPO examples.
 PREFERENCE_EXAMPLE = BUNDLED_PREFIX + "preference_example.jsonl"
+# Arithmetic questions with numeric answers, for RL (GRPO) examples with `numeric_match`.
+ARITHMETIC_PROMPTS = BUNDLED_PREFIX + "arithmetic_prompts.jsonl"
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -450,6 +452,7 @@ __all__ = [
     "CHATML_TEMPLATE",
     "CHAT_EXAMPLE",
     "PREFERENCE_EXAMPLE",
+    "ARITHMETIC_PROMPTS",
     "Rendered",
     "SFTDocument",
     "SFTInput",
