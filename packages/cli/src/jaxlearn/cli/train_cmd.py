@@ -2,7 +2,8 @@
 
     jaxlearn train --experiment NAME --output_dir DIR [--mesh_selector SEL] [--set ...]
                    [--max_step N] [--data PATH ...] [--profile_steps 5,6] [--elastic]
-                   [--init_from PATH] [--reward SPEC ...] [--supervise [--max_restarts N] [--restart_backoff_s S]]
+                   [--init_from PATH] [--reward SPEC ...]
+                   [--supervise [--max_restarts N] [--restart_backoff_s S]]
                    [--coordinator_address H:P --num_processes N --process_id I ...]
     jaxlearn config --experiment NAME [--mesh_selector SEL] [--set ...] [train's run flags]
 

@@ -59,6 +59,7 @@ from jaxlearn.runtime.trainer_support import (
     merge_updates,
     merged_iterator_state,
     peak_flops,
+    step_timing,
     warn_if_schedule_changed,
 )
 
@@ -103,9 +104,8 @@ class Trainer(Configurable):
         # What the step minimises (`runtime.objective.Objective`); None: the model's forward
         # loss. Post-training objectives (DPO) plug in here.
         objective: Optional[InstantiableConfig] = None
-        # What makes each step's batch from the input's rows and the current params
-        # (`runtime.rollout.Rollout`: RL's sample-and-score, `posttrain.GRPORollout`);
-        # None: the input's batches are the steps' batches.
+        # Makes each step's batch from the input's rows and the current params (RL's
+        # sample-and-score, `runtime.rollout.Rollout`); None: the input's batches are.
         rollout: Optional[InstantiableConfig] = None
 
         def _field_problems(self) -> dict[str, str]:
@@ -446,8 +446,10 @@ class Trainer(Configurable):
             local = next(run.data)
         if self.rollout is None:
             return local
+        t0 = time.monotonic()
         with run.guard.span("rollout", step=run.step + 1, wait_for=run.state):
             local, run.rollout_scalars = self.rollout(local, run.state["params"], run.step + 1)
+        run.rollout_s += time.monotonic() - t0
         return local
 
     def _after_step(self, run: Run) -> None:
@@ -456,13 +458,7 @@ class Trainer(Configurable):
         if step % cfg.log_every_n_steps == 0 or step == cfg.max_step or step == 1:
             scalars = {k: float(v) for k, v in jax.device_get(run.summaries).items()}
             scalars.update(run.rollout_scalars)
-            dt = (time.monotonic() - run.t_last) / max(run.steps_since, 1)
-            run.t_last, run.steps_since = time.monotonic(), 0
-            scalars["step_time"] = dt
-            scalars["tokens_per_sec"] = run.tokens_per_step / dt
-            mfu = self._mfu(dt)
-            if mfu is not None:
-                scalars["mfu"] = mfu
+            scalars.update(step_timing(run, self.compiled_flops, self.mfu_peak))
             run.last = writer.write(step, scalars)
             writer.progress(step, run.last)
             run.guard.log(step, run.last, writer)
@@ -560,12 +556,6 @@ class Trainer(Configurable):
             return self._keep_step.get(abstract_like(batch))
         except Exception as e:
             raise TrainerError(f"compiling the non-donating train step failed: {e}") from e
-
-    def _mfu(self, step_time: float) -> Optional[float]:
-        """Model FLOPs utilization of one step against `mfu_peak` (per device)."""
-        if not self.compiled_flops or self.mfu_peak is None or not self.mfu_peak[0]:
-            return None
-        return self.compiled_flops / step_time / self.mfu_peak[0]
 
     def evaluate(self, params: Any) -> dict[str, float]:
         """Mean loss/metrics over `eval_batches` batches of `eval_input`, and perplexity."""

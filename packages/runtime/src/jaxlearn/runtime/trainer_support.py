@@ -36,6 +36,24 @@ class Run:
     t_last: float = dataclasses.field(default_factory=time.monotonic)
     steps_since: int = 0
     rollout_scalars: dict[str, float] = dataclasses.field(default_factory=dict)
+    rollout_s: float = 0.0  # RL: seconds spent making batches since the last log.
+
+
+def step_timing(run: Run, flops: Optional[float],
+                peak: Optional[tuple[float, str]]) -> dict[str, float]:
+    """Per step since the last log: `step_time` (wall), and over the training part alone
+    (the step less an RL rollout, whose time is `rollout_time`) `tokens_per_sec` and `mfu`
+    (the compiled step's `flops` per device against `peak` FLOP/s per device)."""
+    now, steps = time.monotonic(), max(run.steps_since, 1)
+    dt = (now - run.t_last) / steps
+    train = max(dt - run.rollout_s / steps, 1e-9)
+    out = {"step_time": dt, "tokens_per_sec": run.tokens_per_step / train}
+    if run.rollout_s:
+        out["rollout_time"] = run.rollout_s / steps
+    if flops and peak is not None and peak[0]:
+        out["mfu"] = flops / train / peak[0]
+    run.t_last, run.steps_since, run.rollout_s = now, 0, 0.0
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
