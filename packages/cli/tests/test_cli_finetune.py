@@ -385,18 +385,19 @@ def test_grpo_lora_samples_scores_and_trains_from_the_command_line(model_dir, tm
     """`grpo-lora` with the user's prompts (--data) and reward file (--reward, relative):
     the in-process engine samples from the pretrained model's params, the reward file
     scores the completions, the logged log-probability mismatch is f32 rounding, and the
-    run record names the reward file by its absolute path. A reward that does not load is
-    a usage error naming the flag."""
+    run record names the reward file by its absolute path. Two processes (4 devices each,
+    each sampling its own prompts) sample and score what one process does. A reward that
+    does not load is a usage error naming the flag."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "prompts.jsonl").write_text(
         "".join(json.dumps({"prompt": p}) + "\n" for p in ["hi", "the lantern", "charge", "a"]))
     (tmp_path / "score.py").write_text(
         "def short(prompt, completion, row):\n    return -len(completion) / 10\n")
     out = tmp_path / "grpo"
-    assert main(["train", "--experiment", "grpo-lora", "--init_from", str(model_dir),
-                 "--output_dir", str(out), "--max_step", "2", "--data", "prompts.jsonl",
-                 "--reward", "score.py:short", *FAST,
-                 "--set", "rollout.max_new_tokens=8"]) == 0
+    args = ["train", "--experiment", "grpo-lora", "--init_from", str(model_dir),
+            "--max_step", "2", "--data", "prompts.jsonl", "--reward", "score.py:short",
+            *FAST, "--set", "rollout.max_new_tokens=8"]
+    assert main([*args, "--output_dir", str(out)]) == 0
     with open(out / "metrics.jsonl") as f:
         rows = [r for r in map(json.loads, f) if r["split"] == "train"]
     assert [r["step"] for r in rows] == [1, 2]
@@ -405,6 +406,16 @@ def test_grpo_lora_samples_scores_and_trains_from_the_command_line(model_dir, tm
         assert 0 < r["completion_length"] <= 8
     record = json.loads((out / "run.json").read_text())
     assert f"rollout.rewards=['{tmp_path / 'score.py'}:short']" in record["overrides"]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in sys.path if p))
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    two = tmp_path / "grpo2"
+    assert main(["launch", "local", "--num_processes", "2", "--devices_per_process", "4",
+                 "--", *args, "--output_dir", str(two)]) == 0
+    with open(two / "metrics.jsonl") as f:
+        rows2 = [r for r in map(json.loads, f) if r["split"] == "train"]
+    for a, b in zip(rows, rows2, strict=True):
+        assert a["reward_mean"] == b["reward_mean"], (a, b)
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6), (a, b)
     capsys.readouterr()
     assert main(["train", "--experiment", "grpo-lora", "--init_from", str(model_dir),
                  "--output_dir", str(tmp_path / "bad"), "--reward", "score.py:long",

@@ -33,6 +33,7 @@ from typing import Any, Literal, Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 from jaxlearn.config import ConfigError
 from jaxlearn.posttrain.grpo import group_advantages, rollout_batch
@@ -54,6 +55,20 @@ def peak_memory_bytes() -> int:
     if "peak_bytes_in_use" in stats:
         return int(stats["peak_bytes_in_use"])
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def process_local(params: Any) -> Any:
+    """`params` as arrays this process can hand its own engine: a leaf spread over several
+    processes becomes its local replica when replicated, else the whole array gathered
+    from every process (all processes call this in step)."""
+    def local(x: Any) -> Any:
+        if not isinstance(x, jax.Array) or x.is_fully_addressable:
+            return x
+        if x.is_fully_replicated:
+            return x.addressable_data(0)
+        return multihost_utils.process_allgather(x, tiled=True)
+
+    return jax.tree.map(local, params)
 
 
 def _metric_name(spec: str) -> str:
@@ -118,9 +133,12 @@ class GRPORollout(Rollout):
                     f"input.seq_len={self._seq} (+1); raise seq_len or shorten the prompt")
         self._rows = rows_per_process(icfg.global_batch_size, process_index, process_count)
         self._offset = process_index * self._rows
+        self._processes = process_count
 
     def _sample(self, indices: list[int], params: Any, step: int) -> list[Completion]:
         cfg = self.config
+        if self._processes > 1:
+            params = process_local(params)
         if self._sampler is None:
             self._sampler = EngineSampler(
                 self._model_cfg, params, self._input.tokenizer,
@@ -173,19 +191,31 @@ class GRPORollout(Rollout):
         if self.config.old_logprobs == "trainer":
             batch["old_logprobs"] = self._trainer_logprobs(params, batch) * (
                 batch["target_weights"] > 0)
-        lengths = np.array([len(c.tokens) for c in completions])
-        groups = rewards.reshape(-1, self._group)
+        return batch, self._scalars(completions, rewards, parts, sample_time, kv_bytes)
+
+    def _scalars(self, completions: list[Completion], rewards: np.ndarray, parts: np.ndarray,
+                 sample_time: float, kv_bytes: int) -> dict[str, float]:
+        """The step's rollout scalars over every process's completions."""
+        lengths = np.array([len(c.tokens) for c in completions], np.float64)
+        clipped = np.array([c.finish_reason == "length" for c in completions], np.float64)
+        flat = rewards.reshape(-1, self._group)
+        zero = np.repeat(flat.std(axis=1) == 0, self._group).astype(np.float64)
+        table = np.column_stack([rewards, lengths, clipped, zero, parts])
+        if self._processes > 1:  # Rows of every process (each holds whole groups), as
+            # uint32 pairs: the gather carries 32-bit words, and the f64 values stay exact.
+            words = np.ascontiguousarray(table).view(np.uint32)
+            gathered = np.asarray(multihost_utils.process_allgather(words), np.uint32)
+            table = gathered.reshape(-1, words.shape[1]).view(np.float64)
         scalars = {
-            "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
-            "completion_length": float(lengths.mean()),
-            "completion_clipped": float(np.mean([c.finish_reason == "length"
-                                                 for c in completions])),
-            "zero_advantage_groups": float(np.mean(groups.std(axis=1) == 0)),
+            "reward_mean": float(table[:, 0].mean()), "reward_std": float(table[:, 0].std()),
+            "completion_length": float(table[:, 1].mean()),
+            "completion_clipped": float(table[:, 2].mean()),
+            "zero_advantage_groups": float(table[:, 3].mean()),
             "sample_time": sample_time,
             "sampling_tokens_per_sec": float(lengths.sum()) / max(sample_time, 1e-9),
             "sampler_kv_gb": kv_bytes / 1e9, "peak_memory_gb": peak_memory_bytes() / 1e9,
         }
         if len(self._rewards) > 1:
             for k, r in enumerate(self._rewards):
-                scalars[_metric_name(r.name)] = float(parts[:, k].mean())
-        return batch, scalars
+                scalars[_metric_name(r.name)] = float(table[:, 4 + k].mean())
+        return scalars

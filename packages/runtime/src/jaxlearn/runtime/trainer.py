@@ -423,7 +423,7 @@ class Trainer(Configurable):
                 first_save = (run.step // cfg.save_every_n_steps + 1) * cfg.save_every_n_steps
                 if run.checkpointer is not None and first_save < cfg.max_step:
                     self._keep_step.start(abstract_like(batch))
-            run.t_last = time.monotonic()
+            run.t_last, run.rollout_s = time.monotonic(), 0.0
             self._report_flops(run)
         step_fn = self._train_step
         if run.keep_input:  # The previous step's state is being saved: do not donate it.
