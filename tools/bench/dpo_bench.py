@@ -112,7 +112,9 @@ def pt_stage(out: pathlib.Path, steps: int, warmup: int, tag: str) -> None:
         max_steps=steps, learning_rate=2e-4, lr_scheduler_type="constant", beta=0.1,
         max_length=128, adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8,
         weight_decay=0.0, max_grad_norm=1.0, logging_steps=1, report_to=[], use_cpu=True,
-        dataloader_num_workers=0, save_strategy="no", seed=0)
+        dataloader_num_workers=0, save_strategy="no", seed=0,
+        # TRL defaults to bf16 autocast and gradient checkpointing; f32 against f32.
+        bf16=False, gradient_checkpointing=False)
     lora = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS,
                            bias="none", task_type="CAUSAL_LM")
     times: list[float] = []

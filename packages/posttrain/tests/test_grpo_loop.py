@@ -112,6 +112,23 @@ def test_a_released_kv_pool_samples_the_same(tmp_path, reference):
     assert all(r["sampler_kv_gb"] > 0 and r["peak_memory_gb"] > 0 for r in rows)
 
 
+def test_batches_cut_to_their_longest_row_train_like_full_ones(tmp_path, reference):
+    """`pad_to_multiple_of`: each batch is cut to its longest completion (rounded up to
+    2 of the 80 tokens); the first step (the same samples) reports the same loss, grad
+    norm and rewards as the full-length step."""
+    cfg = _config(tmp_path, tmp_path / "cut", max_step=1)
+    cfg.pad_to_multiple_of = 2
+    trainer = cfg.instantiate()
+    result = trainer.run()
+    want = _rows(reference[0])[0]
+    for k in ("reward_mean", "num_tokens"):
+        assert result.metrics[k] == want[k]
+    for k in ("loss", "grad_norm", "entropy"):
+        assert result.metrics[k] == pytest.approx(want[k], rel=1e-5, abs=1e-7), k
+    (shape,) = [dict((n, s) for n, s, _ in key)["input_ids"] for key in trainer._programs.flops]
+    assert shape[1] < SEQ and shape[1] % 2 == 0
+
+
 def test_failing_rewards_and_bad_prompts_name_the_row(tmp_path):
     raising = "def digits(prompt, completion, row):\n    raise KeyError(row['id'])\n"
     with pytest.raises(RewardError, match=r"prompts.jsonl:\d: reward .*reward.py:digits raised "

@@ -249,15 +249,22 @@ def _sft_input(seq_len: int, global_batch_size: int) -> Any:
     )
 
 
-def finetune_mesh_rules() -> tuple[tuple[str, Any], ...]:
+def finetune_mesh_rules(cpu_seq_len: Optional[int] = 128) -> tuple[tuple[str, Any], ...]:
     """The large-model rules (FSDP, remat per layer on accelerators) with bf16 compute on
     accelerators. On CPU (a laptop or a server): float32 (XLA:CPU's bf16 matmuls are
     slower), 128-token rows, and remat per layer only where the step would not fit half the
     host's memory without it (`RematToFitModifier`); where it fits, no remat and the layer
     scan unrolled (SmolLM2-135M, 8 x 128 tokens: ~3.0 GB estimated, 1.29x faster steps).
-    With a BPE tokenizer the bundled chat rows are at most 98 tokens."""
+    With a BPE tokenizer the bundled chat rows are at most 98 tokens. On CPU each batch is
+    cut to its longest row in multiples of 32 tokens. `cpu_seq_len` None: the recipe's own
+    seq_len on CPU too."""
     bf16 = SetFieldsModifier.default_config().set(fields={"model.dtype": "bfloat16"})
-    laptop = SetFieldsModifier.default_config().set(fields={"input.seq_len": 128})
+    # Batches cut to their longest row (in multiples of 32 tokens) on CPU: short rows cost
+    # what they hold (a compiled step per length, at most seq_len / 32 of them).
+    cpu = {"pad_to_multiple_of": 32}
+    if cpu_seq_len is not None:
+        cpu["input.seq_len"] = cpu_seq_len
+    laptop = SetFieldsModifier.default_config().set(fields=cpu)
     to_fit = RematToFitModifier.default_config().set(target=LAYER_PATH, stack=STACK_PATH)
     return tuple((pattern, chain(rule, laptop, to_fit) if pattern.startswith("cpu")
                   else chain(rule, bf16)) for pattern, rule in large_model_mesh_rules())
@@ -315,13 +322,16 @@ def grpo() -> Trainer.Config:
     "answer"). Each step the in-process engine samples 4 completions (temperature 1, at
     most 48 new tokens) of each of 4 prompts from the current params, and
     `posttrain.GRPOObjective` (clip 0.2, no KL, per-sequence mean) trains on them with the
-    sampler's log-probabilities as the old policy's: batch 16 completions, seq 128, AdamW
-    lr 1e-5, 30 steps; `finetune`'s model and mesh rules."""
+    sampler's log-probabilities as the old policy's: batch 16 completions, seq 96 (a
+    prompt of up to 49 tokens and its completion; every row is padded to it, so it is
+    kept near what the prompts need, on CPU too), AdamW lr 1e-5, 30 steps; `finetune`'s
+    model and mesh rules."""
     cfg = finetune()
     cfg.input = PromptInput.default_config().set(
         source=PromptSource.default_config().set(paths=[ARITHMETIC_PROMPTS]),
-        tokenizer=ByteTokenizer.default_config(), seq_len=128, global_batch_size=16,
+        tokenizer=ByteTokenizer.default_config(), seq_len=96, global_batch_size=16,
         num_generations=4, eval_fraction=0.0)
+    cfg.mesh_rules = finetune_mesh_rules(cpu_seq_len=None)
     cfg.eval_input = None
     cfg.rollout = GRPORollout.default_config().set(rewards=["numeric_match"],
                                                    max_new_tokens=48)

@@ -47,12 +47,11 @@ from jaxlearn.runtime.learner import Learner, ema_update, microbatched_grads
 from jaxlearn.runtime.objective import Objective
 from jaxlearn.runtime.record import RECORD_FILE, RunRecord
 from jaxlearn.runtime.rollout import Rollout
+from jaxlearn.runtime.step_programs import StepPrograms, shape_key, trim_to_longest
 from jaxlearn.runtime.summary import SummaryWriter, format_flops, format_number
 from jaxlearn.runtime.trainer_support import (
-    BackgroundCompile,
     Run,
     RunResult,
-    abstract_like,
     batch_target_weight,
     devices_for,
     dict_keys,
@@ -107,11 +106,15 @@ class Trainer(Configurable):
         # Makes each step's batch from the input's rows and the current params (RL's
         # sample-and-score, `runtime.rollout.Rollout`); None: the input's batches are.
         rollout: Optional[InstantiableConfig] = None
+        # Cut each batch's sequence axis to its longest row rounded up to this multiple
+        # (`step_programs.trim_to_longest`; a program per length); None: full seq_len.
+        pad_to_multiple_of: Optional[int] = None
 
         def _field_problems(self) -> dict[str, str]:
             problems = below_minimum(self, max_step=1, log_every_n_steps=1,
                                      save_every_n_steps=1, eval_every_n_steps=0,
-                                     eval_batches=1, profile_steps=1)
+                                     eval_batches=1, profile_steps=1,
+                                     pad_to_multiple_of=1)
             if self.peak_flops_per_device is not None and not self.peak_flops_per_device > 0:
                 problems["peak_flops_per_device"] = (
                     f"must be > 0 or None, got {self.peak_flops_per_device!r}")
@@ -155,10 +158,8 @@ class Trainer(Configurable):
         self._replicated = NamedSharding(self.mesh, PartitionSpec())
         self._check_batch_size()
         self.state_shardings = self._state_shardings()
-        self._train_step: Any = None
-        # The non-donating step (first needed after the first save), compiled on a thread.
-        self._keep_step = BackgroundCompile(
-            lambda abstract: self.compile_train_step(abstract, donate=False))
+        # The compiled steps per batch shape, with their non-donating variants.
+        self._programs = StepPrograms(self.compile_train_step)
         self._eval_step: Any = None
         self.compiled_flops: Optional[float] = None
         self.mfu_peak = peak_flops(cfg.peak_flops_per_device, list(self.mesh.devices.flat))
@@ -409,6 +410,8 @@ class Trainer(Configurable):
             run.profiling = True
         local = self._next_batch(run)
         with guard.span("data"):
+            if cfg.pad_to_multiple_of:
+                local = trim_to_longest(local, cfg.pad_to_multiple_of)
             local = guard.before_step(run.step + 1, local)
             if batch_target_weight(local) == 0.0:  # Loss 0, nothing learned: say so.
                 raise TrainerError(
@@ -417,15 +420,15 @@ class Trainer(Configurable):
                     "nothing; check the input (e.g. fine-tuning rows truncated to nothing)")
             batch = self.global_batch(local)
         run.tokens_per_step = int(np.prod(batch["input_ids"].shape))
-        if self._train_step is None:
-            with guard.span("compile"):
-                self._train_step = self._compile(batch)
-                first_save = (run.step // cfg.save_every_n_steps + 1) * cfg.save_every_n_steps
-                if run.checkpointer is not None and first_save < cfg.max_step:
-                    self._keep_step.start(abstract_like(batch))
-            run.t_last, run.rollout_s = time.monotonic(), 0.0
-            self._report_flops(run)
-        step_fn = self._train_step
+        first_save = (run.step // cfg.save_every_n_steps + 1) * cfg.save_every_n_steps
+        with guard.span("compile"):
+            step_fn, new = self._programs.get(batch, keep_later=(
+                run.checkpointer is not None and first_save < cfg.max_step))
+        self.compiled_flops = self._programs.flops[shape_key(batch)]
+        if new:  # The logged step time starts after the compilation.
+            run.t_last, run.rollout_s, run.steps_since = time.monotonic(), 0.0, 0
+            if len(self._programs) == 1:
+                self._report_flops(run)
         if run.keep_input:  # The previous step's state is being saved: do not donate it.
             with guard.span("compile"):
                 step_fn = self._keep_step_fn(batch)
@@ -519,7 +522,7 @@ class Trainer(Configurable):
                           "too: %s", e)
         if run.writer is not None:
             run.writer.close()
-        self._keep_step.join()  # No compilation outlives the run.
+        self._programs.join()  # No compilation outlives the run.
         run.guard.close()
 
     def parameter_count(self) -> int:
@@ -539,21 +542,10 @@ class Trainer(Configurable):
             f"update; {format_flops(self.compiled_flops)} per device per step)"
             + (f"; MFU is measured against {peak[1]}" if peak else ""))
 
-    def _compile(self, batch: Any) -> Any:
-        abstract = abstract_like(batch)
-        t0 = time.monotonic()
-        compiled = self.compile_train_step(abstract)
-        log.info("compiled the train step in %.1fs", time.monotonic() - t0)
-        cost = compiled.cost_analysis()
-        if isinstance(cost, list):
-            cost = cost[0] if cost else {}
-        self.compiled_flops = float(cost.get("flops", 0.0)) if cost else None
-        return compiled
-
     def _keep_step_fn(self, batch: Any) -> Any:
         """The non-donating step (waits for its compilation if still running)."""
         try:
-            return self._keep_step.get(abstract_like(batch))
+            return self._programs.keep(batch)
         except Exception as e:
             raise TrainerError(f"compiling the non-donating train step failed: {e}") from e
 
