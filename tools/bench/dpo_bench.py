@@ -29,7 +29,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Timer, emit, host_cpu, log, med, rnd, run_result  # noqa: E402
+from common import emit, host_cpu, log, med, rnd, run_result  # noqa: E402
 from lora_bench import TARGETS, smollm2_gguf  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "dpo.jsonl"
@@ -66,23 +66,17 @@ def jl_stage(out: pathlib.Path, steps: int, warmup: int, tag: str) -> None:
 
     cfg = from_flat_text((out / "dpo.txt").read_text())
     cfg.output_dir = str(out / f"jl_{os.getpid()}")
-    trainer = cfg.instantiate()
-    state = trainer.init_state()
-    it = cfg.input.instantiate().iterator(0, 1)
-    batches = [trainer.global_batch(next(it)) for _ in range(steps)]
-    abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), batches[0])
-    with Timer() as t_comp:
-        step = trainer.compile_train_step(abstract)
-    times, losses = [], []
-    with jax.set_mesh(trainer.mesh):
-        for batch in batches:
-            with Timer() as t:
-                state, summary = step(state, batch)
-                losses.append(float(summary["loss"]))
-            times.append(t.wall)
-    _emit("jaxlearn", jax.__version__, times, losses, warmup, tag, compile_s=rnd(t_comp.wall),
-          seq=int(cfg.input.seq_len))
+    cfg.set(max_step=steps, save_every_n_steps=10_000, log_every_n_steps=1)
+    cfg.summary_writer.set(progress=False)
+    # As `jaxlearn train` runs it: batches cut to their longest pair (the CPU rule's
+    # pad_to_multiple_of), a step compiled per length (not in the logged step times).
+    cfg.instantiate().run()
+    rows = [json.loads(x) for x in (pathlib.Path(cfg.output_dir) / "metrics.jsonl")
+            .read_text().splitlines()]
+    rows = [r for r in rows if r["split"] == "train"]
+    _emit("jaxlearn", jax.__version__, [r["step_time"] for r in rows],
+          [r["loss"] for r in rows], warmup, tag, seq=int(cfg.input.seq_len),
+          pad_to_multiple_of=cfg.pad_to_multiple_of)
 
 
 def pt_stage(out: pathlib.Path, steps: int, warmup: int, tag: str) -> None:

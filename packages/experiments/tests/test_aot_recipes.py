@@ -36,6 +36,8 @@ def test_recipe_aot_compiles_on_fake_8_device_mesh(name):
     n_trained = sum(int(np.prod(s.shape)) for path, s in specs
                     if trainable is None or re.fullmatch(trainable, path))
     full_state = 4 * n_params + 2 * 4 * n_trained  # f32 params + Adam mu, nu
+    if cfg.learner.ema_decay is not None:  # The EMA (full-fine-tune DPO's reference).
+        full_state += 4 * n_params
     per_device = train.argument_bytes
     if name.startswith("tiny"):  # Data parallel on CPU: the state is replicated.
         assert per_device >= full_state * 0.9

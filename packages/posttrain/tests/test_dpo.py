@@ -195,3 +195,36 @@ def test_dpo_run_crashed_and_resumed_is_bit_exact(tmp_path):
     assert got.step == ref.step == 6
     for a, b in zip(jax.tree.leaves(got.state), jax.tree.leaves(ref.state)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_full_fine_tune_dpo_against_a_frozen_ema_reference(tmp_path):
+    """`reference="ema"` with `ema_decay=1.0`: no adapters, the reference is the initial
+    model (step 1's loss is log 2 exactly), the policy learns the preference, and the EMA
+    stays bit-identical to the initial params. Without an EMA the objective says what to
+    set."""
+    base_cfg, _ = _lora_model()
+    trainer = _trainer(tmp_path / "full", base_cfg, trainable=None, beta=0.5,
+                       reference="ema")
+    with pytest.raises(ValueError, match="learner keeps no EMA; set learner.ema_decay=1.0"):
+        trainer.compile_train_step(jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+            trainer.global_batch(_pairs(8))))
+    cfg = trainer.config.clone()
+    cfg.learner.set(ema_decay=1.0, learning_rate=1e-2)
+    trainer = cfg.instantiate()
+    batch = trainer.global_batch(_pairs(8))
+    step = trainer.compile_train_step(jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), batch))
+    state = trainer.init_state()
+    initial = jax.tree.map(np.asarray, state["params"])
+    losses = []
+    with jax.set_mesh(trainer.mesh):
+        for _ in range(15):
+            state, s = step(state, batch)
+            losses.append(float(s["loss"]))
+    assert losses[0] == pytest.approx(math.log(2), abs=1e-6)
+    assert losses[-1] < math.log(2) / 2 and float(s["reward_accuracy"]) == 1.0, losses
+    for a, b in zip(jax.tree.leaves(state["ema"]), jax.tree.leaves(initial)):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    assert not all(np.array_equal(np.asarray(a), b) for a, b in
+                   zip(jax.tree.leaves(state["params"]), jax.tree.leaves(initial)))

@@ -298,6 +298,18 @@ def lora() -> Trainer.Config:
     return cfg
 
 
+def dpo() -> Trainer.Config:
+    """Full fine-tune DPO of --init_from on preference JSONL: `dpo_lora`'s data, loss and
+    schedule on `finetune`'s model, the reference a frozen copy of the initial params (the
+    learner's EMA with decay 1.0, `objective.reference="ema"`), lr 1e-5."""
+    cfg = dpo_lora()
+    base = finetune()
+    cfg.model, cfg.mesh_rules = base.model, base.mesh_rules
+    cfg.learner.set(trainable=None, learning_rate=1e-5, ema_decay=1.0)
+    cfg.objective = DPOObjective.default_config().set(beta=0.1, reference="ema")
+    return cfg
+
+
 def dpo_lora() -> Trainer.Config:
     """LoRA DPO of --init_from on preference JSONL (--data; default: the bundled pairs,
     a correct and a wrong answer about the chat example's facts): `lora`'s model, adapters
@@ -365,6 +377,7 @@ EXPERIMENTS = {
     "gemma2-9b": gemma2_9b,
     "finetune": finetune,
     "lora": lora,
+    "dpo": dpo,
     "dpo-lora": dpo_lora,
     "grpo": grpo,
     "grpo-lora": grpo_lora,

@@ -12,10 +12,13 @@ With r = beta * (log pi(y|x) - log pi_ref(y|x)) for each response and z = r_chos
 r_rejected (in units of beta):
   sigmoid   -(1 - eps) log sigmoid(z) - eps log sigmoid(-z)   (eps: `label_smoothing`)
   ipo       (z / beta - 1 / (2 beta))^2
-The reference policy is the model's own base: `reference="adapters_off"` runs the same
-forward with every LoRA adapter zeroed (`logprobs.adapters_off`), so no second copy of the
-weights exists; at step 0 (adapters initialised to add 0) policy == reference and the
-sigmoid loss is exactly log 2. A model without adapters is refused.
+The reference policy of LoRA DPO is the model's own base: `reference="adapters_off"` runs
+the same forward with every LoRA adapter zeroed (`logprobs.adapters_off`), so no second
+copy of the weights exists; at step 0 (adapters initialised to add 0) policy == reference
+and the sigmoid loss is exactly log 2. A full fine-tune uses `reference="ema"`: the
+learner's EMA of the params, which with `learner.ema_decay=1.0` is the initial model,
+frozen (one copy of the weights, checkpointed with the state, so a resumed run keeps its
+reference); a decay below 1 is TR-DPO's soft reference update.
 Metrics: loss, reward_chosen / reward_rejected / reward_margin (means of r), reward_accuracy
 (share of pairs with r_chosen > r_rejected), logp_chosen / logp_rejected (policy), and
 num_tokens.
@@ -78,7 +81,9 @@ class DPOObjective(Objective):
         loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
         label_smoothing: float = 0.0
         length_normalized: bool = False
-        reference: Literal["adapters_off"] = "adapters_off"
+        # "adapters_off": the LoRA base (no copy); "ema": the learner's EMA of the params
+        # (`learner.ema_decay=1.0`: the initial model, frozen; < 1: TR-DPO's soft update).
+        reference: Literal["adapters_off", "ema"] = "adapters_off"
 
         def _field_problems(self) -> dict[str, str]:
             problems = {}
@@ -88,6 +93,8 @@ class DPOObjective(Objective):
                 problems["loss_type"] = f"must be one of {LOSS_TYPES}, got {self.loss_type!r}"
             if not 0.0 <= self.label_smoothing < 0.5:
                 problems["label_smoothing"] = f"must be in [0, 0.5), got {self.label_smoothing!r}"
+            if self.reference not in ("adapters_off", "ema"):
+                problems["reference"] = f"must be 'adapters_off' or 'ema', got {self.reference!r}"
             return problems
 
     def __init__(self, cfg: "DPOObjective.Config"):
@@ -95,12 +102,17 @@ class DPOObjective(Objective):
         self.config.validate()
 
     def __call__(self, model: Module, params: Any, batch: Any, key: Optional[jax.Array], *,
-                 is_training: bool) -> tuple[jax.Array, dict[str, jax.Array], Any]:
+                 is_training: bool,
+                 reference: Any = None) -> tuple[jax.Array, dict[str, jax.Array], Any]:
         c = self.config
-        if not has_adapters(params):
+        if c.reference == "adapters_off" and not has_adapters(params):
             raise ValueError("DPOObjective.reference='adapters_off': the model has no LoRA "
-                             "adapters (apply layers.use_lora; a frozen reference copy for a "
-                             "full fine-tune is not supported)")
+                             "adapters (apply layers.use_lora, or for a full fine-tune set "
+                             "objective.reference='ema' with learner.ema_decay=1.0)")
+        if c.reference == "ema" and reference is None:
+            raise ValueError("DPOObjective.reference='ema': the learner keeps no EMA; set "
+                             "learner.ema_decay=1.0 (a frozen copy of the initial params)")
+        ref_params = adapters_off(params) if c.reference == "adapters_off" else reference
         ids = batch["input_ids"]
         if ids.ndim != 3 or ids.shape[1] != 2:
             raise ValueError(f"DPOObjective: batch input_ids must be [batch, 2, seq] (chosen, "
@@ -109,7 +121,7 @@ class DPOObjective(Objective):
         flat = {k: v.reshape(2 * n, v.shape[-1]) for k, v in batch.items()}
         weights = flat["target_weights"].astype(jnp.float32) * (flat["target_labels"] >= 0)
         logp, collection = token_logprobs(model, params, flat, key, is_training=is_training)
-        ref_logp, _ = token_logprobs(model, jax.lax.stop_gradient(adapters_off(params)), flat)
+        ref_logp, _ = token_logprobs(model, jax.lax.stop_gradient(ref_params), flat)
         mean = c.length_normalized or c.loss_type == "ipo"
         policy = sequence_logprobs(logp, weights, mean=mean).reshape(n, 2)
         reference = sequence_logprobs(ref_logp, weights, mean=mean).reshape(n, 2)

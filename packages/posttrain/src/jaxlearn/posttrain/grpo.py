@@ -89,7 +89,8 @@ class GRPOObjective(Objective):
             return problems
 
     def __call__(self, model: Module, params: Any, batch: Any, key: Optional[jax.Array], *,
-                 is_training: bool) -> tuple[jax.Array, dict[str, jax.Array], Any]:
+                 is_training: bool,
+                 reference: Any = None) -> tuple[jax.Array, dict[str, jax.Array], Any]:
         c = self.config
         labels = batch["target_labels"]
         w = batch["target_weights"].astype(jnp.float32) * (labels >= 0)

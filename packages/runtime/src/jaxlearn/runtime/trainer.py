@@ -262,16 +262,18 @@ class Trainer(Configurable):
 
     # ---- the step -------------------------------------------------------------------------
 
-    def _loss(self, params: Any, batch: Any, key: jax.Array) -> tuple[jax.Array, Any]:
+    def _loss(self, params: Any, batch: Any, key: jax.Array,
+              reference: Any = None) -> tuple[jax.Array, Any]:
         loss, metrics, collection = self.objective(self.model, params, batch, key,
-                                                   is_training=True)
+                                                   is_training=True, reference=reference)
         return loss, (metrics, collection)
 
     def _grads(self, state: State, batch: Any, key: jax.Array) -> tuple[Any, ...]:
         """(loss, metrics, state updates, grads), microbatched; the forward reads the
         compute copy when the state has one (grads are the masters')."""
         grad_fn = jax.value_and_grad(
-            lambda p, b, k: self._loss(self.copy.forward(p, state), b, k), has_aux=True)
+            lambda p, b, k: self._loss(self.copy.forward(p, state), b, k, state.get("ema")),
+            has_aux=True)
         return microbatched_grads(grad_fn, state["params"], batch, key,
                                   self.learner.config.num_microbatches)
 
