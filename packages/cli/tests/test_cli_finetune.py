@@ -388,6 +388,7 @@ def test_grpo_lora_samples_scores_and_trains_from_the_command_line(model_dir, tm
     run record names the reward file by its absolute path. Two processes (4 devices each,
     each sampling its own prompts) sample and score what one process does. A reward that
     does not load is a usage error naming the flag."""
+    pythonpath = os.pathsep.join(os.path.abspath(p) for p in sys.path if p)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "prompts.jsonl").write_text(
         "".join(json.dumps({"prompt": p}) + "\n" for p in ["hi", "the lantern", "charge", "a"]))
@@ -406,7 +407,7 @@ def test_grpo_lora_samples_scores_and_trains_from_the_command_line(model_dir, tm
         assert 0 < r["completion_length"] <= 8
     record = json.loads((out / "run.json").read_text())
     assert f"rollout.rewards=['{tmp_path / 'score.py'}:short']" in record["overrides"]
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in sys.path if p))
+    monkeypatch.setenv("PYTHONPATH", pythonpath)  # Absolute: the children start in tmp_path.
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     two = tmp_path / "grpo2"
     assert main(["launch", "local", "--num_processes", "2", "--devices_per_process", "4",

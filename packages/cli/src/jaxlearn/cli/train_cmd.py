@@ -78,7 +78,7 @@ RUN_FLAG_ARGS: dict[str, dict[str, Any]] = {
     "reward": dict(action="append", default=[], metavar="SPEC", help=(
         "RL recipes: a reward function, repeatable: a built-in (numeric_match, exact_match, "
         "length), regex:PATTERN, json_schema:FILE, FILE.py:function or module:function; "
-        "weights: --set rollout.reward_weights=[...]")),
+        "weights: the rollout.reward_weights field")),
 }
 
 
