@@ -2,6 +2,7 @@
 base model exactly (and shares its arrays), token log-probabilities against numpy, and a
 trainer step from a LoRA model starts at log 2 and learns a preference."""
 
+import logging
 import math
 import re
 
@@ -12,6 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from jaxlearn.checkpoint import Checkpointer
 from jaxlearn.config import ConfigError
 from jaxlearn.layers import ADAPTERS, llama_config, use_lora
 from jaxlearn.module import functional
@@ -176,14 +178,14 @@ def _dpo_run(tmp_path, out, faults=""):
             source=PreferenceSource.default_config().set(paths=[str(pairs)]), seq_len=80,
             global_batch_size=8, eval_fraction=0.0),
         output_dir=str(out), objective=DPOObjective.default_config(), max_step=6,
-        save_every_n_steps=2)
+        save_every_n_steps=2, checkpointer=Checkpointer.default_config())
     cfg.learner.set(learning_rate=1e-2, warmup_steps=0, weight_decay=0.0, trainable=ADAPTERS)
     cfg.summary_writer.set(progress=False)
     cfg.resilience.set(faults=faults)
     return cfg
 
 
-def test_dpo_run_crashed_and_resumed_is_bit_exact(tmp_path):
+def test_dpo_run_crashed_and_resumed_is_bit_exact(tmp_path, caplog):
     """A DPO run over the preference input crashed before step 5 and rerun resumes from
     step 4 (params, optimizer and the input's position) and ends where an uninterrupted
     run ends, bit for bit."""
@@ -191,7 +193,9 @@ def test_dpo_run_crashed_and_resumed_is_bit_exact(tmp_path):
     cfg = _dpo_run(tmp_path, tmp_path / "crash", faults="crash@5")
     with pytest.raises(RuntimeError, match="crash before step 5"):
         cfg.instantiate().run()
-    got = cfg.instantiate().run()
+    with caplog.at_level(logging.INFO, logger="jaxlearn.trainer"):
+        got = cfg.instantiate().run()
+    assert "resumed from step 4" in caplog.text
     assert got.step == ref.step == 6
     for a, b in zip(jax.tree.leaves(got.state), jax.tree.leaves(ref.state)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -4,12 +4,16 @@ trains on them; the reward rises, a crashed run resumes bit for bit, and bad rew
 prompts fail naming the row."""
 
 import json
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import numpy as np
 import pytest
 
+from jaxlearn.checkpoint import Checkpointer
 from jaxlearn.config import ConfigError
 from jaxlearn.layers import llama_config
 from jaxlearn.posttrain import GRPOObjective, GRPORollout, PromptInput, PromptSource
@@ -42,7 +46,7 @@ def _config(tmp_path, out, *, rows=None, reward=REWARD, max_step=10, **rollout):
             global_batch_size=8, num_generations=4, eval_fraction=0.0),
         rollout=GRPORollout.default_config().set(rewards=[spec], max_new_tokens=NEW,
                                                  **rollout),
-        objective=GRPOObjective.default_config(),
+        objective=GRPOObjective.default_config(), checkpointer=Checkpointer.default_config(),
         output_dir=str(out), max_step=max_step, save_every_n_steps=4, log_every_n_steps=1)
     cfg.learner.set(learning_rate=3e-2, warmup_steps=0, weight_decay=0.0)
     cfg.summary_writer.set(progress=False)
@@ -84,12 +88,48 @@ def test_a_crashed_run_resumes_bit_exact(tmp_path, reference):
     with pytest.raises(RuntimeError, match="crash before step 6"):
         cfg.instantiate().run()
     result = cfg.instantiate().run()  # Resumes from step 4, samples what the first run did.
-    assert result.step == 10
+    # From step 4's checkpoint: step 5, done before the crash, is redone once (rework).
+    assert result.step == 10 and result.resilience.goodput.steps["rework"] == 1
+    assert sorted(r["step"] for r in _rows(out)) == list(range(1, 11))  # Logged once each.
     for a, b in zip(jax.tree.leaves(result.state["params"]),
                     jax.tree.leaves(ref.state["params"])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     want = {r["step"]: r["reward_mean"] for r in _rows(ref_out)}
     assert {r["step"]: r["reward_mean"] for r in _rows(out)} == want
+
+
+CHILD = """
+import pathlib, sys
+sys.path[:0] = {path!r}
+import conftest  # noqa: F401  (8 fake CPU devices, as in this process)
+from test_grpo_loop import _config
+cfg = _config(pathlib.Path({tmp!r}), pathlib.Path({out!r}))
+cfg.resilience.set(faults="kill@6:rollout+{delay}")
+cfg.instantiate().run()
+"""
+
+
+@pytest.mark.parametrize("delay", [0, 300])
+def test_sigkill_while_sampling_resumes_bit_exact(tmp_path, reference, delay):
+    """SIGKILL while step 6's completions are being sampled (at its start, or 0.3 s in):
+    the rerun resumes from the newest committed checkpoint (step 4, or none while its
+    async commit was unfinished), samples what the first run sampled and ends with the
+    uninterrupted run's params, bit for bit, and its rewards at every step."""
+    out = tmp_path / "run"
+    path = [os.path.abspath(p) for p in sys.path if p]
+    code = CHILD.format(path=path, tmp=str(tmp_path), out=str(out), delay=delay)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == -9, proc.stderr[-3000:]
+    cfg = _config(tmp_path, out)
+    cfg.resilience.set(faults="kill@6:rollout+%d" % delay)  # Fired already: not again.
+    result = cfg.instantiate().run()
+    for a, b in zip(jax.tree.leaves(result.state["params"]),
+                    jax.tree.leaves(reference[1].state["params"])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    want = {r["step"]: r["reward_mean"] for r in _rows(reference[0])}
+    assert {r["step"]: r["reward_mean"] for r in _rows(out)} == want  # The rerun's rows last.
 
 
 def test_old_logprobs_from_the_trainer_agree_with_the_sampler(tmp_path):

@@ -10,7 +10,8 @@ each time its step runs, as real bad data would be on a replay:
 
     kill@N:PHASE[+MS]  SIGKILL this process MS milliseconds (default 0) after entering
                        PHASE of step N: `step` (the step is dispatched, computing), `save`
-                       (the async save of step N returned, writes in flight) or `eval`
+                       (the async save of step N returned, writes in flight), `eval` or
+                       `rollout` (an RL step's batch is being sampled)
     hang@N             block the training thread forever before step N (for the watchdog)
     crash@N            raise RuntimeError before step N
     nan@N / inf@N      put a NaN / Inf into step N's batch (`target_weights`), so the
@@ -54,7 +55,7 @@ _SPEC = re.compile(r"^(?P<kind>[a-z]+)@(?P<step>\d+)(?::(?P<arg>[^+:]+))?(?::(?P
 KINDS = {"kill", "hang", "crash", "nan", "inf", "flip", "sdcstep", "enospc", "sigterm",
          "sigint", "stall"}
 SIGNAL_KINDS = {"sigterm": signal.SIGTERM, "sigint": signal.SIGINT}
-PHASES = {"step", "save", "eval"}
+PHASES = {"step", "save", "eval", "rollout"}
 PERSISTENT = {"nan", "inf"}  # Bad data: bad again when the step is replayed.
 
 
