@@ -34,7 +34,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import emit, host_cpu, log, med, rnd, run_result  # noqa: E402
-from lora_bench import TARGETS, smollm2_gguf  # noqa: E402
+from lora_bench import TARGETS, peer_model_and_tokenizer, smollm2_gguf  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "grpo.jsonl"
 PROMPTS, G, NEW, LR = 4, 4, 48, 2e-4
@@ -118,14 +118,7 @@ def pt_stage(out: pathlib.Path, steps: int, warmup: int, tag: str) -> None:
 
     meta = json.loads((out / "meta.json").read_text())
     gguf = pathlib.Path(meta["gguf"])
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    # The weights are dequantised f32 tensors; only the GGUF origin marks the model as
-    # quantized, which transformers' Trainer refuses to train.
-    model.hf_quantizer, model.is_quantized = None, False
-    model.config.quantization_config = None
+    model, tok = peer_model_and_tokenizer(gguf)
     rows = [json.loads(x) for x in (out / "prompts.jsonl").read_text().splitlines() if x]
     data = datasets.Dataset.from_list([
         {"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}

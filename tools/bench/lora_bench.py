@@ -30,6 +30,7 @@ import pathlib
 import shlex
 import sys
 import time
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import Timer, emit, host_cpu, log, med, rnd, run_result  # noqa: E402
@@ -38,6 +39,22 @@ RESULTS = pathlib.Path(__file__).parent / "results" / "lora.jsonl"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LR = {"lora": 1e-3, "full": 3e-5}
 EXPERIMENT = {"lora": "lora", "full": "finetune"}
+
+
+def peer_model_and_tokenizer(gguf: pathlib.Path) -> tuple[Any, Any]:
+    """The GGUF's f32 model and tokenizer for a transformers Trainer (TRL): the weights are
+    dequantised tensors and only the GGUF origin marks the model as quantized, which
+    transformers' Trainer refuses to train, so that mark is removed."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model.hf_quantizer, model.is_quantized = None, False
+    model.config.quantization_config = None
+    return model, tok
 
 
 def smollm2_gguf() -> str:

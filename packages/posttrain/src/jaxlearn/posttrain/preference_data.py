@@ -74,15 +74,21 @@ def parse_context(record: dict[str, Any], where: str,
     return tuple(out)
 
 
-def parse_pair(line: str, where: str,
-               roles: Sequence[str] = DEFAULT_ROLES) -> tuple[SFTRow, SFTRow]:
-    """(chosen, rejected) chat rows of one JSONL preference line at `where`."""
+def json_object(line: str, where: str) -> dict[str, Any]:
+    """The JSON object on one JSONL line at `where`; DataError when it is not one."""
     try:
         record = json.loads(line)
     except (json.JSONDecodeError, RecursionError) as e:
         raise DataError(f"{where}: not valid JSON ({type(e).__name__})") from None
     if not isinstance(record, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    return record
+
+
+def parse_pair(line: str, where: str,
+               roles: Sequence[str] = DEFAULT_ROLES) -> tuple[SFTRow, SFTRow]:
+    """(chosen, rejected) chat rows of one JSONL preference line at `where`."""
+    record = json_object(line, where)
     for key in ("chosen", "rejected"):
         if key not in record:
             raise DataError(f"{where}: a preference row needs 'chosen' and 'rejected' (no "

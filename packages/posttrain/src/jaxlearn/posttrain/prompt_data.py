@@ -22,14 +22,13 @@ row raises `DataError` naming `file:line`.
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any, Optional, Sequence
 
 import grain
 import numpy as np
 
 from jaxlearn.config import ConfigError
-from jaxlearn.posttrain.preference_data import parse_context
+from jaxlearn.posttrain.preference_data import json_object, parse_context
 from jaxlearn.runtime.data import DataError, Document
 from jaxlearn.runtime.input_pipeline import FEATURES, InputIterator, rows_per_process
 from jaxlearn.runtime.sft import SFTInput, SFTSource
@@ -53,12 +52,7 @@ class PromptDocument(Document):
 def parse_prompt(line: str, where: str,
                  roles: Sequence[str]) -> tuple[dict[str, Any], tuple[tuple[str, str], ...]]:
     """(record, context messages) of one JSONL prompt line at `where`."""
-    try:
-        record = json.loads(line)
-    except (json.JSONDecodeError, RecursionError) as e:
-        raise DataError(f"{where}: not valid JSON ({type(e).__name__})") from None
-    if not isinstance(record, dict):
-        raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    record = json_object(line, where)
     context = parse_context(record, where, roles)
     if context[-1][0] == "assistant":
         raise DataError(f"{where}: 'messages' ends with an assistant message; a prompt ends "
@@ -164,11 +158,5 @@ class PromptIterator(InputIterator):
                 self._done[r] = True
         return {"prompt_index": np.full((), -1, np.int32)}
 
-    def __next__(self) -> dict[str, np.ndarray]:
-        if self._total is not None and self._batches >= self._total:
-            raise StopIteration
-        rows = [self._row(r) for r in self._streams]
-        if self._total is None and all(self._done.values()):
-            raise StopIteration
-        self._batches += 1
+    def _collate(self, rows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
         return {"prompt_index": np.asarray([r["prompt_index"] for r in rows], np.int32)}

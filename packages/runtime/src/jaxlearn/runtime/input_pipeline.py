@@ -245,6 +245,10 @@ class InputIterator:
         if self._total is None and all(self._done.values()):
             raise StopIteration
         self._batches += 1
+        return self._collate(rows)
+
+    def _collate(self, rows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        """One batch of the rows of every stream of this process."""
         return {
             name: np.stack([row[name] for row in rows]).astype(dtype)
             for name, dtype in FEATURES.items()
