@@ -187,6 +187,10 @@ class Matcher:
         """Consumes a sampled id; False when the grammar refuses it."""
         return bool(self._m.consume_token(int(token)))
 
+    def accepting(self) -> bool:
+        """Whether what was consumed is a complete output of the grammar."""
+        return bool(self._m.is_accepting())
+
     def error(self) -> str:
         return _one_line(self._m.get_error())
 

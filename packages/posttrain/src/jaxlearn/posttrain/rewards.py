@@ -122,7 +122,7 @@ def _json_schema(path: str) -> RewardFn:
     def valid(prompt: str, completion: str, row: dict) -> float:
         m = vocab.matcher(grammar)
         ok = all(m.advance(b + 3) for b in completion.strip().encode("utf-8"))
-        return float(ok and m._m.is_accepting())
+        return float(ok and m.accepting())
 
     return valid
 

@@ -2,7 +2,7 @@
 
     programs = StepPrograms(trainer.compile_train_step)
     local = trim_to_longest(local, multiple=32)      # [rows, 128] -> [rows, 64]
-    fn, new = programs.get(batch)                   # compiled on first sight of a shape
+    fn, flops = programs.get(batch) or programs.compile(batch, keep_later=True)
 
 A batch whose rows are mostly padding (short preference pairs, sampled completions) need
 not be computed at its input's full `seq_len`: `trim_to_longest` cuts the sequence axis
@@ -60,12 +60,17 @@ class StepPrograms:
     def __len__(self) -> int:
         return len(self._steps)
 
-    def get(self, batch: dict[str, Any], *, keep_later: bool) -> tuple[Any, bool]:
-        """(the donating step for `batch`'s shape, whether it was compiled now); with
-        `keep_later`, a new shape's non-donating variant starts compiling on a thread."""
+    def get(self, batch: dict[str, Any]) -> Optional[tuple[Any, Optional[float]]]:
+        """(the donating step for `batch`'s shape, its FLOPs per device), or None when
+        that shape has not been compiled."""
         key = shape_key(batch)
-        if key in self._steps:
-            return self._steps[key], False
+        return (self._steps[key], self.flops[key]) if key in self._steps else None
+
+    def compile(self, batch: dict[str, Any], *,
+                keep_later: bool) -> tuple[Any, Optional[float]]:
+        """Compiles the step for `batch`'s shape: (step, FLOPs per device); with
+        `keep_later`, its non-donating variant starts compiling on a thread."""
+        key = shape_key(batch)
         abstract = abstract_like(batch)
         t0 = time.monotonic()
         compiled = self._compile(abstract)
@@ -80,7 +85,7 @@ class StepPrograms:
         self._keep[key] = BackgroundCompile(lambda a: self._compile(a, donate=False))
         if keep_later:
             self._keep[key].start(abstract)
-        return compiled, True
+        return compiled, self.flops[key]
 
     def keep(self, batch: dict[str, Any]) -> Any:
         """The non-donating step for `batch`'s shape (waits for its compilation)."""

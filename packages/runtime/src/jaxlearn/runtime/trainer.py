@@ -47,7 +47,7 @@ from jaxlearn.runtime.learner import Learner, ema_update, microbatched_grads
 from jaxlearn.runtime.objective import Objective
 from jaxlearn.runtime.record import RECORD_FILE, RunRecord
 from jaxlearn.runtime.rollout import Rollout
-from jaxlearn.runtime.step_programs import StepPrograms, shape_key, trim_to_longest
+from jaxlearn.runtime.step_programs import StepPrograms, trim_to_longest
 from jaxlearn.runtime.summary import SummaryWriter, format_flops, format_number
 from jaxlearn.runtime.trainer_support import (
     Run,
@@ -422,15 +422,18 @@ class Trainer(Configurable):
                     "nothing; check the input (e.g. fine-tuning rows truncated to nothing)")
             batch = self.global_batch(local)
         run.tokens_per_step = int(np.prod(batch["input_ids"].shape))
-        first_save = (run.step // cfg.save_every_n_steps + 1) * cfg.save_every_n_steps
-        with guard.span("compile"):
-            step_fn, new = self._programs.get(batch, keep_later=(
-                run.checkpointer is not None and first_save < cfg.max_step))
-        self.compiled_flops = self._programs.flops[shape_key(batch)]
-        if new:  # The logged step time starts after the compilation.
+        found = self._programs.get(batch)
+        if found is None:  # A new batch shape: compile its step.
+            first_save = (run.step // cfg.save_every_n_steps + 1) * cfg.save_every_n_steps
+            with guard.span("compile"):
+                found = self._programs.compile(batch, keep_later=(
+                    run.checkpointer is not None and first_save < cfg.max_step))
+            # The logged step time starts after the compilation.
             run.t_last, run.rollout_s, run.steps_since = time.monotonic(), 0.0, 0
+            self.compiled_flops = found[1]
             if len(self._programs) == 1:
                 self._report_flops(run)
+        step_fn, self.compiled_flops = found
         if run.keep_input:  # The previous step's state is being saved: do not donate it.
             with guard.span("compile"):
                 step_fn = self._keep_step_fn(batch)
