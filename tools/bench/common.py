@@ -131,3 +131,53 @@ def med(xs: list[float]) -> float:
 
 def rnd(x: float, n: int = 4) -> float:
     return float(f"{x:.{n}g}")
+
+
+def trl_bench_main(doc: str, script: str, *, bench: str, out: str, steps: int,
+                   results: Any, stages: dict[str, Callable[..., None]],
+                   ratios: Callable[[dict, dict], dict[str, float]]) -> None:
+    """The command line of a jaxlearn-vs-TRL benchmark script: `data` (stages["data"](out)),
+    `jl` / `pt` (stages[...](out, steps, warmup, tag): one side, one BENCH_RESULT line),
+    and `drive`: rounds that run each side as its own process, in alternating order, and
+    append one row per round (both records, `ratios(jaxlearn, trl)`, load and host) to
+    `results`."""
+    import argparse
+    import pathlib
+    import shlex
+
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
+    p.add_argument("stage", choices=("data", "jl", "pt", "drive"))
+    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path(out))
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--jl", default="tools/jaxlearn python")
+    p.add_argument("--pt", default="/tmp/tvenv/bin/python")
+    p.add_argument("--results", type=pathlib.Path, default=results)
+    p.add_argument("--tag", default="")
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.stage == "data":
+        stages["data"](args.out)
+        return
+    if args.stage != "drive":
+        stages[args.stage](args.out, args.steps, args.warmup, args.tag)
+        return
+    me = os.path.abspath(script)
+    sides = {"jaxlearn": shlex.split(args.jl) + [me, "jl"],
+             "trl": shlex.split(args.pt) + [me, "pt"]}
+    for r in range(args.rounds):
+        order = ["jaxlearn", "trl"] if r % 2 == 0 else ["trl", "jaxlearn"]
+        got = {s: run_result(sides[s] + ["--out", str(args.out), "--steps", str(args.steps),
+                                   "--warmup", str(args.warmup), "--tag", args.tag])
+               for s in order}
+        row = {"bench": f"{bench}-round", "round": r, "order": order, "tag": args.tag,
+               "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+               "load_1min": os.getloadavg()[0], "host": host_cpu(), **got}
+        if "error" not in got["jaxlearn"] and "error" not in got["trl"]:
+            row.update(ratios(got["jaxlearn"], got["trl"]))
+        args.results.parent.mkdir(parents=True, exist_ok=True)
+        with args.results.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        log(json.dumps({k: v for k, v in row.items()
+                        if k == "round" or k.endswith("_ratio")}))

@@ -20,16 +20,14 @@ line; the driver appends them, with the ratio, to tools/bench/results/dpo.jsonl.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pathlib
-import shlex
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import emit, host_cpu, log, med, rnd, run_result  # noqa: E402
+from common import emit, log, med, rnd, trl_bench_main  # noqa: E402
 from lora_bench import TARGETS, peer_model_and_tokenizer, smollm2_gguf  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "dpo.jsonl"
@@ -135,51 +133,15 @@ def _emit(framework, version, times, losses, warmup, tag, **extra) -> None:
          wall_time=time.time(), tag=tag, **extra)
 
 
-def drive(args: argparse.Namespace) -> None:
-    me = os.path.abspath(__file__)
-    sides = {"jaxlearn": shlex.split(args.jl) + [me, "jl"],
-             "trl": shlex.split(args.pt) + [me, "pt"]}
-    for r in range(args.rounds):
-        order = ["jaxlearn", "trl"] if r % 2 == 0 else ["trl", "jaxlearn"]
-        got = {s: run_result(sides[s] + ["--out", str(args.out), "--steps", str(args.steps),
-                                   "--warmup", str(args.warmup), "--tag", args.tag])
-               for s in order}
-        row = {"bench": "dpo-round", "round": r, "order": order, "tag": args.tag,
-               "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-               "load_1min": os.getloadavg()[0], "host": host_cpu(), **got}
-        if "pairs_per_s" in got["jaxlearn"] and "pairs_per_s" in got["trl"]:
-            row["pairs_per_s_ratio"] = rnd(got["jaxlearn"]["pairs_per_s"]
-                                           / got["trl"]["pairs_per_s"], 3)
-            row["peak_rss_ratio"] = rnd(got["jaxlearn"]["max_rss_mb"]
-                                        / got["trl"]["max_rss_mb"], 3)
-        args.results.parent.mkdir(parents=True, exist_ok=True)
-        with args.results.open("a") as f:
-            f.write(json.dumps(row) + "\n")
-        log(json.dumps({k: row.get(k) for k in ("round", "pairs_per_s_ratio",
-                                                 "peak_rss_ratio")}))
+def ratios(jl: dict, pt: dict) -> dict[str, float]:
+    return {"pairs_per_s_ratio": rnd(jl["pairs_per_s"] / pt["pairs_per_s"], 3),
+            "peak_rss_ratio": rnd(jl["max_rss_mb"] / pt["max_rss_mb"], 3)}
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("stage", choices=("data", "jl", "pt", "drive"))
-    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("/tmp/dpo_bench"))
-    p.add_argument("--steps", type=int, default=3 * 3)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--jl", default="tools/jaxlearn python")
-    p.add_argument("--pt", default="/tmp/tvenv/bin/python")
-    p.add_argument("--results", type=pathlib.Path, default=RESULTS)
-    p.add_argument("--tag", default="")
-    args = p.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    if args.stage == "data":
-        data_stage(args.out)
-    elif args.stage == "jl":
-        jl_stage(args.out, args.steps, args.warmup, args.tag)
-    elif args.stage == "pt":
-        pt_stage(args.out, args.steps, args.warmup, args.tag)
-    else:
-        drive(args)
+    trl_bench_main(__doc__, __file__, bench="dpo", out="/tmp/dpo_bench", steps=3 * 3,
+                   results=RESULTS, ratios=ratios,
+                   stages={"data": data_stage, "jl": jl_stage, "pt": pt_stage})
 
 
 if __name__ == "__main__":

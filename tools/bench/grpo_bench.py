@@ -23,17 +23,15 @@ ratios, to tools/bench/results/grpo.jsonl.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pathlib
 import re
-import shlex
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import emit, host_cpu, log, med, rnd, run_result  # noqa: E402
+from common import emit, log, med, rnd, trl_bench_main  # noqa: E402
 from lora_bench import TARGETS, peer_model_and_tokenizer, smollm2_gguf  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "grpo.jsonl"
@@ -188,50 +186,15 @@ def _emit(framework, version, times, sampling, rewards, lengths, warmup, tag,
          **extra)
 
 
-def drive(args: argparse.Namespace) -> None:
-    me = os.path.abspath(__file__)
-    sides = {"jaxlearn": shlex.split(args.jl) + [me, "jl"],
-             "trl": shlex.split(args.pt) + [me, "pt"]}
-    for r in range(args.rounds):
-        order = ["jaxlearn", "trl"] if r % 2 == 0 else ["trl", "jaxlearn"]
-        got = {s: run_result(sides[s] + ["--out", str(args.out), "--steps", str(args.steps),
-                                   "--warmup", str(args.warmup), "--tag", args.tag])
-               for s in order}
-        row = {"bench": "grpo-round", "round": r, "order": order, "tag": args.tag,
-               "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-               "load_1min": os.getloadavg()[0], "host": host_cpu(), **got}
-        jl, pt = got["jaxlearn"], got["trl"]
-        if "step_s" in jl and "step_s" in pt:
-            row["step_time_ratio"] = rnd(jl["step_s"] / pt["step_s"], 3)
-            row["peak_rss_ratio"] = rnd(jl["max_rss_mb"] / pt["max_rss_mb"], 3)
-        args.results.parent.mkdir(parents=True, exist_ok=True)
-        with args.results.open("a") as f:
-            f.write(json.dumps(row) + "\n")
-        log(json.dumps({k: row.get(k) for k in ("round", "step_time_ratio",
-                                                 "peak_rss_ratio")}))
+def ratios(jl: dict, pt: dict) -> dict[str, float]:
+    return {"step_time_ratio": rnd(jl["step_s"] / pt["step_s"], 3),
+            "peak_rss_ratio": rnd(jl["max_rss_mb"] / pt["max_rss_mb"], 3)}
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("stage", choices=("data", "jl", "pt", "drive"))
-    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("/tmp/grpo_bench"))
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--jl", default="tools/jaxlearn python")
-    p.add_argument("--pt", default="/tmp/tvenv/bin/python")
-    p.add_argument("--results", type=pathlib.Path, default=RESULTS)
-    p.add_argument("--tag", default="")
-    args = p.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    if args.stage == "data":
-        data_stage(args.out)
-    elif args.stage == "jl":
-        jl_stage(args.out, args.steps, args.warmup, args.tag)
-    elif args.stage == "pt":
-        pt_stage(args.out, args.steps, args.warmup, args.tag)
-    else:
-        drive(args)
+    trl_bench_main(__doc__, __file__, bench="grpo", out="/tmp/grpo_bench", steps=8,
+                   results=RESULTS, ratios=ratios,
+                   stages={"data": data_stage, "jl": jl_stage, "pt": pt_stage})
 
 
 if __name__ == "__main__":
