@@ -6,7 +6,7 @@ from text_testing import CHATML, chatml_bpe
 
 from jaxlearn.layers import llama_config
 from jaxlearn.serve.completions import Group
-from jaxlearn.serve.protocol import parse_chat
+from jaxlearn.serve.protocol import parse_chat, parse_completion
 from jaxlearn.text.chat import ChatTemplate
 from jaxlearn.text.tokenizers import HFTokenizer
 
@@ -38,3 +38,30 @@ def test_typed_control_tokens_in_a_chat_request_stay_text(tmp_path):
     assert tok.tokenizer.decode(ids, skip_special_tokens=False).endswith(text)
     allowed = prompt_ids(parse_special_in_content=True)
     assert allowed.count(start) == 3 and allowed.count(end) == 2
+
+
+def test_echo_shows_special_tokens_and_offsets_index_the_text(tmp_path):
+    """Echo + logprobs of a prompt holding special tokens: `tokens` write them out (as
+    vLLM does), the tokens joined are the echoed text, each `text_offset` indexes it."""
+    tok = hf_tokenizer(tmp_path)
+    model = llama_config(tok.vocab_size, 32, 2, 4, 2, 64, rope_theta=10000.0)
+    engine = make_engine(model, tiny_params(model), tok, max_seq_len=128, max_batch=1)
+    prompt = "<|im_start|>user\nhello there<|im_end|>\n<|im_start|>assistant\n"
+    body = {"prompt": prompt, "echo": True, "logprobs": 1, "max_tokens": 2, "seed": 0}
+    parsed = parse_completion(body, vocab_size=tok.vocab_size, max_seq_len=128)
+    group = Group(engine, parsed)
+    engine.start()
+    try:
+        while not group.done:
+            group.poll(1.0)
+    finally:
+        engine.stop()
+    (choice,) = group.choices()
+    lp, text = choice["logprobs"], choice["text"]
+    ids = group.prompt_ids[0]
+    echoed = tok.tokenizer.decode(ids, skip_special_tokens=False)  # The tokenizer's view.
+    assert text.startswith(echoed) and echoed.endswith(prompt)  # (after a BOS it added)
+    assert "".join(lp["tokens"]) == text
+    for t, off in zip(lp["tokens"], lp["text_offset"]):
+        assert text[off: off + len(t)] == t
+    assert lp["tokens"].count("<|im_start|>") == 2 and lp["tokens"].count("<|im_end|>") == 1

@@ -147,6 +147,21 @@ def response_format_grammar(value: Any, *, whitespace_flexible: bool = False) ->
     return str(grammar)
 
 
+def check_grammar(lark: str, *, param: str) -> str:
+    """An llguidance Lark grammar (`%json` schemas inside allowed) as the grammar text of
+    `SamplingParams.grammar`, validated: RequestError naming `param` when llguidance refuses
+    it."""
+    llg = _llg()
+    try:
+        grammar = llg.LLMatcher.grammar_from_lark(lark)
+    except (TypeError, ValueError) as e:
+        raise RequestError(f"'{param}': {_one_line(str(e))[:300]}", param=param) from None
+    error = llg.LLMatcher.validate_grammar(grammar, None)
+    if error and not error.startswith("WARNING"):
+        raise RequestError(f"'{param}': {_one_line(error)[:300]}", param=param)
+    return str(grammar)
+
+
 class _ByteTokens:
     """The llguidance tokenizer view of `ByteTokenizer` (pad 0, bos 1, eos 2, byte b ->
     b + 3) for a model vocabulary of `vocab_size` (ids past 259 carry no text)."""
@@ -253,5 +268,5 @@ def allowed_logits(logits: Array, bits: Array) -> Array:
     return jnp.where(allowed, logits, -jnp.inf)
 
 
-__all__ = ["GrammarVocab", "Matcher", "allowed_logits", "fill_masks",
+__all__ = ["GrammarVocab", "Matcher", "allowed_logits", "check_grammar", "fill_masks",
            "response_format_grammar"]

@@ -83,24 +83,26 @@ def _json_float(x: float) -> Optional[float]:
 
 
 def completion_logprobs(entries: Sequence[Union[int, TokenLogprob]], k: int, decode: Decode,
-                        offset: int = 0) -> dict[str, Any]:
+                        offset: int = 0, texts: Sequence[str] = ()) -> dict[str, Any]:
     """The completions `logprobs` object for `entries` (a bare id: a token without a
     logprob, the first prompt token). top_logprobs dicts hold the k best and the token
-    itself (as vLLM does); text_offset counts characters from `offset`."""
+    itself (as vLLM does); text_offset counts characters from `offset`. `texts`: the
+    strings of the first len(texts) entries (an echoed prompt's, special tokens written
+    out), the others are `decode(id)`."""
     tokens: list[str] = []
     token_lps: list[Optional[float]] = []
     tops: list[Optional[dict[str, Optional[float]]]] = []
     offsets: list[int] = []
-    for e in entries:
+    for n, e in enumerate(entries):
         if isinstance(e, int):
-            text = decode(e)
+            text = texts[n] if n < len(texts) else decode(e)
             tokens.append(text)
             token_lps.append(None)
             tops.append(None)
             offsets.append(offset)
             offset += len(text)
             continue
-        text = decode(e.token)
+        text = texts[n] if n < len(texts) else decode(e.token)
         top = {decode(i): _json_float(v) for i, v in e.top[:k]}
         top.setdefault(text, _json_float(e.logprob))
         tokens.append(text)

@@ -36,9 +36,9 @@ from jaxlearn.inference.logprobs import (
 )
 from jaxlearn.inference.request import Request
 from jaxlearn.inference.sampling import SamplingParams
+from jaxlearn.serve.chat_reply import ChatPlan, ChatReply
 from jaxlearn.serve.protocol import ParsedRequest, choice, usage
-from jaxlearn.text.detokenize import Delta
-from jaxlearn.text.protocol import chat_prompt
+from jaxlearn.text.detokenize import Delta, token_texts
 
 
 @dataclasses.dataclass(eq=False)
@@ -49,24 +49,12 @@ class Candidate:
     index: int  # Its choice index when streamed.
     request: Request
     echo_text: str
+    reply: Optional[ChatReply] = None  # Chat: the reply read back (reasoning, tool calls).
     text: list[str] = dataclasses.field(default_factory=list)
     finish: Optional[str] = None
     sent: int = 0  # Generated tokens whose logprobs were streamed.
     offset: int = 0  # Characters covered by streamed text_offsets.
     started: bool = False
-
-
-def _chat_prompt(engine: Any, parsed: ParsedRequest) -> Union[str, list[int]]:
-    if engine.tokenizer is None:
-        raise RequestError("chat needs a tokenizer and this engine has none: use "
-                           "/v1/completions with a prompt of token ids", param="messages")
-    try:
-        allow = bool(getattr(engine.config, "parse_special_in_content", False))
-        return chat_prompt(engine.tokenizer, parsed.messages or [],
-                           parse_special_in_content=allow)
-    except Exception as e:  # Templates reject some conversations (roles...).
-        raise RequestError(f"the chat template refused the messages: {e}",
-                           param="messages") from None
 
 
 class Group:
@@ -77,18 +65,24 @@ class Group:
     def __init__(self, engine: Any, parsed: ParsedRequest, max_active: Optional[int] = None):
         self.engine, self.parsed = engine, parsed
         self.box: "queue.Queue[tuple[Candidate, Delta]]" = queue.Queue()
-        prompts: list[Union[str, list[int]]] = (
-            [_chat_prompt(engine, parsed)] if parsed.kind == "chat" else list(parsed.prompts))
+        self.plan = ChatPlan.build(engine, parsed) if parsed.kind == "chat" else None
+        prompts = [self.plan.prompt] if self.plan is not None else list(parsed.prompts)
+        self.grammar = self.plan.grammar if self.plan is not None else parsed.grammar
         self.prompt_ids = [engine.encode(p) for p in prompts]
+        # An echoed prompt's token strings (special tokens written out); joined, its text.
+        self.echo_tokens = [token_texts(engine.tokenizer, ids) if parsed.echo else []
+                            for ids in self.prompt_ids]
         self.candidates: list[Candidate] = []
-        for p, (prompt, ids) in enumerate(zip(prompts, self.prompt_ids)):
+        for p, ids in enumerate(self.prompt_ids):
             params = self._params(ids)
             for j in range(parsed.best_of):
                 k = p * parsed.best_of + j
                 if parsed.seed is not None:
                     params = dataclasses.replace(params, seed=parsed.seed + k)
                 req = engine.scheduler.make_request(ids, params, sink=self._sink(k))
-                self.candidates.append(Candidate(p, p * parsed.n + j, req, self._echo(prompt)))
+                reply = ChatReply(self.plan) if self.plan is not None else None
+                self.candidates.append(Candidate(p, p * parsed.n + j, req,
+                                                 "".join(self.echo_tokens[p]), reply))
         self.pending = list(self.candidates)
         self.max_active = max(1, max_active or len(self.candidates))
         self.active: list[Candidate] = []  # Submitted, not yet done.
@@ -121,16 +115,8 @@ class Group:
             logit_bias=parsed.logit_bias,
             logprobs=lp if lp is not None else (0 if ranked else None),
             prompt_logprobs=lp if parsed.echo else None,
-            grammar=parsed.grammar,
+            grammar=self.grammar,
         )
-
-    def _echo(self, prompt: Union[str, list[int]]) -> str:
-        if not self.parsed.echo:
-            return ""
-        if isinstance(prompt, str):
-            return prompt
-        tok = self.engine.tokenizer
-        return tok.decode(prompt) if tok is not None else ""
 
     def _sink(self, k: int) -> Any:
         return lambda _req, delta: self.box.put((self.candidates[k], delta))
@@ -193,14 +179,15 @@ class Group:
         return [ids[0], *c.request.prompt_logprobs, *generated]
 
     def _logprobs(self, c: Candidate, entries: list[Union[int, TokenLogprob]],
-                  offset: int = 0) -> Optional[dict[str, Any]]:
+                  offset: int = 0, first: bool = True) -> Optional[dict[str, Any]]:
         k = self.parsed.logprobs
         if k is None:
             return None
         if self.parsed.kind == "chat":
             return chat_logprobs([e for e in entries if not isinstance(e, int)], k,
                                  self._token_text)
-        return completion_logprobs(entries, k, self._token_text, offset)
+        texts = self.echo_tokens[c.prompt] if first else []
+        return completion_logprobs(entries, k, self._token_text, offset, texts)
 
     def choices(self) -> list[dict[str, Any]]:
         """The response's choices, once every candidate finished (see module docstring)."""
@@ -212,9 +199,13 @@ class Group:
                 cands = sorted(cands, key=lambda c: -cumulative(c.request.logprobs))
             for rank, c in enumerate(cands[: parsed.n]):
                 entries = self._entries(c, c.request.logprobs, True)
+                finish, message = c.finish, None
+                if c.reply is not None:
+                    c.reply.delta("".join(c.text), last=True)
+                    finish, message = c.reply.finish_reason(finish), c.reply.message()
                 out.append(choice(parsed.kind, p * parsed.n + rank,
-                                  c.echo_text + "".join(c.text), c.finish,
-                                  logprobs=self._logprobs(c, entries)))
+                                  c.echo_text + "".join(c.text), finish,
+                                  logprobs=self._logprobs(c, entries), message=message))
         return out
 
     def stream_choice(self, c: Candidate, delta: Delta) -> Optional[dict[str, Any]]:
@@ -224,12 +215,17 @@ class Group:
         c.sent += len(delta.tokens)
         entries = self._entries(c, generated, first)
         text = (c.echo_text if first else "") + delta.text
+        finish, fields = delta.finish_reason, None
+        if c.reply is not None:
+            fields = c.reply.delta(delta.text, last=finish is not None)
+            finish = c.reply.finish_reason(finish)
         wants_lp = self.parsed.logprobs is not None and bool(entries)
-        if not (text or delta.finish_reason is not None or first or wants_lp):
+        shown = bool(fields) if fields is not None else bool(text)
+        if not (shown or finish is not None or first or wants_lp):
             return None
         c.started = True
-        lp = self._logprobs(c, entries, c.offset)
+        lp = self._logprobs(c, entries, c.offset, first)
         if lp is not None and "text_offset" in lp:
             c.offset += sum(len(t) for t in lp["tokens"])
-        return choice(self.parsed.kind, c.index, text, delta.finish_reason, logprobs=lp,
-                      stream=True, role=first and self.parsed.kind == "chat")
+        return choice(self.parsed.kind, c.index, text, finish, logprobs=lp,
+                      stream=True, role=first and self.parsed.kind == "chat", message=fields)

@@ -31,10 +31,11 @@ from jaxlearn.inference.errors import RequestError
 from jaxlearn.inference.grammar import response_format_grammar
 from jaxlearn.inference.logprobs import MAX_LOGPROBS
 from jaxlearn.inference.penalties import MAX_BIAS, MAX_LOGIT_BIAS, MAX_PRESENCE_FREQUENCY
+from jaxlearn.serve.chat_messages import Message, parse_messages, parse_template_kwargs
+from jaxlearn.serve.tools import Function, ToolChoice, parse_tool_choice, parse_tools
 
 MAX_STOP = 16
 MAX_STOP_LEN = 256
-MAX_MESSAGES = 256
 MAX_N = 16  # n and best_of.
 MAX_PROMPTS = 64
 MAX_CHOICES = 256  # prompts x best_of in one request.
@@ -45,8 +46,8 @@ _COMMON = {
     "user", "ignore_eos", "stop_token_ids", "logit_bias", "best_of", "response_format",
 }  # fmt: skip
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix"}
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
-ROLES = ("system", "user", "assistant", "developer", "tool")
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools",
+                         "tool_choice", "parallel_tool_calls", "chat_template_kwargs"}
 
 
 Prompt = Union[str, list[int]]
@@ -61,7 +62,7 @@ class ParsedRequest:
     kind: str  # "completion" | "chat"
     model: Optional[str]
     prompts: list[Prompt]
-    messages: Optional[list[dict[str, str]]]
+    messages: Optional[list[Message]]
     max_tokens: Optional[int]
     temperature: float
     top_p: float
@@ -81,6 +82,11 @@ class ParsedRequest:
     logprobs: Optional[int]
     echo: bool = False
     grammar: Optional[str] = None  # From response_format (`grammar.py`).
+    # Chat: the tools offered, how they may be called, extra chat template variables.
+    tools: tuple[Function, ...] = ()
+    tool_choice: ToolChoice = ToolChoice("none")
+    parallel_tool_calls: bool = True
+    template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def _err(param: str, message: str) -> RequestError:
@@ -163,42 +169,6 @@ def _stop(body: Mapping[str, Any], vocab_size: int) -> tuple[tuple[str, ...], tu
     ids = body.get("stop_token_ids")
     stop_ids = [] if ids is None else _token_ids(ids, "stop_token_ids", vocab_size, MAX_STOP)
     return tuple(strings), tuple(stop_ids)
-
-
-def _content(v: Any, where: str) -> str:
-    if isinstance(v, str):
-        return v
-    if isinstance(v, list):  # [{"type": "text", "text": "..."}]
-        parts = []
-        for part in v:
-            if not (isinstance(part, dict) and part.get("type") == "text"
-                    and isinstance(part.get("text"), str) and set(part) <= {"type", "text"}):
-                raise _err(where, "content parts must be {\"type\": \"text\", \"text\": str}")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise _err(where, "content must be a string or a list of text parts")
-
-
-def _messages(body: Mapping[str, Any]) -> list[dict[str, str]]:
-    v = body.get("messages")
-    if not isinstance(v, list) or not v:
-        raise _err("messages", "must be a non-empty list of {role, content} objects")
-    if len(v) > MAX_MESSAGES:
-        raise _err("messages", f"at most {MAX_MESSAGES} messages")
-    out = []
-    for i, m in enumerate(v):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise _err(where, "must be an object")
-        extra = set(m) - {"role", "content", "name"}
-        if extra:
-            raise _err(where, f"unknown field(s) {sorted(extra)}")
-        if m.get("role") not in ROLES:
-            raise _err(where, f"role must be one of {list(ROLES)}")
-        if "name" in m and not isinstance(m["name"], str):
-            raise _err(where, "name must be a string")
-        out.append({"role": str(m["role"]), "content": _content(m.get("content"), where)})
-    return out
 
 
 def _logit_bias(body: Mapping[str, Any], vocab_size: int) -> tuple[tuple[int, float], ...]:
@@ -347,11 +317,31 @@ def parse_completion(body: Any, *, vocab_size: int, max_seq_len: int) -> ParsedR
 def parse_chat(body: Any, *, vocab_size: int, max_seq_len: int) -> ParsedRequest:
     """`/v1/chat/completions` body -> ParsedRequest (messages; max_tokens may be None)."""
     f = _parse(body, "chat", CHAT_FIELDS, vocab_size, max_seq_len)
-    messages = _messages(body)
+    messages = parse_messages(body.get("messages"))
     mct = _integer(body, "max_completion_tokens", 1, max_seq_len)
     if mct is not None:
         f["max_tokens"] = mct if f["max_tokens"] is None else min(mct, f["max_tokens"])
-    return ParsedRequest(prompts=[], messages=messages, **f)
+    tools = parse_tools(body.get("tools"))
+    choice = parse_tool_choice(body.get("tool_choice"), tools)
+    check_tools_with(f, choice, "tool_choice")
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise _err("parallel_tool_calls", "must be true or false")
+    return ParsedRequest(prompts=[], messages=messages, tools=tools, tool_choice=choice,
+                         parallel_tool_calls=parallel,
+                         template_kwargs=parse_template_kwargs(body.get("chat_template_kwargs")),
+                         **f)
+
+
+def check_tools_with(fields: Mapping[str, Any], choice: ToolChoice, param: str) -> None:
+    """Tool calls have their own grammar: not with a response_format or ignore_eos."""
+    if choice.mode == "none":
+        return
+    if fields["grammar"] is not None:
+        raise _err(param, f"{choice.mode!r} cannot be combined with a JSON response format; "
+                          "set it to \"none\" or drop the format")
+    if fields["ignore_eos"]:
+        raise _err("ignore_eos", "cannot be combined with tool calls")
 
 
 # ---- response bodies ----------------------------------------------------------------------
@@ -370,25 +360,29 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def finish_reason(reason: Optional[str]) -> Optional[str]:
-    """OpenAI reasons are "stop" / "length"; a cancelled / failed request reports "abort"."""
-    return reason if reason in (None, "stop", "length") else "abort"
+    """OpenAI reasons are "stop" / "length" / "tool_calls"; a cancelled / failed request
+    reports "abort"."""
+    return reason if reason in (None, "stop", "length", "tool_calls") else "abort"
 
 
 def choice(kind: str, index: int, text: Optional[str], finish: Optional[str], *,
            logprobs: Optional[dict[str, Any]] = None, stream: bool = False,
-           role: bool = False) -> dict[str, Any]:
+           role: bool = False, message: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """One entry of `choices`: completions {"text"}; chat {"message"}, or streamed
-    {"delta"} (with the role on a choice's first chunk)."""
+    {"delta"} (with the role on a choice's first chunk). `message`: the chat message, or
+    the streamed delta's fields (`chat_reply.ChatReply`), instead of plain `text`."""
     out: dict[str, Any] = {"index": index}
     if kind != "chat":
         out["text"] = text or ""
     elif stream:
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
-        if text:
+        if message is not None:
+            delta.update(message)
+        elif text:
             delta["content"] = text
         out["delta"] = delta
     else:
-        out["message"] = {"role": "assistant", "content": text or ""}
+        out["message"] = message or {"role": "assistant", "content": text or ""}
     out["logprobs"] = logprobs
     out["finish_reason"] = finish_reason(finish)
     return out

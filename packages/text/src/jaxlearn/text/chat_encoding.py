@@ -38,7 +38,7 @@ import bisect
 import dataclasses
 import functools
 import re
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -92,20 +92,23 @@ def render_with_content(
     *,
     add_generation_prompt: bool,
     text: Optional[str] = None,
+    context: Optional[Mapping[str, Any]] = None,
 ) -> tuple[str, Optional[Spans]]:
     """(the rendered conversation, the [start, end) character range in it of every string
     content, in text order). The ranges are None when the template does not write each
     content as it is or trimmed, with the same text around it whatever the content (see the
-    module doc). `text`: the rendering, when already done."""
+    module doc). `text`: the rendering, when already done; `context`: more template
+    variables (`tools`, `enable_thinking`, ...)."""
+    context = dict(context or {})
     if text is None:
-        text = template.render(messages, add_generation_prompt=add_generation_prompt)
+        text = template.render(messages, add_generation_prompt=add_generation_prompt, **context)
     contents = [m["content"] if isinstance(m["content"], str) else "" for m in messages]
     mark = _free_char(template, contents)
     if mark is None:
         return text, None
     holders = [dict(m, content=f"{mark}{i}{mark}") if contents[i] else dict(m)
                for i, m in enumerate(messages)]
-    shape = template.render(holders, add_generation_prompt=add_generation_prompt)
+    shape = template.render(holders, add_generation_prompt=add_generation_prompt, **context)
     literals, order, pos = [], [], 0
     for found in re.finditer(f"{mark}(\\d+){mark}", shape):
         literals.append(shape[pos : found.start()])
@@ -190,17 +193,22 @@ def tokenize_chat(
     add_generation_prompt: bool = True,
     parse_special_in_content: bool = False,
     locate_content: bool = False,
+    context: Optional[Mapping[str, Any]] = None,
 ) -> ChatEncoding:
     """`messages` rendered with `template` and encoded with `tokenizer` (a
-    `jaxlearn.text.tokenizers.Tokenizer`) as the module doc says. ChatTemplateError when the
-    template fails, or when content holds a special-token string that cannot be located."""
-    text = template.render(messages, add_generation_prompt=add_generation_prompt)
+    `jaxlearn.text.tokenizers.Tokenizer`) as the module doc says; `context`: more template
+    variables, as HF `apply_chat_template(tools=..., **kwargs)` passes them. ChatTemplateError
+    when the template fails, or when content holds a special-token string that cannot be
+    located."""
+    context = dict(context or {})
+    text = template.render(messages, add_generation_prompt=add_generation_prompt, **context)
     typed = None if parse_special_in_content else typed_special(
         tokenizer, (m["content"] for m in messages))
     content: Optional[Spans] = None
     if typed is not None or locate_content:
         text, content = render_with_content(
-            template, messages, add_generation_prompt=add_generation_prompt, text=text)
+            template, messages, add_generation_prompt=add_generation_prompt, text=text,
+            context=context)
     if typed is None:
         ids, ends = tokenizer.encode_offsets(text)
         return ChatEncoding(text, ids, ends, content)
@@ -222,10 +230,11 @@ def encode_chat(
     *,
     add_generation_prompt: bool = True,
     parse_special_in_content: bool = False,
+    context: Optional[Mapping[str, Any]] = None,
 ) -> list[int]:
     """The prompt ids of a chat (`tokenize_chat(...).ids` as a list)."""
     enc = tokenize_chat(tokenizer, template, messages, add_generation_prompt=add_generation_prompt,
-                        parse_special_in_content=parse_special_in_content)
+                        parse_special_in_content=parse_special_in_content, context=context)
     return [int(i) for i in enc.ids]
 
 

@@ -13,6 +13,10 @@
   the text ends with a proper prefix of a stop string, that tail is held back so a
   stream never shows text that a later token turns into a stop string;
 - `max_new_tokens` / the cache length end it with finish_reason "length".
+
+`token_texts(tokenizer, ids)` is the text of each id of a whole sequence (a prompt being
+echoed): special tokens as their string, the rest decoded in context, so the texts joined
+are the sequence's text and their running lengths index it.
 """
 
 from __future__ import annotations
@@ -135,3 +139,32 @@ class OutputState:
         delta = self.text[self.emitted :]
         self.emitted = len(self.text)
         return Delta(tokens, delta, self.finish_reason)
+
+
+def token_texts(tokenizer: Any, ids: Sequence[int]) -> list[str]:
+    """The text of each of `ids`: a special token's string (`tokenizer.special_text`),
+    else what the id adds to the decoded text of the ids before it (up to the last special
+    token; "" while it completes only part of a character, the rest with the id that
+    completes it). `"".join(token_texts(t, ids))` is the sequence's text with its special
+    tokens written out, so running lengths are character offsets into it."""
+    special = getattr(tokenizer, "special_text", None)
+    out: list[str] = []
+    run: list[int] = []  # Ids since the last special token, the last few kept as context.
+    shown = 0  # Characters of decode(run) already given out.
+    for t in ids:
+        s = special(int(t)) if special is not None else None
+        if s is not None:
+            out.append(s)
+            run, shown = [], 0
+            continue
+        run.append(int(t))
+        text = tokenizer.decode(run)
+        if text.endswith("\ufffd"):  # Part of a character: wait for the rest.
+            out.append("")
+            continue
+        out.append(text[shown:])
+        shown = len(text)
+        if len(run) > 2 * _CONTEXT:  # Keep the cost per id constant.
+            run = run[-_CONTEXT:]
+            shown = len(tokenizer.decode(run))
+    return out

@@ -75,6 +75,7 @@ def chat_prompt(
     messages: Sequence[Mapping[str, Any]],
     *,
     parse_special_in_content: bool = False,
+    context: Optional[Mapping[str, Any]] = None,
 ) -> str | list[int]:
     """The prompt of a chat: the tokenizer's own `apply_chat_template(messages)` when it has
     one (returning text or ids; None means "no template"), else a plain fallback
@@ -83,13 +84,15 @@ def chat_prompt(
         <|system|>\\n...\\n<|user|>\\n...\\n<|assistant|>\\n
 
     A jaxlearn tokenizer encodes special-token strings typed into the content as text
-    unless `parse_special_in_content` (`jaxlearn.text.chat_encoding`); another protocol
-    object's `apply_chat_template` is called as it is.
+    unless `parse_special_in_content` (`jaxlearn.text.chat_encoding`), and renders the
+    template with the variables of `context` (`tools`, `enable_thinking`, ...; the fallback
+    transcript has no use for them); another protocol object's `apply_chat_template` is
+    called as it is.
     """
     template = getattr(tokenizer, "apply_chat_template", None)
     if isinstance(tokenizer, _TokenizerBase):
         out: Any = tokenizer.apply_chat_template(
-            list(messages), parse_special_in_content=parse_special_in_content)
+            list(messages), parse_special_in_content=parse_special_in_content, context=context)
     else:
         out = template(list(messages)) if callable(template) else None
     if isinstance(out, str):

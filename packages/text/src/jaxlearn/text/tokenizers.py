@@ -99,6 +99,11 @@ class Tokenizer(Configurable):
         """The text of `ids`; BOS/EOS/pad ids are dropped."""
         raise NotImplementedError(type(self))
 
+    def special_text(self, token: int) -> Optional[str]:
+        """The string of a special token (`<|im_start|>`), which `decode` drops; None for
+        any other id (the byte tokenizer's BOS / EOS / pad have no string)."""
+        return None
+
     # A chat template set on the instance (`set_chat_template`), e.g. the one a fine-tuning
     # run rendered its data with; HFTokenizer also gets one from its files.
     _chat: Optional[ChatTemplate] = None
@@ -112,19 +117,21 @@ class Tokenizer(Configurable):
         self._chat = template
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], *, parse_special_in_content: bool = False
+        self, messages: Sequence[Mapping[str, Any]], *, parse_special_in_content: bool = False,
+        context: Optional[Mapping[str, Any]] = None,
     ) -> Optional[list[int]]:
         """Prompt ids of a chat (the template's text with the generation prompt; no special
         tokens added: the template writes its own), or None when the tokenizer has no chat
         template. The template's special tokens are special; special-token strings in the
         messages' content stay text unless `parse_special_in_content`
-        (`jaxlearn.text.chat_encoding.encode_chat`)."""
+        (`jaxlearn.text.chat_encoding.encode_chat`). `context`: more template variables
+        (`tools`, `enable_thinking`, ...)."""
         if self._chat is None:
             return None
         from jaxlearn.text.chat_encoding import encode_chat
 
         return encode_chat(self, self._chat, [dict(m) for m in messages],
-                           parse_special_in_content=parse_special_in_content)
+                           parse_special_in_content=parse_special_in_content, context=context)
 
     def encode_array(self, text: str, *, parse_special: bool = True) -> np.ndarray:
         """`encode(text)` as an int32 array `[num_tokens]`."""
@@ -453,6 +460,12 @@ class HFTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         keep = [int(i) for i in ids if int(i) not in self.special_ids]
         return str(self.tokenizer.decode(keep, skip_special_tokens=True))
+
+    def special_text(self, token: int) -> Optional[str]:
+        added = self.tokenizer.get_added_tokens_decoder().get(int(token))
+        if added is not None and added.special:
+            return str(added.content)
+        return None
 
     def decode_stream(self, context: Sequence[int]) -> _DecodeStream:
         """A stream decoding the ids that follow `context` (e.g. the prompt's last ids)."""
