@@ -341,6 +341,90 @@ def test_lora_from_a_jaxlearn_run(model_dir, tmp_path):
         np.testing.assert_array_equal(trained[k], v, err_msg=k)
 
 
+def _peft_adapter(model_dir, out):
+    """A rank-4 PEFT adapter on q_proj and v_proj of `model_dir` (random A and B), and the
+    params of the base model with it on."""
+    from jaxlearn.interop import export_peft, load_pretrained
+    from jaxlearn.layers import use_lora
+    from jaxlearn.layers.lora import with_base_params
+
+    loaded = load_pretrained(model_dir)
+    cfg = use_lora(loaded.config, rank=4, alpha=8.0, targets=r".*\.(q_proj|v_proj)")
+    params = cfg.clone(name="model").instantiate().initialize_parameters_recursively(
+        jax.random.key(7))
+    params = jax.tree_util.tree_map_with_path(
+        lambda p, x: x + 0.2 if "lora_b" in jax.tree_util.keystr(p) else x, params)
+    params = with_base_params(params, loaded.params)
+    export_peft(out, cfg, params)
+    return loaded, params
+
+
+def test_lora_trains_on_from_a_peft_adapter(model_dir, tmp_path, capsys):
+    """`lora --init_from BASE --init_adapter PEFT_DIR`: the adapter's rank and targets
+    replace the recipe's, step 1's loss is the base model's with the adapter on (computed
+    here), and training moves the adapters, not the base weights."""
+    from jaxlearn.checkpoint import Checkpointer
+    from jaxlearn.families.tree import flatten
+    from jaxlearn.module import functional
+
+    adapter = tmp_path / "adapter"
+    loaded, params = _peft_adapter(model_dir, adapter)
+    args = ["--experiment", "lora", "--init_from", str(model_dir), "--init_adapter",
+            str(adapter)]
+    assert main(["config", *args, "--mesh_selector", "cpu-8"]) == 0
+    cfg = from_flat_text(capsys.readouterr().out)
+    attention = cfg.model.decoder.transformer.layer.self_attention
+    assert (attention.q_proj.lora_rank, attention.v_proj.lora_alpha) == (4, 8.0)
+    assert attention.k_proj.klass.__name__ == "Linear"
+    assert cfg.model.decoder.transformer.layer.feed_forward.wi.klass.__name__ == "Linear"
+    assert cfg.init_from.klass.__name__ == "AdaptedModelSource"
+    assert (cfg.init_from.path, cfg.init_from.adapter) == (str(model_dir), str(adapter))
+    out = tmp_path / "run"
+    assert main(["train", *args, "--output_dir", str(out), "--max_step", "3", *FAST]) == 0
+    cfg = from_flat_text((out / "config.txt").read_text())
+    batch = next(cfg.input.instantiate().iterator(0, 1))
+    (loss, _), _ = functional(cfg.model.clone(name="model").instantiate(), None, params,
+                              (batch,), is_training=False)
+    losses = _losses(out)
+    np.testing.assert_allclose(float(loss), losses[1], rtol=2e-6)
+    ckpt = Checkpointer.default_config().set(directory=str(out / "checkpoints")).instantiate()
+    trained = flatten(jax.tree.map(np.asarray, ckpt.restore(3, _abstract(ckpt, out),
+                                                            partial=True)["params"]))
+    ckpt.close()
+    start = flatten(jax.tree.map(np.asarray, params))
+    assert set(trained) == set(start)
+    for k, v in flatten(loaded.params).items():
+        np.testing.assert_array_equal(trained[k], v, err_msg=k)
+    assert any(not np.array_equal(trained[k], start[k]) for k in start if ".adapter." in k)
+
+
+Q_A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+
+
+@pytest.mark.parametrize("args, damaged, message", [
+    (["--experiment", "lora"], False, "--init_adapter {a}: needs --init_from BASE"),
+    (["--experiment", "finetune", "--init_from", "{m}"], False,
+     "--init_adapter {a}: the experiment has no LoRA layers"),
+    (["--experiment", "lora", "--init_from", "{m}"], True,
+     "--init_adapter {a}: {a}/adapter_model.safetensors: tensor " + Q_A
+     + ": shape (4, 16), expected (4, 32) (r=4)"),
+])
+def test_bad_init_adapter_is_one_line(model_dir, tmp_path, capsys, args, damaged, message):
+    from safetensors.numpy import load_file, save_file
+
+    adapter = tmp_path / "adapter"
+    _peft_adapter(model_dir, adapter)
+    if damaged:  # an adapter of another model: q_proj takes 16 inputs, not 32
+        tensors = load_file(adapter / "adapter_model.safetensors")
+        tensors[Q_A] = np.zeros((4, 16), np.float32)
+        save_file(tensors, str(adapter / "adapter_model.safetensors"))
+    argv = [a.format(m=model_dir) for a in args]
+    assert main(["config", *argv, "--init_adapter", str(adapter), "--mesh_selector",
+                 "cpu-8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message.format(a=adapter) in err[0], err
+
+
 def test_moved_lora_run_generates_without_its_base_model(model_dir, tmp_path, capsys):
     """A LoRA run keeps its own copy of the base model's tokenizer (`<run>/tokenizer/`):
     with the base model directory gone and the run directory moved, `generate --model`

@@ -155,3 +155,48 @@ def test_export_never_overwrites_the_model_it_reads(tmp_path, capsys):
     assert len(err) == 1 and "holds --model" in err[0], err
     assert (tmp_path / "run" / "run.json").exists()
     assert (tmp_path / "run" / "checkpoints").is_dir()
+
+
+LORA_SMALL = SMALL + [
+    "model.decoder.transformer.layer.self_attention.num_heads=4",
+    "model.decoder.transformer.layer.self_attention.num_kv_heads=2",
+    "model.decoder.dim=64", "model.decoder.transformer.layer.feed_forward.hidden_dim=128",
+]
+
+
+def test_lora_run_exports_its_adapters_alone_as_peft(tmp_path, capsys):
+    """`--format peft`: adapter_config.json + adapter_model.safetensors, read back onto the
+    run's base model as the run's adapters, bit for bit; the base weights are not written."""
+    from safetensors.numpy import load_file
+
+    from jaxlearn.families.tree import flatten
+    from jaxlearn.interop import load_lora_adapter, read_peft
+    from jaxlearn.interop.peft import plain_config
+
+    cfg, params = _run(tmp_path / "run", "lora", LORA_SMALL, perturb_adapters=True)
+    out = tmp_path / "adapter"
+    assert main(["export", "--model", str(tmp_path / "run"), "--format", "peft",
+                 "--output", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json",
+                                                     "adapter_model.safetensors"]
+    tensors = load_file(out / "adapter_model.safetensors")
+    assert all(".lora_A.weight" in k or ".lora_B.weight" in k for k in tensors)
+    base_cfg = plain_config(cfg.model)
+    adapter = read_peft(out, base_cfg)
+    assert (adapter.rank, adapter.alpha) == (8, 16.0)
+    want = {k: np.asarray(v) for k, v in flatten(params).items() if ".adapter.lora_" in k}
+    for got in (flatten(adapter.params),
+                flatten(load_lora_adapter(tmp_path / "run", base_cfg).params)):
+        assert set(got) == set(want)
+        for k, v in want.items():
+            np.testing.assert_array_equal(got[k], v, err_msg=k)
+
+
+def test_peft_export_of_a_run_without_adapters_is_one_line(tmp_path, capsys):
+    _run(tmp_path / "run", "tiny-llama", SMALL)
+    out = tmp_path / "adapter"
+    assert main(["export", "--model", str(tmp_path / "run"), "--format", "peft",
+                 "--output", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the run has no LoRA adapters to export" in err[0], err
+    assert not out.exists()

@@ -24,7 +24,7 @@ def test_the_flag_table_has_a_row_for_every_run_flag():
     assert set(RUN_FLAGS) == {f.name for f in dataclasses.fields(RunFlags)}
     for name, row in RUN_FLAGS.items():
         assert row.fields, name
-        assert (row.settings is None) == (name == "init_from"), name
+        assert (row.settings is None) == (name in ("init_from", "init_adapter")), name
 
 
 def test_flags_set_typed_values_and_the_record_rebuilds_them(tmp_path):

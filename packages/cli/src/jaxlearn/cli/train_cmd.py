@@ -2,7 +2,7 @@
 
     jaxlearn train --experiment NAME --output_dir DIR [--mesh_selector SEL] [--set ...]
                    [--max_step N] [--data PATH ...] [--profile_steps 5,6] [--elastic]
-                   [--init_from PATH] [--reward SPEC ...]
+                   [--init_from PATH [--init_adapter PEFT_DIR_OR_RUN]] [--reward SPEC ...]
                    [--supervise [--max_restarts N] [--restart_backoff_s S]]
                    [--coordinator_address H:P --num_processes N --process_id I ...]
     jaxlearn config --experiment NAME [--mesh_selector SEL] [--set ...] [train's run flags]
@@ -72,6 +72,11 @@ RUN_FLAG_ARGS: dict[str, dict[str, Any]] = {
         "start from a pretrained model: an HF model directory, a GGUF file or a jaxlearn "
         "run; its architecture, tokenizer and chat template become the model and input "
         "fields, its weights the first params (a run with checkpoints resumes them instead)")),
+    "init_adapter": dict(default=None, metavar="PATH", help=(
+        "with --init_from BASE and a LoRA recipe: train on from a LoRA adapter of BASE, a "
+        "PEFT adapter directory (adapter_config.json + adapter_model.safetensors) or a "
+        "jaxlearn LoRA run; its rank, alpha, dropout and adapted projections replace the "
+        "recipe's, its lora_A/lora_B the first adapter params")),
     "elastic": dict(action="store_true", help=(
         "on a device count other than the run's first, keep the global batch by raising "
         "learner.num_microbatches (the mesh's -1 axis adapts)")),

@@ -62,6 +62,7 @@ class RunFlags:
     profile_steps: Optional[str] = None
     elastic: bool = False
     init_from: Optional[str] = None
+    init_adapter: Optional[str] = None
     reward: tuple[str, ...] = ()
 
 
@@ -143,6 +144,7 @@ class RunFlag:
 
 RUN_FLAGS: dict[str, RunFlag] = {
     "init_from": RunFlag("model, input.tokenizer, input.chat_template, init_from", None),
+    "init_adapter": RunFlag("model, init_from", None),
     "output_dir": RunFlag("output_dir", lambda cfg, v: [
         _setting("output_dir", normalize_output_dir(v))]),
     "max_step": RunFlag("max_step", lambda cfg, v: [_setting("max_step", v)]),
@@ -172,15 +174,17 @@ def resolve_selector(selector: Optional[str]) -> str:
 
 
 def build_config(experiment: str, selector: Optional[str], overrides: Sequence[str] = (), *,
-                 init_from: Optional[str] = None, validate: bool = True) -> Any:
-    """Recipe -> `init_from` model -> mesh rule for `selector` (None: this machine's) ->
-    `path=value` overrides -> validation (field limits, `Config.validate`)."""
+                 init_from: Optional[str] = None, init_adapter: Optional[str] = None,
+                 validate: bool = True) -> Any:
+    """Recipe -> `init_from` model (and `init_adapter` LoRA adapter) -> mesh rule for
+    `selector` (None: this machine's) -> `path=value` overrides -> validation (field
+    limits, `Config.validate`)."""
     try:
         cfg: Any = get_experiment(experiment)
     except KeyError as e:
         raise BuildError(str(e.args[0])) from None
     try:
-        cfg = apply_init_from(cfg, init_from)
+        cfg = apply_init_from(cfg, init_from, init_adapter)
     except InitFromUsageError as e:
         raise BuildError(one_line(e)) from None
     try:
@@ -271,7 +275,7 @@ def build_run(experiment: str, selector: Optional[str], overrides: Sequence[str]
     doc); `inputs=False` skips building the input pipeline."""
     selector = resolve_selector(selector)
     cfg = build_config(experiment, selector, overrides, init_from=flags.init_from,
-                       validate=False)
+                       init_adapter=flags.init_adapter, validate=False)
     texts = _apply_flags(cfg, flags)
     try:
         cfg.validate()

@@ -18,6 +18,13 @@ run record holds them:
 - `init_from`: `interop.ModelSource` on PATH, which the trainer loads into its param
   shardings when the output dir has no checkpoint yet.
 
+`--init_adapter ADAPTER` (with `--init_from BASE` and a LoRA recipe) trains on from a LoRA
+adapter: a PEFT adapter directory or a jaxlearn LoRA run, read for BASE's model by
+`interop.lora_source.open_lora_adapter`. The recipe's LoRA layers give way to the
+adapter's (its rank, alpha, dropout and adapted projections, `layers.use_lora`), and
+`init_from` becomes `interop.lora_source.AdaptedModelSource` (BASE's weights, the
+adapter's lora_a / lora_b).
+
 What PATH holds is `jaxlearn.interop.open_model`'s to say, read once (config.json / the
 GGUF header / the run record, never tensor data). This runs before the mesh rules, so
 remat and sharding rules apply to the pretrained model as to the recipe's own. Problems
@@ -98,10 +105,32 @@ def _from_run(cfg: Any, source: Any) -> Any:
     return cfg
 
 
-def apply_init_from(cfg: ConfigBase, path: Optional[str]) -> Any:
+def _apply_adapter(cfg: Any, base: str, adapter: str) -> Any:
+    """`cfg` (already set up from `--init_from base`) made to start from `adapter` too."""
+    from jaxlearn.interop import InteropError
+    from jaxlearn.interop.lora_source import AdaptedModelSource, open_lora_adapter
+
+    if _lora_settings(cfg.model) is None:
+        raise InitFromUsageError(f"--init_adapter {adapter}: the experiment has no LoRA layers "
+                                 "to train on from it; use a LoRA recipe (lora, dpo-lora, "
+                                 "grpo-lora)")
+    try:
+        cfg.model = open_lora_adapter(adapter, cfg.model).model_config
+    except InteropError as e:
+        what = " ".join(str(e).split()).removeprefix(f"{adapter}: ")
+        raise InitFromUsageError(f"--init_adapter {adapter}: {what}") from None
+    cfg.init_from = AdaptedModelSource.default_config().set(path=base, adapter=str(adapter))
+    return cfg
+
+
+def apply_init_from(cfg: ConfigBase, path: Optional[str], adapter: Optional[str] = None) -> Any:
     """`cfg` (a recipe's Trainer config, before mesh rules) set up to start from `path`
-    (see the module doc); `path` None leaves it as it is."""
+    and, with `adapter`, from that LoRA adapter on it (see the module doc); `path` None
+    leaves it as it is."""
     if path is None:
+        if adapter is not None:
+            raise InitFromUsageError(f"--init_adapter {adapter}: needs --init_from BASE, the "
+                                     "model the adapter was trained on")
         return cfg
     from jaxlearn.checkpoint.run_record import RunRecordError
     from jaxlearn.config import ConfigError
@@ -130,7 +159,7 @@ def apply_init_from(cfg: ConfigBase, path: Optional[str]) -> Any:
         what = " ".join(str(e).split()).removeprefix(f"{path}: ")
         raise InitFromUsageError(f"--init_from {path}: {what}") from None
     cfg.init_from = source.config.clone()
-    return cfg
+    return cfg if adapter is None else _apply_adapter(cfg, str(source.config.path), adapter)
 
 
 __all__ = ["InitFromUsageError", "apply_init_from"]

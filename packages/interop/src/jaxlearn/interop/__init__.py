@@ -8,6 +8,9 @@
     export_hf("out_dir", loaded.config, loaded.params, tokenizer=loaded.tokenizer)
     export_gguf("out.gguf", loaded.config, loaded.params, tokenizer=loaded.tokenizer,
                 chat_template=loaded.chat_template, dtype="q8_0")
+    export_peft("adapter/", lora_config, params)          # LoRA adapters alone, PEFT layout
+    adapter = read_peft("adapter/", base_config)          # PeftAdapter (config made LoRA)
+    rank, alpha, adapter_params, paths = load_lora_adapter("adapter_or_run/", base_config)
 
 See packages/interop/README.md. The families themselves (`Architecture`, config building, HF
 config.json fields, name tables) are `jaxlearn.families`; chat templates are
@@ -26,8 +29,10 @@ from jaxlearn.interop.errors import (
 )
 from jaxlearn.interop.generate import greedy_generate
 from jaxlearn.interop.hf import export_hf, export_pretrained, load_hf, load_hf_tokenizer
+from jaxlearn.interop.lora_source import LoraAdapterWeights, load_lora_adapter
 from jaxlearn.interop.model import LoadedModel
 from jaxlearn.interop.model_source import ModelSource, open_model
+from jaxlearn.interop.peft import PeftAdapter, export_peft, read_peft
 from jaxlearn.interop.pretrained import JaxlearnCheckpointError, load_pretrained
 
 __all__ = [
@@ -35,20 +40,25 @@ __all__ = [
     "InteropError",
     "JaxlearnCheckpointError",
     "LoadedModel",
+    "LoraAdapterWeights",
     "MalformedFileError",
     "ModelSource",
     "ParameterMismatchError",
+    "PeftAdapter",
     "TokenizerError",
     "UnsupportedModelError",
     "export_gguf",
     "export_hf",
+    "export_peft",
     "export_pretrained",
     "greedy_generate",
     "load_gguf",
     "load_hf",
     "load_hf_tokenizer",
+    "load_lora_adapter",
     "load_pretrained",
     "open_model",
+    "read_peft",
 ]
 
 
