@@ -124,11 +124,16 @@ class Policy:
         raise HTTPError(403, f"Origin {origin[:100]!r} is not allowed (cross-origin requests "
                              f"are off unless listed in --allowed_origins)")
 
-    def check_key(self, path: str, authorization: Optional[str]) -> None:
+    def check_key(self, path: str, authorization: Optional[str],
+                  x_api_key: Optional[str] = None) -> None:
+        """The key as `Authorization: Bearer <key>` (OpenAI clients) or `x-api-key: <key>`
+        (Anthropic clients)."""
         if self.api_key is None or path in self.public_paths:
             return
         scheme, _, token = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-                token.strip().encode("latin-1", "replace"), self.api_key.encode()):
-            raise HTTPError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                            headers={"WWW-Authenticate": "Bearer"})
+        if scheme.lower() != "bearer":
+            token = x_api_key or ""
+        if not hmac.compare_digest(token.strip().encode("latin-1", "replace"),
+                                   self.api_key.encode()):
+            raise HTTPError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' "
+                                 "or 'x-api-key: <key>'", headers={"WWW-Authenticate": "Bearer"})

@@ -109,12 +109,16 @@ class ChatReply:
             delta["tool_calls"] = calls
         return delta
 
-    def delta(self, text: str, last: bool = False) -> dict[str, Any]:
-        """The chat delta of the next piece of text (`last`: the reply ends with it)."""
+    def events(self, text: str, last: bool = False) -> list[Event]:
+        """What the next piece of text adds (`last`: the reply ends with it)."""
         events = self.out.feed(text)
         if last:
             events += self.out.finish()
-        return self._delta(events)
+        return events
+
+    def delta(self, text: str, last: bool = False) -> dict[str, Any]:
+        """The chat delta of the next piece of text (`last`: the reply ends with it)."""
+        return self._delta(self.events(text, last))
 
     def message(self) -> dict[str, Any]:
         """The assistant message of the whole reply (after `delta(..., last=True)`)."""

@@ -421,7 +421,7 @@ class Handler(BaseHTTPRequestHandler):
         self.cors_origin = p.cors_origin(self.headers.get("Origin"))
         if self.command == "OPTIONS":
             return
-        p.check_key(self.route, self.headers.get("Authorization"))
+        p.check_key(self.route, self.headers.get("Authorization"), self.headers.get("x-api-key"))
         ctype = self.headers.get("Content-Type", "")
         if self.command == "POST" and ctype.split(";")[0].strip().lower() != "application/json":
             raise HTTPError(415, f"Content-Type {ctype[:60]!r} is not supported; send "
@@ -479,9 +479,13 @@ class Handler(BaseHTTPRequestHandler):
             return
         headers = {"Retry-After": "1", **e.headers} if e.status == 429 else e.headers
         try:
-            self.send_json(e.status, error_body(e.status, e.message, e.param), headers)
+            self.send_json(e.status, self.error_json(e), headers)
         except OSError:
             self.close_connection = True
+
+    def error_json(self, e: HTTPError) -> Any:
+        """The body of an error response (an API with its own error shape overrides it)."""
+        return error_body(e.status, e.message, e.param)
 
     def send_error(self, code: int, message: Optional[str] = None,
                    explain: Optional[str] = None) -> None:

@@ -4,6 +4,8 @@ checks, JSON errors; see httpd.py).
 
     POST /v1/completions        prompt (text or ids) -> text; "stream": true -> SSE
     POST /v1/chat/completions   messages -> assistant message; "stream": true -> SSE
+    POST /v1/responses          OpenAI Responses API (stateless; `responses_api`)
+    POST /v1/messages           Anthropic Messages API (`messages_api`; its error shape)
     GET  /v1/models             the served model
     GET  /health                200 while the engine thread runs, else 503 (no API key)
     GET  /metrics               Prometheus text (engine + HTTP counters)
@@ -36,6 +38,8 @@ from typing import Any, Iterable, Optional
 
 from jaxlearn.inference.engine import Engine
 from jaxlearn.inference.errors import QueueFullError, RequestError
+from jaxlearn.serve import messages_api, responses_api
+from jaxlearn.serve.api_common import new_id as api_id
 from jaxlearn.serve.completions import Candidate, Group
 from jaxlearn.serve.httpd import Handler, HTTPError, HTTPServer, Limits, Policy
 from jaxlearn.serve.protocol import (
@@ -48,7 +52,13 @@ from jaxlearn.serve.protocol import (
 )
 from jaxlearn.text.detokenize import Delta
 
-PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+PARSERS = {
+    "/v1/completions": parse_completion,
+    "/v1/chat/completions": parse_chat,
+    "/v1/responses": responses_api.parse_responses,
+    "/v1/messages": messages_api.parse_messages_request,
+}
+PATHS = (*PARSERS, "/v1/models", "/health", "/metrics")
 
 
 class InferenceServer:
@@ -150,18 +160,23 @@ class _Handler(Handler):
             self.send_json(200, {"object": "list", "data": [{
                 "id": eng.model_name, "object": "model", "created": 0, "owned_by": "jaxlearn",
                 "max_model_len": eng.max_seq_len}]})
-        elif path in ("/v1/completions", "/v1/chat/completions"):
+        elif path in PARSERS:
             raise HTTPError(405, f"use POST for {path}", headers={"Allow": "POST"})
         else:
             raise HTTPError(404, f"no route {path[:200]}")
 
+    def error_json(self, e: HTTPError) -> Any:
+        if self.route == "/v1/messages":
+            return messages_api.error_shape(e.status, e.message)
+        return super().error_json(e)
+
     def do_POST(self) -> None:
         path = self.route
-        if path not in ("/v1/completions", "/v1/chat/completions"):
+        parse = PARSERS.get(path)
+        if parse is None:
             raise HTTPError(404, f"no route {path[:200]}")
         body = self.read_json()
         eng = self.app.engine
-        parse = parse_chat if path.endswith("chat/completions") else parse_completion
         try:
             req = parse(body, vocab_size=eng.vocab_size, max_seq_len=eng.max_seq_len)
         except RequestError as e:
@@ -169,7 +184,10 @@ class _Handler(Handler):
         if req.model is not None and req.model != eng.model_name:
             raise HTTPError(404, f"model {req.model!r} not found; serving {eng.model_name!r}",
                             "model")
-        self._generate(req)
+        if path in ("/v1/responses", "/v1/messages"):
+            self._generate_api(path, req, body)
+        else:
+            self._generate(req)
 
     # ---- generation -----------------------------------------------------------------
 
@@ -218,8 +236,7 @@ class _Handler(Handler):
         model = self.app.engine.model_name
         self.send_json(200, response(parsed.kind, rid, model, group.choices(), group.usage()))
 
-    def _stream(self, parsed: ParsedRequest, rid: str, group: Group) -> None:
-        model = self.app.engine.model_name
+    def _open_stream(self, group: Group) -> None:
         group.submit()  # A full queue is a 429 before the stream starts.
         self.close_connection = True  # The body ends when the connection closes.
         self.send_response(200)
@@ -228,6 +245,17 @@ class _Handler(Handler):
         self.send_header("Connection", "close")
         self.end_headers()
         self.server.count(self.route, 200)
+
+    def _send_events(self, events: list[tuple[str, Any]]) -> None:
+        """Server-sent events with names (`event: NAME`), as the Responses and Messages
+        APIs stream."""
+        for name, obj in events:
+            self.wfile.write(f"event: {name}\ndata: {json.dumps(obj)}\n\n".encode())
+        self.wfile.flush()
+
+    def _stream(self, parsed: ParsedRequest, rid: str, group: Group) -> None:
+        model = self.app.engine.model_name
+        self._open_stream(group)
 
         def send(obj: Any) -> None:
             data = obj if isinstance(obj, str) else json.dumps(obj)
@@ -245,3 +273,68 @@ class _Handler(Handler):
             send(chunk(parsed.kind, rid, model, [], use=group.usage()))
         send("[DONE]")
         time.sleep(0)  # Let the final write go out before the socket closes.
+
+    # ---- the Responses and Messages APIs ----------------------------------------------
+
+    def _generate_api(self, path: str, parsed: ParsedRequest, body: Any) -> None:
+        try:
+            group = Group(self.app.engine, parsed, self.app.limits.max_active_per_request)
+        except RequestError as e:
+            raise HTTPError(400, str(e), e.param) from None
+        try:
+            if parsed.stream:
+                self._stream_api(path, parsed, body, group)
+            else:
+                self._collect_api(path, parsed, body, group)
+        except QueueFullError as e:
+            raise HTTPError(429, str(e)) from None
+        finally:
+            group.cancel()
+
+    def _collect_api(self, path: str, parsed: ParsedRequest, body: Any, group: Group) -> None:
+        while not group.done:
+            if self._next(group) is None:
+                return
+        (c,) = group.candidates
+        if c.finish == "error":
+            raise HTTPError(500, "generation failed on the device")
+        assert c.reply is not None
+        events = c.reply.events("".join(c.text), last=True)
+        blocks, ids = responses_api.blocks_of(events, {k.id for k in c.reply.out.calls})
+        model = self.app.engine.model_name
+        if path == "/v1/responses":
+            echo = responses_api.body_echo(parsed, body, model)
+            status = "incomplete" if c.finish == "length" else "completed"
+            self.send_json(200, responses_api.response_object(
+                api_id("resp"), echo, blocks, ids, status, c.finish, group.usage()))
+        else:
+            self.send_json(200, messages_api.message_object(
+                api_id("msg"), model, blocks, c.finish, c.request.output.stop_reason,
+                group.usage()))
+
+    def _stream_api(self, path: str, parsed: ParsedRequest, body: Any, group: Group) -> None:
+        model = self.app.engine.model_name
+        stream: Any
+        if path == "/v1/responses":
+            stream = responses_api.ResponsesStream(
+                api_id("resp"), responses_api.body_echo(parsed, body, model))
+        else:
+            stream = messages_api.MessagesStream(api_id("msg"), model,
+                                                 len(group.prompt_ids[0]))
+        self._open_stream(group)
+        self._send_events(stream.open())
+        (c,) = group.candidates
+        assert c.reply is not None
+        while not group.done:
+            event = self._next(group)
+            if event is None:
+                return
+            _, delta = event
+            self._send_events(stream.on(c.reply.events(delta.text,
+                                                       last=delta.finish_reason is not None)))
+        if path == "/v1/responses":
+            self._send_events(stream.close(c.finish, group.usage()))
+        else:
+            self._send_events(stream.close(c.finish, c.request.output.stop_reason,
+                                           group.usage()))
+        time.sleep(0)
