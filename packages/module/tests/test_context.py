@@ -17,11 +17,15 @@ from jaxlearn.config import REQUIRED
 from jaxlearn.module import (
     Module,
     ModuleError,
+    ParameterSpec,
     child_key,
     current_context,
     functional,
     iter_collection,
+    scan_child,
+    side_input,
     stable_hash,
+    zeros,
 )
 
 NAMES = st.from_regex(r"[a-z][a-z0-9_]{0,11}", fullmatch=True)
@@ -316,3 +320,39 @@ def test_state_updates_and_merge() -> None:
         state = merge_state_updates(state, oc.state_updates)
     assert float(state["counter"]["count"]) == 3.0 and float(state["idle"]["count"]) == 0.0
     assert "not_state" not in state["counter"]
+
+
+class SideScaled(Module):
+    """x * the side input "scale" (1 when the call has none)."""
+
+    def _create_layer_parameter_specs(self) -> dict[str, Any]:
+        return {"w": ParameterSpec((), (), initializer=zeros())}
+
+    def forward(self, x: jax.Array) -> jax.Array:
+        return x * side_input("scale", 1.0) + self.parameters["w"]
+
+
+class SideParent(Module):
+    """Scans a stacked SideScaled child three times over x."""
+
+    def __init__(self, cfg: Module.Config, *, parent: Optional[Module] = None):
+        super().__init__(cfg, parent=parent)
+        self._add_stacked_child("inner", SideScaled.default_config(), 3)
+
+    def forward(self, x: jax.Array) -> jax.Array:
+        x, _ = scan_child(self, self.inner, lambda m, c, _: (m(c), None), x)
+        return x
+
+
+def test_side_inputs_reach_scanned_children_under_jit() -> None:
+    model = SideParent.default_config().set(name="p").instantiate()
+    state = {"inner": {"w": jnp.zeros(3)}}
+    x = jnp.ones(2)
+
+    @jax.jit
+    def call(scale: jax.Array) -> jax.Array:
+        return functional(model, None, state, (x,), side_inputs={"scale": scale})[0]
+
+    np.testing.assert_allclose(call(jnp.array([2.0, 3.0])), [8.0, 27.0])
+    np.testing.assert_allclose(functional(model, None, state, (x,))[0], [1.0, 1.0])
+    assert side_input("scale", "none") == "none"  # Outside any call.

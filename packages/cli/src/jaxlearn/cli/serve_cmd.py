@@ -6,8 +6,11 @@
                    [--api_key KEY] [--allowed_hosts H,..] [--allowed_origins O,..]
                    [--max_connections N] [--max_pending_connections N]
                    [--header_timeout S] [--max_active_per_request N]
+                   [--lora NAME=PATH ...] [--max_loras N] [--max_lora_rank R]
+                   [--allow_runtime_lora]
     jaxlearn generate --model PATH --prompt TEXT [--chat] [--max_new_tokens 128]
                       [--temperature 0] [--top_k 0] [--top_p 1] [--seed N]
+                      [--lora NAME=PATH --adapter NAME]
 
 The serving settings are the fields of `Engine.Config`: the flags (`--max_seq_len`,
 `--max_batch`, ...) and `--engine_set PATH=VALUE` set them, the rest keep their defaults.
@@ -26,6 +29,14 @@ What PATH holds is `jaxlearn.interop.open_model`'s to say (`experiments.open_run
 - an HF model directory or a `.gguf` file: `ModelSource.load_host`, with its tokenizer
   and chat template, as a loop (unstacked) layer stack: faster decode steps than a
   scanned one (no per-layer weight slices), for a longer compile.
+
+`--lora NAME=PATH` (repeatable) loads a LoRA adapter into the engine's adapter banks
+(`Engine.load_adapter`, `jaxlearn.inference.adapters`) under NAME; requests select it by
+name (the request's `model`; `generate --adapter NAME`). PATH: a PEFT adapter directory
+or a jaxlearn LoRA run, read for the served base model by
+`jaxlearn.interop.load_lora_adapter`. `--max_loras` (default: the number of --lora
+adapters) and `--max_lora_rank` (default: the largest of their ranks) size the banks;
+`--allow_runtime_lora` adds the load / unload routes (`jaxlearn.serve.server`).
 """
 
 from __future__ import annotations
@@ -39,7 +50,7 @@ from typing import Any, Optional, Sequence
 
 # Flags that set `Engine.Config` fields of the same name (None: the field's default).
 ENGINE_FLAGS = ("max_seq_len", "max_batch", "prefill_chunk", "kv_cache_tokens", "page_size",
-                "prefix_caching", "quantize")
+                "prefix_caching", "quantize", "max_loras", "max_lora_rank")
 PARAM_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -76,6 +87,14 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                         "(the default)")
     p.add_argument("--no_prefix_caching", dest="prefix_caching", action="store_false",
                    default=None, help="prefill every prompt in full")
+    p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                   help="load a LoRA adapter under NAME (repeatable); PATH: a jaxlearn LoRA "
+                        "run dir (its adapters; the base weights are --model's)")
+    p.add_argument("--max_loras", type=int, default=None,
+                   help="LoRA adapters servable at once, in one batch (default: the number "
+                        "of --lora adapters)")
+    p.add_argument("--max_lora_rank", type=int, default=None,
+                   help="largest adapter rank (default: the largest --lora adapter's)")
     p.add_argument("--engine_set", action="append", default=[], metavar="PATH=VALUE",
                    help="set an Engine.Config field, e.g. --engine_set decode_burst=4 "
                         "(repeatable; see the printed engine config)")
@@ -118,6 +137,10 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--header_timeout", type=float, default=3.0,
                    help="seconds a new connection has to send its request line and headers "
                         "(a kept-alive one: from its next request's first byte; default 3)")
+    p.add_argument("--allow_runtime_lora", action="store_true",
+                   help="serve POST /v1/load_lora_adapter {lora_name, lora_path} and "
+                        "/v1/unload_lora_adapter {lora_name} (the server reads lora_path "
+                        "from its own disk; needs --max_loras)")
     p.add_argument("--max_active_per_request", type=int, default=None,
                    help="engine requests (prompts x best_of) one HTTP request keeps queued "
                         "or running at a time, the rest submitted as those finish, so other "
@@ -134,6 +157,84 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--repetition_penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--adapter", default=None, metavar="NAME",
+                   help="generate with the --lora adapter NAME (default: the base model)")
+
+
+def lora_rank(spec: str, path: str) -> int:
+    """The rank of the adapter at PATH (a PEFT adapter directory's `r`, or a jaxlearn LoRA
+    run's), read before the engine is built to size its banks."""
+    from jaxlearn.cli.common import UsageError
+    from jaxlearn.interop import InteropError, open_model
+    from jaxlearn.interop.peft import is_peft_adapter, lora_layers, read_peft_config
+
+    try:
+        if is_peft_adapter(path):
+            return int(read_peft_config(path)["r"])
+        ranks = {rank for rank, _, _ in lora_layers(open_model(path).model_config()).values()}
+    except (InteropError, OSError, ValueError, KeyError) as e:
+        raise UsageError(f"--lora {spec}: {e}") from None
+    if len(ranks) != 1:
+        what = "no LoRA adapters" if not ranks else f"several ranks {sorted(ranks)}"
+        raise UsageError(f"--lora {spec}: the run has {what}; one rank per adapter is served")
+    return int(ranks.pop())
+
+
+def adapter_loader(engine: Any) -> Any:
+    """path -> (rank, alpha, params) for `Engine.load_adapter`: a PEFT adapter directory
+    or a jaxlearn LoRA run, read for the engine's base model by
+    `jaxlearn.interop.load_lora_adapter` (ValueError naming the path otherwise)."""
+    from jaxlearn.interop import InteropError, load_lora_adapter
+
+    def load(path: str) -> tuple[int, float, Any]:
+        try:
+            w = load_lora_adapter(path, engine.base_model_cfg)
+        except InteropError as e:
+            raise ValueError(str(e)) from None
+        return w.rank, w.alpha, w.params
+
+    return load
+
+
+def lora_flags(args: argparse.Namespace) -> dict[str, str]:
+    """The --lora adapters, {NAME: PATH}, checked before the engine is built;
+    --max_loras / --max_lora_rank default to what they need."""
+    from jaxlearn.cli.common import UsageError
+
+    out: dict[str, str] = {}
+    ranks = []
+    for spec in args.lora:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path or name in out:
+            raise UsageError(f"--lora {spec!r}: expected NAME=PATH with a new NAME")
+        if not Path(path).exists():
+            raise UsageError(f"--lora {spec}: no such file or directory")
+        ranks.append(lora_rank(spec, path))
+        out[name] = path
+    if getattr(args, "allow_runtime_lora", False) and not out and args.max_loras is None:
+        raise UsageError("--allow_runtime_lora: set --max_loras (and --max_lora_rank) to "
+                         "size the adapter banks")
+    if out and args.max_loras is None:
+        args.max_loras = len(out)
+    if ranks and args.max_lora_rank is None:
+        args.max_lora_rank = max(ranks)
+    return out
+
+
+def load_loras(engine: Any, loras: dict[str, str]) -> None:
+    """`Engine.load_adapter` for each of `lora_flags`' adapters."""
+    from jaxlearn.cli.common import UsageError
+
+    load = adapter_loader(engine)
+    for name, path in loras.items():
+        t0 = time.monotonic()
+        try:
+            rank, alpha, params = load(path)
+            engine.load_adapter(name, rank, alpha, params)
+        except ValueError as e:
+            raise UsageError(f"--lora {name}={path}: {e}") from None
+        print(f"jaxlearn: LoRA adapter {name!r} (rank {rank}, alpha {alpha:g}) loaded in "
+              f"{time.monotonic() - t0:.2f}s", file=sys.stderr)
 
 
 def engine_config(args: argparse.Namespace, **fields: Any) -> Any:
@@ -256,11 +357,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         fields["max_queue"] = args.max_queue
     if args.served_model_name:
         fields["model_name"] = args.served_model_name
+    loras = lora_flags(args) if not args.print_config else {}
     engine_cfg = engine_config(args, **fields)
     if args.print_config:
         return print_config(args, engine_cfg)
     server_options(args)  # Bad HTTP flags fail before the model loads.
     engine = _engine(args, engine_cfg)
+    load_loras(engine, loras)
     t0 = time.monotonic()
     compiled = engine.warmup(args.warmup)
     print(f"jaxlearn: warmed up in {time.monotonic() - t0:.1f}s ({compiled} programs, "
@@ -268,7 +371,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     opts = server_options(args)
     limits = InferenceServer.default_limits(engine, **opts.pop("limits"))
     try:
-        server = InferenceServer(engine, args.host, args.port, limits=limits, **opts)
+        server = InferenceServer(engine, args.host, args.port, limits=limits, **opts,
+                                 adapter_loader=(adapter_loader(engine)
+                                                 if args.allow_runtime_lora else None))
     except OSError as e:
         raise UsageError(f"--host {args.host} --port {args.port}: {e.strerror or e}") from None
     host, port = server.address
@@ -316,10 +421,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from jaxlearn.cli.common import UsageError
     from jaxlearn.inference import RequestError, chat_prompt
 
+    loras = lora_flags(args) if not args.print_config else {}
     engine_cfg = engine_config(args, max_queue=1)
     if args.print_config:
         return print_config(args, engine_cfg)
     engine = _engine(args, engine_cfg)
+    load_loras(engine, loras)
     if engine.tokenizer is None:
         raise UsageError(f"--model {args.model}: the model has no tokenizer, so a text "
                          f"--prompt cannot be encoded")
@@ -336,7 +443,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         for delta in engine.stream(
             prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
             top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
-            seed=args.seed, stop=args.stop,
+            seed=args.seed, stop=args.stop, adapter=args.adapter,
         ):
             sys.stdout.write(delta.text)
             sys.stdout.flush()

@@ -38,6 +38,7 @@ from jax.sharding import Mesh
 from jaxlearn import layers
 from jaxlearn.config import REQUIRED, Configurable
 from jaxlearn.inference import programs
+from jaxlearn.inference.adapters import AdapterBanks
 from jaxlearn.inference.engine_setup import (
     SpecFn,
     build_mesh,
@@ -56,6 +57,7 @@ from jaxlearn.inference.runner import ModelRunner, kv_window, next_pow2
 from jaxlearn.inference.sampling import SamplingParams
 from jaxlearn.inference.scheduler import Scheduler
 from jaxlearn.inference.weight_layout import apply_weight_layout
+from jaxlearn.layers.lora import DEFAULT_TARGETS
 from jaxlearn.module import Module
 from jaxlearn.text.detokenize import Delta
 from jaxlearn.text.protocol import as_tokenizer
@@ -178,6 +180,12 @@ class Engine(Configurable):
             default: they are encoded as text and only the chat template's own are special
             (`jaxlearn.text.chat_encoding`). `jaxlearn serve --engine_set
             parse_special_in_content=True` turns it on.
+        max_loras: LoRA adapters servable at once, mixed in one batch (`load_adapter`,
+            `SamplingParams.adapter`; `inference.adapters`); 0 (default): none. The
+            `lora_targets` projections (the `use_lora` default: attention and dense FFN)
+            become `layers.MultiLoraLinear`s with banks of max_loras + 1 slots of rank
+            `max_lora_rank` (smaller ranks are zero-padded). Float weights of those
+            projections are kept as they are under `quantize` / `weight_layout`.
         mesh_shape: None serves on one device; else the mesh over all devices (one -1
             entry allowed), with `mesh_axis_names`. Params are placed by their logical
             axes through `axis_rules` (None: INFERENCE_AXIS_RULES, the training rules
@@ -202,6 +210,9 @@ class Engine(Configurable):
         quantize: Optional[str] = None
         weight_layout: str = "auto"
         parse_special_in_content: bool = False
+        max_loras: int = 0
+        max_lora_rank: int = 16
+        lora_targets: str = DEFAULT_TARGETS
         mesh_shape: Optional[tuple[int, ...]] = None
         mesh_axis_names: tuple[str, ...] = ("data", "fsdp", "model")
         axis_rules: Optional[tuple[tuple[str, Any], ...]] = None
@@ -216,6 +227,13 @@ class Engine(Configurable):
         # Layer scans rolled whatever the training rule chose: every prefill / decode
         # program then compiles one layer body, not one per layer.
         model_cfg = layers.set_unroll(model_cfg, 1)
+        # The model as given (no adapter banks, fusion, int8 or layout change): what an
+        # adapter file is read for (`jaxlearn.interop.load_lora_adapter`).
+        self.base_model_cfg = model_cfg
+        if cfg.max_loras:  # Adapter banks: max_loras slots + slot 0 (no adapter).
+            model_cfg, params = layers.use_multi_lora(
+                model_cfg, params, slots=cfg.max_loras + 1, max_rank=cfg.max_lora_rank,
+                targets=cfg.lora_targets)
         if cfg.fuse_projections:
             model_cfg, params = layers.fuse_projections(model_cfg, params)
         if cfg.quantize is not None:  # Int8Linear configs, int8 params.
@@ -257,6 +275,7 @@ class Engine(Configurable):
             mesh=self.mesh,
             spec_fn=spec_fn,
         )
+        self.adapters = AdapterBanks(self.runner, cfg.max_loras, cfg.max_lora_rank)
         self.metrics = Metrics()
         self.scheduler = Scheduler(
             self.runner,
@@ -272,6 +291,7 @@ class Engine(Configurable):
             speculative_tokens=cfg.speculative_tokens,
             speculative_max_rows=cfg.speculative_max_rows,
             speculative_ngram=cfg.speculative_ngram,
+            adapters=self.adapters,
         )
         self.add_bos = _resolve_add_bos(cfg.add_bos, self.tokenizer)
         self._thread: Optional[threading.Thread] = None
@@ -338,6 +358,31 @@ class Engine(Configurable):
                 pass
         return programs.warmup(self.scheduler, level, threads)
 
+    # ---- LoRA adapters (`inference.adapters`) ----------------------------------------------
+
+    def load_adapter(self, name: str, rank: int, alpha: float, params: Any) -> None:
+        """Loads a LoRA adapter into a free bank slot (Engine.Config.max_loras) under
+        `name`, which requests then select (`adapter=name`). params: the adapter in the
+        `LoraLinear` layout (`.../adapter/lora_a [*in, rank]`, `lora_b [rank, *out]`,
+        stacked [layers, ...] as the model's params; a whole LoRA model's params do, base
+        weights are ignored); scale alpha / rank. The banks keep their shapes: nothing is
+        recompiled. ValueError: a taken name, no free slot, rank > max_lora_rank, shapes
+        or projections the engine's banks do not have."""
+        arrays = self.adapters.arrays(rank, alpha, params)  # Host work outside the lock.
+        with self.scheduler.step_lock:
+            self.adapters.load(name, rank, alpha, arrays)
+
+    def unload_adapter(self, name: str) -> None:
+        """Frees the slot of adapter `name`. Refused (InferenceError) while queued or
+        running requests use it; their prefix-cache pages are never served again."""
+        sched = self.scheduler
+        with sched.step_lock, sched._lock:
+            self.adapters.unload(name, [*sched.waiting, *(r for r in sched.slots if r)])
+
+    def adapter_names(self) -> list[str]:
+        """The names of the loaded adapters, sorted."""
+        return self.adapters.names()
+
     # ---- prompts ------------------------------------------------------------------------
 
     def encode(self, prompt: Prompt) -> list[int]:
@@ -393,10 +438,12 @@ class Engine(Configurable):
         logprobs: Optional[int] = None,
         prompt_logprobs: Optional[int] = None,
         response_format: Optional[dict[str, Any]] = None,
+        adapter: Optional[str] = None,
     ) -> SamplingParams:
         """A SamplingParams (see there); logit_bias as {token id: bias}; response_format
         as the OpenAI object ({"type": "json_object"} or {"type": "json_schema",
-        "json_schema": {"name": ..., "schema": {...}}}, `grammar.py`)."""
+        "json_schema": {"name": ..., "schema": {...}}}, `grammar.py`); adapter: a loaded
+        LoRA adapter's name (None: the base model)."""
         strings, ids = split_stop(stop)
         bias = tuple(sorted((logit_bias or {}).items()))
         return SamplingParams(
@@ -415,6 +462,7 @@ class Engine(Configurable):
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             grammar=response_format_grammar(response_format),
+            adapter=adapter,
         )
 
     def request(self, prompt: Prompt, params: SamplingParams, **kw: Any) -> Request:

@@ -12,6 +12,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 
 from jaxlearn.config import REQUIRED
+from jaxlearn.inference.adapters import check_adapter_settings
 from jaxlearn.inference.quantize import check_quantize
 from jaxlearn.inference.weight_layout import check_weight_layout
 from jaxlearn.layers import older_param_path
@@ -44,6 +45,7 @@ def check_settings(cfg: Any) -> int:
         raise ValueError(f"Engine.Config.fuse_projections=True needs mesh_shape=None (one "
                          f"device), got mesh_shape={cfg.mesh_shape}")
     check_quantize(cfg.quantize)
+    check_adapter_settings(cfg)
     check_weight_layout(cfg.weight_layout, cfg.mesh_shape)
     if cfg.quantize is not None and cfg.mesh_shape is not None:
         raise ValueError(f"Engine.Config.quantize={cfg.quantize!r} needs mesh_shape=None (one "

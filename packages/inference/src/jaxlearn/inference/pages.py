@@ -69,6 +69,7 @@ class PageTable:
         self._page_of: dict[bytes, int] = {}  # Registered digest -> page.
         self._digest: dict[int, bytes] = {}  # Registered page -> digest.
         self._chain: list[list[bytes]] = [[] for _ in range(num_slots)]  # Full pages' digests.
+        self._salt = [b""] * num_slots  # Where each slot's chain starts (`admit`).
 
     @property
     def num_free(self) -> int:
@@ -104,18 +105,20 @@ class PageTable:
         return hashlib.sha256(parent + np.asarray(ids, np.int64).tobytes()).digest()
 
     def admit(self, slot: int, ids: Sequence[int], *, reuse: bool = True,
-              first_chunk: Optional[int] = None) -> Optional[int]:
+              first_chunk: Optional[int] = None, salt: bytes = b"") -> Optional[int]:
         """Gives the empty `slot` pages for the positions of `ids`, sharing the cached
         full pages of its longest cached prefix (with reuse and prefix caching, at most
         the pages before the last id). With a window and `first_chunk`, only the pages of
         the cached prefix and the next first_chunk positions (the first prefill chunk;
         later chunks `ensure` theirs once the window has moved). Returns the number of
         leading positions already in the cache (a multiple of page_size), or None when
-        the pool is short (nothing changes then)."""
+        the pool is short (nothing changes then). `salt` starts the digest chain: pages
+        of a different salt (another LoRA adapter) are never shared."""
         assert self._owned[slot] == 0, slot
         hits: list[tuple[bytes, int]] = []
+        self._salt[slot] = salt
         if self.prefix_caching and reuse:
-            digest, ps = b"", self.page_size
+            digest, ps = salt, self.page_size
             for i in range((len(ids) - 1) // ps):
                 digest = self._next_digest(digest, ids[i * ps : (i + 1) * ps])
                 page = self._page_of.get(digest)
@@ -174,7 +177,8 @@ class PageTable:
             return
         chain, ps = self._chain[slot], self.page_size
         for i in range(len(chain), min(n // ps, self._owned[slot])):
-            digest = self._next_digest(chain[-1] if chain else b"", ids[i * ps : (i + 1) * ps])
+            parent = chain[-1] if chain else self._salt[slot]
+            digest = self._next_digest(parent, ids[i * ps : (i + 1) * ps])
             chain.append(digest)
             page = int(self.table[slot, i])  # 0: released before its commit (not kept).
             if page and digest not in self._page_of:

@@ -1,5 +1,6 @@
 """A generation request as the scheduler tracks it (`Request`), and the per-request
-values its calls need: the slot, the runner's per-row sampling lists, the EOS ids."""
+values its calls need: the slot, the runner's per-row sampling lists (and LoRA slots),
+the EOS ids."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
+from jaxlearn.inference.adapters import Adapter
 from jaxlearn.inference.grammar import Matcher
 from jaxlearn.inference.logprobs import TokenLogprob
 from jaxlearn.inference.sampling import SamplingParams
@@ -36,6 +38,7 @@ def sampling_lists(reqs: Sequence["Request"]) -> dict[str, list[Any]]:
         "seeds": [r.seed for r in reqs],
         "index": [r.num_generated for r in reqs],
         "logprobs": [p.logprobs is not None for p in ps],
+        "adapter": [0 if r.adapter is None else r.adapter.slot for r in reqs],
     }
 
 
@@ -82,6 +85,13 @@ class Request:
     prompt_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     # With params.grammar: the grammar state, advanced past every generated token.
     matcher: Optional[Matcher] = None
+    # With params.adapter: the loaded LoRA adapter it names (None: the base model).
+    adapter: Optional[Adapter] = None
+
+    @property
+    def cache_salt(self) -> bytes:
+        """Where the digest chain of its prefix-cache pages starts (`PageTable.admit`)."""
+        return b"" if self.adapter is None else self.adapter.salt
 
     @property
     def done(self) -> bool:

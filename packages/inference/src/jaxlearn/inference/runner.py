@@ -33,7 +33,8 @@ computed, the host keeps each row's k). So the set of programs is fixed by the e
 config (`programs.reachable`), compiled by `warmup`, and no request can add one.
 
 Padding rows (to reach a power of two) use slot `num_slots`, a seen-mask / counts row
-nobody owns, and the null page table.
+nobody owns, and the null page table. Each row's LoRA slot (`adapters.py`; 0: none) is
+a per-row setting, handed to the model as the `multi_lora.ADAPTER_ROWS` side input.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from jaxlearn.inference.logprobs import MAX_LOGPROBS, token_logprobs, wanted_log
 from jaxlearn.inference.penalties import pack
 from jaxlearn.inference.sampling import sample_tokens
 from jaxlearn.layers.attention import Attention
+from jaxlearn.layers.multi_lora import ADAPTER_ROWS
 from jaxlearn.module import Module, functional, logical_sharding
 
 log = logging.getLogger(__name__)
@@ -80,8 +82,9 @@ def kv_window(model: Module) -> Optional[int]:
     return max(windows) if windows else None
 
 
-def _call(model: Module, params: Any, method: str, inputs: Any) -> Any:
-    out, _ = functional(model, None, params, inputs, method=method, is_training=False)
+def _call(model: Module, params: Any, method: str, inputs: Any, side: Any = None) -> Any:
+    out, _ = functional(model, None, params, inputs, method=method, is_training=False,
+                        side_inputs=side)
     return out
 
 
@@ -204,10 +207,12 @@ class ModelRunner:
     # ---- jit'ed programs ----------------------------------------------------------------
 
     def _forward(
-        self, params: Any, pool: Any, table: Array, time_step: Array, ids: Array, last: Any
+        self, params: Any, pool: Any, table: Array, time_step: Array, ids: Array, last: Any,
+        adapters: Array,
     ) -> tuple[Any, Array]:
         states = {"time_step": time_step, "decoder": pool, "page_table": table}
-        new_states, logits = _call(self.model, params, "extend_step", (states, ids, last))
+        new_states, logits = _call(self.model, params, "extend_step", (states, ids, last),
+                                   {ADAPTER_ROWS: adapters})
         return new_states["decoder"], logits
 
     def _prefill(
@@ -238,7 +243,10 @@ class ModelRunner:
         bucket, ...]: then every position's logits are computed, else only the last
         one's (`logits_index`)."""
         last = (n_valid - 1)[:, None]
-        pool, logits = self._forward(params, pool, table, start, ids, None if scoring else last)
+        samp = dict(samp)
+        want, lora = samp.pop("logprobs"), samp.pop("adapter")
+        pool, logits = self._forward(params, pool, table, start, ids,
+                                     None if scoring else last, lora)
         out: dict[str, Any] = {}
         if scoring:
             out["prompt"] = token_logprobs(logits, targets, MAX_LOGPROBS)
@@ -254,8 +262,6 @@ class ModelRunner:
             1, mode="drop")
         count_rows = jnp.where((start == 0)[:, None], 0, counts[slots]) + added
         counts = counts.at[slots].set(count_rows)
-        samp = dict(samp)
-        want = samp.pop("logprobs")
         tok = sample_tokens(logits[:, 0], seen_rows, vocab_limit=self.vocab_limit,
                             counts=count_rows, pen=pen, allow=allow, **samp)
         out["tok"] = tok
@@ -285,10 +291,8 @@ class ModelRunner:
         and their `wanted_logprobs` ([steps, rows, ...]). `allow` (grammar bit rows
         [rows, words]) masks every step's draw: the host passes all ones when steps > 1
         (a grammar's mask follows each token)."""
-        sub_seen = seen[slots]
-        sub_counts = counts[slots]
-        samp = dict(samp)
-        index0, want = samp.pop("index"), samp.pop("logprobs")
+        sub_seen, sub_counts, samp = seen[slots], counts[slots], dict(samp)
+        index0, want, lora = samp.pop("index"), samp.pop("logprobs"), samp.pop("adapter")
         r = jnp.arange(ids.shape[0])
         v = seen.shape[1]
 
@@ -297,7 +301,7 @@ class ModelRunner:
             where = jnp.where(active, tok, v)
             sub_seen = sub_seen.at[r, where].set(True, mode="drop")
             sub_counts = sub_counts.at[r, where].add(1, mode="drop")
-            pool, logits = self._forward(params, pool, table, t, tok[:, None], None)
+            pool, logits = self._forward(params, pool, table, t, tok[:, None], None, lora)
             nxt = sample_tokens(
                 logits[:, 0], sub_seen, vocab_limit=self.vocab_limit, index=index,
                 counts=sub_counts, pen=pen, allow=allow, **samp
@@ -332,10 +336,9 @@ class ModelRunner:
         matching their position's sample; tok[r, :accepted + 1] are the new tokens)."""
         rows, width = ids.shape
         v = seen.shape[1]
-        pool, logits = self._forward(params, pool, table, time_step, ids, None)
         samp = dict(samp)
-        index0 = samp.pop("index")
-        samp.pop("logprobs")
+        index0, _, lora = samp.pop("index"), samp.pop("logprobs"), samp.pop("adapter")
+        pool, logits = self._forward(params, pool, table, time_step, ids, None, lora)
         rep = lambda a: jnp.repeat(a, width, axis=0)  # noqa: E731  [rows, ...] -> [rows * w, ...]
         index = (index0[:, None] + jnp.arange(width, dtype=index0.dtype)[None, :]).reshape(-1)
         tok = sample_tokens(
@@ -358,7 +361,7 @@ class ModelRunner:
 
     # ---- host API -------------------------------------------------------------------------
 
-    # Per-row sampling settings: (dtype, value of a padding row).
+    # Per-row settings: (dtype, value of a padding row); "adapter": the row's LoRA slot.
     SAMPLING = {
         "temperature": (np.float32, 0),
         "top_k": (np.int32, 0),
@@ -367,17 +370,15 @@ class ModelRunner:
         "seeds": (np.uint32, 0),
         "index": (np.int32, 0),
         "logprobs": (np.bool_, False),
+        "adapter": (np.int32, 0),
     }
 
     def _row_sampling(self, sampling: dict[str, list[Any]], rows: int) -> dict[str, np.ndarray]:
-        """`sampling` (one list per key of SAMPLING: temperature, top_k, top_p, penalty,
-        seeds, index = the token's generated index, logprobs = whether the row wants
-        them; a missing key: every row gets the padding value) as arrays padded to
-        `rows`."""
-        return {
-            k: self._pad(sampling.get(k, ()), rows, fill, dt)
-            for k, (dt, fill) in self.SAMPLING.items()
-        }
+        """`sampling` (one list per key of SAMPLING; index: the token's generated index,
+        logprobs: whether the row wants them; a missing key: every row gets the padding
+        value) as arrays padded to `rows`."""
+        return {k: self._pad(sampling.get(k, ()), rows, fill, dt)
+                for k, (dt, fill) in self.SAMPLING.items()}
 
     def _pad(self, a: Any, rows: int, fill: Any, dtype: Any) -> np.ndarray:
         a = np.asarray(a, dtype)

@@ -84,6 +84,8 @@ class SamplingParams:
         first (the prefill then computes logits at every prompt position).
     grammar: None, or llguidance grammar text (`grammar.response_format_grammar`): every
         generated token is masked to what the grammar allows next (structured output).
+    adapter: None (the base model), or the name of a LoRA adapter loaded into the engine
+        (`Engine.load_adapter`; an unknown name is a RequestError on `model`).
     """
 
     max_new_tokens: int = 16
@@ -101,6 +103,7 @@ class SamplingParams:
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
     grammar: Optional[str] = None
+    adapter: Optional[str] = None
 
     def __post_init__(self) -> None:
         def bad(param: str, why: str) -> RequestError:
@@ -136,6 +139,9 @@ class SamplingParams:
             raise bad("stop", "stop strings must be non-empty strings")
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be integers")
+        if self.adapter is not None and (not isinstance(self.adapter, str) or not self.adapter):
+            raise RequestError(f"model={self.adapter!r}: an adapter name is a non-empty "
+                               f"string", param="model")
         if self.grammar is not None and self.ignore_eos:
             raise RequestError("'ignore_eos': cannot be combined with response_format (the "
                                "output ends where the grammar does)", param="ignore_eos")

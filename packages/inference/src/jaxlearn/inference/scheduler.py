@@ -49,6 +49,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from jaxlearn.inference import penalties
+from jaxlearn.inference.adapters import check_loaded, resolve_adapter
 from jaxlearn.inference.errors import QueueFullError, RequestError
 from jaxlearn.inference.grammar import GrammarVocab, Matcher, fill_masks
 from jaxlearn.inference.logprobs import unpack
@@ -99,6 +100,7 @@ class Scheduler:
         speculative_tokens: int = 0,
         speculative_max_rows: int = 4,
         speculative_ngram: int = 3,
+        adapters: Any = None,
     ):
         if prefill_chunk < 1 or prefill_chunk & (prefill_chunk - 1):
             raise ValueError(f"prefill_chunk={prefill_chunk} must be a power of two")
@@ -113,6 +115,7 @@ class Scheduler:
         self.speculative_tokens = speculative_tokens
         self.speculative_max_rows = speculative_max_rows
         self.speculative_ngram = speculative_ngram
+        self.adapters = adapters  # `AdapterBanks` (None: no LoRA slots).
         self.max_queue = max_queue
         self.min_prefill_bucket = min(min_prefill_bucket, prefill_chunk)
         self.metrics = metrics or Metrics()
@@ -191,7 +194,8 @@ class Scheduler:
             stop=params.stop,
             stop_token_ids=sorted(stops),
         )
-        req = Request(ids, params, output, params.resolved_seed(), sink, context=list(ids))
+        req = Request(ids, params, output, params.resolved_seed(), sink, context=list(ids),
+                      adapter=resolve_adapter(self.adapters, params.adapter))
         if params.grammar is not None:
             req.matcher = self.grammar_vocab().matcher(params.grammar)
         if request_id is not None:
@@ -215,6 +219,7 @@ class Scheduler:
     def submit(self, request: Request) -> Request:
         """Queues a request (QueueFullError when `max_queue` requests already wait)."""
         with self._lock:
+            check_loaded(request.adapter)
             if len(self.waiting) >= self.max_queue:
                 raise QueueFullError(
                     f"{len(self.waiting)} requests are already waiting (max_queue="
@@ -304,7 +309,8 @@ class Scheduler:
                 req = self.waiting[0]
                 # Scored prompt tokens need every position's logits: no cached prefix.
                 cached = self.pages.admit(slot, req.context, first_chunk=self.prefill_chunk,
-                                          reuse=req.params.prompt_logprobs is None)
+                                          reuse=req.params.prompt_logprobs is None,
+                                          salt=req.cache_salt)
                 if cached is None:
                     break  # Head of line waits for pages; nobody overtakes it.
                 self.waiting.popleft()

@@ -26,6 +26,7 @@ from jaxlearn.layers.ffn import ACTIVATIONS, FeedForward, get_activation
 from jaxlearn.layers.gemma import gemma2_config, gemma3_config, gemma_config
 from jaxlearn.layers.legacy import older_param_path
 from jaxlearn.layers.lora import ADAPTERS, LoraAdapter, LoraLinear, with_base_params
+from jaxlearn.layers.multi_lora import MultiLoraLinear, use_multi_lora
 from jaxlearn.layers.norm import LayerNorm, RMSNorm
 from jaxlearn.layers.pipeline import PipelineStack, pipeline_config, use_pipeline
 from jaxlearn.layers.recipes import (
@@ -78,6 +79,8 @@ __all__ = [
     "LoraAdapter",
     "LoraLinear",
     "with_base_params",
+    "MultiLoraLinear",
+    "use_multi_lora",
     "use_pipeline",
     "pipeline_config",
     "PipelineStack",

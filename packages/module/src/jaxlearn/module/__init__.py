@@ -11,6 +11,7 @@ from jaxlearn.module.context import (
     current_context,
     fold_in_name,
     iter_collection,
+    side_input,
     stable_hash,
 )
 from jaxlearn.module.functional import functional, merge_state_updates
@@ -69,6 +70,7 @@ __all__ = [
     "policy_from_name",
     "remat",
     "scan_child",
+    "side_input",
     "spec_tree_map",
     "stable_hash",
     "stack_spec",

@@ -4,6 +4,11 @@ A context holds the module being called, its state (the parameter subtree of tha
 a PRNG key, `is_training`, and an output collection (summaries, state updates, module
 outputs). Contexts form a stack per thread; calling a child module pushes a child context
 whose state is the child's subtree and whose key is `fold_in(parent_key, crc32(name))`.
+
+The root context (`functional(..., side_inputs=...)`) may also carry side inputs: per-call
+values any module of the call reads by name (`side_input`) without every method on the
+way taking them as an argument (e.g. the per-row adapter slots of a serving call, read by
+`layers.MultiLoraLinear`).
 """
 
 from __future__ import annotations
@@ -110,6 +115,8 @@ class InvocationContext:
     is_training: bool
     prng_key: Optional[jax.Array]
     _calls: set = dataclasses.field(default_factory=set)
+    # Only the root's are read (`side_input`); children reach them through `parent`.
+    side_inputs: Nested = dataclasses.field(default_factory=dict)
 
     def path(self) -> str:
         names = []
@@ -186,6 +193,16 @@ _STACK = _Stack()
 
 def current_context() -> Optional[InvocationContext]:
     return _STACK.frames[-1] if _STACK.frames else None
+
+
+def side_input(name: str, default: Any = None) -> Any:
+    """The side input `name` of the running call (given to `functional(...,
+    side_inputs=...)` at its root), or `default` outside a call or when not given. Under
+    jit, scan or remat it is the traced value the root received."""
+    ctx = current_context()
+    while ctx is not None and ctx.parent is not None:
+        ctx = ctx.parent
+    return default if ctx is None else ctx.side_inputs.get(name, default)
 
 
 class _Push:

@@ -25,8 +25,12 @@ def functional(
     *,
     method: str = "forward",
     is_training: bool = True,
+    side_inputs: Optional[Nested] = None,
 ) -> tuple[Any, OutputCollection]:
     """Calls `module.<method>(*inputs)` (or `**inputs`) with `state` as its parameters.
+
+    side_inputs: values any module of the call reads with `side_input(name)` (per-call
+    inputs that are not arguments of every method between the root and the reader).
 
     The root's own `remat_spec` applies in training, as it would if the root were a child.
     """
@@ -46,6 +50,7 @@ def functional(
         output_collection=collection,
         is_training=is_training,
         prng_key=prng_key,
+        side_inputs=dict(side_inputs or {}),
     )
     fn = getattr(type(module), method)
     outputs = module._run(ctx, getattr(fn, "__wrapped__", fn), args, kwargs)
