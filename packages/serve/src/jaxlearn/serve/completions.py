@@ -116,6 +116,7 @@ class Group:
             logprobs=lp if lp is not None else (0 if ranked else None),
             prompt_logprobs=lp if parsed.echo else None,
             grammar=self.grammar,
+            adapter=parsed.adapter,
         )
 
     def _sink(self, k: int) -> Any:

@@ -87,6 +87,8 @@ class ParsedRequest:
     tool_choice: ToolChoice = ToolChoice("none")
     parallel_tool_calls: bool = True
     template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # The LoRA adapter the request's `model` names (None: the base model); the server sets it.
+    adapter: Optional[str] = None
 
 
 def _err(param: str, message: str) -> RequestError:
@@ -415,6 +417,6 @@ def error_body(status: int, message: str, param: Optional[str] = None) -> dict[s
              404: "not_found_error", 408: "timeout_error", 429: "rate_limit_error",
              501: "invalid_request_error", 503: "service_unavailable",
              505: "invalid_request_error"}
-    kinds.update(dict.fromkeys((405, 411, 413, 414, 415, 431), "invalid_request_error"))
+    kinds.update(dict.fromkeys((405, 409, 411, 413, 414, 415, 431), "invalid_request_error"))
     return {"error": {"message": message, "type": kinds.get(status, "server_error"),
                       "param": param, "code": status}}

@@ -34,10 +34,10 @@ import select
 import socket
 import threading
 import time
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from jaxlearn.inference.engine import Engine
-from jaxlearn.inference.errors import QueueFullError, RequestError
+from jaxlearn.inference.errors import InferenceError, QueueFullError, RequestError
 from jaxlearn.serve import messages_api, responses_api
 from jaxlearn.serve.api_common import new_id as api_id
 from jaxlearn.serve.completions import Candidate, Group
@@ -58,7 +58,9 @@ PARSERS = {
     "/v1/responses": responses_api.parse_responses,
     "/v1/messages": messages_api.parse_messages_request,
 }
-PATHS = (*PARSERS, "/v1/models", "/health", "/metrics")
+# Runtime LoRA adapter loading (vLLM's routes), when the server has an adapter loader.
+ADAPTER_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+PATHS = (*PARSERS, *ADAPTER_PATHS, "/v1/models", "/health", "/metrics")
 
 
 class InferenceServer:
@@ -69,7 +71,10 @@ class InferenceServer:
     the Host allowlist (loopback names when bound to loopback; otherwise any Host
     unless given); `allowed_origins` turns CORS on for those origins. `limits`: see
     `httpd.Limits`; its max_connections defaults to max_batch + max_queue + 16 here, its
-    max_active_per_request (when None) to max(1, max_batch // 2).
+    max_active_per_request (when None) to max(1, max_batch // 2). `adapter_loader(path) ->
+    (rank, alpha, params)` turns on the runtime adapter routes (POST
+    /v1/load_lora_adapter {"lora_name", "lora_path"}, /v1/unload_lora_adapter
+    {"lora_name"}); without one they answer 404. The engine needs `max_loras` > 0.
     """
 
     def __init__(
@@ -82,8 +87,10 @@ class InferenceServer:
         allowed_hosts: Iterable[str] = (),
         allowed_origins: Iterable[str] = (),
         limits: Optional[Limits] = None,
+        adapter_loader: Optional[Callable[[str], tuple[int, float, Any]]] = None,
     ):
         self.engine = engine
+        self.adapter_loader = adapter_loader
         limits = limits or self.default_limits(engine)
         if limits.max_active_per_request is None:
             limits = dataclasses.replace(limits,
@@ -157,9 +164,13 @@ class _Handler(Handler):
             body = eng.metrics.render().encode()
             self.send_body(200, body, "text/plain; version=0.0.4; charset=utf-8")
         elif path == "/v1/models":
-            self.send_json(200, {"object": "list", "data": [{
-                "id": eng.model_name, "object": "model", "created": 0, "owned_by": "jaxlearn",
-                "max_model_len": eng.max_seq_len}]})
+            models = [{"id": eng.model_name, "object": "model", "created": 0,
+                       "owned_by": "jaxlearn", "root": eng.model_name, "parent": None,
+                       "max_model_len": eng.max_seq_len}]
+            models += [{"id": name, "object": "model", "created": 0, "owned_by": "jaxlearn",
+                        "root": name, "parent": eng.model_name,
+                        "max_model_len": eng.max_seq_len} for name in eng.adapter_names()]
+            self.send_json(200, {"object": "list", "data": models})
         elif path in PARSERS:
             raise HTTPError(405, f"use POST for {path}", headers={"Allow": "POST"})
         else:
@@ -172,6 +183,8 @@ class _Handler(Handler):
 
     def do_POST(self) -> None:
         path = self.route
+        if path in ADAPTER_PATHS:
+            return self._adapters(path, self.read_json())
         parse = PARSERS.get(path)
         if parse is None:
             raise HTTPError(404, f"no route {path[:200]}")
@@ -182,8 +195,12 @@ class _Handler(Handler):
         except RequestError as e:
             raise HTTPError(400, str(e), e.param) from None
         if req.model is not None and req.model != eng.model_name:
-            raise HTTPError(404, f"model {req.model!r} not found; serving {eng.model_name!r}",
-                            "model")
+            names = eng.adapter_names()
+            if req.model not in names:
+                served = ", ".join(repr(n) for n in [eng.model_name, *names])
+                raise HTTPError(404, f"model {req.model!r} not found; serving {served}",
+                                "model")
+            req.adapter = req.model
         if path in ("/v1/responses", "/v1/messages"):
             self._generate_api(path, req, body)
         else:
@@ -233,7 +250,7 @@ class _Handler(Handler):
                 return
         if any(c.finish == "error" for c in group.candidates):
             raise HTTPError(500, "generation failed on the device")
-        model = self.app.engine.model_name
+        model = parsed.adapter or self.app.engine.model_name
         self.send_json(200, response(parsed.kind, rid, model, group.choices(), group.usage()))
 
     def _open_stream(self, group: Group) -> None:
@@ -254,7 +271,7 @@ class _Handler(Handler):
         self.wfile.flush()
 
     def _stream(self, parsed: ParsedRequest, rid: str, group: Group) -> None:
-        model = self.app.engine.model_name
+        model = parsed.adapter or self.app.engine.model_name
         self._open_stream(group)
 
         def send(obj: Any) -> None:
@@ -273,6 +290,41 @@ class _Handler(Handler):
             send(chunk(parsed.kind, rid, model, [], use=group.usage()))
         send("[DONE]")
         time.sleep(0)  # Let the final write go out before the socket closes.
+
+    # ---- LoRA adapters at run time ---------------------------------------------------
+
+    def _adapters(self, path: str, body: Any) -> None:
+        app, eng = self.app, self.app.engine
+        if app.adapter_loader is None:
+            raise HTTPError(404, f"{path}: runtime adapter loading is off (jaxlearn serve "
+                                 "--allow_runtime_lora turns it on)")
+        fields = {"lora_name"} | ({"lora_path"} if path.endswith("/load_lora_adapter") else set())
+        if not isinstance(body, dict) or set(body) != fields or not all(
+                isinstance(body[k], str) and body[k] for k in fields):
+            raise HTTPError(400, f"the body must be {{{', '.join(sorted(fields))}}} (strings)",
+                            "lora_name")
+        name = body["lora_name"]
+        try:
+            if path.endswith("/unload_lora_adapter"):
+                if name not in eng.adapter_names():
+                    raise HTTPError(404, f"no adapter {name!r} is loaded", "lora_name")
+                eng.unload_adapter(name)
+            else:
+                if name == eng.model_name or name in eng.adapter_names():
+                    raise HTTPError(400, f"the name {name!r} is taken", "lora_name")
+                rank, alpha, params = app.adapter_loader(body["lora_path"])
+                eng.load_adapter(name, rank, alpha, params)
+        except HTTPError:
+            raise
+        except RequestError as e:
+            raise HTTPError(400, str(e), "lora_name") from None
+        except InferenceError as e:  # In use by queued or running requests.
+            raise HTTPError(409, str(e), "lora_name") from None
+        except (ValueError, OSError) as e:  # What the loader refused (InteropError too).
+            raise HTTPError(400, str(e), "lora_path" if "lora_path" in body else "lora_name"
+                            ) from None
+        self.send_json(200, {"status": "ok", "lora_name": name,
+                             "loaded": eng.adapter_names()})
 
     # ---- the Responses and Messages APIs ----------------------------------------------
 
@@ -301,7 +353,7 @@ class _Handler(Handler):
         assert c.reply is not None
         events = c.reply.events("".join(c.text), last=True)
         blocks, ids = responses_api.blocks_of(events, {k.id for k in c.reply.out.calls})
-        model = self.app.engine.model_name
+        model = parsed.adapter or self.app.engine.model_name
         if path == "/v1/responses":
             echo = responses_api.body_echo(parsed, body, model)
             status = "incomplete" if c.finish == "length" else "completed"
@@ -313,7 +365,7 @@ class _Handler(Handler):
                 group.usage()))
 
     def _stream_api(self, path: str, parsed: ParsedRequest, body: Any, group: Group) -> None:
-        model = self.app.engine.model_name
+        model = parsed.adapter or self.app.engine.model_name
         stream: Any
         if path == "/v1/responses":
             stream = responses_api.ResponsesStream(
