@@ -13,10 +13,13 @@ the input (its leading axis) uses slot s = rows[b]:
 
     y[b] = x[b] @ W (+ bias) + lora_scale[s] * (x[b] @ A[s]) @ B[s]
 
-computed by gathering each row's A and B ([rows, in, r] and [rows, r, out]: a batched
-matmul, the BGMV form of Punica / vLLM's multi-LoRA), never by merging weights, so rows of
-different adapters share one call and the banks are plain arrays the engine writes into
-(`write_adapter`) without a recompilation. When no row of a call has an adapter, the
+computed as two matmuls over all slots at once, never by merging weights: h = x @ A for
+every slot ([rows, tokens, slots, r]), each row's own slot kept by a one-hot mask that
+carries the scale, then h @ B summed over slots and ranks. The banks are read once per
+call, however many rows there are (gathering A and B per row, Punica's BGMV form, reads
+them once per row: more bytes than the base weight itself at 8+ rows on a CPU, where a
+decode step is bound by memory reads); rows of different adapters share one call and the
+banks are plain arrays the engine writes into (`write_adapter`) without a recompilation. When no row of a call has an adapter, the
 adapter matmuls are skipped at run time (`lax.cond`).
 
 The rows' slots are a side input of the call (`jaxlearn.module.side_input(ADAPTER_ROWS)`,
@@ -96,12 +99,16 @@ class MultiLoraLinear(Linear):
         x3 = x.astype(self.dtype).reshape(rows.shape[0], -1, k)  # [rows, tokens, in]
 
         def delta(_: Any) -> jax.Array:
-            a = p["lora_a"].reshape(c.lora_slots, k, r)[rows].astype(self.dtype)
-            b = p["lora_b"].reshape(c.lora_slots, r, n)[rows].astype(self.dtype)
-            h = jnp.einsum("btk,bkr->btr", x3, a, preferred_element_type=jnp.float32)
-            d = jnp.einsum("btr,brn->btn", h.astype(self.dtype), b,
-                           preferred_element_type=jnp.float32)
-            return d * p["lora_scale"][rows][:, None, None]
+            # Every slot's low-rank product, then each row's own kept (a one-hot x scale
+            # mask over the slots): the banks are read once per call whatever the batch,
+            # where gathering A and B per row reads them once per row.
+            s = c.lora_slots
+            a = p["lora_a"].reshape(s, k, r).astype(self.dtype)
+            b = p["lora_b"].reshape(s, r, n).astype(self.dtype)
+            h = jnp.einsum("btk,skr->btsr", x3, a, preferred_element_type=jnp.float32)
+            keep = (rows[:, None] == jnp.arange(s)[None, :]) * p["lora_scale"][None, :]
+            h = (h * keep[:, None, :, None]).astype(self.dtype)  # [rows, tokens, slots, r]
+            return jnp.einsum("btsr,srn->btn", h, b, preferred_element_type=jnp.float32)
 
         def none(_: Any) -> jax.Array:
             return jnp.zeros((rows.shape[0], x3.shape[1], n), jnp.float32)
