@@ -35,6 +35,9 @@ import traceback
 import urllib.parse
 from typing import Any, Callable
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "bench"))
+from common import host_cpu  # noqa: E402
+
 WEATHER_SCHEMA = {
     "type": "object",
     "properties": {"city": {"type": "string", "description": "City name"},
@@ -217,7 +220,8 @@ def openai_agents(base: str, model: str, api: str) -> dict[str, Any]:
     klass = OpenAIChatCompletionsModel if api == "chat" else OpenAIResponsesModel
     agent = Agent(name="weather", instructions="Answer with the weather tool.",
                   tools=[get_weather], model=klass(model=model, openai_client=client),
-                  model_settings=ModelSettings(tool_choice="required", max_tokens=96))
+                  model_settings=ModelSettings(tool_choice="required", max_tokens=320,
+                                                 temperature=0))
     result = asyncio.run(Runner.run(agent, "What is the weather in Tokyo?", max_turns=4,
                                     run_config=RunConfig(tracing_disabled=True)))
     assert calls, "the tool was never called"
@@ -295,7 +299,8 @@ def main() -> int:
         conn.request("GET", "/v1/models")
         model = json.loads(conn.getresponse().read())["data"][0]["id"]
     results: dict[str, Any] = {"url": args.url, "model": model, "clients": versions(),
-                               "python": platform.python_version(), "checks": {}}
+                               "python": platform.python_version(), "host": host_cpu(),
+                               "checks": {}}
     names = args.only.split(",") if args.only else list(CHECKS)
     failed = 0
     for name in names:

@@ -70,7 +70,8 @@ class Group:
         self.grammar = self.plan.grammar if self.plan is not None else parsed.grammar
         self.prompt_ids = [engine.encode(p) for p in prompts]
         # An echoed prompt's token strings (special tokens written out); joined, its text.
-        self.echo_tokens = [token_texts(engine.tokenizer, ids) if parsed.echo else []
+        echo = parsed.echo and engine.tokenizer is not None
+        self.echo_tokens = [token_texts(engine.tokenizer, ids) if echo else []
                             for ids in self.prompt_ids]
         self.candidates: list[Candidate] = []
         for p, ids in enumerate(self.prompt_ids):
