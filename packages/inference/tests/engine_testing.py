@@ -113,3 +113,20 @@ def assert_same(got, want):
         for (_, _, top), (_, _, ref_top) in zip(lps, ref_lps):
             assert [i for i, _ in top] == [i for i, _ in ref_top]
             np.testing.assert_allclose([x for _, x in top], [x for _, x in ref_top], atol=1e-5)
+
+
+def lora_model(cfg, base, rank: int, seed: int):
+    """(config, params) of a LoRA model on `base` params with random, non-zero lora_a and
+    lora_b (a fresh adapter's lora_b is zero) and alpha = 3 x rank (scale 3)."""
+    from jaxlearn.layers import use_lora, with_base_params
+
+    lcfg = use_lora(cfg.clone(name="model"), rank=rank, alpha=3.0 * rank)
+    p = lcfg.instantiate().initialize_parameters_recursively(jax.random.PRNGKey(seed))
+    key = jax.random.PRNGKey(seed + 1000)
+
+    def fill(path, x):
+        if "lora_b" in jax.tree_util.keystr(path):
+            return 0.3 * jax.random.normal(jax.random.fold_in(key, x.size), x.shape, x.dtype)
+        return x
+
+    return lcfg, with_base_params(jax.tree_util.tree_map_with_path(fill, p), base)

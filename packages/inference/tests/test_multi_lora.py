@@ -2,31 +2,15 @@
 rows of different adapters and of the base model in one batch each get exactly what an
 engine on that adapter's merged weights (`merge_lora`) gets alone."""
 
-import jax
 import numpy as np
 import pytest
-from engine_testing import make_engine, prompt_pool, run
+from engine_testing import lora_model, make_engine, prompt_pool, run
 
 from jaxlearn.inference import InferenceError, RequestError
-from jaxlearn.layers import merge_lora, use_lora, with_base_params
+from jaxlearn.layers import merge_lora
 
 SETTINGS = dict(max_seq_len=64, max_batch=4, prefill_chunk=16, decode_burst=4)
 RANKS = {"r2": 2, "r4": 4, "r8": 8}
-
-
-def lora_model(cfg, base, rank: int, seed: int):
-    """(config, params) of a LoRA model on `base` with random, non-zero lora_a and lora_b
-    (a fresh adapter's lora_b is zero) and alpha = 3 x rank (scale 3)."""
-    lcfg = use_lora(cfg.clone(name="model"), rank=rank, alpha=3.0 * rank)
-    p = lcfg.instantiate().initialize_parameters_recursively(jax.random.PRNGKey(seed))
-    key = jax.random.PRNGKey(seed + 1000)
-
-    def fill(path, x):
-        if "lora_b" in jax.tree_util.keystr(path):
-            return 0.3 * jax.random.normal(jax.random.fold_in(key, x.size), x.shape, x.dtype)
-        return x
-
-    return lcfg, with_base_params(jax.tree_util.tree_map_with_path(fill, p), base)
 
 
 @pytest.fixture(scope="module")

@@ -6,29 +6,15 @@ lists them; the runtime load / unload routes (with an adapter loader) and their 
 import json
 import threading
 
-import jax
 import pytest
 from conftest import call, make_engine, sse_events
+from engine_testing import lora_model
 
-from jaxlearn.layers import merge_lora, use_lora, with_base_params
+from jaxlearn.layers import merge_lora
 from jaxlearn.serve.server import InferenceServer
 
 SETTINGS = dict(max_seq_len=64, max_batch=4, prefill_chunk=16, decode_burst=4)
 RANKS = {"sql": 2, "poem": 4}
-
-
-def lora_model(cfg, base, rank, seed):
-    """A LoRA model on `base` with random non-zero adapters (alpha = 3 x rank)."""
-    lcfg = use_lora(cfg.clone(name="model"), rank=rank, alpha=3.0 * rank)
-    p = lcfg.instantiate().initialize_parameters_recursively(jax.random.PRNGKey(seed))
-    key = jax.random.PRNGKey(seed + 1000)
-
-    def fill(path, x):
-        if "lora_b" in jax.tree_util.keystr(path):
-            return 0.3 * jax.random.normal(jax.random.fold_in(key, x.size), x.shape, x.dtype)
-        return x
-
-    return lcfg, with_base_params(jax.tree_util.tree_map_with_path(fill, p), base)
 
 
 @pytest.fixture(scope="module")

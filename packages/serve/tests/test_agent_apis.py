@@ -1,7 +1,7 @@
 """`/v1/responses` and `/v1/messages` on a tiny random model: tool calls under the grammar,
 streamed events that add up to the non-streamed reply, conversations with past calls and
 their results, each API's own error shape, and the request bodies the real clients sent
-(recorded by `tools/agent_clients_check.py`) replayed."""
+(recorded by `tools/bench/agent_clients_check.py`) replayed."""
 
 import json
 import pathlib

@@ -8,7 +8,7 @@ Run it in a venv with the clients (never the test environment):
     python -m venv /tmp/clients
     /tmp/clients/bin/pip install openai openai-agents anthropic jsonschema
     tools/jaxlearn serve --model SmolLM2-135M-Instruct.Q4_1.gguf --port 8123 &
-    /tmp/clients/bin/python tools/agent_clients_check.py --url http://127.0.0.1:8123 \\
+    /tmp/clients/bin/python tools/bench/agent_clients_check.py --url http://127.0.0.1:8123 \\
         --out tools/bench/results/agent_clients [--record packages/serve/tests/fixtures/clients]
 
 Every request goes through a recording proxy in this process; `--record DIR` writes each
@@ -35,7 +35,7 @@ import traceback
 import urllib.parse
 from typing import Any, Callable
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "bench"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from common import host_cpu  # noqa: E402
 
 WEATHER_SCHEMA = {
