@@ -296,7 +296,7 @@ def test_bad_files_and_config(tmp_path: Any) -> None:
     with pytest.raises(DataError, match=r"missing.jsonl: no such file"):
         sft([str(tmp_path / "missing.jsonl")]).iterator()
     os.mkdir(tmp_path / "empty")
-    with pytest.raises(DataError, match=r"empty: directory has no .jsonl files"):
+    with pytest.raises(DataError, match=r"empty: directory has no .jsonl or .parquet files"):
         sft([str(tmp_path / "empty")]).iterator()
     with pytest.raises(DataError, match=r"SFTSource.paths is empty"):
         sft([]).iterator()

@@ -17,7 +17,7 @@ import pytest
 import tokenizers as tk
 from toy import ToyInput, toy_trainer_config
 
-from jaxlearn.runtime import sft
+from jaxlearn.runtime import row_files
 from jaxlearn.runtime.data import DataError
 from jaxlearn.runtime.sft import SFTInput, SFTSource
 from jaxlearn.runtime.trainer import TrainerError
@@ -302,8 +302,8 @@ def test_train_and_eval_inputs_read_the_file_once_and_tokenise_each_split_once(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch, counted: dict[str, int]
 ) -> None:
     reads: list[str] = []
-    read_text = sft.read_text
-    monkeypatch.setattr(sft, "read_text", lambda p: reads.append(p) or read_text(p))
+    read_text = row_files.read_text
+    monkeypatch.setattr(row_files, "read_text", lambda p: reads.append(p) or read_text(p))
     rows = [chat(("user", f"q{i}"), ("assistant", f"a{i}")) for i in range(40)]
     path = write(tmp_path / "c.jsonl", rows)
     train = sft_input([path], eval_fraction=0.3)

@@ -84,8 +84,10 @@ import numpy as np
 from grain.experimental import FirstFitPackIterDataset
 
 from jaxlearn.config import REQUIRED, ConfigError, InstantiableConfig, to_flat_text
-from jaxlearn.runtime.data import DataError, Document, InlineSource, Source, read_text
+from jaxlearn.runtime.data import DataError, Document, InlineSource, Source
 from jaxlearn.runtime.input_pipeline import Input, InputIterator, rows_per_process
+from jaxlearn.runtime.row_files import identity as row_identity
+from jaxlearn.runtime.row_files import row_files, row_lines
 from jaxlearn.runtime.sft_encode import (
     Example,
     Rendered,
@@ -119,31 +121,6 @@ def resolve_path(path: str) -> str:
     if path.startswith(BUNDLED_PREFIX):
         return os.path.join(_HERE, path[len(BUNDLED_PREFIX) :])
     return path
-
-
-def jsonl_files(paths: Sequence[str]) -> list[str]:
-    """Files as given (`bundled:` names resolved), plus the `.jsonl` files under each
-    directory, recursively and sorted. Raises DataError for no paths or a directory
-    without `.jsonl` files."""
-    if isinstance(paths, str):
-        paths = [paths]
-    if not paths:
-        raise DataError("SFTSource.paths is empty; give at least one .jsonl file or directory")
-    files: list[str] = []
-    for path in map(resolve_path, paths):
-        if os.path.isdir(path):
-            found = sorted(
-                os.path.join(root, name)
-                for root, _, names in os.walk(path)
-                for name in names
-                if name.endswith(".jsonl")
-            )
-            if not found:
-                raise DataError(f"{path}: directory has no .jsonl files")
-            files.extend(found)
-        else:
-            files.append(path)
-    return files
 
 
 class _Shared:
@@ -218,7 +195,7 @@ class SFTSource(Source):
 
     def identity(self) -> Any:
         """What decides the documents: the config and each file's path, size, mtime."""
-        files = tuple(_file_identity(f) for f in jsonl_files(self.config.paths))
+        files = tuple(row_identity(f) for f in row_files(self.paths(), type(self).__name__))
         return (to_flat_text(self.config), files)
 
     def _load(self) -> list[Document]:
@@ -230,21 +207,15 @@ class SFTSource(Source):
         return list(shared)
 
     def lines(self) -> Iterator[tuple[str, str, str]]:
-        """(path, `path:line`, text) of every non-blank line of the files, in order; a line
-        over `max_row_chars` is a DataError naming it, before it is parsed."""
-        limit = self.config.max_row_chars
-        for path in jsonl_files(self.config.paths):
-            for number, line in enumerate(read_text(path).splitlines(), 1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{number}"
-                if len(line) > limit:
-                    raise DataError(
-                        f"{where}: the row has {len(line):,} characters, over "
-                        f"{type(self).__name__}.max_row_chars={limit:,}; shorten or split "
-                        "it, or raise the bound"
-                    )
-                yield path, where, line
+        """(path, `path:row`, JSON text) of every row of the files (`row_files.row_lines`:
+        JSONL lines, Parquet records, saved datasets), in order; a row over
+        `max_row_chars` is a DataError naming it, before it is parsed."""
+        yield from row_lines(self.paths(), self.config.max_row_chars, type(self).__name__)
+
+    def paths(self) -> list[str]:
+        """`paths` with `bundled:` names resolved."""
+        paths = self.config.paths
+        return [resolve_path(p) for p in ([paths] if isinstance(paths, str) else paths)]
 
     def _read(self) -> list[Document]:
         docs: list[Document] = []
@@ -458,7 +429,6 @@ __all__ = [
     "SFTInput",
     "SFTIterator",
     "SFTSource",
-    "jsonl_files",
     "render_row",
     "resolve_path",
     "tokenize",
