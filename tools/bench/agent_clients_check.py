@@ -1,5 +1,5 @@
-"""Real clients against a running `jaxlearn serve`: the `openai` SDK (a chat tool loop,
-streamed tool calls through its streaming helper, the Responses API streamed and not),
+"""Real clients against a running `jaxlearn serve`: the `openai` SDK (a chat tool loop, a
+streamed tool loop through its streaming helper, the Responses API streamed and not),
 `openai-agents` (an agent with a function tool run to completion, over Chat Completions and
 over Responses) and the `anthropic` SDK (a tool round trip, streamed and not).
 
@@ -150,11 +150,23 @@ def openai_streamed_tool_calls(base: str, model: str) -> dict[str, Any]:
         for event in stream:
             deltas += event.type == "tool_calls.function.arguments.delta"
         final = stream.get_final_completion()
-    calls = final.choices[0].message.tool_calls or []
+    msg = final.choices[0].message
+    calls = msg.tool_calls or []
     assert calls, "no tool call"
+    checked = [{"name": c.function.name, "arguments": check_args(c.function.arguments)}
+               for c in calls]
+    # The loop's next turn, streamed too: the results, then the answer.
+    kwargs["messages"] = [*kwargs["messages"], msg.model_dump(exclude_none=True), *[
+        {"role": "tool", "tool_call_id": c.id, "content": weather(**a["arguments"])}
+        for c, a in zip(calls, checked)]]
+    kwargs.update(tool_choice="auto", max_tokens=64)
+    with client.chat.completions.stream(**kwargs) as stream:
+        chunks = sum(1 for _ in stream)
+        answer = stream.get_final_completion().choices[0]
     return {"argument_delta_events": deltas, "finish_reason": final.choices[0].finish_reason,
-            "tool_calls": [{"name": c.function.name, "arguments": check_args(c.function.arguments)}
-                           for c in calls]}
+            "tool_calls": checked, "answer_events": chunks,
+            "answer_finish_reason": answer.finish_reason, "answer": answer.message.content,
+            "answer_tool_calls": len(answer.message.tool_calls or [])}
 
 
 def openai_responses(base: str, model: str) -> dict[str, Any]:

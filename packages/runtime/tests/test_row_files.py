@@ -1,6 +1,6 @@
-"""Rows from Parquet files and saved `datasets` (`runtime.row_files`): the same documents
-and examples as the same rows in JSONL, for SFT, preference and prompt rows; bad rows and
-unreadable inputs are errors naming file:row."""
+"""Rows from Parquet files and saved `datasets` (`runtime.row_files`): the same examples as
+the same rows in JSONL (preference and prompt rows: posttrain/tests/test_parquet_rows.py);
+bad rows and unreadable inputs are errors naming file:row."""
 
 from __future__ import annotations
 
@@ -67,20 +67,6 @@ def test_origins_name_file_and_row_and_directories_mix_kinds(tmp_path: Any) -> N
     origins = [where for _, where, _ in row_lines([str(d)], 10_000)]
     assert origins == [f"{d}/a.jsonl:1", f"{d}/a.jsonl:2", f"{d}/b.parquet:1",
                        f"{d}/b.parquet:2", f"{d}/b.parquet:3"]
-
-
-def test_preference_and_prompt_rows(tmp_path: Any) -> None:
-    from jaxlearn.posttrain.preference_data import PreferenceSource
-    from jaxlearn.posttrain.prompt_data import PromptSource
-
-    pairs = [{"prompt": f"p{i}", "chosen": "yes", "rejected": "no"} for i in range(3)]
-    prompts = [{"prompt": f"2+{i}?", "answer": str(2 + i)} for i in range(3)]
-    for source, rows in ((PreferenceSource, pairs), (PromptSource, prompts)):
-        want = source.default_config().set(paths=[jsonl(tmp_path / "r.jsonl", rows)])
-        got = source.default_config().set(paths=[parquet(tmp_path / "r.parquet", rows)])
-        w_docs, g_docs = want.instantiate().documents(), got.instantiate().documents()
-        assert [d.text for d in g_docs] == [d.text for d in w_docs]
-        assert [d.origin.rsplit(":", 1)[1] for d in g_docs] == ["1", "2", "3"]
 
 
 def test_bad_rows_and_inputs_name_file_and_row(tmp_path: Any) -> None:
