@@ -159,7 +159,7 @@ def openai_streamed_tool_calls(base: str, model: str) -> dict[str, Any]:
     kwargs["messages"] = [*kwargs["messages"], msg.model_dump(exclude_none=True), *[
         {"role": "tool", "tool_call_id": c.id, "content": weather(**a["arguments"])}
         for c, a in zip(calls, checked)]]
-    kwargs.update(tool_choice="auto", max_tokens=64)
+    kwargs.update(tool_choice="auto", max_tokens=320, temperature=0)
     with client.chat.completions.stream(**kwargs) as stream:
         chunks = sum(1 for _ in stream)
         answer = stream.get_final_completion().choices[0]
