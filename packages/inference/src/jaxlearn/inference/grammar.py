@@ -139,11 +139,14 @@ def response_format_grammar(value: Any, *, whitespace_flexible: bool = False) ->
     except (TypeError, ValueError) as e:
         raise RequestError(f"'{where}': not a JSON schema: {_one_line(str(e))[:200]}",
                            param=where) from None
-    error = llg.LLMatcher.validate_grammar(grammar, None)
+    return _validated(grammar, "response_format" if value["type"] == "json_object" else where)
+
+
+def _validated(grammar: Any, param: str) -> str:
+    """`grammar` as text once llguidance accepts it (RequestError naming `param`)."""
+    error = _llg().LLMatcher.validate_grammar(grammar, None)
     if error and not error.startswith("WARNING"):
-        if value["type"] == "json_object":
-            where = "response_format"
-        raise RequestError(f"'{where}': {_one_line(error)[:300]}", param=where)
+        raise RequestError(f"'{param}': {_one_line(error)[:300]}", param=param)
     return str(grammar)
 
 
@@ -151,15 +154,11 @@ def check_grammar(lark: str, *, param: str) -> str:
     """An llguidance Lark grammar (`%json` schemas inside allowed) as the grammar text of
     `SamplingParams.grammar`, validated: RequestError naming `param` when llguidance refuses
     it."""
-    llg = _llg()
     try:
-        grammar = llg.LLMatcher.grammar_from_lark(lark)
+        grammar = _llg().LLMatcher.grammar_from_lark(lark)
     except (TypeError, ValueError) as e:
         raise RequestError(f"'{param}': {_one_line(str(e))[:300]}", param=param) from None
-    error = llg.LLMatcher.validate_grammar(grammar, None)
-    if error and not error.startswith("WARNING"):
-        raise RequestError(f"'{param}': {_one_line(error)[:300]}", param=param)
-    return str(grammar)
+    return _validated(grammar, param)
 
 
 class _ByteTokens:

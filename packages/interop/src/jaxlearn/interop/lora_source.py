@@ -126,12 +126,11 @@ def _adapters_only(tree: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _flat(tree: Any, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
-    if not isinstance(tree, dict):
-        return {prefix: tree}
-    out: dict[tuple[str, ...], Any] = {}
-    for k, v in tree.items():
-        out.update(_flat(v, prefix + (k,)))
+def _merged(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """`base` with the leaves of `extra` (same nesting) added or replaced."""
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merged(out.get(k, {}), v) if isinstance(v, dict) else v
     return out
 
 
@@ -154,29 +153,26 @@ class AdaptedModelSource(Configurable):
         placed per `shardings`."""
         import jax
 
+        from jaxlearn.families.tree import flatten
+        from jaxlearn.module import is_spec
+
         params = open_model(self.config.path).load(model, shardings)
         adapter = open_lora_adapter(self.config.adapter, plain_config(model.config)).params
-        specs = _flat(_adapters_only(model.create_parameter_specs_recursively()))
-        got = _flat(adapter)
+        spec_tree = _adapters_only(model.create_parameter_specs_recursively())
+        specs, got = flatten(spec_tree), flatten(adapter)
         where = f"{self.config.adapter} on {self.config.path}"
-        mismatched = [f"{'.'.join(p)}: got {got[p].shape}, expected {tuple(s.shape)}"
+        mismatched = [f"{p}: got {got[p].shape}, expected {tuple(s.shape)}"
                       for p, s in specs.items() if p in got and got[p].shape != tuple(s.shape)]
         if set(specs) != set(got) or mismatched:
             raise ParameterMismatchError(
-                where, missing=[".".join(p) for p in specs if p not in got],
-                unexpected=[".".join(p) for p in got if p not in specs], mismatched=mismatched)
-        placed = _flat(shardings) if isinstance(shardings, dict) else {}
-        out = _flat(params)
-        for p, s in specs.items():
-            value = np.asarray(got[p]).astype(s.dtype)
-            out[p] = jax.device_put(value, placed[p] if placed else shardings)
-        tree: dict[str, Any] = {}
-        for p, v in out.items():
-            node = tree
-            for part in p[:-1]:
-                node = node.setdefault(part, {})
-            node[p[-1]] = v
-        return tree
+                where, missing=[p for p in specs if p not in got],
+                unexpected=[p for p in got if p not in specs], mismatched=mismatched)
+        cast = jax.tree.map(lambda a, s: np.asarray(a).astype(s.dtype), adapter, spec_tree,
+                            is_leaf=is_spec)
+        # Each adapter leaf placed as the model's shardings say (a tree, or one for all).
+        placed = jax.device_put(cast, _adapters_only(shardings) if isinstance(
+            shardings, dict) else shardings)
+        return _merged(params, placed)
 
 
 __all__ = ["AdaptedModelSource", "LoraAdapterWeights", "load_lora_adapter", "open_lora_adapter"]

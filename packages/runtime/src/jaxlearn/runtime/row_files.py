@@ -108,13 +108,16 @@ def _records(path: str) -> Iterator[dict[str, Any]]:
 
 
 def _json(record: dict[str, Any], where: str) -> str:
-    for column, value in record.items():
-        try:
-            json.dumps(value, allow_nan=False)
-        except (TypeError, ValueError):
-            raise DataError(f"{where}: column {column!r} holds a {type(value).__name__}, "
-                            "which a JSON row cannot") from None
-    return json.dumps(record, ensure_ascii=False, allow_nan=False)
+    try:
+        return json.dumps(record, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError):  # Name the column (only on this error path).
+        for column, value in record.items():
+            try:
+                json.dumps(value, allow_nan=False)
+            except (TypeError, ValueError):
+                raise DataError(f"{where}: column {column!r} holds a "
+                                f"{type(value).__name__}, which a JSON row cannot") from None
+        raise
 
 
 def row_lines(paths: Sequence[str], max_chars: int, owner: str = "SFTSource"
@@ -122,15 +125,15 @@ def row_lines(paths: Sequence[str], max_chars: int, owner: str = "SFTSource"
     """(file, origin, JSON text) of every row of `paths` (module doc), in order; `owner`
     names the config whose fields are meant in errors."""
     for path in row_files(paths, owner):
-        if path.endswith(".jsonl") or not (path.endswith(".parquet") or os.path.isdir(path)):
-            rows: Iterator[tuple[str, str]] = (
-                (f"{path}:{n}", line)
-                for n, line in enumerate(read_text(path).splitlines(), 1) if line.strip())
-        else:
+        rows: Iterator[tuple[str, str]]
+        if path.endswith(".parquet") or os.path.isdir(path):
             if not os.path.exists(path):
                 raise DataError(f"{path}: no such file")
             rows = ((f"{path}:{n}", _json(r, f"{path}:{n}"))
                     for n, r in enumerate(_records(path), 1))
+        else:  # JSONL (read_text names a missing or unreadable file)
+            rows = ((f"{path}:{n}", line)
+                    for n, line in enumerate(read_text(path).splitlines(), 1) if line.strip())
         for where, text in rows:
             if len(text) > max_chars:
                 raise DataError(f"{where}: the row has {len(text):,} characters, over "

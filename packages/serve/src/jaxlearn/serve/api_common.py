@@ -90,4 +90,13 @@ class Blocks:
         return out
 
 
-__all__ = ["Block", "Blocks", "api_error", "new_id", "parse_as_chat", "rename_param"]
+def reply_blocks(events: list[Event], call_ids: set[str]) -> list[Block]:
+    """The output blocks of a whole reply; a call block whose call was cut off (not in
+    `call_ids`: its text came back as content) is left out."""
+    blocks = Blocks()
+    blocks.add(events)
+    return [b for b in blocks.items if b.kind != "call" or b.id in call_ids]
+
+
+__all__ = ["Block", "Blocks", "api_error", "new_id", "parse_as_chat", "rename_param",
+           "reply_blocks"]

@@ -262,7 +262,7 @@ class ResponsesStream:
             if new:
                 if n > 0:
                     out += self._close_block(n - 1)
-                self.ids.append(new_id({"call": "fc", "reasoning": "rs"}.get(block.kind, "msg")))
+                self.ids += item_ids([block])
                 fresh = Block(block.kind, id=block.id, name=block.name)
                 item = _item(fresh, self.ids[n], "in_progress")
                 out.append(self._ev("response.output_item.added", output_index=n, item=item))
@@ -294,16 +294,11 @@ class ResponsesStream:
         return out + [self._ev(kind, response=final)]
 
 
-def blocks_of(text_events: list[Event], call_ids: set[str]) -> tuple[list[Block], list[str]]:
-    """The output blocks of a whole reply, with fresh item ids; a call block whose call
-    was cut off (not in `call_ids`: its text came back as content) is left out."""
-    blocks = Blocks()
-    blocks.add(text_events)
-    kept = [b for b in blocks.items if b.kind != "call" or b.id in call_ids]
-    ids = [new_id({"call": "fc", "reasoning": "rs"}.get(b.kind, "msg")) for b in kept]
-    return kept, ids
+def item_ids(blocks: list[Block]) -> list[str]:
+    """Fresh output item ids for a whole reply's blocks."""
+    return [new_id({"call": "fc", "reasoning": "rs"}.get(b.kind, "msg")) for b in blocks]
 
 
-__all__ = ["FIELDS", "ResponsesStream", "blocks_of", "body_echo", "parse_responses",
+__all__ = ["FIELDS", "ResponsesStream", "body_echo", "item_ids", "parse_responses",
            "response_object"]
 

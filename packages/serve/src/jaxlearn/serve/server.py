@@ -40,6 +40,7 @@ from jaxlearn.inference.engine import Engine
 from jaxlearn.inference.errors import InferenceError, QueueFullError, RequestError
 from jaxlearn.serve import messages_api, responses_api
 from jaxlearn.serve.api_common import new_id as api_id
+from jaxlearn.serve.api_common import reply_blocks
 from jaxlearn.serve.completions import Candidate, Group
 from jaxlearn.serve.httpd import Handler, HTTPError, HTTPServer, Limits, Policy
 from jaxlearn.serve.protocol import (
@@ -352,13 +353,14 @@ class _Handler(Handler):
             raise HTTPError(500, "generation failed on the device")
         assert c.reply is not None
         events = c.reply.events("".join(c.text), last=True)
-        blocks, ids = responses_api.blocks_of(events, {k.id for k in c.reply.out.calls})
+        blocks = reply_blocks(events, {k.id for k in c.reply.out.calls})
         model = parsed.adapter or self.app.engine.model_name
         if path == "/v1/responses":
             echo = responses_api.body_echo(parsed, body, model)
             status = "incomplete" if c.finish == "length" else "completed"
             self.send_json(200, responses_api.response_object(
-                api_id("resp"), echo, blocks, ids, status, c.finish, group.usage()))
+                api_id("resp"), echo, blocks, responses_api.item_ids(blocks), status,
+                c.finish, group.usage()))
         else:
             self.send_json(200, messages_api.message_object(
                 api_id("msg"), model, blocks, c.finish, c.request.output.stop_reason,
