@@ -156,3 +156,44 @@ def test_trainer_trains_only_adapters(tmp_path):
     assert steps == list(range(1, 13)), steps  # The second run started at step 7.
     for a, b in zip(jax.tree.leaves(jax.device_get(again.state)), jax.tree.leaves(state)):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+def test_frozen_parameters_get_no_backward(tmp_path):
+    """With only adapters trainable the step computes no gradient for the frozen weights
+    (the embedding's dW of the LM head alone is 2 x tokens x dim x vocab FLOPs), and
+    `grad_norm` is the adapters' gradient norm, checked against jax.grad of the loss."""
+    trainer = _trainer_cfg(str(tmp_path / "run")).instantiate()
+    ids = np.random.default_rng(1).integers(0, 259, size=(8, 33)).astype(np.int32)
+    batch = trainer.global_batch({"input_ids": ids[:, :-1], "target_labels": ids[:, 1:]})
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), batch)
+
+    def flops(step):
+        cost = step.cost_analysis()
+        return (cost[0] if isinstance(cost, list) else cost)["flops"]
+
+    step = trainer.compile_train_step(abstract)
+    mask = trainer._trainable
+    trainer._trainable = None  # Every parameter in the backward, masked only by the update.
+    every = flops(trainer.compile_train_step(abstract))
+    trainer._trainable = mask
+    per_device = 2 * 8 * 32 * 32 * 320 / trainer.mesh.devices.size  # cost_analysis: one device's.
+    assert every - flops(step) >= per_device, (every, flops(step))
+
+    state = trainer.init_state()
+    params = jax.device_get(state["params"])
+    with jax.set_mesh(trainer.mesh):
+        grads = jax.grad(lambda p: trainer._loss(p, batch, jax.random.key(0))[0])(
+            state["params"])
+    grads = _leaves(jax.device_get(grads))
+    adapters = [g for p, g in grads.items() if re.fullmatch(ADAPTERS, p)]
+    want = np.sqrt(sum(np.sum(np.square(g, dtype=np.float64)) for g in adapters))
+    every_norm = np.sqrt(sum(np.sum(np.square(g, dtype=np.float64)) for g in grads.values()))
+    assert every_norm > 1.1 * want  # The check below could tell the two apart.
+    with jax.set_mesh(trainer.mesh):
+        new_state, summaries = step(state, batch)
+    np.testing.assert_allclose(float(summaries["grad_norm"]), want, rtol=1e-5)
+    after = _leaves(jax.device_get(new_state["params"]))
+    for path, before in _leaves(params).items():
+        if not re.fullmatch(ADAPTERS, path):
+            np.testing.assert_array_equal(after[path], before, err_msg=path)

@@ -13,7 +13,10 @@ one elementwise pass per parameter (`fused_adamw`).
 `trainable` (a path regex) trains a subset, e.g. LoRA adapters: the whole chain above
 (clipping included) runs on the matching parameters only, and the others get a zero
 update and no optimizer state (`optax.multi_transform` with `optax.set_to_zero`), so
-Adam's moments take 2x the trainable bytes, not 2x the model. A "freeze" update rule, by
+Adam's moments take 2x the trainable bytes, not 2x the model. The trainer reads the others
+behind `stop_gradient` (`trainable_mask`, `stop_frozen`), so the backward computes no
+gradient it would throw away (a tied embedding's dW is a third of a LoRA step's LM head),
+and `grad_norm` is the trained parameters' norm, the one clipping uses. A "freeze" update rule, by
 contrast, zeroes the update at the end of the chain and keeps the moments.
 """
 
@@ -28,7 +31,7 @@ import optax
 from jax import lax
 
 from jaxlearn.config import ConfigError, Configurable
-from jaxlearn.module import flatten_specs, keypath_str
+from jaxlearn.module import flatten_specs, is_spec, keypath_str
 
 
 class Learner(Configurable):
@@ -84,6 +87,31 @@ class Learner(Configurable):
                 re.compile(cfg.trainable)
             except re.error as e:
                 raise ConfigError(f"learner.trainable: bad regex {cfg.trainable!r}: {e}") from None
+
+    def trainable_mask(self, param_specs: Any) -> Optional[Any]:
+        """A tree like `param_specs` with True where `trainable` fully matches the
+        parameter's "/"-joined path; None when every parameter trains."""
+        if self.config.trainable is None:
+            return None
+        pattern = re.compile(self.config.trainable)
+        return jax.tree_util.tree_map_with_path(
+            lambda kp, _: bool(pattern.fullmatch(keypath_str(kp))), param_specs,
+            is_leaf=is_spec)
+
+    @staticmethod
+    def stop_frozen(params: Any, mask: Optional[Any]) -> Any:
+        """`params` with every leaf `mask` marks False behind `lax.stop_gradient` (its gradient
+        is zero and costs nothing); `params` itself when `mask` is None."""
+        if mask is None:
+            return params
+        return jax.tree.map(lambda keep, p: p if keep else lax.stop_gradient(p), mask, params)
+
+    @staticmethod
+    def trained_leaves(tree: Any, mask: Optional[Any]) -> list[Any]:
+        """The leaves of a params-like `tree` that `mask` marks True (all when None)."""
+        if mask is None:
+            return jax.tree.leaves(tree)
+        return [x for keep, x in zip(jax.tree.leaves(mask), jax.tree.leaves(tree)) if keep]
 
     def schedule(self) -> optax.Schedule:
         cfg = self.config

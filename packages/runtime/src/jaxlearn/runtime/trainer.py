@@ -148,6 +148,7 @@ class Trainer(Configurable):
         self.rollout: Optional[Rollout] = cfg.rollout.instantiate() if cfg.rollout else None
         self.param_specs = self.model.create_parameter_specs_recursively()
         self.tx = self.learner.optimizer(self.param_specs)
+        self._trainable = self.learner.trainable_mask(self.param_specs)
         self.copy = ComputeCopy(self.model.dtype if cfg.learner.compute_param_copy else None,
                                 self.param_specs)
         self._schedule = self.learner.schedule()
@@ -271,9 +272,11 @@ class Trainer(Configurable):
     def _grads(self, state: State, batch: Any, key: jax.Array) -> tuple[Any, ...]:
         """(loss, metrics, state updates, grads), microbatched; the forward reads the
         compute copy when the state has one (grads are the masters')."""
-        grad_fn = jax.value_and_grad(
-            lambda p, b, k: self._loss(self.copy.forward(p, state), b, k, state.get("ema")),
-            has_aux=True)
+        def loss(p: Any, b: Any, k: jax.Array) -> tuple[jax.Array, Any]:
+            p = self.learner.stop_frozen(self.copy.forward(p, state), self._trainable)
+            return self._loss(p, b, k, state.get("ema"))
+
+        grad_fn = jax.value_and_grad(loss, has_aux=True)
         return microbatched_grads(grad_fn, state["params"], batch, key,
                                   self.learner.config.num_microbatches)
 
@@ -294,7 +297,7 @@ class Trainer(Configurable):
 
         summaries = {
             "loss": loss,
-            "grad_norm": optax.tree.norm(grads),
+            "grad_norm": optax.tree.norm(self.learner.trained_leaves(grads, self._trainable)),
             "learning_rate": self._schedule(state["step"]),
             **{k: v for k, v in metrics.items() if jnp.ndim(v) == 0},
         }
