@@ -1,11 +1,13 @@
-"""Preference pairs: [batch, 2, seq] rows whose weights cover exactly the final response
-(rendered with the chat template), bad rows named by file:line, exact resume."""
+"""Preference pairs: [batch, 2, seq] rows, or one row per pair with the prompt shared,
+whose weights cover exactly the final response (rendered with the chat template), bad rows
+named by file:line, exact resume."""
 
 import json
 
 import numpy as np
 import pytest
 
+from jaxlearn.kernels import shared_segment
 from jaxlearn.posttrain import PreferenceInput, PreferenceSource
 from jaxlearn.runtime.data import DataError
 from jaxlearn.runtime.input_pipeline import FEATURES
@@ -35,7 +37,7 @@ def _weighted_text(tok, row):
 
 
 def test_pairs_weight_only_the_final_response(tmp_path):
-    inp, _ = _input(tmp_path, ROWS)
+    inp, _ = _input(tmp_path, ROWS, shared_prompt=False)
     assert {k: v[0] for k, v in inp.batch_shapes().items()} == {k: (2, 2, 256) for k in FEATURES}
     it = inp.iterator()
     first, second = next(it), next(it)
@@ -50,6 +52,31 @@ def test_pairs_weight_only_the_final_response(tmp_path):
     seg, pos, labels = (first[k][0, 0] for k in ("segment_ids", "positions", "target_labels"))
     n = int(seg.sum())
     assert np.array_equal(pos[:n], np.arange(n)) and (labels[n:] == -1).all()
+
+
+def test_shared_rows_hold_each_side_once_and_the_prompt_once(tmp_path):
+    """The default layout: [batch, seq], the prompt's slots once, then each response as a
+    branch whose tokens and labels continue the prompt exactly as the side's own row."""
+    shared, _ = _input(tmp_path, ROWS)
+    plain, _ = _input(tmp_path, ROWS, shared_prompt=False)
+    assert {k: v[0] for k, v in shared.batch_shapes().items()} == {k: (2, 256) for k in FEATURES}
+    g = shared_segment(1, 0)
+    its = shared.iterator(), plain.iterator()
+    for a, b in ((next(its[0]), next(its[1])) for _ in range(2)):  # 3 pairs, 2 per batch.
+        for i in range(2):
+            seg = a["segment_ids"][i]
+            if not seg.any():
+                continue
+            prompt = seg == g
+            assert not a["target_weights"][i][prompt].any()
+            for side in (0, 1):
+                n = int(b["segment_ids"][i, side].sum())
+                branch = seg == g + 1 + side
+                k = int(prompt.sum())
+                for key in ("input_ids", "target_labels", "positions", "target_weights"):
+                    got = np.concatenate([a[key][i][prompt], a[key][i][branch]])
+                    np.testing.assert_array_equal(got, b[key][i, side][:n], err_msg=key)
+                assert k > 10  # The chat template's prompt, now computed once.
 
 
 def test_resume_gives_the_same_next_batch(tmp_path):

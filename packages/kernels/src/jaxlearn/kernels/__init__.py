@@ -3,6 +3,7 @@
 from jaxlearn.kernels.blockwise_attention import blockwise_attention
 from jaxlearn.kernels.chunked_loss import head_cross_entropy
 from jaxlearn.kernels.ring_attention import ring_attention
+from jaxlearn.kernels.segments import segments_visible, shared_segment
 from jaxlearn.kernels.weight_layout import TransposedWeight, transpose_weight
 from jaxlearn.kernels.weight_quant import Int8Weight, int8_matmul, quantize_int8, take_rows
 
@@ -14,6 +15,8 @@ __all__ = [
     "int8_matmul",
     "quantize_int8",
     "ring_attention",
+    "segments_visible",
+    "shared_segment",
     "take_rows",
     "transpose_weight",
 ]

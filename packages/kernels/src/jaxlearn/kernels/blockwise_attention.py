@@ -8,8 +8,9 @@ for the whole sequence. A block whose mask is empty (e.g. above the causal diago
 between different packed segments) skips its matmuls through `lax.cond`.
 
 Masks follow `jaxlearn.layers.attention.make_mask`: query i sees key j when
-`k_pos[j] <= q_pos[i]` (causal), `q_pos[i] - k_pos[j] < sliding_window`, and their segment
-ids are equal. A query that sees no key gets output 0 (and zero gradients).
+`k_pos[j] <= q_pos[i]` (causal), `q_pos[i] - k_pos[j] < sliding_window`, and their
+segments see each other (`segments.segments_visible`: equal, or a shared prefix). A query
+that sees no key gets output 0 (and zero gradients).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from jaxlearn.kernels.segments import segments_visible
 
 
 class _Static(NamedTuple):
@@ -117,7 +120,7 @@ def _unblocks(x: jax.Array) -> jax.Array:
 def _mask(st: _Static, qpos, qseg, kpos, kseg, kvalid) -> jax.Array:
     """Block mask [b, 1, 1, bq, bk] from q-side [b, bq] and k-side [b, bk] arrays."""
     qi, kj = qpos[:, :, None], kpos[:, None, :]
-    m = (qseg[:, :, None] == kseg[:, None, :]) & kvalid[:, None, :]
+    m = segments_visible(qseg[:, :, None], kseg[:, None, :]) & kvalid[:, None, :]
     if st.causal:
         m &= kj <= qi
     if st.sliding_window is not None:

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxlearn.config import REQUIRED, InstantiableConfig
-from jaxlearn.kernels import blockwise_attention, paged, ring_attention
+from jaxlearn.kernels import blockwise_attention, paged, ring_attention, segments_visible
 from jaxlearn.layers.dense import Linear, einsum
 from jaxlearn.layers.rope import RotaryEmbedding
 from jaxlearn.module import Module, logical_partition_spec, with_logical_constraint
@@ -54,7 +54,7 @@ def make_mask(
     if kv_end is not None:
         mask &= kj < kv_end[:, None, None]
     if q_segment_ids is not None and kv_segment_ids is not None:
-        mask = mask & (q_segment_ids[:, :, None] == kv_segment_ids[:, None, :])
+        mask = mask & segments_visible(q_segment_ids[:, :, None], kv_segment_ids[:, None, :])
     return mask
 
 

@@ -2,11 +2,13 @@
 
     cfg.objective = DPOObjective.default_config().set(beta=0.1)   # on a LoRA model
 
-A batch holds pairs on a second axis: `input_ids`, `target_labels`, `target_weights`
-(and optionally `positions`, `segment_ids`) of shape [batch, 2, seq], index 0 the chosen
-response, 1 the rejected one, weights 1 on the response's tokens only (the prompt is
-context). Each sequence's log-probability is the weighted sum of its tokens' (`length_
-normalized`: their mean; IPO always uses the mean, as its paper and TRL do).
+A batch holds one pair per row, as `PreferenceInput` lays it out: `input_ids`,
+`target_labels`, `target_weights`, `positions`, `segment_ids` of shape [batch, seq], the
+prompt once and the two responses as branches of it (segment ids `(1 << 16) + 1` chosen,
+`+ 2` rejected: `kernels.segments`), or of shape [batch, 2, seq], index 0 the chosen
+response, 1 the rejected one (`shared_prompt=False`); weights 1 on the response's tokens
+only (the prompt is context). Each sequence's log-probability is the weighted sum of its
+tokens' (`length_normalized`: their mean; IPO always uses the mean, as its paper and TRL do).
 
 With r = beta * (log pi(y|x) - log pi_ref(y|x)) for each response and z = r_chosen -
 r_rejected (in units of beta):
@@ -31,6 +33,7 @@ from typing import Any, Literal, Optional
 import jax
 import jax.numpy as jnp
 
+from jaxlearn.kernels import shared_segment
 from jaxlearn.module import Module
 from jaxlearn.posttrain.logprobs import adapters_off, has_adapters, token_logprobs
 from jaxlearn.runtime.objective import Objective
@@ -114,15 +117,25 @@ class DPOObjective(Objective):
                              "learner.ema_decay=1.0 (a frozen copy of the initial params)")
         ref_params = adapters_off(params) if c.reference == "adapters_off" else reference
         ids = batch["input_ids"]
-        if ids.ndim != 3 or ids.shape[1] != 2:
-            raise ValueError(f"DPOObjective: batch input_ids must be [batch, 2, seq] (chosen, "
+        if ids.ndim == 2 and "segment_ids" in batch:  # [batch, seq]: a shared prompt.
+            flat = batch
+            member = flat["segment_ids"] - shared_segment(1, 0)
+            sides = jnp.stack([member == 1, member == 2], axis=1)  # [batch, 2, seq]
+        elif ids.ndim == 3 and ids.shape[1] == 2:
+            flat = {k: v.reshape(2 * ids.shape[0], v.shape[-1]) for k, v in batch.items()}
+            sides = None
+        else:
+            raise ValueError(f"DPOObjective: batch input_ids must be [batch, seq] with "
+                             f"segment_ids (a shared prompt) or [batch, 2, seq] (chosen, "
                              f"rejected), got {ids.shape}")
         n = ids.shape[0]
-        flat = {k: v.reshape(2 * n, v.shape[-1]) for k, v in batch.items()}
         weights = flat["target_weights"].astype(jnp.float32) * (flat["target_labels"] >= 0)
         logp, collection = token_logprobs(model, params, flat, key, is_training=is_training)
         ref_logp, _ = token_logprobs(model, jax.lax.stop_gradient(ref_params), flat)
         mean = c.length_normalized or c.loss_type == "ipo"
+        if sides is not None:  # Each branch's tokens, summed per pair.
+            weights = weights[:, None, :] * sides
+            logp, ref_logp = logp[:, None, :], ref_logp[:, None, :]
         policy = sequence_logprobs(logp, weights, mean=mean).reshape(n, 2)
         reference = sequence_logprobs(ref_logp, weights, mean=mean).reshape(n, 2)
         loss, metrics = dpo_loss(policy, reference, beta=c.beta, loss_type=c.loss_type,

@@ -9,11 +9,22 @@ the response starts); `chosen` / `rejected` are the response text or a one-messa
 assistant list (TRL's conversational form). Each side is the conversation + one assistant
 message, encoded exactly as `SFTInput` encodes a chat row (`sft_encode.encode_row`: the
 template, BOS, truncation), with weights on the final assistant message only (earlier
-assistant turns of the context are context). A batch is [global_batch, 2, seq_len] for
-every feature (0 chosen, 1 rejected; `segment_ids` 1 on real tokens, padding 0), one pair
-per row, no packing; streams, shuffling, process sharding, epochs and the JSON resume
-state are `InputIterator`'s. A bad row raises `DataError` naming `file:line`; a pair with
-no trained token left on either side after truncation is dropped with a warning.
+assistant turns of the context are context).
+
+Layout (`shared_prompt`, on by default): one pair per row of [global_batch, seq_len],
+`[prompt | chosen | rejected]`. The prompt (the two sides' common token prefix, up to the
+first trained label) is computed once and both responses attend to it as branches of a
+shared prefix (`kernels.segments`: segment ids `1 << 16` for the prompt, `+ 1` chosen,
+`+ 2` rejected; each branch's positions continue from the prompt's), so each response
+computes exactly what it would in a row of its own while the prompt's tokens (most of a
+chat pair: system prompt, template) pass through the model once instead of twice. A pair
+whose prompt and two responses exceed seq_len loses tokens from the end of its longer
+response first. `shared_prompt=False`: [global_batch, 2, seq_len] for every feature (0
+chosen, 1 rejected; `segment_ids` 1 on real tokens, padding 0). No packing; streams,
+shuffling, process sharding, epochs and the JSON resume state are `InputIterator`'s. A
+bad row raises `DataError` naming `file:line`; a pair with no trained token left on either
+side after truncation (or with no slot left for a response beside the prompt) is dropped
+with a warning.
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ from typing import Any, Optional, Sequence
 import grain
 import numpy as np
 
+from jaxlearn.kernels import shared_segment
 from jaxlearn.runtime.data import DataError, Document
 from jaxlearn.runtime.input_pipeline import FEATURES, InputIterator, rows_per_process
 from jaxlearn.runtime.sft import SFTInput, SFTSource
@@ -131,11 +143,66 @@ def _last_span(weights: np.ndarray) -> np.ndarray:
     return out
 
 
+def shared_length(ids_c: np.ndarray, w_c: np.ndarray, ids_r: np.ndarray,
+                  w_r: np.ndarray) -> int:
+    """k: the input slots a pair's two sides share. Tokens 0..k are the same on both sides
+    and none of 1..k is trained, so slots 0..k-1 (inputs ids[:k], labels ids[1:k+1]) are
+    one prompt; each branch keeps at least one slot."""
+    most = min(len(ids_c), len(ids_r)) - 1
+    same = np.flatnonzero(ids_c[:most + 1] != ids_r[:most + 1])
+    common = int(same[0]) if len(same) else most + 1  # tokens 0..common-1 are equal
+    trained = np.flatnonzero((w_c[1:most + 1] > 0) | (w_r[1:most + 1] > 0))
+    first = int(trained[0]) + 1 if len(trained) else most + 1
+    return max(0, min(common - 1, first - 1, most - 1))
+
+
+def fit_shared(ids_c: np.ndarray, w_c: np.ndarray, ids_r: np.ndarray, w_r: np.ndarray, *,
+               seq_len: int) -> Optional[tuple[np.ndarray, ...]]:
+    """The pair cut so that its shared row fits `seq_len` slots: the longer response loses
+    tokens from its end first (module doc); None when the prompt leaves no slot for one
+    of the responses."""
+    k = shared_length(ids_c, w_c, ids_r, w_r)
+    if k + 2 > seq_len:
+        return None
+    n = [len(ids_c) - 1, len(ids_r) - 1]  # input slots, each >= k + 1
+    excess = n[0] + n[1] - k - seq_len
+    while excess > 0:
+        i = 0 if n[0] >= n[1] else 1
+        cut = min(excess, n[i] - (k + 1))
+        n[i] -= cut
+        excess -= cut
+    return ids_c[:n[0] + 1], w_c[:n[0] + 1], ids_r[:n[1] + 1], w_r[:n[1] + 1]
+
+
+def shared_row(ids_c: np.ndarray, w_c: np.ndarray, ids_r: np.ndarray, w_r: np.ndarray, *,
+               seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
+    """One row [prompt | chosen | rejected] of a pair cut by `fit_shared` (module doc)."""
+    k = shared_length(ids_c, w_c, ids_r, w_r)
+    out = {"input_ids": np.full(seq_len, pad_id), "target_labels": np.full(seq_len, -1),
+           "target_weights": np.zeros(seq_len), "segment_ids": np.zeros(seq_len),
+           "positions": np.zeros(seq_len)}
+    out["input_ids"][:k], out["target_labels"][:k] = ids_c[:k], ids_c[1:k + 1]
+    out["segment_ids"][:k], out["positions"][:k] = shared_segment(1, 0), np.arange(k)
+    at = k
+    for member, (ids, w) in enumerate(((ids_c, w_c), (ids_r, w_r)), start=1):
+        m = len(ids) - 1 - k  # this branch's slots
+        out["input_ids"][at:at + m] = ids[k:k + m]
+        out["target_labels"][at:at + m] = ids[k + 1:k + m + 1]
+        out["target_weights"][at:at + m] = w[k + 1:k + m + 1]
+        out["segment_ids"][at:at + m] = shared_segment(1, member)
+        out["positions"][at:at + m] = np.arange(k, k + m)
+        at += m
+    return out
+
+
 class PreferenceInput(SFTInput):
     """`SFTInput`'s template, tokenizer and truncation over preference pairs (module doc)."""
 
     class Config(SFTInput.Config):
         source: Any = PreferenceSource.default_config()
+        # One row [prompt | chosen | rejected] per pair, the prompt computed once (module
+        # doc); False: [batch, 2, seq_len], each response in a row of its own.
+        shared_prompt: bool = True
 
     def __init__(self, cfg: Any, **kwargs: Any):
         super().__init__(cfg, **kwargs)
@@ -151,11 +218,14 @@ class PreferenceInput(SFTInput):
             sides = [encode_row(row, self._template, self.tokenizer, self._settings())
                      for row in pair]
             weights = [_last_span(s.weights) for s in sides]
-            if not all(w[1:].any() for w in weights):
+            pair_arrays = tuple(x for s, w in zip(sides, weights) for x in (s.ids, w))
+            if self.config.shared_prompt:
+                pair_arrays = fit_shared(*pair_arrays, seq_len=self.config.seq_len) or ()
+            if not pair_arrays or not all(w[1:].any() for w in pair_arrays[1::2]):
                 dropped += 1
                 continue
             docs.append(doc)
-            pairs.append(tuple(x for s, w in zip(sides, weights) for x in (s.ids, w)))
+            pairs.append(pair_arrays)
         if dropped:
             _log.warning("%s: %d pairs had no trained token left on a side (seq_len=%d) "
                          "and were dropped", self.source.describe(), dropped,
@@ -169,7 +239,8 @@ class PreferenceInput(SFTInput):
     def batch_shapes(  # type: ignore[override]  # [rows, 2, seq]: a pair per row
             self, process_count: int = 1) -> dict[str, tuple[tuple[int, ...], Any]]:
         rows = rows_per_process(self.config.global_batch_size, 0, process_count)
-        shape = (rows, 2, self.config.seq_len)
+        shape = ((rows, self.config.seq_len) if self.config.shared_prompt
+                 else (rows, 2, self.config.seq_len))
         return {name: (shape, np.dtype(dtype)) for name, dtype in FEATURES.items()}
 
     def iterator(self, process_index: int = 0,  # type: ignore[override]
@@ -203,6 +274,9 @@ class PreferenceIterator(InputIterator):
 
     def _example(self, index: int) -> dict[str, np.ndarray]:
         ids_c, w_c, ids_r, w_r = self._pairs[index]
+        if self._cfg.shared_prompt:
+            return shared_row(ids_c, w_c, ids_r, w_r, seq_len=self._cfg.seq_len,
+                              pad_id=self._tok.pad_id or 0)
         sides = (self._side(ids_c, w_c), self._side(ids_r, w_r))
         return {k: np.stack([sides[0][k], sides[1][k]]) for k in sides[0]}
 
@@ -222,4 +296,6 @@ class PreferenceIterator(InputIterator):
             except StopIteration:
                 self._done[r] = True
         empty = self._side(np.zeros(1, np.int32), np.zeros(1))
+        if self._cfg.shared_prompt:
+            return empty
         return {k: np.stack([v, v]) for k, v in empty.items()}
