@@ -52,8 +52,9 @@ def test_loss_matches_numpy(aggregation):
     logp = np.asarray(token_logprobs(model, params, batch)[0], np.float64)
     old = logp + rng.normal(scale=0.3, size=logp.shape)
     adv = np.array([1.0, -0.5, 2.0, -1.5])
-    obj = GRPOObjective.default_config().set(loss_aggregation=aggregation,
-                                             epsilon_high=0.28).instantiate()
+    budget = {"max_completion_tokens": SEQ} if aggregation == "constant" else {}
+    obj = GRPOObjective.default_config().set(loss_aggregation=aggregation, epsilon_high=0.28,
+                                             **budget).instantiate()
     loss, m, _ = obj(model, params, {**batch, "old_logprobs": jnp.asarray(old, jnp.float32),
                                      "advantages": jnp.asarray(np.repeat(adv[:, None], SEQ, 1),
                                                                jnp.float32)},
@@ -72,6 +73,15 @@ def test_loss_matches_numpy(aggregation):
                                ((clip < plain) * weights).sum() / weights.sum(), rtol=1e-5)
     np.testing.assert_allclose(float(m["logprob_mismatch_max"]),
                                (np.abs(logp - old) * weights).max(), rtol=1e-4)
+
+
+def test_constant_aggregation_needs_its_budget():
+    """Dr. GRPO's divisor is a fixed budget: without one the loss scale would follow the
+    row length, which moves when batches are cut to their longest row."""
+    with pytest.raises(ConfigError, match="max_completion_tokens: must be set"):
+        GRPOObjective.default_config().set(loss_aggregation="constant").instantiate()
+    with pytest.raises(ConfigError, match="max_completion_tokens: must be >= 1"):
+        GRPOObjective.default_config().set(max_completion_tokens=0).instantiate()
 
 
 def test_a_step_on_sampler_rollouts_is_on_policy_and_follows_the_advantages(tmp_path):

@@ -17,7 +17,8 @@ ratio = exp(logp - old_logp) and A the row's advantage:
 
 aggregated by `loss_aggregation`: "sequence_mean" (GRPO: each row's token mean, then the
 mean over rows), "token_mean" (DAPO: all tokens of the batch weigh the same), "constant"
-(Dr. GRPO: the token sum over rows x `max_completion_tokens`, no length bias).
+(Dr. GRPO: the token sum over rows x `max_completion_tokens`, a fixed budget that must be
+set, no length bias).
 `group_advantages` gives r - mean(group), divided by the group's std with
 scale="group_std" (GRPO) or not with scale="none" (Dr. GRPO). With beta > 0 the reference
 is the model with its LoRA adapters off (`logprobs.adapters_off`). Metrics: loss,
@@ -76,17 +77,31 @@ class GRPOObjective(Objective):
         epsilon_high: float = 0.2  # DAPO's clip-higher: 0.28.
         beta: float = 0.0  # KL to the reference (LoRA base); 0: none (Dr. GRPO, DAPO).
         loss_aggregation: Literal["sequence_mean", "token_mean", "constant"] = "sequence_mean"
-        max_completion_tokens: Optional[int] = None  # "constant"'s divisor (None: seq).
+        # "constant"'s divisor per completion (Dr. GRPO's generation budget, e.g. the
+        # rollout's max_new_tokens); required with it, because a batch's row length moves
+        # when batches are cut to their longest row (`Trainer.Config.pad_to_multiple_of`).
+        max_completion_tokens: Optional[int] = None
 
         def _field_problems(self) -> dict[str, str]:
             problems = {}
             for name in ("epsilon_low", "epsilon_high", "beta"):
                 if not getattr(self, name) >= 0:
                     problems[name] = f"must be >= 0, got {getattr(self, name)!r}"
+            if self.loss_aggregation == "constant" and self.max_completion_tokens is None:
+                problems["max_completion_tokens"] = (
+                    "must be set with loss_aggregation='constant' (the generation budget, "
+                    "e.g. rollout.max_new_tokens)")
+            if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
+                problems["max_completion_tokens"] = (f"must be >= 1, got "
+                                                     f"{self.max_completion_tokens!r}")
             if self.loss_aggregation not in AGGREGATIONS:
                 problems["loss_aggregation"] = (f"must be one of {AGGREGATIONS}, got "
                                                 f"{self.loss_aggregation!r}")
             return problems
+
+    def __init__(self, cfg: "GRPOObjective.Config"):
+        super().__init__(cfg)
+        self.config.validate()
 
     def __call__(self, model: Module, params: Any, batch: Any, key: Optional[jax.Array], *,
                  is_training: bool,
@@ -117,8 +132,8 @@ class GRPOObjective(Objective):
         elif c.loss_aggregation == "token_mean":
             loss = jnp.sum(per_token * w) / tokens
         else:
-            width = c.max_completion_tokens or labels.shape[-1]
-            loss = jnp.sum(per_token * w) / (labels.shape[0] * width)
+            assert c.max_completion_tokens is not None  # Config._field_problems.
+            loss = jnp.sum(per_token * w) / (labels.shape[0] * c.max_completion_tokens)
         gap = jnp.abs(logp - old) * w
         metrics = {
             "loss": loss,

@@ -236,7 +236,7 @@ class PreferenceInput(SFTInput):
         self._encoded = (docs, pairs)
         return docs, pairs
 
-    def batch_shapes(  # type: ignore[override]  # [rows, 2, seq]: a pair per row
+    def batch_shapes(  # type: ignore[override]  # a pair per row: [rows, (2,) seq]
             self, process_count: int = 1) -> dict[str, tuple[tuple[int, ...], Any]]:
         rows = rows_per_process(self.config.global_batch_size, 0, process_count)
         shape = ((rows, self.config.seq_len) if self.config.shared_prompt
