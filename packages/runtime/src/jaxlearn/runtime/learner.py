@@ -93,10 +93,13 @@ class Learner(Configurable):
         parameter's "/"-joined path; None when every parameter trains."""
         if self.config.trainable is None:
             return None
-        pattern = re.compile(self.config.trainable)
         return jax.tree_util.tree_map_with_path(
-            lambda kp, _: bool(pattern.fullmatch(keypath_str(kp))), param_specs,
-            is_leaf=is_spec)
+            lambda kp, _: self._trains(keypath_str(kp)), param_specs, is_leaf=is_spec)
+
+    def _trains(self, path: str) -> bool:
+        """Whether `trainable` selects the parameter at "/"-joined `path` (set)."""
+        assert self.config.trainable is not None
+        return re.fullmatch(self.config.trainable, path) is not None
 
     @staticmethod
     def stop_frozen(params: Any, mask: Optional[Any]) -> Any:
@@ -168,7 +171,7 @@ class Learner(Configurable):
             return chain
         names, labels = _labels(
             param_specs,
-            lambda path, spec: "train" if re.fullmatch(cfg.trainable, path) else "frozen",
+            lambda path, spec: "train" if self._trains(path) else "frozen",
         )
         if "train" not in names:
             raise ConfigError(f"learner.trainable: {cfg.trainable!r} matches no parameter "
