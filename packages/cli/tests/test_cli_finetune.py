@@ -481,7 +481,9 @@ def test_grpo_lora_samples_scores_and_trains_from_the_command_line(model_dir, tm
     out = tmp_path / "grpo"
     args = ["train", "--experiment", "grpo-lora", "--init_from", str(model_dir),
             "--max_step", "2", "--data", "prompts.jsonl", "--reward", "score.py:short",
-            *FAST, "--set", "rollout.max_new_tokens=8"]
+            *FAST, "--set", "rollout.max_new_tokens=8",
+            # 8 prompts: a row per prompt (its 4 completions as branches), over 8 devices.
+            "--set", "input.global_batch_size=32"]
     assert main([*args, "--output_dir", str(out)]) == 0
     with open(out / "metrics.jsonl") as f:
         rows = [r for r in map(json.loads, f) if r["split"] == "train"]

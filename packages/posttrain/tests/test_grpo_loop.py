@@ -16,12 +16,13 @@ import pytest
 from jaxlearn.checkpoint import Checkpointer
 from jaxlearn.config import ConfigError
 from jaxlearn.layers import llama_config
+from jaxlearn.mesh import mesh_shape_from_axes
 from jaxlearn.posttrain import GRPOObjective, GRPORollout, PromptInput, PromptSource
 from jaxlearn.posttrain.rewards import RewardError
 from jaxlearn.runtime.data import DataError
 from jaxlearn.runtime.trainer import Trainer
 
-VOCAB, SEQ, NEW = 272, 80, 8
+VOCAB, SEQ, NEW = 272, 104, 8
 PROMPTS = ["Say digits.", "Numbers please.", "Count!", "Write 0-9."]
 # Dense toy reward: the share of the completion's characters that are digits.
 REWARD = "def digits(prompt, completion, row):\n" \
@@ -47,7 +48,9 @@ def _config(tmp_path, out, *, rows=None, reward=REWARD, max_step=10, **rollout):
         rollout=GRPORollout.default_config().set(rewards=[spec], max_new_tokens=NEW,
                                                  **rollout),
         objective=GRPOObjective.default_config(), checkpointer=Checkpointer.default_config(),
-        output_dir=str(out), max_step=max_step, save_every_n_steps=4, log_every_n_steps=1)
+        output_dir=str(out), max_step=max_step, save_every_n_steps=4, log_every_n_steps=1,
+        # A row per prompt (its 4 completions as branches): 2 rows, over 2 batch shards.
+        mesh_shape=mesh_shape_from_axes(data=2, model=4))
     cfg.learner.set(learning_rate=3e-2, warmup_steps=0, weight_decay=0.0)
     cfg.summary_writer.set(progress=False)
     return cfg
@@ -153,8 +156,8 @@ def test_a_released_kv_pool_samples_the_same(tmp_path, reference):
 
 
 def test_batches_cut_to_their_longest_row_train_like_full_ones(tmp_path, reference):
-    """`pad_to_multiple_of`: each batch is cut to its longest completion (rounded up to
-    2 of the 80 tokens); the first step (the same samples) reports the same loss, grad
+    """`pad_to_multiple_of`: each batch is cut to its longest row (rounded up to 2 of
+    the 104 slots); the first step (the same samples) reports the same loss, grad
     norm and rewards as the full-length step."""
     cfg = _config(tmp_path, tmp_path / "cut", max_step=1)
     cfg.pad_to_multiple_of = 2
@@ -167,6 +170,21 @@ def test_batches_cut_to_their_longest_row_train_like_full_ones(tmp_path, referen
         assert result.metrics[k] == pytest.approx(want[k], rel=1e-5, abs=1e-7), k
     (shape,) = [dict((n, s) for n, s, _ in key)["input_ids"] for key in trainer._programs.flops]
     assert shape[1] < SEQ and shape[1] % 2 == 0
+
+
+def test_a_row_per_completion_trains_like_the_shared_prompt_rows(tmp_path, reference):
+    """`shared_prompt=False` (a row per completion, the prompt in each): the first step
+    (the same samples) has the loss, grad norm and metrics of the default layout (a row
+    per prompt, its completions as branches), over 4x the rows."""
+    cfg = _config(tmp_path, tmp_path / "rows", max_step=1)
+    cfg.input.shared_prompt = False
+    cfg.mesh_shape = mesh_shape_from_axes(data=8)
+    result = cfg.instantiate().run()
+    want = _rows(reference[0])[0]
+    for k in ("reward_mean", "num_tokens", "num_completions"):
+        assert result.metrics[k] == want[k], k
+    for k in ("loss", "grad_norm", "entropy", "ratio_mean"):
+        assert result.metrics[k] == pytest.approx(want[k], rel=1e-5, abs=1e-7), k
 
 
 def test_failing_rewards_and_bad_prompts_name_the_row(tmp_path):

@@ -334,14 +334,15 @@ def grpo() -> Trainer.Config:
     "answer"). Each step the in-process engine samples 4 completions (temperature 1, at
     most 48 new tokens) of each of 4 prompts from the current params, and
     `posttrain.GRPOObjective` (clip 0.2, no KL, per-sequence mean) trains on them with the
-    sampler's log-probabilities as the old policy's: batch 16 completions, seq 96 (a
-    prompt of up to 49 tokens and its completion; every row is padded to it, so it is
-    kept near what the prompts need, on CPU too), AdamW lr 1e-5, 30 steps; `finetune`'s
-    model and mesh rules."""
+    sampler's log-probabilities as the old policy's: batch 16 completions in 4 rows, a
+    row per prompt holding the prompt once and its 4 completions as branches of it
+    (`input.shared_prompt`), seq 256 (a prompt of up to 65 tokens and 4 x 48; the CPU rule
+    cuts each batch to its longest row), AdamW lr 1e-5, 30 steps; `finetune`'s model and
+    mesh rules."""
     cfg = finetune()
     cfg.input = PromptInput.default_config().set(
         source=PromptSource.default_config().set(paths=[ARITHMETIC_PROMPTS]),
-        tokenizer=ByteTokenizer.default_config(), seq_len=96, global_batch_size=16,
+        tokenizer=ByteTokenizer.default_config(), seq_len=256, global_batch_size=16,
         num_generations=4, eval_fraction=0.0)
     cfg.mesh_rules = finetune_mesh_rules(cpu_seq_len=None)
     cfg.eval_input = None

@@ -15,7 +15,10 @@ int32 [prompts]}`, prompts = `global_batch_size / num_generations` (the batch co
 completions, `num_generations` per prompt, as TRL's does), with `InputIterator`'s
 shuffling, process sharding, epochs and JSON resume state; index -1 is an empty slot
 (a finite epoch ran out). The rollout (`rollout.GRPORollout`) turns them into the step's
-batch, whose shapes `batch_shapes` gives (the GRPO features on [rows, seq_len]). A bad
+batch, whose shapes `batch_shapes` gives: the GRPO features on [rows, seq_len], a row per
+prompt holding the prompt once and its `num_generations` completions as branches of it
+(`shared_prompt`, the default: `grpo.rollout_batch(group=G)`), or a row per completion
+with its prompt (`shared_prompt=False`). `seq_len` is a row's length either way. A bad
 row raises `DataError` naming `file:line`.
 """
 
@@ -79,6 +82,15 @@ class PromptInput(SFTInput):
     class Config(SFTInput.Config):
         source: Any = PromptSource.default_config()
         num_generations: int = 4  # Completions sampled per prompt (GRPO's group size G).
+        # A row per prompt, its completions as branches of it (the prompt computed once);
+        # False: a row per completion.
+        shared_prompt: bool = True
+
+        def batch_rows(self) -> int:
+            """Rows of the global training batch: prompts or completions (module doc)."""
+            g = self.num_generations
+            return self.global_batch_size // g if self.shared_prompt and g > 0 else \
+                self.global_batch_size
 
     def __init__(self, cfg: Any, **kwargs: Any):
         super().__init__(cfg, **kwargs)
@@ -120,7 +132,7 @@ class PromptInput(SFTInput):
 
     def batch_shapes(  # type: ignore[override]  # the rollout's batch, not the prompts
             self, process_count: int = 1) -> dict[str, tuple[tuple[int, ...], Any]]:
-        rows = rows_per_process(self.config.global_batch_size, 0, process_count)
+        rows = rows_per_process(self.config.batch_rows(), 0, process_count)
         return {name: ((rows, self.config.seq_len), np.dtype(dtype))
                 for name, dtype in ROLLOUT_FEATURES.items()}
 

@@ -9,9 +9,11 @@ trainer's current params: no copy to another process, no weight sync) samples
 `num_generations` completions of each of this step's prompts; every completion is scored
 by the reward functions (`rewards`); `group_advantages` centres (and with
 `advantage_scale="group_std"` scales) the rewards within each prompt's group; and
-`grpo.rollout_batch` builds the training batch with the sampler's log-probabilities as the
-old policy's (`old_logprobs="sampler"`: the test proves they equal the trainer's forward in
-f32; "trainer" computes them with an extra forward of the same params instead).
+`grpo.rollout_batch` builds the training batch (a row per prompt, its completions as
+branches of it, or a row per completion: `PromptInput.shared_prompt`) with the sampler's
+log-probabilities as the old policy's (`old_logprobs="sampler"`: the test proves they
+equal the trainer's forward in f32; "trainer" computes them with an extra forward of the
+same params instead).
 
 Sampling is seeded by (seed, step, the row's position in the global batch), so a resumed
 run samples what the uninterrupted one did, and N processes sample what one does. Scalars
@@ -124,15 +126,24 @@ class GRPORollout(Rollout):
         cfg, icfg = self.config, input.config
         self._input, self._model_cfg = input, model_cfg.clone(name="model")
         self._group, self._seq = icfg.num_generations, icfg.seq_len
+        self._shared = icfg.shared_prompt
         self._prompts = input.prompt_ids()
+        per_row = self._group if self._shared else 1  # Completions in a training row.
         for i, ids in enumerate(self._prompts):
-            if len(ids) + cfg.max_new_tokens > self._seq + 1:
+            if len(ids) - 1 + per_row * cfg.max_new_tokens > self._seq:
                 raise DataError(
                     f"{input.prompt(i).origin}: the prompt has {len(ids)} tokens, and "
-                    f"{cfg.max_new_tokens} new ones (rollout.max_new_tokens) do not fit "
-                    f"input.seq_len={self._seq} (+1); raise seq_len or shorten the prompt")
-        self._rows = rows_per_process(icfg.global_batch_size, process_index, process_count)
-        self._offset = process_index * self._rows
+                    f"{per_row} x {cfg.max_new_tokens} new ones (rollout.max_new_tokens"
+                    f"{', input.num_generations' if self._shared else ''}) do not fit the "
+                    f"{self._seq} slots of a row (input.seq_len; a row holds the prompt but "
+                    "its last token, then the completions); raise seq_len or shorten the "
+                    "prompt")
+        # The engine's rows hold one prompt and one completion each.
+        self._max_len = max(len(ids) for ids in self._prompts) + cfg.max_new_tokens
+        self._completions = rows_per_process(icfg.global_batch_size, process_index,
+                                             process_count)
+        self._rows = rows_per_process(icfg.batch_rows(), process_index, process_count)
+        self._offset = process_index * self._completions
         self._processes = process_count
 
     def _sample(self, indices: list[int], params: Any, step: int) -> list[Completion]:
@@ -142,7 +153,7 @@ class GRPORollout(Rollout):
         if self._sampler is None:
             self._sampler = EngineSampler(
                 self._model_cfg, params, self._input.tokenizer,
-                max_batch=cfg.max_batch or self._rows, max_seq_len=self._seq + 1,
+                max_batch=cfg.max_batch or self._completions, max_seq_len=self._max_len,
                 page_size=cfg.page_size)
         else:
             self._sampler.set_params(params)
@@ -182,9 +193,10 @@ class GRPORollout(Rollout):
         adv = np.asarray(group_advantages(jnp.asarray(rewards), self._group,
                                           scale=self.config.advantage_scale))
         batch = rollout_batch(completions, adv, seq_len=self._seq,
-                              pad_id=self._input.tokenizer.pad_id or 0)
-        if len(completions) < self._rows:  # Empty prompt slots (an epoch ran out): no loss.
-            pad = self._rows - len(completions)
+                              pad_id=self._input.tokenizer.pad_id or 0,
+                              group=self._group if self._shared else None)
+        pad = self._rows - len(batch["input_ids"])
+        if pad:  # Empty prompt slots (an epoch ran out): no loss.
             batch = {k: np.concatenate([v, np.zeros((pad,) + v.shape[1:], v.dtype)])
                      for k, v in batch.items()}
             batch["target_labels"][-pad:] = -1

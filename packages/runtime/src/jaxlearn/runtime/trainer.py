@@ -26,13 +26,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxlearn.checkpoint import storage
-from jaxlearn.config import (
-    REQUIRED,
-    Configurable,
-    InstantiableConfig,
-    below_minimum,
-    to_flat_text,
-)
+from jaxlearn.config import REQUIRED, Configurable, InstantiableConfig, below_minimum, to_flat_text
 from jaxlearn.mesh import (
     MeshFieldsConfig,
     logical_to_partition_spec,
@@ -169,7 +163,9 @@ class Trainer(Configurable):
 
     def _check_batch_size(self) -> None:
         """The global batch must split evenly over the batch mesh axes and microbatches."""
-        batch = getattr(self.config.input, "global_batch_size", None)
+        inp = self.config.input  # `batch_rows()`: an input whose rows are not its examples.
+        batch = inp.batch_rows() if hasattr(inp, "batch_rows") else \
+            getattr(inp, "global_batch_size", None)
         if not isinstance(batch, int):
             return
         spec = self._spec(("batch",))
@@ -178,10 +174,9 @@ class Trainer(Configurable):
         shards = int(np.prod([self.mesh.shape[a] for a in axes])) if axes else 1
         micro = self.learner.config.num_microbatches
         if batch % (shards * micro):
-            raise TrainerError(
-                f"input.global_batch_size={batch} must be divisible by the batch shards "
-                f"({shards}: mesh axes {axes}) x learner.num_microbatches ({micro})"
-            )
+            raise TrainerError(f"the global batch's {batch} rows (input.global_batch_size or "
+                               f"batch_rows()) must be divisible by the batch shards ({shards}: "
+                               f"mesh axes {axes}) x learner.num_microbatches ({micro})")
 
     def _spec(self, logical_axes: Any, shape: Any = None) -> PartitionSpec:
         return logical_to_partition_spec(
