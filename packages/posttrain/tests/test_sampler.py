@@ -1,6 +1,8 @@
 """The in-process sampler: the serving engine's log-probabilities of the tokens it sampled
-equal the trainer's forward on the same tokens (f32, <= 1e-5), after a weight swap too,
-and a rerun with the same seed samples the same tokens."""
+equal the trainer's forward on the same tokens (f32 rounding: <= 2e-5 on weights sharpened
+x2, where the two reductions' orders part by up to 1.06e-5 on an AVX-512 host and less on
+AVX2; a weight or cache bug is > 1e-3), after a weight swap too, and a rerun with the same
+seed samples the same tokens."""
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +48,7 @@ def test_sampler_logprobs_equal_the_trainers_and_reruns_repeat(setup):
     assert [r.prompt_index for r in rollouts] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     assert all(len(r.tokens) == len(r.logprobs) == 8 for r in rollouts)
     assert len({r.tokens for r in rollouts}) > 3  # Samples of one prompt differ.
-    assert _mismatch(model, params, rollouts) <= 1e-5
+    assert _mismatch(model, params, rollouts) <= 2e-5
     again = sampler.sample(prompts, n=3, temperature=1.0, max_new_tokens=8, seed=7)
     assert [r.tokens for r in again] == [r.tokens for r in rollouts]
 
@@ -58,7 +60,7 @@ def test_swapped_weights_are_the_ones_sampled(setup):
     try:
         sampler.set_params(new)
         rollouts = sampler.sample(prompts, n=2, temperature=1.0, max_new_tokens=6, seed=1)
-        assert _mismatch(model, new, rollouts) <= 1e-5
+        assert _mismatch(model, new, rollouts) <= 2e-5
         assert _mismatch(model, params, rollouts) > 1e-3  # Not the old weights.
     finally:
         sampler.set_params(params)
