@@ -53,6 +53,26 @@ def test_sampler_logprobs_equal_the_trainers_and_reruns_repeat(setup):
     assert [r.tokens for r in again] == [r.tokens for r in rollouts]
 
 
+def test_copies_share_their_prompts_pages_and_a_swap_drops_them(setup):
+    """A prompt's copies reuse the full KV pages its one prefill computed (the engine's
+    prefix cache; 16-token pages), their log-probabilities stay the trainer's, and after a
+    weight swap no page of the old weights is reused."""
+    model, params, sampler, _ = setup
+    prompts = [list(range(1, 21)), [(7 * i) % 40 + 3 for i in range(35)]]  # 1 and 2 pages.
+    hits = sampler.engine.scheduler.metrics.counter_value
+    before = hits("prefix_cache_hit_tokens_total")
+    rollouts = sampler.sample(prompts, n=3, temperature=1.0, max_new_tokens=6, seed=2)
+    assert hits("prefix_cache_hit_tokens_total") - before == 3 * 16 + 3 * 32
+    assert _mismatch(model, params, rollouts) <= 2e-5
+    new = jax.tree.map(lambda x: x * 1.1, params)
+    try:
+        sampler.set_params(new)
+        again = sampler.sample(prompts, n=3, temperature=1.0, max_new_tokens=6, seed=2)
+        assert _mismatch(model, new, again) <= 2e-5  # Stale pages would be > 1e-3 off.
+    finally:
+        sampler.set_params(params)
+
+
 def test_swapped_weights_are_the_ones_sampled(setup):
     model, params, sampler, prompts = setup
     new = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(3), x.shape),

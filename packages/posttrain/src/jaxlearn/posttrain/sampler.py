@@ -9,10 +9,16 @@ trainer's model config, running the trainer's current params.
 Each `Completion` carries the sampled tokens and the log-probability the engine computed for
 each of them (the raw f32 model distribution, before temperature / top-p), so a trainer
 can check them against its own forward (`logprobs.token_logprobs`). The engine is built
-with prefix caching off (cached KV pages would outlive a weight swap), the trained weight
-layout (`weight_layout="in_out"`: the params are the trainer's tree as is), no fusion or
-quantization. Copy j of the prompts (prompt j // n, sample j % n) samples with seed
-`seed + j`, so a rerun of a step with the same seed samples the same tokens.
+with the trained weight layout (`weight_layout="in_out"`: the params are the trainer's
+tree as is), no fusion or quantization. Copy j of the prompts (prompt j // n, sample
+j % n) samples with seed `seed + j`, so a rerun of a step with the same seed samples the
+same tokens.
+
+A prompt's n copies share its KV pages: `sample` first prefills each distinct prompt once
+(a `max_new_tokens=0` call) and then samples the copies, whose admission finds the
+prompt's full pages in the engine's prefix cache, so only each copy's last partial page is
+computed again. The cache is dropped whenever the weights change (`set_params`,
+`release`): no page outlives the params it was computed with.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ class EngineSampler:
                  max_batch: int = 16, max_seq_len: int = 512, page_size: int = 16):
         cfg = Engine.default_config().set(
             max_batch=max_batch, max_seq_len=max_seq_len, page_size=page_size,
-            prefix_caching=False, weight_layout="in_out", fuse_projections=False,
+            prefix_caching=True, weight_layout="in_out", fuse_projections=False,
             quantize=None, add_bos=False)
         self.engine = Engine(cfg, model_cfg=model_cfg, params=params, tokenizer=tokenizer)
         current = self.engine.runner.params
@@ -67,6 +73,7 @@ class EngineSampler:
         the pool and needs a `set_params` first."""
         runner = self.engine.runner
         runner.pool = runner.seen = runner.counts = runner.params = None
+        self.engine.scheduler.pages.drop_cached()
         self._released = True
 
     def set_params(self, params: Any) -> None:
@@ -77,6 +84,7 @@ class EngineSampler:
             raise ValueError("EngineSampler.set_params: the params' tree, shapes or dtypes "
                              "differ from the engine's")
         self.engine.runner.params = new
+        self.engine.scheduler.pages.drop_cached()  # KV pages of the old weights.
         if self._released:
             self.engine.runner.reset()
             self._released = False
@@ -90,6 +98,10 @@ class EngineSampler:
         if self._released:
             raise ValueError("EngineSampler.sample: released; set_params first")
         copies = [(i, list(ids)) for i, ids in enumerate(prompts) for _ in range(n)]
+        if n > 1:  # Each distinct prompt's pages into the prefix cache, once (module doc).
+            distinct = list({tuple(ids): None for ids in prompts})
+            self.engine.generate([list(ids) for ids in distinct],
+                                 params=self.engine.sampling_params(max_new_tokens=0))
         params = self.engine.sampling_params(
             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
             seed=seed, stop=list(stop) if stop else None, logprobs=0)
