@@ -98,8 +98,10 @@ class EngineSampler:
         if self._released:
             raise ValueError("EngineSampler.sample: released; set_params first")
         copies = [(i, list(ids)) for i, ids in enumerate(prompts) for _ in range(n)]
-        if n > 1:  # Each distinct prompt's pages into the prefix cache, once (module doc).
-            distinct = list({tuple(ids): None for ids in prompts})
+        # Each distinct prompt's full pages into the prefix cache, once (module doc).
+        ps = self.engine.config.page_size
+        distinct = list({tuple(ids): None for ids in prompts if len(ids) > ps})
+        if n > 1 and distinct:
             self.engine.generate([list(ids) for ids in distinct],
                                  params=self.engine.sampling_params(max_new_tokens=0))
         params = self.engine.sampling_params(
