@@ -43,4 +43,8 @@ def test_old_checkpoint_restores_with_the_same_logits():
     ref = np.load(FIXTURE / "logits.npz")
     got = functional(model, None, params, ({"input_ids": ref["ids"]},), method="logits",
                      is_training=False)[0]
-    np.testing.assert_array_equal(np.asarray(got, np.float32), ref["logits"])
+    # The reference logits were computed on another CPU (AVX2); XLA's kernels round
+    # differently across instruction sets, so equal to f32 rounding. A misplaced weight or
+    # bias moves them by orders of magnitude more.
+    np.testing.assert_allclose(np.asarray(got, np.float32), ref["logits"], rtol=1e-5,
+                               atol=1e-6)

@@ -64,8 +64,11 @@ def test_loss_and_gradients_equal_one_device(data, seq):
         got, got_g = _loss_and_grads(_model("ring"), params, sharded, ring=True)
     np.testing.assert_allclose(got, want, rtol=1e-6)
     for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got_g), jax.tree.leaves(want_g)):
+        # f32 rounding relative to the largest gradient: the ring's 8 chunks reduce the
+        # softmax in another order (1.6e-6 of the scale on an AVX-512 host); a wrong mask
+        # or chunk order is off by a sizeable part of it.
         scale = float(np.abs(w).max())
-        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6 * scale,
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * scale,
                                    err_msg=jax.tree_util.keystr(path))
 
 
