@@ -24,6 +24,8 @@ def test_recipe_aot_compiles_on_fake_8_device_mesh(name):
 
     cfg, _ = apply_mesh_rules(EXPERIMENTS[name](), "cpu-8")
     apply_overrides(cfg, SMALL_BATCH)
+    if hasattr(cfg.input, "batch_rows"):  # GRPO: a row per prompt, 8 rows for 8 devices.
+        cfg.input.global_batch_size = 8 * cfg.input.num_generations
     report = aot_compile(cfg, resolve_target("cpu-8"))
     train = report.train
     assert train.flops > 0 and train.argument_bytes > 0
