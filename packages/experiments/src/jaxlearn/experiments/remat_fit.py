@@ -29,6 +29,7 @@ from jaxlearn.aot.estimate import activation_bytes, find_int_field, model_shape
 from jaxlearn.config import REQUIRED, ConfigBase
 from jaxlearn.mesh import ConfigModifier, MeshRuleError, matching_config_paths
 from jaxlearn.module import RematSpec, flatten_specs
+from jaxlearn.runtime.input_pipeline import batch_rows
 
 # Plan for this much host memory instead of the machine's own (bytes): what `jaxlearn
 # config` prints for another machine, and what the golden configs are written with.
@@ -73,7 +74,7 @@ def step_bytes_without_remat(cfg: ConfigBase) -> int:
     """Estimated host bytes of trainer config `cfg`'s step with no remat (module doc)."""
     model = cfg.model.clone(name="model").instantiate()
     specs = [s for _, s in flatten_specs(model.create_parameter_specs_recursively())]
-    batch = int(cfg.input.global_batch_size)
+    batch = int(batch_rows(cfg.input) or 0)  # Rows, as the step sees them.
     shape = model_shape(cfg, specs, batch)
     tokens = batch * shape.seq_len
     state = 4 * sum(math.prod(s.shape) for s in specs) * shape.param_bytes

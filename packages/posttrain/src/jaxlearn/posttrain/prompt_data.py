@@ -86,8 +86,7 @@ class PromptInput(SFTInput):
         # False: a row per completion.
         shared_prompt: bool = True
 
-        def batch_rows(self) -> int:
-            """Rows of the global training batch: prompts or completions (module doc)."""
+        def batch_rows(self) -> int:  # Prompts or completions (`input_pipeline.batch_rows`).
             g = self.num_generations
             return self.global_batch_size // g if self.shared_prompt and g > 0 else \
                 self.global_batch_size

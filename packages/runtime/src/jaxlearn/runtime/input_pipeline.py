@@ -136,6 +136,15 @@ class Input(Configurable):
         )
 
 
+def batch_rows(input_cfg: Any) -> Optional[int]:
+    """Rows of the global batch an input config yields: its `batch_rows()` where it has one
+    (an input whose rows are not its examples: GRPO's prompt rows), else its
+    `global_batch_size`; None without either."""
+    if hasattr(input_cfg, "batch_rows"):
+        return int(input_cfg.batch_rows())
+    return getattr(input_cfg, "global_batch_size", None)
+
+
 def rows_per_process(global_batch: int, process_index: int, process_count: int) -> int:
     if process_count < 1 or not 0 <= process_index < process_count:
         raise ConfigError(f"process_index {process_index} is not in [0, {process_count})")
@@ -353,4 +362,5 @@ def _untag(x: Any) -> Any:
     return x
 
 
-__all__ = ["FEATURES", "Input", "InputIterator", "merge_states", "rows_per_process"]
+__all__ = ["FEATURES", "Input", "InputIterator", "batch_rows", "merge_states",
+           "rows_per_process"]

@@ -37,6 +37,7 @@ from jaxlearn.module import Module, is_spec, logical_sharding
 from jaxlearn.resilience import nonfinite
 from jaxlearn.resilience.manager import Resilience
 from jaxlearn.runtime.compute_copy import COPY_KEY, ComputeCopy
+from jaxlearn.runtime.input_pipeline import batch_rows
 from jaxlearn.runtime.learner import Learner, ema_update, microbatched_grads
 from jaxlearn.runtime.objective import Objective
 from jaxlearn.runtime.record import RECORD_FILE, RunRecord
@@ -163,9 +164,7 @@ class Trainer(Configurable):
 
     def _check_batch_size(self) -> None:
         """The global batch must split evenly over the batch mesh axes and microbatches."""
-        inp = self.config.input  # `batch_rows()`: an input whose rows are not its examples.
-        batch = inp.batch_rows() if hasattr(inp, "batch_rows") else \
-            getattr(inp, "global_batch_size", None)
+        batch = batch_rows(self.config.input)
         if not isinstance(batch, int):
             return
         spec = self._spec(("batch",))
