@@ -47,7 +47,6 @@ from jaxlearn.aot.report import human_bytes, state_breakdown
 from jaxlearn.aot.target import resolve_target
 from jaxlearn.config import from_flat_text
 from jaxlearn.mesh import selector_num_devices
-from jaxlearn.runtime.input_pipeline import batch_rows
 
 GiB = 2**30
 HBM_UTILIZATION = 0.95
@@ -128,7 +127,7 @@ def floor(cfg: Any, selector: str) -> dict[str, Any]:
     target = resolve_target(selector, topology="fake")
     trainer = build_trainer(cfg, target)
     state = state_breakdown(trainer.abstract_state(derived=True))
-    batch, seq = batch_rows(cfg.input), cfg.input.seq_len
+    batch, seq = trainer.batch_rows, cfg.input.seq_len  # Rows, not examples (GRPO).
     per_device_batch = trainer.batch_sharding.shard_shape((batch, seq))[0]
     tokens = per_device_batch * seq // trainer.mesh.shape.get("seq", 1)
     tokens //= trainer.learner.config.num_microbatches

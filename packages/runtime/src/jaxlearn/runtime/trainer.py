@@ -164,7 +164,7 @@ class Trainer(Configurable):
 
     def _check_batch_size(self) -> None:
         """The global batch must split evenly over the batch mesh axes and microbatches."""
-        batch = batch_rows(self.config.input)
+        self.batch_rows = batch = batch_rows(self.config.input)  # Rows of a global batch.
         if not isinstance(batch, int):
             return
         spec = self._spec(("batch",))
