@@ -28,6 +28,8 @@ write bytes). Formulations (w: [K, N] "nn", or its transpose [N, K] "nt"; x is f
   red_f32_nt / _nn        broadcast-multiply + reduce (a fusion, not a dot), f32 weights
   red_bf16_nt / _nn       the same on bf16 weights (converted in the fusion)
   red_i8_nt / _nn         the same on int8 weights, scale after
+  packed_f32_nn           oneMKL's packed f32 GEMM (`jaxlearn.kernels.packed_gemm`)
+  packed_bf16_nn          oneMKL's packed bf16 x bf16 -> f32 GEMM (AMX / AVX512_BF16)
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ MODELS: dict[str, dict[str, tuple[int, int]]] = {
 FORMS = ("f32_nn", "f32_nt", "f32_hi_nn", "bf16_nn", "bf16_nt", "bf16_pad_nn", "bf16_pad_nt",
          "bf16up_nn", "bf16up_nt", "i8_f32_nn", "i8_f32_nt",
          "i8_bf16_nn", "i8_bf16_nt", "i8i8_nn", "i8i8_nt", "red_f32_nt", "red_f32_nn",
-         "red_bf16_nt", "red_bf16_nn", "red_i8_nt", "red_i8_nn")
+         "red_bf16_nt", "red_bf16_nn", "red_i8_nt", "red_i8_nn", "packed_f32_nn",
+         "packed_bf16_nn")
 # The reduce forms over the non-minor axis are 10-50x slower than any dot: not by default.
 DEFAULT_FORMS = tuple(f for f in FORMS if f not in ("red_f32_nn", "red_bf16_nn", "red_i8_nn"))
 
@@ -59,6 +62,8 @@ def _one(form: str) -> tuple[str, Callable[..., Any]]:
     """(weight storage dtype, fn(x [M, K], w, scale [N]) -> [M, N] f32) of a formulation."""
     import jax.numpy as jnp
     from jax import lax
+
+    from jaxlearn.kernels import packed_matmul
 
     f32, bf16 = jnp.float32, jnp.bfloat16
     nt = form.endswith("_nt")
@@ -96,6 +101,10 @@ def _one(form: str) -> tuple[str, Callable[..., Any]]:
         "red_f32": ("float32", lambda x, w, s: red(x, w)),
         "red_bf16": ("bfloat16", lambda x, w, s: red(x, w.astype(f32))),
         "red_i8": ("int8", lambda x, w, s: red(x, w.astype(f32)) * s),
+        # w is the id of a oneMKL packed copy (`kernels.packed_gemm`; build() packs).
+        "packed_f32": ("float32", lambda x, w, s: packed_matmul(x, w, s.shape[0])),
+        "packed_bf16": ("bfloat16", lambda x, w, s: packed_matmul(x.astype(bf16), w,
+                                                                  s.shape[0])),
     }
     return table[form.rsplit("_", 1)[0]]
 
@@ -144,7 +153,14 @@ def build(form: str, m: int, k: int, n: int, min_mb: float) -> dict[str, Any]:
     else:
         w0 = base.astype(jnp.dtype(dtype))
     # Distinct buffers (the same values: only the bytes streamed matter here).
-    ws = [jax.device_put(w0) + jnp.zeros((), w0.dtype) for _ in range(copies)]
+    owner = None
+    if form.startswith("packed"):  # Packed copies, named by their int32 ids.
+        from jaxlearn.kernels import PackedWeights
+
+        owner = PackedWeights()
+        ws = [jnp.int32(owner.pack(w0)) for _ in range(copies)]
+    else:
+        ws = [jax.device_put(w0) + jnp.zeros((), w0.dtype) for _ in range(copies)]
     scale = jnp.full((n,), 0.01, jnp.float32)
     x = jnp.asarray(rng.standard_normal((m, k), np.float32))
 
@@ -161,6 +177,7 @@ def build(form: str, m: int, k: int, n: int, min_mb: float) -> dict[str, Any]:
     jax.block_until_ready(run(x, ws, scale))
     nbytes = copies * (k * n * item + (n * 4 if dtype == "int8" else 0))
     return dict(call=lambda: jax.block_until_ready(run(x, ws, scale)), nbytes=nbytes,
+                owner=owner,
                 info=dict(form=form, m=m, k=k, n=n, dtype=dtype, copies=copies,
                           weight_mb=rnd(nbytes / 2**20),
                           compile_s=rnd(time.perf_counter() - t0, 3)))

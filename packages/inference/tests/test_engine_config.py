@@ -47,9 +47,11 @@ def test_engine_config_flat_text_round_trip(cfg, params, tok):
     (dict(fuse_projections=True, mesh_shape=(1, 8)), "fuse_projections=True needs mesh_shape"),
     (dict(mesh_shape=(3, 5)), "Engine.Config.mesh_shape=(3, 5)"),
     (dict(weight_layout="nk"),
-     "Engine.Config.weight_layout='nk': must be one of auto, in_out, out_in"),
+     "Engine.Config.weight_layout='nk': must be one of auto, in_out, out_in, packed"),
     (dict(weight_layout="out_in", mesh_shape=(1, 8, 1)),
      "Engine.Config.weight_layout='out_in' needs mesh_shape=None"),
+    (dict(weight_layout="packed", mesh_shape=(1, 8, 1)),
+     "Engine.Config.weight_layout='packed' needs mesh_shape=None"),
 ])
 def test_bad_settings_are_one_line_errors_naming_the_field(cfg, params, tok, settings, message):
     with pytest.raises(ValueError) as info:

@@ -1,6 +1,6 @@
 """The stored layout of served weights (`Engine.Config.weight_layout`): which Linear
-configs become `TransposedLinear` under each setting, logits and greedy tokens equal to
-the trained layout's (bad settings: test_engine_config.py)."""
+configs become `TransposedLinear` or `PackedLinear` under each setting, logits and greedy
+tokens equal to the trained layout's (bad settings: test_engine_config.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +10,9 @@ from conftest import make_engine, tiny_config, tiny_params
 
 from jaxlearn.config import visit
 from jaxlearn.inference.quantize import quantize
-from jaxlearn.inference.weight_layout import apply_weight_layout
+from jaxlearn.inference.weight_layout import apply_weight_layout, store_weights
+from jaxlearn.kernels import PackedTable
+from jaxlearn.kernels.packed_gemm import host_has_bf16
 
 PROMPT = [3, 17, 42, 9, 28, 5, 61, 12]
 
@@ -104,3 +106,54 @@ def test_transposed_weights_serve_the_same_logits_and_tokens(stack, dtype):
         got_tokens = [r.tokens for r in moved.generate(rows, max_new_tokens=12, ignore_eos=True)]
         assert got_tokens == want and all(len(t) == 12 for t in want)
 
+
+
+def _packed_linears(params):
+    return {k.removesuffix("['weight_id']") for k in _paths(params)
+            if k.endswith("['weight_id']")}
+
+
+@pytest.mark.parametrize("stack,tied", [("scan", True), ("loop", False)])
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_packed_weights_serve_the_same_logits_and_tokens(stack, tied, dtype):
+    """weight_layout="packed": every plain Linear a PackedLinear (a scanned stack's ids
+    per layer), a tied head a PackedTable; prefill logits within rounding of the
+    summation order and the same greedy tokens as the trained layout, one and four rows."""
+    cfg = _untied_or_tied(tiny_config(stack, dtype="bfloat16" if dtype == "bf16" else None),
+                          tied)
+    params = tiny_params(cfg, seed=1)
+    if dtype == "bf16":
+        params = _bf16(params)
+    base, packed = _engine(cfg, params, "in_out"), _engine(cfg, params, "packed")
+    linears = {k.removesuffix("['weight']") for k in _paths(params)
+               if k.endswith("['weight']") and "['emb']" not in k}
+    assert _packed_linears(packed.runner.params) == linears
+    assert _klasses(packed.model_cfg) == {"PackedLinear"}
+    ids = [v for k, v in _paths(packed.runner.params).items() if k.endswith("['weight_id']")]
+    assert all(v.dtype == jnp.int32 and v.shape == ((2,) if stack == "scan" else ()) for v in ids)
+    table = packed.runner.params["decoder"]["emb"]["weight"]
+    assert isinstance(table, PackedTable) == tied
+    assert packed.packed_weights is not None and packed.packed_weights.nbytes > 0
+    ref = np.asarray(base.logits([PROMPT]))[0]
+    got = np.asarray(packed.logits([PROMPT]))[0]
+    tol = 1e-5 if dtype == "f32" else 4 * 2.0**-8 * np.abs(ref).max()
+    np.testing.assert_allclose(got, ref, rtol=0, atol=tol)
+    prompts = [PROMPT, PROMPT[:5], PROMPT[2:], [7, 7, 7]]
+    for rows in (prompts[:1], prompts):
+        want = [r.tokens for r in base.generate(rows, max_new_tokens=12, ignore_eos=True)]
+        got_tokens = [r.tokens for r in packed.generate(rows, max_new_tokens=12, ignore_eos=True)]
+        assert got_tokens == want
+
+
+def test_auto_packs_bf16_weights_on_hosts_with_native_bf16_only():
+    cfg = tiny_config("scan", dtype="bfloat16").clone(name="model")
+    f32 = tiny_params(cfg)
+    bf16 = _bf16(f32)
+    _, out, owner = store_weights(cfg, bf16, "auto")
+    assert (owner is not None) == host_has_bf16()
+    assert bool(_packed_linears(out)) == host_has_bf16()
+    assert store_weights(cfg, f32, "auto")[2] is None  # f32: XLA's dot, trained layout.
+    assert store_weights(cfg, bf16, "in_out") == (cfg, bf16, None)
+    with pytest.raises(ValueError, match=r"weight_layout='packed' needs float32 or bfloat16 "
+                                         r"Linear weights \(one dtype\), got \['float16'\]"):
+        store_weights(cfg, jax.tree.map(lambda x: x.astype(jnp.float16), f32), "packed")

@@ -2,6 +2,7 @@
 
 from jaxlearn.kernels.blockwise_attention import blockwise_attention
 from jaxlearn.kernels.chunked_loss import head_cross_entropy
+from jaxlearn.kernels.packed_gemm import PackedTable, PackedWeights, packed_matmul
 from jaxlearn.kernels.ring_attention import ring_attention
 from jaxlearn.kernels.segments import segments_visible, shared_segment
 from jaxlearn.kernels.weight_layout import TransposedWeight, transpose_weight
@@ -9,10 +10,13 @@ from jaxlearn.kernels.weight_quant import Int8Weight, int8_matmul, quantize_int8
 
 __all__ = [
     "Int8Weight",
+    "PackedTable",
+    "PackedWeights",
     "TransposedWeight",
     "blockwise_attention",
     "head_cross_entropy",
     "int8_matmul",
+    "packed_matmul",
     "quantize_int8",
     "ring_attention",
     "segments_visible",

@@ -48,7 +48,7 @@ from jaxlearn.layers.rope import (
     scaling_config,
     scaling_dict,
 )
-from jaxlearn.layers.serving import Int8Linear, TransposedLinear
+from jaxlearn.layers.serving import Int8Linear, PackedLinear, TransposedLinear
 from jaxlearn.layers.transformer import (
     ACTIVATION_NAMES,
     BaseStack,
@@ -110,6 +110,7 @@ __all__ = [
     "RotaryEmbedding",
     "ScanStack",
     "TransformerLayer",
+    "PackedLinear",
     "TransposedLinear",
     "cross_entropy",
     "dense",

@@ -86,7 +86,7 @@ class Decoder(Module):
         if type(head) not in (Linear, Embedding) or head.config.dot is not None:
             return None
         p = self.parameters[name]  # A child's params, read from this module's subtree.
-        if set(p) != {"weight"}:
+        if set(p) != {"weight"} or not hasattr(p["weight"], "T"):  # A packed table has none.
             return None
         return (p["weight"].T if name == "emb" else p["weight"]), head.dtype
 

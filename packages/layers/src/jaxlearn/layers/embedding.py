@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxlearn.config import REQUIRED
-from jaxlearn.kernels import Int8Weight, int8_matmul, take_rows
+from jaxlearn.kernels import Int8Weight, PackedTable, int8_matmul, packed_matmul, take_rows
 from jaxlearn.layers.dense import DotGeneral, dense, matmul_nt, maybe_dot
 from jaxlearn.module import FanAxes, Module, Normal, ParameterSpec, with_logical_constraint
 
@@ -61,6 +61,10 @@ class Embedding(Module):
             x2d = x.reshape(-1, x.shape[-1])
             y = int8_matmul(x2d, w.q, w.scale[:, 0], transposed=True)
             return y.astype(out_dtype).reshape(*x.shape[:-1], w.shape[0])
+        if isinstance(w, PackedTable) and self._dot is None:  # Serving: oneMKL packed head.
+            x2d = x.astype(w.dtype).reshape(-1, x.shape[-1])
+            y = packed_matmul(x2d, w.head_id, w.shape[0])
+            return y.astype(out_dtype).reshape(*x.shape[:-1], w.shape[0])
         if self._dot is None:
             return matmul_nt(x.astype(self.dtype), w, out_dtype=out_dtype)
         return dense(x.astype(self.dtype), w.T, dot=self._dot, out_dtype=out_dtype)
@@ -70,6 +74,8 @@ def _take_rows(w: jax.Array, ids: jax.Array) -> jax.Array:
     """w[ids] (rows). A 16-bit float table goes through `_take_rows_16` (below)."""
     if isinstance(w, Int8Weight):  # Weight-only int8 with per-row scales (serving).
         return take_rows(w, ids)
+    if isinstance(w, PackedTable):
+        w = w.table
     if jnp.dtype(w.dtype).itemsize == 2 and jnp.issubdtype(w.dtype, jnp.floating):
         return _take_rows_16(w, ids)
     return jnp.take(w, ids, axis=0)

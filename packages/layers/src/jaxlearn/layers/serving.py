@@ -7,8 +7,12 @@ converts the params, `jaxlearn.inference.quantize` / `weight_layout`):
 - `TransposedLinear`: the weight stored output-major, `weight_t [prod(out), prod(in)]`
   (`kernels.weight_layout`: XLA:CPU's bf16 dots with few rows read it faster), contracted
   on that layout by `kernels.matmul_nt`.
+- `PackedLinear`: the weight packed for oneMKL (`kernels.packed_gemm`), held outside JAX by
+  a `kernels.PackedWeights` owner; the param is its int32 id `weight_id []` (a scanned
+  stack: `[layers]`), and the matmul is `kernels.packed_matmul` (x cast to the packed
+  weight's dtype, config `weight_dtype`; f32 accumulation).
 
-Neither trains (no float weight to differentiate) nor takes an injected `dot`.
+None of them trains (no float weight to differentiate) nor takes an injected `dot`.
 """
 
 from __future__ import annotations
@@ -19,11 +23,11 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-from jaxlearn.kernels import int8_matmul
+from jaxlearn.kernels import int8_matmul, packed_matmul
 from jaxlearn.layers.dense import Linear, matmul_nt
 from jaxlearn.module import Module, ParameterSpec, ones, zeros
 
-__all__ = ["Int8Linear", "TransposedLinear"]
+__all__ = ["Int8Linear", "PackedLinear", "TransposedLinear"]
 
 
 class _ServingLinear(Linear):
@@ -83,4 +87,23 @@ class TransposedLinear(_ServingLinear):
         # and would transpose the weight back (a copy hoisted out of the decode loop).
         y = matmul_nt(x.astype(self.dtype).reshape(-1, k), self.parameters["weight_t"],
                       out_dtype)
+        return self._finish(y, lead, out_dtype)
+
+
+class PackedLinear(_ServingLinear):
+    """`Linear` whose weight is a packed copy named by `weight_id` (module doc)."""
+
+    class Config(Linear.Config):
+        # The packed copy's dtype ("float32" or "bfloat16"); x is cast to it.
+        weight_dtype: str = "bfloat16"
+
+    def _create_layer_parameter_specs(self) -> dict[str, ParameterSpec]:
+        return {"weight_id": ParameterSpec((), (), dtype=jnp.int32, initializer=zeros()),
+                **self._bias_spec()}
+
+    def forward(self, x: jax.Array, *, out_dtype: Any = None) -> jax.Array:
+        k, n = math.prod(self.in_shape), math.prod(self.out_shape)
+        lead = x.shape[: x.ndim - len(self.in_shape)]
+        x2d = x.astype(self.config.weight_dtype).reshape(-1, k)
+        y = packed_matmul(x2d, self.parameters["weight_id"], n)
         return self._finish(y, lead, out_dtype)

@@ -1,0 +1,244 @@
+// Prepacked-weight matmul for XLA:CPU through the XLA FFI, on oneMKL's packed GEMM API
+// (cblas_sgemm_pack / _compute, cblas_gemm_bf16bf16f32_pack / _compute).
+//
+// XLA:CPU's dots repack the weight on every call, which dominates a decode step with few
+// rows. Here each weight is packed once, into `parts` column blocks (one per thread), and
+// kept in a table owned by this library; a program refers to it by an int32 id, so a
+// scanned layer stack slices an id instead of copying a weight.
+//
+//   y[M, N] f32 = x[M, K] (f32, or bf16 for bf16 weights) @ W[K, N]
+//
+// MKL is opened at run time (jl_init) and runs sequentially; the column blocks run on
+// XLA's intra-op thread pool. The calling thread claims blocks too, so it never waits on a
+// pool whose threads are busy (two such calls on a two-thread pool cannot deadlock).
+#include <dlfcn.h>
+
+#include <array>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112, kPacked = 151, kBMatrix = 162;
+constexpr int kThreadingSequential = 1;
+
+using PackSizeFn = size_t (*)(int, int64_t, int64_t, int64_t);
+using SPackFn = void (*)(int, int, int, int64_t, int64_t, int64_t, float, const float*, int64_t,
+                         float*);
+using SComputeFn = void (*)(int, int, int, int64_t, int64_t, int64_t, const float*, int64_t,
+                            const float*, int64_t, float, float*, int64_t);
+using BPackFn = void (*)(int, int, int, int64_t, int64_t, int64_t, const uint16_t*, int64_t,
+                         uint16_t*);
+using BComputeFn = void (*)(int, int, int, int64_t, int64_t, int64_t, float, const uint16_t*,
+                            int64_t, const uint16_t*, int64_t, float, float*, int64_t);
+
+struct Mkl {
+  PackSizeFn s_size = nullptr, b_size = nullptr;
+  SPackFn s_pack = nullptr;
+  SComputeFn s_compute = nullptr;
+  BPackFn b_pack = nullptr;
+  BComputeFn b_compute = nullptr;
+};
+Mkl mkl;
+
+struct Part {
+  int64_t n0, n;
+  void* buf;
+};
+
+struct Weight {
+  int64_t k, n;
+  int dtype;  // 0: f32, 1: bf16
+  std::vector<Part> parts;
+  ~Weight() {
+    for (auto& p : parts) std::free(p.buf);
+  }
+};
+
+constexpr int kMaxWeights = 1 << 20;
+std::array<std::atomic<Weight*>, kMaxWeights> table;
+std::atomic<int> next_id{0};
+std::mutex free_mu;
+std::vector<int> free_ids;
+
+void RunPart(const Weight& w, const Part& p, const void* x, int64_t m, float* y) {
+  if (w.dtype == 0) {
+    mkl.s_compute(kRowMajor, kNoTrans, kPacked, m, p.n, w.k, static_cast<const float*>(x), w.k,
+                  static_cast<const float*>(p.buf), p.n, 0.0f, y + p.n0, w.n);
+  } else {
+    mkl.b_compute(kRowMajor, kNoTrans, kPacked, m, p.n, w.k, 1.0f,
+                  static_cast<const uint16_t*>(x), w.k, static_cast<const uint16_t*>(p.buf),
+                  p.n, 0.0f, y + p.n0, w.n);
+  }
+}
+
+// The column blocks of one call, claimed by the caller and by pool tasks alike.
+struct Job {
+  const Weight* w;
+  const void* x;
+  int64_t m;
+  float* y;
+  std::atomic<int> next{0};
+  std::atomic<int> done{0};
+  std::mutex mu;
+  std::condition_variable cv;
+
+  void Work() {
+    const int total = static_cast<int>(w->parts.size());
+    for (int i = next.fetch_add(1); i < total; i = next.fetch_add(1)) {
+      RunPart(*w, w->parts[i], x, m, y);
+      if (done.fetch_add(1) + 1 == total) {
+        std::lock_guard<std::mutex> lock(mu);
+        cv.notify_all();
+      }
+    }
+  }
+};
+
+ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> id,
+                            ffi::ResultBuffer<ffi::F32> y) {
+  const int32_t i = id.typed_data()[0];
+  Weight* w = (i >= 0 && i < kMaxWeights) ? table[i].load(std::memory_order_acquire) : nullptr;
+  if (w == nullptr) {
+    return ffi::Error::InvalidArgument("jl_packed_matmul: no packed weight with id " +
+                                       std::to_string(i) + " (freed, or from another process)");
+  }
+  auto dims = x.dimensions();
+  if (dims.size() != 2 || dims[1] != w->k) {
+    return ffi::Error::InvalidArgument("jl_packed_matmul: x must be [rows, " +
+                                       std::to_string(w->k) + "] for weight " +
+                                       std::to_string(i));
+  }
+  const bool bf16 = x.element_type() == ffi::BF16;
+  if (bf16 != (w->dtype == 1) || (!bf16 && x.element_type() != ffi::F32)) {
+    return ffi::Error::InvalidArgument("jl_packed_matmul: x's dtype does not match weight " +
+                                       std::to_string(i) + " (f32 weights take f32 x, bf16 "
+                                       "weights bf16 x)");
+  }
+  const int64_t m = dims[0];
+  if (m == 0) return ffi::Error::Success();
+  auto job = std::make_shared<Job>();
+  job->w = w;
+  job->x = x.untyped_data();
+  job->m = m;
+  job->y = y->typed_data();
+  const int total = static_cast<int>(w->parts.size());
+  for (int t = 1; t < total; ++t) pool.Schedule([job] { job->Work(); });
+  job->Work();
+  std::unique_lock<std::mutex> lock(job->mu);
+  job->cv.wait(lock, [&] { return job->done.load() == total; });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JlPackedMatmul, PackedMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+extern "C" {
+
+// Opens oneMKL at `path` (libmkl_rt), sequential. 0 on success; else a negative code and
+// `err` (err_len bytes) holds why.
+int jl_init(const char* path, char* err, int err_len) {
+  if (mkl.s_compute != nullptr) return 0;
+  void* lib = dlopen(path, RTLD_NOW | RTLD_GLOBAL);
+  auto fail = [&](const std::string& why) {
+    std::snprintf(err, err_len, "%s", why.c_str());
+    return -1;
+  };
+  if (lib == nullptr) return fail(std::string("dlopen: ") + dlerror());
+  auto layer = reinterpret_cast<int (*)(int)>(dlsym(lib, "MKL_Set_Threading_Layer"));
+  if (layer != nullptr) layer(kThreadingSequential);
+  Mkl m;
+  m.s_size = reinterpret_cast<PackSizeFn>(dlsym(lib, "cblas_sgemm_pack_get_size"));
+  m.s_pack = reinterpret_cast<SPackFn>(dlsym(lib, "cblas_sgemm_pack"));
+  m.s_compute = reinterpret_cast<SComputeFn>(dlsym(lib, "cblas_sgemm_compute"));
+  m.b_size = reinterpret_cast<PackSizeFn>(dlsym(lib, "cblas_gemm_bf16bf16f32_pack_get_size"));
+  m.b_pack = reinterpret_cast<BPackFn>(dlsym(lib, "cblas_gemm_bf16bf16f32_pack"));
+  m.b_compute = reinterpret_cast<BComputeFn>(dlsym(lib, "cblas_gemm_bf16bf16f32_compute"));
+  if (!m.s_size || !m.s_pack || !m.s_compute || !m.b_size || !m.b_pack || !m.b_compute) {
+    return fail("the MKL library lacks the packed GEMM functions");
+  }
+  mkl = m;
+  return 0;
+}
+
+// Packs w ([k, n] row major; f32 for dtype 0, bf16 bits for dtype 1) into `parts` column
+// blocks of multiples of 64 columns. Returns its id (>= 0), or -1 (not initialised, out
+// of ids or memory).
+int jl_pack(const void* w, int64_t k, int64_t n, int dtype, int parts) {
+  if (mkl.s_compute == nullptr || k <= 0 || n <= 0 || parts < 1) return -1;
+  auto weight = std::make_unique<Weight>();
+  weight->k = k;
+  weight->n = n;
+  weight->dtype = dtype;
+  const int64_t block = 64;
+  int64_t per = (n + parts - 1) / parts;
+  per = (per + block - 1) / block * block;
+  for (int64_t n0 = 0; n0 < n; n0 += per) {
+    const int64_t nc = n0 + per <= n ? per : n - n0;
+    const size_t bytes = dtype == 0 ? mkl.s_size(kBMatrix, 1, nc, k) : mkl.b_size(kBMatrix, 1, nc, k);
+    void* buf = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (buf == nullptr) return -1;
+    weight->parts.push_back({n0, nc, buf});
+    if (dtype == 0) {
+      mkl.s_pack(kRowMajor, kBMatrix, kNoTrans, 1, nc, k, 1.0f, static_cast<const float*>(w) + n0,
+                 n, static_cast<float*>(buf));
+    } else {
+      mkl.b_pack(kRowMajor, kBMatrix, kNoTrans, 1, nc, k, static_cast<const uint16_t*>(w) + n0,
+                 n, static_cast<uint16_t*>(buf));
+    }
+  }
+  int id = -1;
+  {
+    std::lock_guard<std::mutex> lock(free_mu);
+    if (!free_ids.empty()) {
+      id = free_ids.back();
+      free_ids.pop_back();
+    }
+  }
+  if (id < 0) id = next_id.fetch_add(1);
+  if (id >= kMaxWeights) return -1;
+  table[id].store(weight.release(), std::memory_order_release);
+  return id;
+}
+
+// Frees weight `id` (no program may be running with it).
+void jl_free(int id) {
+  if (id < 0 || id >= kMaxWeights) return;
+  Weight* w = table[id].exchange(nullptr);
+  if (w == nullptr) return;
+  delete w;
+  std::lock_guard<std::mutex> lock(free_mu);
+  free_ids.push_back(id);
+}
+
+// Bytes held by weight `id` (0 when there is none).
+int64_t jl_bytes(int id) {
+  if (id < 0 || id >= kMaxWeights) return 0;
+  Weight* w = table[id].load();
+  if (w == nullptr) return 0;
+  int64_t total = 0;
+  for (auto& p : w->parts) {
+    total += static_cast<int64_t>(w->dtype == 0 ? mkl.s_size(kBMatrix, 1, p.n, w->k)
+                                                : mkl.b_size(kBMatrix, 1, p.n, w->k));
+  }
+  return total;
+}
+
+}  // extern "C"

@@ -1,0 +1,93 @@
+"""The oneMKL packed matmul against numpy: f32 and bf16 weights, any row count, column
+blocks that do not divide the width, inside jit and a scanned stack of ids; freed ids and
+wrong inputs fail with errors naming them."""
+
+from __future__ import annotations
+
+import platform
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxlearn.kernels import PackedTable, PackedWeights, packed_matmul
+from jaxlearn.kernels.packed_gemm import unavailable_reason
+
+pytestmark = pytest.mark.skipif(
+    jax.default_backend() != "cpu" or platform.machine() not in ("x86_64", "AMD64"),
+    reason="the packed GEMM (oneMKL) runs on x86-64 CPU backends only")
+
+
+def test_runs_on_this_cpu() -> None:
+    # An x86-64 CPU with the `mkl` requirement and a C++ compiler: the kernel must build
+    # and load (a silent fallback to XLA's dot would hide a broken build).
+    assert unavailable_reason() is None
+
+
+def _reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    return x.astype(np.float64) @ w.astype(np.float64)
+
+
+@settings(max_examples=12, deadline=None)
+@given(m=st.integers(1, 19), k=st.integers(1, 70), n=st.integers(1, 300),
+       parts=st.integers(1, 3), bf16=st.booleans(), seed=st.integers(0, 2**16))
+def test_matches_numpy(m: int, k: int, n: int, parts: int, bf16: bool, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    dtype = jnp.bfloat16 if bf16 else jnp.float32
+    w = np.asarray(rng.standard_normal((k, n)), dtype)
+    x = np.asarray(rng.standard_normal((m, k)), dtype)
+    owner = PackedWeights(parts=parts)
+    wid = owner.pack(w)
+    y = np.asarray(jax.jit(packed_matmul, static_argnums=2)(jnp.asarray(x), jnp.int32(wid), n))
+    assert y.shape == (m, n) and y.dtype == np.float32
+    ref = _reference(np.asarray(x, np.float32), np.asarray(w, np.float32))
+    # f32 accumulation of exact products (bf16 x bf16 is exact in f32), another order.
+    tol = 1e-5 * (np.abs(np.asarray(x, np.float32)) @ np.abs(np.asarray(w, np.float32)) + 1)
+    assert np.all(np.abs(y - ref) <= tol)
+    owner.close()
+
+
+def test_a_scanned_stack_of_ids_reads_each_layers_weight() -> None:
+    rng = np.random.default_rng(0)
+    layers, k = 4, 96
+    ws = np.asarray(rng.standard_normal((layers, k, k)) / np.sqrt(k), np.float32)
+    owner = PackedWeights()
+    ids = jnp.asarray(owner.pack_stack(ws, lead=1))
+    assert ids.shape == (layers,) and ids.dtype == jnp.int32
+    assert owner.nbytes >= ws.nbytes
+
+    @jax.jit
+    def stack(x: jax.Array, ids: jax.Array) -> jax.Array:
+        return jax.lax.scan(lambda h, i: (jnp.tanh(packed_matmul(h, i, k)), None), x, ids)[0]
+
+    x = rng.standard_normal((5, k)).astype(np.float32)
+    want = x.astype(np.float64)
+    for w in ws:
+        want = np.tanh(want @ w)
+    np.testing.assert_allclose(np.asarray(stack(jnp.asarray(x), ids)), want, atol=2e-5)
+
+
+def test_bad_inputs_fail_with_errors_naming_them() -> None:
+    owner = PackedWeights()
+    w = np.ones((8, 16), np.float32)
+    wid = owner.pack(w)
+    with pytest.raises(Exception, match="x's dtype does not match weight"):
+        packed_matmul(jnp.ones((2, 8), jnp.bfloat16), jnp.int32(wid), 16).block_until_ready()
+    with pytest.raises(Exception, match=r"x must be \[rows, 8\]"):
+        packed_matmul(jnp.ones((2, 9), jnp.float32), jnp.int32(wid), 16).block_until_ready()
+    with pytest.raises(ValueError, match=r"float32 or bfloat16 weight, got float16\[8, 16\]"):
+        owner.pack(w.astype(np.float16))
+    owner.close()
+    with pytest.raises(Exception, match=f"no packed weight with id {wid}"):
+        packed_matmul(jnp.ones((2, 8), jnp.float32), jnp.int32(wid), 16).block_until_ready()
+
+
+def test_a_packed_table_is_a_pytree_leaf_pair() -> None:
+    table = jnp.ones((6, 4), jnp.bfloat16)
+    t = PackedTable(table, np.int32(3))
+    leaves, tree = jax.tree.flatten(t)
+    assert len(leaves) == 2 and t.shape == (6, 4) and t.dtype == jnp.bfloat16
+    assert jax.tree.unflatten(tree, leaves).table is table
