@@ -31,17 +31,19 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112, kPacked = 151, kBMatrix = 162;
-constexpr int kThreadingSequential = 1;
+constexpr int kThreadingSequential = 1, kInterfaceLp64 = 0;
 
-using PackSizeFn = size_t (*)(int, int64_t, int64_t, int64_t);
-using SPackFn = void (*)(int, int, int, int64_t, int64_t, int64_t, float, const float*, int64_t,
+// oneMKL's LP64 interface (MKL_INT = 32-bit int; set explicitly in jl_init).
+using MklInt = int32_t;
+using PackSizeFn = size_t (*)(int, MklInt, MklInt, MklInt);
+using SPackFn = void (*)(int, int, int, MklInt, MklInt, MklInt, float, const float*, MklInt,
                          float*);
-using SComputeFn = void (*)(int, int, int, int64_t, int64_t, int64_t, const float*, int64_t,
-                            const float*, int64_t, float, float*, int64_t);
-using BPackFn = void (*)(int, int, int, int64_t, int64_t, int64_t, const uint16_t*, int64_t,
+using SComputeFn = void (*)(int, MklInt, MklInt, MklInt, MklInt, MklInt, const float*, MklInt,
+                            const float*, MklInt, float, float*, MklInt);
+using BPackFn = void (*)(int, int, int, MklInt, MklInt, MklInt, const uint16_t*, MklInt,
                          uint16_t*);
-using BComputeFn = void (*)(int, int, int, int64_t, int64_t, int64_t, float, const uint16_t*,
-                            int64_t, const uint16_t*, int64_t, float, float*, int64_t);
+using BComputeFn = void (*)(int, MklInt, MklInt, MklInt, MklInt, MklInt, float, const uint16_t*,
+                            MklInt, const uint16_t*, MklInt, float, float*, MklInt);
 
 struct Mkl {
   PackSizeFn s_size = nullptr, b_size = nullptr;
@@ -86,6 +88,7 @@ void RunPart(const Weight& w, const Part& p, const void* x, int64_t m, float* y)
 // The column blocks of one call, claimed by the caller and by pool tasks alike.
 struct Job {
   const Weight* w;
+  int total;  // Blocks; a task that starts after the call returned reads only this.
   const void* x;
   int64_t m;
   float* y;
@@ -94,8 +97,9 @@ struct Job {
   std::mutex mu;
   std::condition_variable cv;
 
+  // Claims and runs blocks until none is left. A block claimed (i < total) means the call
+  // is still waiting for it, so w, x and y are alive while it runs.
   void Work() {
-    const int total = static_cast<int>(w->parts.size());
     for (int i = next.fetch_add(1); i < total; i = next.fetch_add(1)) {
       RunPart(*w, w->parts[i], x, m, y);
       if (done.fetch_add(1) + 1 == total) {
@@ -115,7 +119,7 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<
                                        std::to_string(i) + " (freed, or from another process)");
   }
   auto dims = x.dimensions();
-  if (dims.size() != 2 || dims[1] != w->k) {
+  if (dims.size() != 2 || dims[1] != w->k || dims[0] > INT32_MAX) {
     return ffi::Error::InvalidArgument("jl_packed_matmul: x must be [rows, " +
                                        std::to_string(w->k) + "] for weight " +
                                        std::to_string(i));
@@ -133,7 +137,7 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<
   job->x = x.untyped_data();
   job->m = m;
   job->y = y->typed_data();
-  const int total = static_cast<int>(w->parts.size());
+  const int total = job->total = static_cast<int>(w->parts.size());
   for (int t = 1; t < total; ++t) pool.Schedule([job] { job->Work(); });
   job->Work();
   std::unique_lock<std::mutex> lock(job->mu);
@@ -162,8 +166,11 @@ int jl_init(const char* path, char* err, int err_len) {
     return -1;
   };
   if (lib == nullptr) return fail(std::string("dlopen: ") + dlerror());
+  auto interface = reinterpret_cast<int (*)(int)>(dlsym(lib, "MKL_Set_Interface_Layer"));
   auto layer = reinterpret_cast<int (*)(int)>(dlsym(lib, "MKL_Set_Threading_Layer"));
-  if (layer != nullptr) layer(kThreadingSequential);
+  if (interface == nullptr || layer == nullptr) return fail("not an MKL runtime (libmkl_rt)");
+  interface(kInterfaceLp64);
+  layer(kThreadingSequential);
   Mkl m;
   m.s_size = reinterpret_cast<PackSizeFn>(dlsym(lib, "cblas_sgemm_pack_get_size"));
   m.s_pack = reinterpret_cast<SPackFn>(dlsym(lib, "cblas_sgemm_pack"));
@@ -182,7 +189,10 @@ int jl_init(const char* path, char* err, int err_len) {
 // blocks of multiples of 64 columns. Returns its id (>= 0), or -1 (not initialised, out
 // of ids or memory).
 int jl_pack(const void* w, int64_t k, int64_t n, int dtype, int parts) {
-  if (mkl.s_compute == nullptr || k <= 0 || n <= 0 || parts < 1) return -1;
+  if (mkl.s_compute == nullptr || k <= 0 || n <= 0 || k > INT32_MAX || n > INT32_MAX ||
+      parts < 1) {
+    return -1;
+  }
   auto weight = std::make_unique<Weight>();
   weight->k = k;
   weight->n = n;
