@@ -10,9 +10,9 @@ from conftest import make_engine, tiny_config, tiny_params
 
 from jaxlearn.config import visit
 from jaxlearn.inference.quantize import quantize
-from jaxlearn.inference.weight_layout import apply_weight_layout, store_weights
+from jaxlearn.inference.weight_layout import apply_weight_layout, serving_stack, store_weights
 from jaxlearn.kernels import PackedTable
-from jaxlearn.kernels.packed_gemm import host_has_bf16
+from jaxlearn.kernels.packed_gemm import host_has_bf16, unavailable_reason
 
 PROMPT = [3, 17, 42, 9, 28, 5, 61, 12]
 
@@ -157,3 +157,15 @@ def test_auto_packs_bf16_weights_on_hosts_with_native_bf16_only():
     with pytest.raises(ValueError, match=r"weight_layout='packed' needs float32 or bfloat16 "
                                          r"Linear weights \(one dtype\), got \['float16'\]"):
         store_weights(cfg, jax.tree.map(lambda x: x.astype(jnp.float16), f32), "packed")
+
+
+def test_serving_stack_is_scanned_only_for_packed_weights():
+    packs = host_has_bf16() and unavailable_reason() is None
+    bf16 = dict(dtype="bfloat16", param_dtype="bfloat16")
+    assert serving_stack("auto", **bf16) == ("scan" if packs else "loop")
+    assert serving_stack("packed", dtype=None, param_dtype=None) == "scan"
+    assert serving_stack("auto", dtype=None, param_dtype=None) == "loop"  # f32 weights.
+    assert serving_stack("auto", dtype="float32", param_dtype="bfloat16") == "loop"
+    assert serving_stack("auto", mesh_shape=(1, 8, 1), **bf16) == "loop"
+    for layout in ("in_out", "out_in"):
+        assert serving_stack(layout, **bf16) == "loop"

@@ -27,8 +27,9 @@ What PATH holds is `jaxlearn.interop.open_model`'s to say (`experiments.open_run
   `jaxlearn.checkpoint` (Engine.from_checkpoint on the ModelSource's root and step). A
   checkpoint without a record needs `--experiment`: nothing is guessed;
 - an HF model directory or a `.gguf` file: `ModelSource.load_host`, with its tokenizer
-  and chat template, as a loop (unstacked) layer stack: faster decode steps than a
-  scanned one (no per-layer weight slices), for a longer compile.
+  and chat template, as the layer stack `inference.weight_layout.serving_stack` picks:
+  a loop (unstacked) stack, whose decode steps copy no per-layer weight slices, or a
+  scanned one (2-3x faster warm-up) when the engine packs the weights.
 
 `--lora NAME=PATH` (repeatable) loads a LoRA adapter into the engine's adapter banks
 (`Engine.load_adapter`, `jaxlearn.inference.adapters`) under NAME; requests select it by
@@ -275,6 +276,7 @@ def load_model(path: str, engine_cfg: Any, *, experiment: Optional[str] = None,
     its config's (`--set model...`)."""
     from jaxlearn.cli.common import UsageError, open_model_flag
     from jaxlearn.inference import Engine
+    from jaxlearn.inference.weight_layout import serving_stack
     from jaxlearn.interop import InteropError
 
     source, where = open_model_flag(path, experiment, overrides)
@@ -294,9 +296,9 @@ def load_model(path: str, engine_cfg: Any, *, experiment: Optional[str] = None,
                                       step=source.step, engine_cfg=engine_cfg)
     try:
         opts = {k: v for k, v in (("dtype", dtype), ("param_dtype", param_dtype)) if v}
-        # Unstacked layers: a scanned stack slices (copies) every layer's weights out of
-        # the stacked arrays on each decode step, 2x the step time of SmolLM2-135M here.
-        loaded = source.load_host(stack="loop", **opts)
+        stack = serving_stack(engine_cfg.weight_layout, dtype=dtype, param_dtype=param_dtype,
+                              mesh_shape=engine_cfg.mesh_shape)
+        loaded = source.load_host(stack=stack, **opts)
     except InteropError as e:
         raise UsageError(str(e)) from None
     if loaded.tokenizer is None:
