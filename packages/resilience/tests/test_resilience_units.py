@@ -297,3 +297,35 @@ def test_goodput_summary_combines_attempts_and_supervisor(tmp_path, monkeypatch)
     assert summary["seconds"]["restart"] == pytest.approx(1.0, abs=1e-3)
     assert summary["seconds"]["lost"] >= 1.9
     assert 0 <= summary["goodput"] <= 1 and summary["restarts"] == 1
+
+
+class _PromptInput:  # An input config whose rows each hold a prompt and its 4 completions.
+    global_batch_size = 32
+
+    def batch_rows(self) -> int:
+        return 8
+
+
+def _elastic_cfg(output_dir, input_cfg, micro=1):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(output_dir=str(output_dir), input=input_cfg, mesh_shape=(-1,),
+                           mesh_axis_names=("data",), mesh_axis_rules=(("batch", "data"),),
+                           learner=SimpleNamespace(num_microbatches=micro))
+
+
+def test_elastic_restart_splits_rows_not_examples(tmp_path):
+    """GRPO's 32 completions are 8 rows: on 8 devices one row each; back on 4 devices the
+    rows need 2 microbatches to keep one row per device (examples would have said 8)."""
+    from jaxlearn.resilience.elastic import adapt_to_devices
+
+    devices = jax.devices()[:8]
+    first = adapt_to_devices(_elastic_cfg(tmp_path, _PromptInput()), devices)
+    assert (first.batch_rows, first.per_device_microbatch, first.num_microbatches) == (8, 1, 1)
+    first.record()
+    cfg = _elastic_cfg(tmp_path, _PromptInput())
+    again = adapt_to_devices(cfg, devices[:4])
+    assert again.changed and again.num_microbatches == cfg.learner.num_microbatches == 2
+    assert again.per_device_microbatch == 1
+    with pytest.raises(ElasticError, match=r"input.batch_rows\(\)=8 cannot be split over 3"):
+        adapt_to_devices(_elastic_cfg(tmp_path, _PromptInput()), devices[:3])

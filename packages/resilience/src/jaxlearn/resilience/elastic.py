@@ -14,6 +14,11 @@ still fits in memory). When the devices come back, the reference microbatching r
 The trainer restores the newest checkpoint with resharding onto the new mesh, and the
 input pipeline merges the per-process iterator states if the process count changed.
 
+The batch is split in rows: an input config with `batch_rows()` (GRPO's and DPO's,
+whose rows each hold a prompt and its completions) has that many rows per global batch,
+any other `global_batch_size` (the rule of `jaxlearn.runtime.input_pipeline.batch_rows`,
+restated here: this package does not depend on the runtime).
+
 Results after an elastic restart equal the uninterrupted run up to floating-point
 reassociation (reductions over a different device count), not bit for bit.
 """
@@ -56,15 +61,22 @@ def batch_shards(cfg: Any, devices: Sequence[Any]) -> int:
 
 
 def fit_microbatches(global_batch: int, shards: int, max_per_device: int,
-                     at_least: int = 1) -> int:
+                     at_least: int = 1, what: str = "input.global_batch_size") -> int:
     """Smallest k >= at_least with global_batch % (shards * k) == 0 and
-    global_batch / (shards * k) <= max_per_device."""
+    global_batch / (shards * k) <= max_per_device (`what` names the batch in errors)."""
     for k in range(max(1, at_least), global_batch + 1):
         if global_batch % (shards * k) == 0 and global_batch // (shards * k) <= max_per_device:
             return k
     raise ElasticError(
-        f"input.global_batch_size={global_batch} cannot be split over {shards} batch shard(s) "
-        f"with at most {max_per_device} example(s) per device and microbatch")
+        f"{what}={global_batch} cannot be split over {shards} batch shard(s) "
+        f"with at most {max_per_device} row(s) per device and microbatch")
+
+
+def _rows(input_cfg: Any) -> tuple[int, str]:
+    """(rows of a global batch, how errors name them): see the module doc."""
+    if hasattr(input_cfg, "batch_rows"):
+        return int(input_cfg.batch_rows()), "input.batch_rows()"
+    return int(input_cfg.global_batch_size), "input.global_batch_size"
 
 
 @dataclasses.dataclass
@@ -76,10 +88,12 @@ class ElasticDecision:
     global_batch_size: int
     reference: Optional[dict[str, Any]]
     changed: bool
+    batch_rows: int = 0  # 0: global_batch_size.
 
     @property
     def per_device_microbatch(self) -> int:
-        return self.global_batch_size // (self.batch_shards * self.num_microbatches)
+        rows = self.batch_rows or self.global_batch_size
+        return rows // (self.batch_shards * self.num_microbatches)
 
     def record(self) -> None:
         """Writes the reference on the first run (process 0 only)."""
@@ -91,6 +105,7 @@ class ElasticDecision:
         data = {"num_devices": self.num_devices, "batch_shards": self.batch_shards,
                 "num_microbatches": self.num_microbatches,
                 "global_batch_size": self.global_batch_size,
+                "batch_rows": self.batch_rows or self.global_batch_size,
                 "per_device_microbatch": self.per_device_microbatch}
         tmp = path + ".tmp"
         with open(tmp, "w") as f:
@@ -111,6 +126,7 @@ def adapt_to_devices(cfg: Any, devices: Optional[Sequence[Any]] = None) -> Elast
     run's recorded reference; see the module doc."""
     devices = list(jax.devices() if devices is None else devices)
     batch = int(cfg.input.global_batch_size)
+    rows, what = _rows(cfg.input)
     shards = batch_shards(cfg, devices)
     ref = read_reference(cfg.output_dir)
     micro = int(cfg.learner.num_microbatches)
@@ -123,17 +139,19 @@ def adapt_to_devices(cfg: Any, devices: Optional[Sequence[Any]] = None) -> Elast
         if int(ref["num_devices"]) == len(devices):
             new_micro = int(ref["num_microbatches"])
         else:
-            new_micro = fit_microbatches(batch, shards, int(ref["per_device_microbatch"]))
+            new_micro = fit_microbatches(rows, shards, int(ref["per_device_microbatch"]),
+                                         what=what)
         if new_micro != micro or int(ref["num_devices"]) != len(devices):
             changed = True
             log.warning(
                 "elastic restart: %d device(s) (the run started on %d), batch split %d ways; "
-                "learner.num_microbatches %d -> %d keeps the global batch %d with %d example(s) "
-                "per device and microbatch", len(devices), ref["num_devices"], shards, micro,
-                new_micro, batch, batch // (shards * new_micro))
+                "learner.num_microbatches %d -> %d keeps the global batch %d (%d rows) with "
+                "%d row(s) per device and microbatch", len(devices), ref["num_devices"], shards,
+                micro, new_micro, batch, rows, rows // (shards * new_micro))
         micro = new_micro
         cfg.learner.num_microbatches = micro
-    return ElasticDecision(cfg.output_dir, len(devices), shards, micro, batch, ref, changed)
+    return ElasticDecision(cfg.output_dir, len(devices), shards, micro, batch, ref, changed,
+                           rows)
 
 
 __all__ = ["ElasticDecision", "ElasticError", "adapt_to_devices", "batch_shards",
