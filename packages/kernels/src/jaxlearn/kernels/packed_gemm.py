@@ -8,8 +8,11 @@ Why: XLA:CPU's dots repack the weight on every call (YNNPACK), which is most of 
 step's time when a batch has few rows. oneMKL packs a weight once
 (`cblas_gemm_bf16bf16f32_pack`, `cblas_sgemm_pack`) and its compute reads the packed
 form with the host's native instructions (AMX / AVX512_BF16 for bf16). Measured on a
-2-core Sapphire Rapids Xeon, SmolLM2-135M shapes, 16 rows: bf16 2.1-4.1x and f32
-1.0-1.4x XLA's dot (`tools/bench/jl_gemv.py`, forms `packed_*`).
+2-core Sapphire Rapids Xeon, SmolLM2-135M shapes, chains of distinct weights
+(`tools/bench/jl_gemv.py`, forms `packed_*`, `results/gemv.jsonl`): bf16 1.1-1.9x XLA's
+bf16 dot (in its faster `[out, in]` layout) at 8-32 rows and 3-19x at one row; f32
+0.5-0.6x XLA's f32 dot at one row and 0.9-1.3x at 8-32 rows, so only bf16 is packed by
+default.
 
 How:
 - The C++ source (`csrc/packed_gemm.cc`) is compiled on first use with the system C++
