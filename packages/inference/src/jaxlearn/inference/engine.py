@@ -173,8 +173,9 @@ class Engine(Configurable):
             int8 + f32 per-channel scales (`inference.quantize`; one device only).
         weight_layout: "auto" packs bf16 dense weights for oneMKL's GEMM on one CPU
             device of a host with native bf16 instructions (1.1-1.9x faster decode
-            matmuls than XLA's dot at 8-32 rows), else stores 16-bit dense weights [out, in] (XLA:CPU's bf16
-            decode dots read them 1.0-1.5x faster); "packed" packs f32 or bf16 weights,
+            matmuls than XLA's dot at 8-32 rows), else stores 16-bit dense weights
+            [out, in] (XLA:CPU's bf16 decode dots read them 1.0-1.5x faster);
+            "packed" packs f32 or bf16 weights,
             "out_in" stores every float dense weight [out, in], "in_out" keeps the
             trained layout (`inference.weight_layout`).
         parse_special_in_content: whether special-token strings typed into chat messages
