@@ -148,7 +148,8 @@ def store_weights(model_cfg: Any, params: Any, layout: str, *, mesh_shape: Any =
     """(config, params, owner of packed copies or None) stored as `layout` says here."""
     if packed_layout_chosen(model_cfg, params, layout, mesh_shape=mesh_shape):
         cfg, packed, owner = pack_weights(model_cfg, params)
-        log.info("weights packed for oneMKL's GEMM: %.1f MB", owner.nbytes / 2**20)
+        log.info("weights packed for oneMKL's GEMM: %.1f MB (%.1f MB of address space "
+                 "reserved)", owner.nbytes / 2**20, owner.reserved_bytes / 2**20)
         return cfg, packed, owner
     return (*apply_weight_layout(model_cfg, params, layout, mesh_shape=mesh_shape), None)
 
