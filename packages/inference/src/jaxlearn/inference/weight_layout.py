@@ -11,12 +11,11 @@ reads the same weight 1.0-1.5x faster stored `[out, in]`; f32 dots are faster `[
 - "in_out": the trained layout;
 - "packed": every plain float Linear weight packed once for oneMKL's GEMM
   (`kernels.packed_gemm`: bf16 on AMX / AVX512_BF16, f32 on any x86-64), one CPU device.
-  Activations are cast to the weights' dtype.
-  "auto" chooses it first when every plain Linear weight and compute dtype is
-  bfloat16, the host has
-  native bf16 dot instructions and the kernel builds here (`unavailable_reason`): a
-  decode step's matmuls then run 1.1-1.9x faster than XLA's bf16 dot at 8-32 rows and
-  3-19x at one row (XLA repacks the weight on every call).
+  Activations are cast to the weights' dtype. "auto" chooses it first when every plain
+  Linear weight and compute dtype is bfloat16, the host has native bf16 dot
+  instructions and the kernel builds here (`unavailable_reason`): a decode step's
+  matmuls then run 1.1-1.9x faster than XLA's bf16 dot at 8-32 rows and 3-19x at one
+  row (XLA repacks the weight on every call).
 
 Stored `[out, in]` means a config swap: every plain Linear (`quantize.is_plain_linear`:
 the LM head and the attention / FFN projections) becomes a `layers.TransposedLinear`
