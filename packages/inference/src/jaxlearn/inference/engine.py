@@ -175,9 +175,9 @@ class Engine(Configurable):
             device of a host with native bf16 instructions (1.1-1.9x faster decode
             matmuls than XLA's dot at 8-32 rows), else stores 16-bit dense weights
             [out, in] (XLA:CPU's bf16 decode dots read them 1.0-1.5x faster);
-            "packed" packs f32 or bf16 weights,
-            "out_in" stores every float dense weight [out, in], "in_out" keeps the
-            trained layout (`inference.weight_layout`).
+            "packed" packs f32 or bf16 weights, "out_in" stores every float dense
+            weight [out, in], "in_out" keeps the trained layout
+            (`inference.weight_layout`).
         parse_special_in_content: whether special-token strings typed into chat messages
             (`<|im_end|>` in a user message) become special tokens in the prompt; off by
             default: they are encoded as text and only the chat template's own are special

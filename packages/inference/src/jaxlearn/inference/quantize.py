@@ -80,6 +80,15 @@ def swap_linears(model_cfg: Any, params: Any, variant: type[Linear], fn: Convert
     return new_cfg, walk(model, params)
 
 
+def tied_head(model_cfg: Any) -> bool:
+    """Whether the model's embedding table doubles as its output head (default dot): the
+    table `quantize` and `weight_layout.pack_weights` convert besides the Linears."""
+    decoder = model_cfg.instantiate().children.get("decoder")
+    emb = decoder.children.get("emb") if isinstance(decoder, Decoder) else None
+    return (isinstance(emb, Embedding) and emb.config.dot is None
+            and decoder.config.lm_head is None)
+
+
 def _int8(w: Any, in_dims: int, lead: int) -> dict[str, Any]:
     q = quantize_int8(w, tuple(range(lead, lead + in_dims)))
     return {"weight": q.q, "scale": q.scale}
@@ -90,10 +99,7 @@ def quantize(model_cfg: Any, params: Any, mode: str = "int8") -> tuple[Any, Any]
     docstring). A scanned stack's scales are per layer and output channel."""
     check_quantize(mode)
     cfg, params = swap_linears(model_cfg, params, Int8Linear, _int8)
-    decoder = model_cfg.instantiate().children.get("decoder")
-    emb = decoder.children.get("emb") if isinstance(decoder, Decoder) else None
-    if (isinstance(emb, Embedding) and emb.config.dot is None
-            and decoder.config.lm_head is None):  # Tied head: per-row scales.
+    if tied_head(model_cfg):  # Per-row scales.
         table = params["decoder"]["emb"]["weight"]
         if not isinstance(table, Int8Weight):
             params = dict(params, decoder=dict(params["decoder"], emb=dict(

@@ -35,10 +35,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlearn.config import replace_config
-from jaxlearn.inference.quantize import plain_linears, swap_linears
+from jaxlearn.inference.quantize import plain_linears, swap_linears, tied_head
 from jaxlearn.kernels import PackedTable, PackedWeights, transpose_weight
 from jaxlearn.kernels.packed_gemm import host_has_bf16, unavailable_reason
-from jaxlearn.layers import Decoder, Embedding, PackedLinear, TransposedLinear
+from jaxlearn.layers import PackedLinear, TransposedLinear
 
 WEIGHT_LAYOUTS = ("auto", "in_out", "out_in", "packed")
 log = logging.getLogger(__name__)
@@ -129,10 +129,7 @@ def pack_weights(model_cfg: Any, params: Any) -> tuple[Any, Any, PackedWeights]:
     new_cfg, new_params = swap_linears(model_cfg, params, PackedLinear, fn)
     new_cfg = replace_config(new_cfg, lambda path, c: "klass" in c and c.klass is PackedLinear,
                              lambda old, path: old.clone(weight_dtype=dtype))
-    decoder = model_cfg.instantiate().children.get("decoder")
-    emb = decoder.children.get("emb") if isinstance(decoder, Decoder) else None
-    if (isinstance(emb, Embedding) and emb.config.dot is None
-            and decoder.config.lm_head is None):  # Tied head: its transpose packed too.
+    if tied_head(model_cfg):  # Its transpose packed too.
         table = new_params["decoder"]["emb"]["weight"]
         if jnp.dtype(table.dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
             head_id = owner.pack(np.asarray(jax.device_get(table)).T)

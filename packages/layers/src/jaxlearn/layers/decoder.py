@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxlearn.config import REQUIRED, InstantiableConfig
+from jaxlearn.kernels import PackedTable
 from jaxlearn.layers.dense import Linear
 from jaxlearn.layers.embedding import Embedding
 from jaxlearn.layers.norm import RMSNorm
@@ -80,13 +81,13 @@ class Decoder(Module):
 
     def head_weight(self) -> Optional[tuple[Array, Any]]:
         """(weight [dim, vocab], compute dtype) when the head is a plain matmul (a bias-free
-        `Linear` or the tied `Embedding`, default dot); else None (e.g. LoRA, int8)."""
+        `Linear` or the tied `Embedding`, default dot); else None (e.g. LoRA, int8, packed)."""
         name = "emb" if self.config.lm_head is None else "lm_head"
         head = getattr(self, name)
         if type(head) not in (Linear, Embedding) or head.config.dot is not None:
             return None
         p = self.parameters[name]  # A child's params, read from this module's subtree.
-        if set(p) != {"weight"} or not hasattr(p["weight"], "T"):  # A packed table has none.
+        if set(p) != {"weight"} or isinstance(p["weight"], PackedTable):
             return None
         return (p["weight"].T if name == "emb" else p["weight"]), head.dtype
 

@@ -17,8 +17,8 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -30,7 +30,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112, kPacked = 151, kBMatrix = 162;
+constexpr int kRowMajor = 101, kNoTrans = 111, kPacked = 151, kBMatrix = 162;
 constexpr int kThreadingSequential = 1, kInterfaceLp64 = 0;
 
 // oneMKL's LP64 interface (MKL_INT = 32-bit int; set explicitly in jl_init).
@@ -57,6 +57,7 @@ Mkl mkl;
 struct Part {
   int64_t n0, n;
   void* buf;
+  size_t bytes;  // What oneMKL asked for (`*_pack_get_size`).
 };
 
 struct Weight {
@@ -205,7 +206,7 @@ int jl_pack(const void* w, int64_t k, int64_t n, int dtype, int parts) {
     const size_t bytes = dtype == 0 ? mkl.s_size(kBMatrix, 1, nc, k) : mkl.b_size(kBMatrix, 1, nc, k);
     void* buf = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
     if (buf == nullptr) return -1;
-    weight->parts.push_back({n0, nc, buf});
+    weight->parts.push_back({n0, nc, buf, bytes});
     if (dtype == 0) {
       mkl.s_pack(kRowMajor, kBMatrix, kNoTrans, 1, nc, k, 1.0f, static_cast<const float*>(w) + n0,
                  n, static_cast<float*>(buf));
@@ -244,10 +245,7 @@ int64_t jl_bytes(int id) {
   Weight* w = table[id].load();
   if (w == nullptr) return 0;
   int64_t total = 0;
-  for (auto& p : w->parts) {
-    total += static_cast<int64_t>(w->dtype == 0 ? mkl.s_size(kBMatrix, 1, p.n, w->k)
-                                                : mkl.b_size(kBMatrix, 1, p.n, w->k));
-  }
+  for (auto& p : w->parts) total += static_cast<int64_t>(p.bytes);
   return total;
 }
 
