@@ -52,6 +52,10 @@ def test_engine_config_flat_text_round_trip(cfg, params, tok):
      "Engine.Config.weight_layout='out_in' needs mesh_shape=None"),
     (dict(weight_layout="packed", mesh_shape=(1, 8, 1)),
      "Engine.Config.weight_layout='packed' needs mesh_shape=None"),
+    (dict(attention_kernel="cuda"),
+     "Engine.Config.attention_kernel='cuda': must be one of auto, xla, native"),
+    (dict(attention_kernel="native", mesh_shape=(1, 8, 1)),
+     "Engine.Config.attention_kernel='native' needs mesh_shape=None"),
 ])
 def test_bad_settings_are_one_line_errors_naming_the_field(cfg, params, tok, settings, message):
     with pytest.raises(ValueError) as info:

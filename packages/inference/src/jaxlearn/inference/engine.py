@@ -35,7 +35,6 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxlearn import layers
 from jaxlearn.config import REQUIRED, Configurable
 from jaxlearn.inference import programs
 from jaxlearn.inference.adapters import AdapterBanks
@@ -46,17 +45,16 @@ from jaxlearn.inference.engine_setup import (
     engine_axis_rules,
     param_shardings,
     restore_params,
+    serving_model,
 )
 from jaxlearn.inference.errors import InferenceError, QueueFullError, RequestError
 from jaxlearn.inference.grammar import response_format_grammar
 from jaxlearn.inference.logprobs import TokenLogprob
 from jaxlearn.inference.metrics import Metrics
-from jaxlearn.inference.quantize import quantize
 from jaxlearn.inference.request import Request
 from jaxlearn.inference.runner import ModelRunner, kv_window, next_pow2
 from jaxlearn.inference.sampling import SamplingParams
 from jaxlearn.inference.scheduler import Scheduler
-from jaxlearn.inference.weight_layout import store_weights
 from jaxlearn.layers.lora import DEFAULT_TARGETS
 from jaxlearn.module import Module
 from jaxlearn.text.detokenize import Delta
@@ -178,6 +176,10 @@ class Engine(Configurable):
             "packed" packs f32 or bf16 weights, "out_in" stores every float dense
             weight [out, in], "in_out" keeps the trained layout
             (`inference.weight_layout`).
+        attention_kernel: "auto" attends over the KV pages with one native FFI call per
+            layer that reads them in place on one CPU device (2-6x faster decode
+            attention than XLA's gather + dots), else XLA; "native" / "xla" force one
+            (`inference.attention_kernel`).
         parse_special_in_content: whether special-token strings typed into chat messages
             (`<|im_end|>` in a user message) become special tokens in the prompt; off by
             default: they are encoded as text and only the chat template's own are special
@@ -212,6 +214,7 @@ class Engine(Configurable):
         window_page_release: bool = True
         quantize: Optional[str] = None
         weight_layout: str = "auto"
+        attention_kernel: str = "auto"
         parse_special_in_content: bool = False
         max_loras: int = 0
         max_lora_rank: int = 16
@@ -225,25 +228,14 @@ class Engine(Configurable):
         super().__init__(cfg)
         cfg = self.config
         pool_tokens = check_settings(cfg)
-        if getattr(model_cfg, "name", None) is REQUIRED:
-            model_cfg = model_cfg.clone(name="model")
-        # Layer scans rolled whatever the training rule chose: every prefill / decode
-        # program then compiles one layer body, not one per layer.
-        model_cfg = layers.set_unroll(model_cfg, 1)
+        served = serving_model(cfg, model_cfg, params)
         # The model as given (no adapter banks, fusion, int8 or layout change): what an
         # adapter file is read for (`jaxlearn.interop.load_lora_adapter`).
-        self.base_model_cfg = model_cfg
-        if cfg.max_loras:  # Adapter banks: max_loras slots + slot 0 (no adapter).
-            model_cfg, params = layers.use_multi_lora(
-                model_cfg, params, slots=cfg.max_loras + 1, max_rank=cfg.max_lora_rank,
-                targets=cfg.lora_targets)
-        if cfg.fuse_projections:
-            model_cfg, params = layers.fuse_projections(model_cfg, params)
-        if cfg.quantize is not None:  # Int8Linear configs, int8 params.
-            model_cfg, params = quantize(model_cfg, params, cfg.quantize)
+        self.base_model_cfg = served.base_model_cfg
         # Packed weights' copies are owned by `packed_weights`, kept as long as the engine.
-        model_cfg, params, self.packed_weights = store_weights(
-            model_cfg, params, cfg.weight_layout, mesh_shape=cfg.mesh_shape)
+        self.packed_weights = served.packed_weights
+        self.attention_kernel = served.attention_kernel
+        model_cfg, params = served.model_cfg, served.params
         self.model_cfg = model_cfg
         self.model: Module = model_cfg.instantiate()
         self.tokenizer = as_tokenizer(tokenizer) if tokenizer is not None else None

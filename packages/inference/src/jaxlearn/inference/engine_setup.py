@@ -1,9 +1,11 @@
-"""What an `Engine` needs before it serves: its settings checked (`check_settings`), its
-mesh (`build_mesh`), parameter placement from logical axes (`param_shardings`, `SpecFn`)
-and the params of a jaxlearn checkpoint (`restore_params`)."""
+"""What an `Engine` needs before it serves: its settings checked (`check_settings`), the
+model as served (`serving_model`: the config swaps its settings ask for), its mesh
+(`build_mesh`), parameter placement from logical axes (`param_shardings`, `SpecFn`) and
+the params of a jaxlearn checkpoint (`restore_params`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -11,10 +13,17 @@ from typing import Any, Optional, Union
 import jax
 from jax.sharding import Mesh, NamedSharding
 
+from jaxlearn import layers
 from jaxlearn.config import REQUIRED
 from jaxlearn.inference.adapters import check_adapter_settings
-from jaxlearn.inference.quantize import check_quantize
-from jaxlearn.inference.weight_layout import check_weight_layout
+from jaxlearn.inference.attention_kernel import (
+    check_attention_kernel,
+    chosen_attention_kernel,
+    use_attention_kernel,
+)
+from jaxlearn.inference.quantize import check_quantize, quantize
+from jaxlearn.inference.weight_layout import check_weight_layout, store_weights
+from jaxlearn.kernels import PackedWeights
 from jaxlearn.layers import older_param_path
 from jaxlearn.mesh import (
     DEFAULT_AXIS_RULES,
@@ -47,6 +56,7 @@ def check_settings(cfg: Any) -> int:
     check_quantize(cfg.quantize)
     check_adapter_settings(cfg)
     check_weight_layout(cfg.weight_layout, cfg.mesh_shape)
+    check_attention_kernel(cfg.attention_kernel, cfg.mesh_shape)
     if cfg.quantize is not None and cfg.mesh_shape is not None:
         raise ValueError(f"Engine.Config.quantize={cfg.quantize!r} needs mesh_shape=None (one "
                          f"device), got mesh_shape={cfg.mesh_shape}")
@@ -63,6 +73,41 @@ def check_settings(cfg: Any) -> int:
         raise ValueError(f"Engine.Config.kv_cache_tokens={tokens}: cannot hold one request of "
                          f"max_seq_len={cfg.max_seq_len} tokens")
     return int(tokens)
+
+
+@dataclasses.dataclass
+class ServingModel:
+    """The model an `Engine` serves and how it got there (`serving_model`)."""
+
+    base_model_cfg: Any  # The model as given (unrolled, named): what adapter files fit.
+    model_cfg: Any  # After adapter banks, fusion, int8, weight layout, attention kernel.
+    params: Any
+    packed_weights: Optional[PackedWeights]  # Owner of packed copies (weight_layout).
+    attention_kernel: str  # "xla" | "native"
+
+
+def serving_model(cfg: Any, model_cfg: Any, params: Any) -> ServingModel:
+    """The config swaps an `Engine.Config` asks for, in order: layer scans rolled (every
+    program compiles one layer body), LoRA adapter banks (`max_loras`), fused projections,
+    int8 (`quantize`), the weights' stored layout (`weight_layout`) and the paged
+    attention kernel (`attention_kernel`)."""
+    if getattr(model_cfg, "name", None) is REQUIRED:
+        model_cfg = model_cfg.clone(name="model")
+    model_cfg = layers.set_unroll(model_cfg, 1)
+    base = model_cfg
+    if cfg.max_loras:  # Adapter banks: max_loras slots + slot 0 (no adapter).
+        model_cfg, params = layers.use_multi_lora(
+            model_cfg, params, slots=cfg.max_loras + 1, max_rank=cfg.max_lora_rank,
+            targets=cfg.lora_targets)
+    if cfg.fuse_projections:
+        model_cfg, params = layers.fuse_projections(model_cfg, params)
+    if cfg.quantize is not None:  # Int8Linear configs, int8 params.
+        model_cfg, params = quantize(model_cfg, params, cfg.quantize)
+    model_cfg, params, packed = store_weights(model_cfg, params, cfg.weight_layout,
+                                              mesh_shape=cfg.mesh_shape)
+    kernel = chosen_attention_kernel(cfg.attention_kernel, cfg.mesh_shape)
+    model_cfg = use_attention_kernel(model_cfg, kernel)
+    return ServingModel(base, model_cfg, params, packed, kernel)
 
 
 def build_mesh(cfg: Any) -> Optional[Mesh]:

@@ -41,13 +41,9 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import hashlib
 import importlib.metadata
 import os
 import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 from typing import Any, Optional
@@ -55,6 +51,8 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxlearn.kernels.native import build, kernel_cache_dir
 
 __all__ = ["PackedTable", "PackedWeights", "packed_matmul", "unavailable_reason",
            "host_has_bf16", "kernel_cache_dir"]
@@ -65,12 +63,6 @@ _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
 _reason: Optional[str] = None
 _DTYPES = {np.dtype(np.float32): 0, np.dtype(jnp.bfloat16): 1}
-
-
-def kernel_cache_dir() -> Path:
-    """Where compiled kernels go: $JAXLEARN_KERNEL_CACHE, else ~/.cache/jaxlearn/kernels."""
-    env = os.environ.get("JAXLEARN_KERNEL_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "jaxlearn" / "kernels"
 
 
 def host_has_bf16() -> bool:
@@ -95,29 +87,6 @@ def _mkl_rt() -> Optional[str]:
     return None
 
 
-def _build(cache: Path) -> Path:
-    """The compiled library for this source and jaxlib, built once per cache dir."""
-    include = jax.ffi.include_dir()
-    key = hashlib.sha256(_SOURCE.read_bytes() + jax.__version__.encode()).hexdigest()[:16]
-    out = cache / f"packed_gemm-{key}.so"
-    if out.exists():
-        return out
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if cxx is None:
-        raise RuntimeError("no C++ compiler (c++ / g++ / $CXX) to build the packed GEMM kernel")
-    cache.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
-    os.close(fd)
-    cmd = [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-w", f"-I{include}", str(_SOURCE),
-           "-o", tmp, "-ldl", "-lpthread"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        os.unlink(tmp)
-        raise RuntimeError(f"building {_SOURCE.name} failed: {proc.stderr.strip()[-400:]}")
-    os.replace(tmp, out)  # Atomic: concurrent builders each write their own tmp.
-    return out
-
-
 def _load() -> Optional[ctypes.CDLL]:
     """The initialised library, or None (and `_reason` set)."""
     global _lib, _reason
@@ -132,7 +101,7 @@ def _load() -> Optional[ctypes.CDLL]:
             _reason = "the `mkl` wheel (oneMKL's libmkl_rt) is not installed"
         else:
             try:
-                lib = ctypes.CDLL(str(_build(kernel_cache_dir())))
+                lib = ctypes.CDLL(str(build(_SOURCE, ("-O2",), ("-ldl", "-lpthread"))))
             except (RuntimeError, OSError) as e:
                 _reason = str(e)
                 return None

@@ -94,6 +94,10 @@ class Attention(Module):
         block_q: int = 512
         block_k: int = 512
         blockwise_min_seq: int = 1024
+        # Attention over a paged KV cache (serving): "xla" (`paged.attend_pages`' loop) or
+        # "native" (one FFI call that reads the pages in place; CPU only, chosen by the
+        # inference engine's `attention_kernel`).
+        paged_kernel: str = "xla"
         q_proj: Optional[InstantiableConfig] = Linear.default_config()
         k_proj: Optional[InstantiableConfig] = Linear.default_config()
         v_proj: Optional[InstantiableConfig] = Linear.default_config()
@@ -120,6 +124,8 @@ class Attention(Module):
             raise ValueError(
                 f"{where}.implementation: {c.implementation!r} not in {IMPLEMENTATIONS}"
             )
+        if c.paged_kernel not in paged.KERNELS:
+            raise ValueError(f"{where}.paged_kernel: {c.paged_kernel!r} not in {paged.KERNELS}")
         if c.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"{where}: num_heads={c.num_heads} must be a multiple of num_kv_heads="
@@ -341,7 +347,7 @@ class Attention(Module):
             o = paged.attend_pages(
                 q, extra["key"], extra["value"], page_table, q_index, t + s,
                 scale=self._scale, causal=c.causal, sliding_window=c.sliding_window,
-                logit_soft_cap=c.logit_soft_cap, layer=layer_index,
+                logit_soft_cap=c.logit_soft_cap, layer=layer_index, kernel=c.paged_kernel,
             )
             return o, extra
         k_all = _write(cache["key"], k, time_step)

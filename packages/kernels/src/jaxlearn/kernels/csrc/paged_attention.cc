@@ -1,0 +1,414 @@
+// Paged attention for XLA:CPU through the XLA FFI: reads keys and values where they sit
+// in the page pool (no gather of the rows' pages into a window first).
+//
+//   o[b, s, h, d] = softmax(scale * q . K^T, masked) V   over positions [0, kv_end[b])
+//
+//   q           [b, s, h, d]            f32 or bf16; heads h = kv * g share kv heads in groups
+//   key_pool    [L, P, kv, d, ps]       "kdt" pages; f32, or bf16 bits (u16)
+//   value_pool  [L, P, kv, ps, d]       "ktd" pages; same dtype
+//   page_table  [b, n] s32              position p of row b: page table[b, p / ps], slot p % ps
+//   q_index     [b, s] s32              query positions (causal and sliding-window masks)
+//   kv_end      [b] s32                 positions >= kv_end[b] are hidden
+//   layer       [] s32                  which of the L stacked pools
+//
+// One task per (row, kv head, block of 16 queries), claimed by the caller and by tasks on
+// XLA's intra-op pool.
+// A task converts each page it reads to f32 once and uses it for the g * s queries that
+// share it: logits for every visible position first (QK^T vectorised over a page's
+// positions, the "kdt" layout), an exact softmax, then PV (vectorised over head_dim, the
+// "ktd" layout). Sums are in f32; the output is rounded to q's dtype once.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+inline float Bf16ToF32(uint16_t b) {
+  uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t F32ToBf16(float f) {  // Round to nearest even (NaN kept quiet).
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// e^x for x <= 0 (softmax arguments), written so the compiler vectorises it: 2^n by the
+// exponent bits, e^r on |r| <= ln2/2 by a degree-7 Taylor polynomial (relative error
+// below 2e-7 against expf).
+inline float ExpNonPositive(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float t = x * 1.44269504088896341f;
+  const float n = (t + 12582912.0f) - 12582912.0f;  // round to nearest
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+struct Call {
+  // Shapes.
+  int64_t b, s, h, d, kv, g, ps, n, pages, layer;
+  bool q_bf16, pool_bf16;
+  // Options.
+  float scale, soft_cap;
+  bool causal;
+  int32_t window;  // 0: none
+  // Data.
+  const void* q;
+  const void* kpool;
+  const void* vpool;
+  const int32_t* table;
+  const int32_t* q_index;
+  const int32_t* kv_end;
+  void* out;
+  std::atomic<bool> bad{false};
+  std::atomic<int64_t> bad_page{0};
+};
+
+// Page `page`'s block for kv head `kh` (d * ps elements) as f32 into `dst`.
+void LoadBlock(const Call& c, const void* pool, int64_t page, int64_t kh, float* dst) {
+  const int64_t elems = c.d * c.ps;
+  const int64_t off = ((c.layer * c.pages + page) * c.kv + kh) * elems;
+  if (c.pool_bf16) {
+    const uint16_t* src = static_cast<const uint16_t*>(pool) + off;
+    for (int64_t i = 0; i < elems; ++i) dst[i] = Bf16ToF32(src[i]);
+  } else {
+    std::memcpy(dst, static_cast<const float*>(pool) + off, elems * sizeof(float));
+  }
+}
+
+// 16 floats as one value (GCC/Clang vector extension: one AVX-512 register, two AVX2
+// ones); loads and stores go through memcpy (no alignment assumed).
+typedef float V16 __attribute__((vector_size(64)));
+
+inline V16 Load16(const float* p) {
+  V16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void Store16(float* p, V16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// logits[j][t] = q[j] . keys[:, t] for NQ queries (q[j] = q + j * d, logits[j] =
+// logits + j * stride) and one page of 16 positions' keys [d, 16]: NQ independent sums
+// share each key load.
+template <int NQ>
+inline void PageLogits16(const float* __restrict q, const float* __restrict keys, int64_t d,
+                         float* __restrict logits, int64_t stride) {
+  V16 l[NQ] = {};
+  for (int64_t i = 0; i < d; ++i) {
+    const V16 k = Load16(keys + i * 16);
+    for (int j = 0; j < NQ; ++j) l[j] += q[j * d + i] * k;
+  }
+  for (int j = 0; j < NQ; ++j) Store16(logits + j * stride, l[j]);
+}
+
+// logits for every query over one page (keys [d, ps]); 16-position pages four queries at
+// a time, other sizes one query at a time.
+inline void PageLogitsAny(const float* __restrict q, const float* __restrict keys, int64_t d,
+                          int64_t ps, int64_t nq, float* __restrict logits, int64_t stride) {
+  if (ps == 16) {
+    int64_t j = 0;
+    for (; j + 4 <= nq; j += 4) PageLogits16<4>(q + j * d, keys, d, logits + j * stride, stride);
+    switch (nq - j) {
+      case 3: return PageLogits16<3>(q + j * d, keys, d, logits + j * stride, stride);
+      case 2: return PageLogits16<2>(q + j * d, keys, d, logits + j * stride, stride);
+      case 1: return PageLogits16<1>(q + j * d, keys, d, logits + j * stride, stride);
+      default: return;
+    }
+  }
+  for (int64_t j = 0; j < nq; ++j) {
+    float* l = logits + j * stride;
+    for (int64_t t = 0; t < ps; ++t) l[t] = 0.0f;
+    for (int64_t i = 0; i < d; ++i) {
+      const float qi = q[j * d + i];
+      for (int64_t t = 0; t < ps; ++t) l[t] += qi * keys[i * ps + t];
+    }
+  }
+}
+
+// max of x[0, n), n >= 1, in 16 lanes (vectorised).
+inline float MaxOf(const float* x, int64_t n) {
+  float lanes[16];
+  for (int j = 0; j < 16; ++j) lanes[j] = x[0];
+  int64_t t = 0;
+  for (; t + 16 <= n; t += 16) {
+    for (int j = 0; j < 16; ++j) lanes[j] = x[t + j] > lanes[j] ? x[t + j] : lanes[j];
+  }
+  for (; t < n; ++t) lanes[0] = x[t] > lanes[0] ? x[t] : lanes[0];
+  float m = lanes[0];
+  for (int j = 1; j < 16; ++j) m = lanes[j] > m ? lanes[j] : m;
+  return m;
+}
+
+// x[t] = e^(x[t] - m) for t in [0, n); returns their sum (16 lanes, vectorised).
+inline float ExpSum(float* x, int64_t n, float m) {
+  float lanes[16] = {};
+  int64_t t = 0;
+  for (; t + 16 <= n; t += 16) {
+    for (int j = 0; j < 16; ++j) {
+      x[t + j] = ExpNonPositive(x[t + j] - m);
+      lanes[j] += x[t + j];
+    }
+  }
+  for (; t < n; ++t) {
+    x[t] = ExpNonPositive(x[t] - m);
+    lanes[0] += x[t];
+  }
+  float sum = 0.0f;
+  for (int j = 0; j < 16; ++j) sum += lanes[j];
+  return sum;
+}
+
+// acc[:] += sum_t w[t] * values[t, :] for one page of values [ps, d].
+inline void PageValues(const float* __restrict w, const float* __restrict values, int64_t ps,
+                       int64_t d, float* __restrict acc) {
+  if (d % 16 == 0 && d <= 256) {
+    V16 a[16];
+    const int64_t nv = d / 16;
+    for (int64_t j = 0; j < nv; ++j) a[j] = Load16(acc + j * 16);
+    for (int64_t t = 0; t < ps; ++t) {
+      const float wt = w[t];
+      const float* __restrict v = values + t * d;
+      for (int64_t j = 0; j < nv; ++j) a[j] += wt * Load16(v + j * 16);
+    }
+    for (int64_t j = 0; j < nv; ++j) Store16(acc + j * 16, a[j]);
+    return;
+  }
+  for (int64_t t = 0; t < ps; ++t) {
+    const float wt = w[t];
+    const float* __restrict v = values + t * d;
+    for (int64_t i = 0; i < d; ++i) acc[i] += wt * v[i];
+  }
+}
+
+// Query positions per task: a long chunk (prefill) is split so that both threads get work
+// and, under a causal mask, an early block of queries reads only the pages it sees.
+constexpr int64_t kQueriesPerTask = 16;
+
+// Task (row bi, kv head kh, queries [s0, s0 + sc)).
+void RunTask(Call& c, int64_t task, std::vector<float>& scratch) {
+  const int64_t chunks = (c.s + kQueriesPerTask - 1) / kQueriesPerTask;
+  const int64_t bi = task / (c.kv * chunks), kh = task / chunks % c.kv;
+  const int64_t s0 = task % chunks * kQueriesPerTask;
+  const int64_t sc = std::min(kQueriesPerTask, c.s - s0);
+  const int64_t d = c.d, ps = c.ps, nq = c.g * sc;
+  const int32_t* qidx = c.q_index + bi * c.s + s0;
+  int64_t end = std::min<int64_t>(c.kv_end[bi], c.n * ps);
+  int32_t qmin = qidx[0], qmax = qidx[0];
+  for (int64_t i = 1; i < sc; ++i) qmin = std::min(qmin, qidx[i]), qmax = std::max(qmax, qidx[i]);
+  if (c.causal) end = std::min<int64_t>(end, static_cast<int64_t>(qmax) + 1);
+  int64_t begin = 0;
+  if (c.window > 0) begin = std::max<int64_t>(0, static_cast<int64_t>(qmin) - (c.window - 1));
+  const int64_t p0 = begin / ps;  // first page
+  const int64_t p1 = end > begin ? (end + ps - 1) / ps : p0;  // one past the last page
+  const int64_t len = (p1 - p0) * ps;
+  // Scratch: queries [nq, d], weights [nq, len], accumulators [nq, d], one page [d * ps],
+  // denominators [nq].
+  scratch.resize(nq * d + nq * len + nq * d + d * ps + nq);
+  float* qf = scratch.data();
+  float* logits = qf + nq * d;
+  float* acc = logits + nq * len;
+  float* block = acc + nq * d;
+  float* denom = block + d * ps;
+  for (int64_t gi = 0; gi < c.g; ++gi) {
+    for (int64_t si = 0; si < sc; ++si) {
+      const int64_t src = ((bi * c.s + s0 + si) * c.h + kh * c.g + gi) * d;
+      float* dst = qf + (gi * sc + si) * d;
+      if (c.q_bf16) {
+        const uint16_t* q = static_cast<const uint16_t*>(c.q) + src;
+        for (int64_t i = 0; i < d; ++i) dst[i] = Bf16ToF32(q[i]) * c.scale;
+      } else {
+        const float* q = static_cast<const float*>(c.q) + src;
+        for (int64_t i = 0; i < d; ++i) dst[i] = q[i] * c.scale;
+      }
+    }
+  }
+  const int32_t* row_table = c.table + bi * c.n;
+  for (int64_t pg = p0; pg < p1; ++pg) {  // Every entry is a page of the pool.
+    if (row_table[pg] < 0 || row_table[pg] >= c.pages) {
+      c.bad_page.store(row_table[pg]);
+      c.bad.store(true);
+      return;
+    }
+  }
+  // Logits: keys page by page, [d, ps] blocks.
+  for (int64_t pg = p0; pg < p1; ++pg) {
+    const int64_t page = row_table[pg];
+    LoadBlock(c, c.kpool, page, kh, block);
+    PageLogitsAny(qf, block, d, ps, nq, logits + (pg - p0) * ps, len);
+  }
+  // Softmax weights per query over its visible positions [lo, hi) (relative to page p0);
+  // every other position weighs 0.
+  for (int64_t qq = 0; qq < nq; ++qq) {
+    const int64_t qi = qidx[qq % sc];
+    float* l = logits + qq * len;
+    int64_t lo = begin, hi = end;
+    if (c.causal) hi = std::min<int64_t>(hi, qi + 1);
+    if (c.window > 0) lo = std::max<int64_t>(lo, qi - c.window + 1);
+    lo -= p0 * ps, hi -= p0 * ps;
+    denom[qq] = 0.0f;
+    if (hi <= lo) {  // Nothing visible: weights 0, output 0.
+      std::fill(l, l + len, 0.0f);
+      continue;
+    }
+    if (c.soft_cap > 0.0f) {
+      for (int64_t t = lo; t < hi; ++t) l[t] = c.soft_cap * std::tanh(l[t] / c.soft_cap);
+    }
+    const float sum = ExpSum(l + lo, hi - lo, MaxOf(l + lo, hi - lo));
+    std::fill(l, l + lo, 0.0f);
+    std::fill(l + hi, l + len, 0.0f);
+    denom[qq] = sum;
+  }
+  // PV: values page by page, [ps, d] blocks.
+  std::fill(acc, acc + nq * d, 0.0f);
+  for (int64_t pg = p0; pg < p1; ++pg) {
+    LoadBlock(c, c.vpool, row_table[pg], kh, block);
+    for (int64_t qq = 0; qq < nq; ++qq) {
+      PageValues(logits + qq * len + (pg - p0) * ps, block, ps, d, acc + qq * d);
+    }
+  }
+  for (int64_t gi = 0; gi < c.g; ++gi) {
+    for (int64_t si = 0; si < sc; ++si) {
+      const int64_t qq = gi * sc + si;
+      const float inv = denom[qq] > 0.0f ? 1.0f / denom[qq] : 0.0f;
+      const float* a = acc + qq * d;
+      const int64_t dst = ((bi * c.s + s0 + si) * c.h + kh * c.g + gi) * d;
+      if (c.q_bf16) {
+        uint16_t* o = static_cast<uint16_t*>(c.out) + dst;
+        for (int64_t i = 0; i < d; ++i) o[i] = F32ToBf16(a[i] * inv);
+      } else {
+        float* o = static_cast<float*>(c.out) + dst;
+        for (int64_t i = 0; i < d; ++i) o[i] = a[i] * inv;
+      }
+    }
+  }
+}
+
+// The (row, kv head) tasks of one call, claimed by the caller and by pool tasks alike.
+struct Job {
+  Call* call;
+  int64_t total;  // Tasks; a pool task that starts after the call returned reads only this.
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  std::mutex mu;
+  std::condition_variable cv;
+
+  void Work() {
+    thread_local std::vector<float> scratch;
+    for (int64_t i = next.fetch_add(1); i < total; i = next.fetch_add(1)) {
+      RunTask(*call, i, scratch);
+      if (done.fetch_add(1) + 1 == total) {
+        std::lock_guard<std::mutex> lock(mu);
+        cv.notify_all();
+      }
+    }
+  }
+};
+
+ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kpool,
+                              ffi::AnyBuffer vpool, ffi::Buffer<ffi::S32> table,
+                              ffi::Buffer<ffi::S32> q_index, ffi::Buffer<ffi::S32> kv_end,
+                              ffi::Buffer<ffi::S32> layer, float scale, float soft_cap,
+                              int32_t causal, int32_t window, ffi::Result<ffi::AnyBuffer> out) {
+  auto qd = q.dimensions(), kd = kpool.dimensions(), vd = vpool.dimensions();
+  auto td = table.dimensions();
+  if (qd.size() != 4 || kd.size() != 5 || vd.size() != 5 || td.size() != 2) {
+    return ffi::Error::InvalidArgument(
+        "jl_paged_attention: need q [b, s, h, d], pools [L, P, kv, d, ps] / [L, P, kv, ps, d] "
+        "and a page table [b, n]");
+  }
+  Call c;
+  c.b = qd[0], c.s = qd[1], c.h = qd[2], c.d = qd[3];
+  c.pages = kd[1], c.kv = kd[2], c.ps = kd[4], c.n = td[1];
+  if (kd[3] != c.d || vd[0] != kd[0] || vd[1] != c.pages || vd[2] != c.kv || vd[3] != c.ps ||
+      vd[4] != c.d || c.kv <= 0 || c.h % c.kv != 0 || td[0] != c.b ||
+      q_index.dimensions().size() != 2 || q_index.dimensions()[0] != c.b ||
+      q_index.dimensions()[1] != c.s || kv_end.dimensions().size() != 1 ||
+      kv_end.dimensions()[0] != c.b) {
+    return ffi::Error::InvalidArgument("jl_paged_attention: shapes of q, pools, page table, "
+                                       "q_index and kv_end do not agree");
+  }
+  c.g = c.h / c.kv;
+  c.layer = layer.typed_data()[0];
+  if (c.layer < 0 || c.layer >= kd[0]) {
+    return ffi::Error::InvalidArgument("jl_paged_attention: layer " + std::to_string(c.layer) +
+                                       " of " + std::to_string(kd[0]) + " stacked pools");
+  }
+  c.q_bf16 = q.element_type() == ffi::BF16;
+  if (!c.q_bf16 && q.element_type() != ffi::F32) {
+    return ffi::Error::InvalidArgument("jl_paged_attention: q must be f32 or bf16");
+  }
+  c.pool_bf16 = kpool.element_type() == ffi::U16;
+  if ((!c.pool_bf16 && kpool.element_type() != ffi::F32) ||
+      vpool.element_type() != kpool.element_type()) {
+    return ffi::Error::InvalidArgument(
+        "jl_paged_attention: pools must both be f32 or both bf16 bits (u16)");
+  }
+  c.scale = scale, c.soft_cap = soft_cap, c.causal = causal != 0, c.window = window;
+  c.q = q.untyped_data(), c.kpool = kpool.untyped_data(), c.vpool = vpool.untyped_data();
+  c.table = table.typed_data(), c.q_index = q_index.typed_data(), c.kv_end = kv_end.typed_data();
+  c.out = out->untyped_data();
+  const int64_t total = c.b * c.kv * ((c.s + kQueriesPerTask - 1) / kQueriesPerTask);
+  if (total == 0 || c.s == 0) return ffi::Error::Success();
+  auto job = std::make_shared<Job>();
+  job->call = &c;
+  job->total = total;
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), total) - 1;
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([job] { job->Work(); });
+  job->Work();
+  {
+    std::unique_lock<std::mutex> lock(job->mu);
+    job->cv.wait(lock, [&] { return job->done.load() == total; });
+  }
+  if (c.bad.load()) {
+    return ffi::Error::InvalidArgument("jl_paged_attention: page table entry " +
+                                       std::to_string(c.bad_page.load()) + " is outside the " +
+                                       std::to_string(c.pages) + "-page pool");
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JlPagedAttention, PagedAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int32_t>("causal")
+                                  .Attr<int32_t>("window")
+                                  .Ret<ffi::AnyBuffer>());
