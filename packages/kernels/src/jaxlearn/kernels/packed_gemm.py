@@ -15,9 +15,10 @@ bf16 dot (in its faster `[out, in]` layout) at 8-32 rows and 3-19x at one row; f
 default.
 
 How:
-- The C++ source (`csrc/packed_gemm.cc`) is compiled on first use with the system C++
-  compiler against the FFI headers jaxlib ships, into `kernel_cache_dir()` (keyed by
-  the source and the jaxlib version), and oneMKL is opened from the `mkl` wheel.
+- The C++ source (`csrc/mkl_gemm.cc`, built and opened by `kernels.mkl`) is compiled on
+  first use with the system C++ compiler against the FFI headers jaxlib ships, into
+  `kernel_cache_dir()` (keyed by the source and the jaxlib version), and oneMKL is opened
+  from the `mkl` wheel.
 - The packed copies live in the library's table, not in JAX arrays: a program passes a
   weight's int32 id, so a scanned layer stack slices an id instead of copying a weight
   every step (what XLA does to a stacked weight it feeds to a dot or a custom call).
@@ -39,92 +40,27 @@ freed id fails with an error naming it.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import importlib.metadata
 import os
-import platform
-import threading
-from pathlib import Path
 from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlearn.kernels.native import build, kernel_cache_dir
+from jaxlearn.kernels import mkl
+from jaxlearn.kernels.mkl import host_has_bf16
+from jaxlearn.kernels.native import kernel_cache_dir
 
 __all__ = ["PackedTable", "PackedWeights", "packed_matmul", "unavailable_reason",
            "host_has_bf16", "kernel_cache_dir"]
 
-_SOURCE = Path(__file__).parent / "csrc" / "packed_gemm.cc"
-_TARGET = "jaxlearn_packed_matmul"
-_lock = threading.Lock()
-_lib: Optional[ctypes.CDLL] = None
-_reason: Optional[str] = None
 _DTYPES = {np.dtype(np.float32): 0, np.dtype(jnp.bfloat16): 1}
-
-
-def host_has_bf16() -> bool:
-    """Whether this CPU has native bf16 dot instructions (AVX512_BF16 or AMX-BF16)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
-
-
-def _mkl_rt() -> Optional[str]:
-    try:
-        dist = importlib.metadata.distribution("mkl")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    for f in dist.files or ():
-        if Path(str(f)).name.startswith("libmkl_rt.so"):
-            path = Path(str(dist.locate_file(f))).resolve()
-            if path.exists():
-                return str(path)
-    return None
-
-
-def _load() -> Optional[ctypes.CDLL]:
-    """The initialised library, or None (and `_reason` set)."""
-    global _lib, _reason
-    with _lock:
-        if _lib is not None or _reason is not None:
-            return _lib
-        if jax.default_backend() != "cpu":
-            _reason = f"the backend is {jax.default_backend()}, not cpu"
-        elif platform.machine() not in ("x86_64", "AMD64"):
-            _reason = f"oneMKL needs x86-64, this is {platform.machine()}"
-        elif (mkl := _mkl_rt()) is None:
-            _reason = "the `mkl` wheel (oneMKL's libmkl_rt) is not installed"
-        else:
-            try:
-                lib = ctypes.CDLL(str(build(_SOURCE, ("-O2",), ("-ldl", "-lpthread"))))
-            except (RuntimeError, OSError) as e:
-                _reason = str(e)
-                return None
-            err = ctypes.create_string_buffer(512)
-            if lib.jl_init(mkl.encode(), err, len(err)) != 0:
-                _reason = f"opening {mkl}: {err.value.decode(errors='replace')}"
-                return None
-            lib.jl_pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                                    ctypes.c_int, ctypes.c_int]
-            lib.jl_pack.restype = ctypes.c_int
-            lib.jl_free.argtypes = [ctypes.c_int]
-            lib.jl_bytes.argtypes = [ctypes.c_int]
-            lib.jl_bytes.restype = ctypes.c_int64
-            jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.JlPackedMatmul),
-                                        platform="cpu")
-            _lib = lib
-        return _lib
 
 
 def unavailable_reason() -> Optional[str]:
     """None when `packed_matmul` runs here, else why not (one line)."""
-    _load()
-    return _reason
+    return mkl.unavailable_reason()
 
 
 def _threads() -> int:
@@ -145,9 +81,9 @@ class PackedWeights:
     (vm.overcommit_memory=2) counts it."""
 
     def __init__(self, parts: Optional[int] = None):
-        lib = _load()
+        lib = mkl.library()
         if lib is None:
-            raise RuntimeError(f"packed GEMM unavailable: {_reason}")
+            raise RuntimeError(f"packed GEMM unavailable: {mkl.unavailable_reason()}")
         self._lib = lib
         self._parts = parts
         self._ids: list[int] = []
@@ -193,9 +129,9 @@ class PackedWeights:
 def packed_matmul(x: jax.Array, weight_id: jax.Array, n: int) -> jax.Array:
     """x [M, K] (float32 for an f32 weight, bfloat16 for a bf16 one) @ the packed weight
     `weight_id` (int32 scalar) [K, n] -> [M, n] float32."""
-    if _load() is None:
-        raise RuntimeError(f"packed GEMM unavailable: {_reason}")
-    call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
+    if mkl.library() is None:
+        raise RuntimeError(f"packed GEMM unavailable: {mkl.unavailable_reason()}")
+    call = jax.ffi.ffi_call(mkl.PACKED_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
     return call(x, jnp.asarray(weight_id, jnp.int32))
 
 
