@@ -1,6 +1,5 @@
 """oneMKL behind XLA FFI calls: the one place that builds `csrc/mkl_gemm.cc`, opens oneMKL
-from the `mkl` wheel and registers the FFI targets of `packed_gemm` (serving) and
-`mkl_matmul` (training).
+from the `mkl` wheel and registers the FFI target of `packed_gemm`.
 
 oneMKL is opened with `dlopen` (nothing is imported), LP64, sequential: each call splits
 its work into one block per thread of XLA's intra-op pool, and the calling thread claims
@@ -20,11 +19,10 @@ import jax
 
 from jaxlearn.kernels.native import build
 
-__all__ = ["MATMUL_TARGET", "PACKED_TARGET", "host_has_bf16", "library", "unavailable_reason"]
+__all__ = ["PACKED_TARGET", "host_has_bf16", "library", "unavailable_reason"]
 
 _SOURCE = Path(__file__).parent / "csrc" / "mkl_gemm.cc"
 PACKED_TARGET = "jaxlearn_packed_matmul"
-MATMUL_TARGET = "jaxlearn_mkl_matmul"
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
 _reason: Optional[str] = None
@@ -81,8 +79,6 @@ def library() -> Optional[ctypes.CDLL]:
             lib.jl_bytes.argtypes = [ctypes.c_int]
             lib.jl_bytes.restype = ctypes.c_int64
             jax.ffi.register_ffi_target(PACKED_TARGET, jax.ffi.pycapsule(lib.JlPackedMatmul),
-                                        platform="cpu")
-            jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(lib.JlMatmul),
                                         platform="cpu")
             _lib = lib
         return _lib

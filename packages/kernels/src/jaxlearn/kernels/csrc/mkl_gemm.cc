@@ -1,10 +1,4 @@
-// oneMKL GEMMs for XLA:CPU through the XLA FFI.
-//
-// JlMatmul: y[M, N] f32 = op(a)[M, K] @ op(b)[K, N] (f32 or bf16 operands, either one
-// transposed as stored), cblas_sgemm / cblas_gemm_bf16bf16f32, its rows split into one
-// block per thread of XLA's intra-op pool: the training matmuls (`mkl_matmul.py`).
-//
-// JlPackedMatmul: prepacked-weight matmul on oneMKL's packed GEMM API
+// Prepacked-weight matmul for XLA:CPU through the XLA FFI, on oneMKL's packed GEMM API
 // (cblas_sgemm_pack / _compute, cblas_gemm_bf16bf16f32_pack / _compute).
 //
 // XLA:CPU's dots repack the weight on every call, which dominates a decode step with few
@@ -19,7 +13,6 @@
 // pool whose threads are busy (two such calls on a two-thread pool cannot deadlock).
 #include <dlfcn.h>
 
-#include <algorithm>
 #include <array>
 #include <atomic>
 #include <condition_variable>
@@ -37,7 +30,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112, kPacked = 151, kBMatrix = 162;
+constexpr int kRowMajor = 101, kNoTrans = 111, kPacked = 151, kBMatrix = 162;
 constexpr int kThreadingSequential = 1, kInterfaceLp64 = 0;
 
 // oneMKL's LP64 interface (MKL_INT = 32-bit int; set explicitly in jl_init).
@@ -51,10 +44,6 @@ using BPackFn = void (*)(int, int, int, MklInt, MklInt, MklInt, const uint16_t*,
                          uint16_t*);
 using BComputeFn = void (*)(int, MklInt, MklInt, MklInt, MklInt, MklInt, float, const uint16_t*,
                             MklInt, const uint16_t*, MklInt, float, float*, MklInt);
-using SGemmFn = void (*)(int, int, int, MklInt, MklInt, MklInt, float, const float*, MklInt,
-                         const float*, MklInt, float, float*, MklInt);
-using BGemmFn = void (*)(int, int, int, MklInt, MklInt, MklInt, float, const uint16_t*, MklInt,
-                         const uint16_t*, MklInt, float, float*, MklInt);
 
 struct Mkl {
   PackSizeFn s_size = nullptr, b_size = nullptr;
@@ -62,8 +51,6 @@ struct Mkl {
   SComputeFn s_compute = nullptr;
   BPackFn b_pack = nullptr;
   BComputeFn b_compute = nullptr;
-  SGemmFn s_gemm = nullptr;
-  BGemmFn b_gemm = nullptr;
 };
 Mkl mkl;
 
@@ -159,94 +146,7 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<
   return ffi::Error::Success();
 }
 
-// Row blocks of one JlMatmul call, claimed by the caller and by pool tasks alike.
-struct GemmJob {
-  bool bf16;
-  bool ta, tb;  // a stored [K, M] / b stored [N, K]
-  int64_t m, n, k, block;
-  const void* a;
-  const void* b;
-  float* y;
-  int total;  // Blocks; a task that starts after the call returned reads only this.
-  std::atomic<int> next{0};
-  std::atomic<int> done{0};
-  std::mutex mu;
-  std::condition_variable cv;
-
-  void Run(int i) {
-    const int64_t m0 = i * block, rows = std::min(block, m - m0);
-    const int64_t lda = ta ? m : k, ldb = tb ? k : n;
-    const int64_t a_off = ta ? m0 : m0 * k;  // element offset of op(a)'s row m0
-    const int tra = ta ? kTrans : kNoTrans, trb = tb ? kTrans : kNoTrans;
-    if (bf16) {
-      mkl.b_gemm(kRowMajor, tra, trb, rows, n, k, 1.0f, static_cast<const uint16_t*>(a) + a_off,
-                 lda, static_cast<const uint16_t*>(b), ldb, 0.0f, y + m0 * n, n);
-    } else {
-      mkl.s_gemm(kRowMajor, tra, trb, rows, n, k, 1.0f, static_cast<const float*>(a) + a_off,
-                 lda, static_cast<const float*>(b), ldb, 0.0f, y + m0 * n, n);
-    }
-  }
-
-  void Work() {
-    for (int i = next.fetch_add(1); i < total; i = next.fetch_add(1)) {
-      Run(i);
-      if (done.fetch_add(1) + 1 == total) {
-        std::lock_guard<std::mutex> lock(mu);
-        cv.notify_all();
-      }
-    }
-  }
-};
-
-ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b, int32_t ta,
-                      int32_t tb, ffi::ResultBuffer<ffi::F32> y) {
-  auto ad = a.dimensions(), bd = b.dimensions();
-  if (ad.size() != 2 || bd.size() != 2) {
-    return ffi::Error::InvalidArgument("jl_matmul: operands must be 2-D");
-  }
-  const int64_t m = ta ? ad[1] : ad[0], k = ta ? ad[0] : ad[1];
-  const int64_t kb = tb ? bd[1] : bd[0], n = tb ? bd[0] : bd[1];
-  if (k != kb || m > INT32_MAX || n > INT32_MAX || k > INT32_MAX) {
-    return ffi::Error::InvalidArgument("jl_matmul: contracted dims differ (" +
-                                       std::to_string(k) + " vs " + std::to_string(kb) + ")");
-  }
-  const bool bf16 = a.element_type() == ffi::BF16;
-  if (b.element_type() != a.element_type() || (!bf16 && a.element_type() != ffi::F32)) {
-    return ffi::Error::InvalidArgument("jl_matmul: operands must be both f32 or both bf16");
-  }
-  float* out = y->typed_data();
-  if (m == 0 || n == 0) return ffi::Error::Success();
-  if (k == 0) {
-    std::fill(out, out + m * n, 0.0f);
-    return ffi::Error::Success();
-  }
-  auto job = std::make_shared<GemmJob>();
-  job->bf16 = bf16, job->ta = ta != 0, job->tb = tb != 0;
-  job->m = m, job->n = n, job->k = k;
-  job->a = a.untyped_data(), job->b = b.untyped_data(), job->y = out;
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  // One block of rows per thread, at least 16 rows each (multiples of 16).
-  int64_t block = (m + threads - 1) / threads;
-  block = std::max<int64_t>(16, (block + 15) / 16 * 16);
-  job->block = block;
-  const int total = job->total = static_cast<int>((m + block - 1) / block);
-  for (int t = 1; t < total; ++t) pool.Schedule([job] { job->Work(); });
-  job->Work();
-  std::unique_lock<std::mutex> lock(job->mu);
-  job->cv.wait(lock, [&] { return job->done.load() == total; });
-  return ffi::Error::Success();
-}
-
 }  // namespace
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JlMatmul, MatmulImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Attr<int32_t>("transpose_a")
-                                  .Attr<int32_t>("transpose_b")
-                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JlPackedMatmul, PackedMatmulImpl,
                               ffi::Ffi::Bind()
@@ -279,11 +179,8 @@ int jl_init(const char* path, char* err, int err_len) {
   m.b_size = reinterpret_cast<PackSizeFn>(dlsym(lib, "cblas_gemm_bf16bf16f32_pack_get_size"));
   m.b_pack = reinterpret_cast<BPackFn>(dlsym(lib, "cblas_gemm_bf16bf16f32_pack"));
   m.b_compute = reinterpret_cast<BComputeFn>(dlsym(lib, "cblas_gemm_bf16bf16f32_compute"));
-  m.s_gemm = reinterpret_cast<SGemmFn>(dlsym(lib, "cblas_sgemm"));
-  m.b_gemm = reinterpret_cast<BGemmFn>(dlsym(lib, "cblas_gemm_bf16bf16f32"));
-  if (!m.s_size || !m.s_pack || !m.s_compute || !m.b_size || !m.b_pack || !m.b_compute ||
-      !m.s_gemm || !m.b_gemm) {
-    return fail("the MKL library lacks the GEMM functions this kernel calls");
+  if (!m.s_size || !m.s_pack || !m.s_compute || !m.b_size || !m.b_pack || !m.b_compute) {
+    return fail("the MKL library lacks the packed GEMM functions");
   }
   mkl = m;
   return 0;
