@@ -66,3 +66,14 @@ def test_native_serves_the_xla_logits_and_tokens(stack, window, dtype):
         got_tokens = [r.tokens for r in native.generate(rows, max_new_tokens=20,
                                                         ignore_eos=True)]
         assert got_tokens == want
+
+
+def test_where_the_kernel_cannot_run_auto_warns_and_native_fails(monkeypatch, caplog):
+    from jaxlearn.inference import attention_kernel
+
+    monkeypatch.setattr(attention_kernel, "unavailable_reason", lambda: "no C++ compiler")
+    with caplog.at_level("WARNING", logger=attention_kernel.__name__):
+        assert chosen_attention_kernel("auto", None) == "xla"
+    assert "native paged attention unavailable (no C++ compiler); using xla" in caplog.text
+    with pytest.raises(RuntimeError, match=r"attention_kernel='native': no C\+\+ compiler"):
+        chosen_attention_kernel("native", None)
