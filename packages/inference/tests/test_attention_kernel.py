@@ -11,8 +11,7 @@ import pytest
 from conftest import make_engine, tiny_config, tiny_params
 
 from jaxlearn.config import replace_config, visit
-from jaxlearn.inference.attention_kernel import chosen_attention_kernel
-from jaxlearn.kernels.paged_native import unavailable_reason
+from jaxlearn.kernels.paged_native import choose_kernel, unavailable_reason
 from jaxlearn.layers import Attention
 
 PROMPT = [3, 17, 42, 9, 28, 5, 61, 12, 33, 8, 19, 50, 4, 27, 11, 40, 22, 6, 31]
@@ -32,9 +31,9 @@ def _engine(cfg, params, kernel):
 
 def test_auto_chooses_native_on_one_cpu_device():
     assert jax.default_backend() == "cpu" and unavailable_reason() is None
-    assert chosen_attention_kernel("auto", None) == "native"
-    assert chosen_attention_kernel("auto", (1, 8, 1)) == "xla"  # A mesh: XLA's loop.
-    assert chosen_attention_kernel("xla", None) == "xla"
+    assert choose_kernel("auto", one_device=True) == "native"
+    assert choose_kernel("auto", one_device=False) == "xla"  # A mesh: XLA's loop.
+    assert choose_kernel("xla", one_device=True) == "xla"
     cfg = tiny_config()
     engine = _engine(cfg, tiny_params(cfg), "auto")
     assert engine.attention_kernel == "native" and _kernels(engine.model_cfg) == {"native"}
@@ -66,14 +65,3 @@ def test_native_serves_the_xla_logits_and_tokens(stack, window, dtype):
         got_tokens = [r.tokens for r in native.generate(rows, max_new_tokens=20,
                                                         ignore_eos=True)]
         assert got_tokens == want
-
-
-def test_where_the_kernel_cannot_run_auto_warns_and_native_fails(monkeypatch, caplog):
-    from jaxlearn.inference import attention_kernel
-
-    monkeypatch.setattr(attention_kernel, "unavailable_reason", lambda: "no C++ compiler")
-    with caplog.at_level("WARNING", logger=attention_kernel.__name__):
-        assert chosen_attention_kernel("auto", None) == "xla"
-    assert "native paged attention unavailable (no C++ compiler); using xla" in caplog.text
-    with pytest.raises(RuntimeError, match=r"attention_kernel='native': no C\+\+ compiler"):
-        chosen_attention_kernel("native", None)

@@ -154,3 +154,20 @@ def test_float16_queries_keep_the_xla_loop() -> None:
         np.asarray(paged.attend_pages(q16, *pools, table, q_index, kv_end, scale=1.0)))
     with pytest.raises(ValueError, match="kernel 'cuda' not in"):
         paged.attend_pages(q16, *pools, table, q_index, kv_end, scale=1.0, kernel="cuda")
+
+
+def test_choose_kernel_resolves_auto_and_says_why_native_cannot_run(monkeypatch, caplog):
+    from jaxlearn.kernels import paged_native
+
+    assert paged_native.choose_kernel("auto", one_device=True) == "native"
+    assert paged_native.choose_kernel("auto", one_device=False) == "xla"
+    with pytest.raises(ValueError, match="^where='cuda': must be one of auto, xla, native$"):
+        paged_native.choose_kernel("cuda", one_device=True, where="where")
+    with pytest.raises(ValueError, match="^kernel='native' needs one device$"):
+        paged_native.choose_kernel("native", one_device=False)
+    monkeypatch.setattr(paged_native, "unavailable_reason", lambda: "no C++ compiler")
+    with caplog.at_level("WARNING", logger=paged_native.__name__):
+        assert paged_native.choose_kernel("auto", one_device=True) == "xla"
+    assert "native paged attention unavailable (no C++ compiler); using xla" in caplog.text
+    with pytest.raises(RuntimeError, match=r"^kernel='native': no C\+\+ compiler$"):
+        paged_native.choose_kernel("native", one_device=True)

@@ -179,7 +179,7 @@ class Engine(Configurable):
         attention_kernel: "auto" attends over the KV pages with one native FFI call per
             layer that reads them in place on one CPU device (2-6x faster decode
             attention than XLA's gather + dots), else XLA; "native" / "xla" force one
-            (`inference.attention_kernel`).
+            (`kernels.paged_native.choose_kernel`).
         parse_special_in_content: whether special-token strings typed into chat messages
             (`<|im_end|>` in a user message) become special tokens in the prompt; off by
             default: they are encoded as text and only the chat template's own are special

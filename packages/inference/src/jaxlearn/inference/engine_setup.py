@@ -14,16 +14,11 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 
 from jaxlearn import layers
-from jaxlearn.config import REQUIRED
+from jaxlearn.config import REQUIRED, replace_config
 from jaxlearn.inference.adapters import check_adapter_settings
-from jaxlearn.inference.attention_kernel import (
-    check_attention_kernel,
-    chosen_attention_kernel,
-    use_attention_kernel,
-)
 from jaxlearn.inference.quantize import check_quantize, quantize
 from jaxlearn.inference.weight_layout import check_weight_layout, store_weights
-from jaxlearn.kernels import PackedWeights
+from jaxlearn.kernels import PackedWeights, paged_native
 from jaxlearn.layers import older_param_path
 from jaxlearn.mesh import (
     DEFAULT_AXIS_RULES,
@@ -56,7 +51,11 @@ def check_settings(cfg: Any) -> int:
     check_quantize(cfg.quantize)
     check_adapter_settings(cfg)
     check_weight_layout(cfg.weight_layout, cfg.mesh_shape)
-    check_attention_kernel(cfg.attention_kernel, cfg.mesh_shape)
+    if cfg.attention_kernel == "native" and cfg.mesh_shape is not None:
+        raise ValueError(f"Engine.Config.attention_kernel='native' needs mesh_shape=None (one "
+                         f"device), got mesh_shape={cfg.mesh_shape}")
+    paged_native.check_kernel(cfg.attention_kernel, one_device=cfg.mesh_shape is None,
+                              where="Engine.Config.attention_kernel")
     if cfg.quantize is not None and cfg.mesh_shape is not None:
         raise ValueError(f"Engine.Config.quantize={cfg.quantize!r} needs mesh_shape=None (one "
                          f"device), got mesh_shape={cfg.mesh_shape}")
@@ -105,8 +104,11 @@ def serving_model(cfg: Any, model_cfg: Any, params: Any) -> ServingModel:
         model_cfg, params = quantize(model_cfg, params, cfg.quantize)
     model_cfg, params, packed = store_weights(model_cfg, params, cfg.weight_layout,
                                               mesh_shape=cfg.mesh_shape)
-    kernel = chosen_attention_kernel(cfg.attention_kernel, cfg.mesh_shape)
-    model_cfg = use_attention_kernel(model_cfg, kernel)
+    kernel = paged_native.choose_kernel(cfg.attention_kernel, one_device=cfg.mesh_shape is None,
+                                        where="Engine.Config.attention_kernel")
+    model_cfg = replace_config(model_cfg, layers.Attention.Config,
+                               lambda old, path: old.clone(paged_kernel=kernel),
+                               allow_no_match=True)
     return ServingModel(base, model_cfg, params, packed, kernel)
 
 

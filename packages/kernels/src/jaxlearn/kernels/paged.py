@@ -168,10 +168,31 @@ def attend_pages(
     q falls back to "xla" (the native kernel takes f32 and bf16)."""
     if kernel not in KERNELS:
         raise ValueError(f"attend_pages: kernel {kernel!r} not in {KERNELS}")
+    kw: dict[str, Any] = dict(scale=scale, causal=causal, sliding_window=sliding_window,
+                              logit_soft_cap=logit_soft_cap, layer=layer)
     if kernel == "native" and paged_native.supports(q.dtype):
-        return paged_native.attend_pages_native(
-            q, key_pool, value_pool, page_table, q_index, kv_end, scale=scale, causal=causal,
-            sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, layer=layer)
+        return paged_native.attend_pages_native(q, key_pool, value_pool, page_table, q_index,
+                                                kv_end, **kw)
+    return _attend_pages_xla(q, key_pool, value_pool, page_table, q_index, kv_end,
+                             block_positions=block_positions, **kw)
+
+
+def _attend_pages_xla(
+    q: Array,
+    key_pool: Array,
+    value_pool: Array,
+    page_table: Array,
+    q_index: Array,
+    kv_end: Array,
+    *,
+    scale: float,
+    causal: bool,
+    sliding_window: Optional[int],
+    logit_soft_cap: Optional[float],
+    layer: Optional[Array],
+    block_positions: Optional[int],
+) -> Array:
+    """`attend_pages`' XLA loop (its docstring)."""
     b, s, h, d = q.shape
     ps = key_pool.shape[-1]
     kv = key_pool.shape[-3]

@@ -27,6 +27,7 @@ compiler, a failed build); it needs no library beyond the C++ runtime.
 from __future__ import annotations
 
 import ctypes
+import logging
 import threading
 from pathlib import Path
 from typing import Any, Optional
@@ -37,11 +38,14 @@ import numpy as np
 
 from jaxlearn.kernels.native import build
 
-__all__ = ["attend_pages_native", "supports", "unavailable_reason"]
+__all__ = ["KERNEL_CHOICES", "attend_pages_native", "check_kernel", "choose_kernel", "supports",
+           "unavailable_reason"]
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cc"
 _TARGET = "jaxlearn_paged_attention"
 _FLAGS = ("-O3", "-march=native")
+KERNEL_CHOICES = ("auto", "xla", "native")
+log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _loaded = False
 _reason: Optional[str] = None
@@ -72,6 +76,32 @@ def unavailable_reason() -> Optional[str]:
     """None when `attend_pages_native` runs here, else why not (one line)."""
     _load()
     return _reason
+
+
+def check_kernel(requested: str, *, one_device: bool, where: str = "kernel") -> None:
+    """ValueError (one line, naming `where`) for a name not in KERNEL_CHOICES, or "native"
+    where the attention does not run on one device (an FFI call has no sharding rule)."""
+    if requested not in KERNEL_CHOICES:
+        raise ValueError(f"{where}={requested!r}: must be one of {', '.join(KERNEL_CHOICES)}")
+    if requested == "native" and not one_device:
+        raise ValueError(f"{where}='native' needs one device")
+
+
+def choose_kernel(requested: str, *, one_device: bool, where: str = "kernel") -> str:
+    """The `paged.attend_pages` kernel ("xla" | "native") that `requested` means here:
+    "auto" is "native" on one CPU device where the kernel builds, else "xla" (with a
+    logged warning when the kernel cannot build); "native" where it cannot run is a
+    RuntimeError saying why."""
+    check_kernel(requested, one_device=one_device, where=where)
+    if requested == "xla" or not one_device or jax.default_backend() != "cpu":
+        return "xla"
+    reason = unavailable_reason()
+    if reason is None:
+        return "native"
+    if requested == "native":
+        raise RuntimeError(f"{where}='native': {reason}")
+    log.warning("%s=auto: native paged attention unavailable (%s); using xla", where, reason)
+    return "xla"
 
 
 def supports(q_dtype: Any) -> bool:

@@ -24,8 +24,7 @@ from jaxlearn.module import Module, logical_partition_spec, with_logical_constra
 IMPLEMENTATIONS = ("auto", "einsum", "dot_product_attention", "blockwise", "ring")
 _NEG = float(jnp.finfo(jnp.float32).min)
 # Pages of keys [kv_heads, head_dim, page_size], of values [kv_heads, page_size, head_dim]:
-# the layouts the two dots of `paged.attend_pages` read them in
-# (see `jaxlearn.kernels.paged`).
+# the layouts `jaxlearn.kernels.paged` (and its native kernel) read them in.
 _PAGE_LAYOUT = {"key": "kdt", "value": "ktd"}
 KVCache = dict[str, jax.Array]  # {"key", "value": [batch, max_len, kv_heads, head_dim]}
 
@@ -94,10 +93,7 @@ class Attention(Module):
         block_q: int = 512
         block_k: int = 512
         blockwise_min_seq: int = 1024
-        # Attention over a paged KV cache (serving): "xla" (`paged.attend_pages`' loop) or
-        # "native" (one FFI call that reads the pages in place; CPU only, chosen by the
-        # inference engine's `attention_kernel`).
-        paged_kernel: str = "xla"
+        paged_kernel: str = "xla"  # Over a paged KV cache: `paged.attend_pages(kernel=)`.
         q_proj: Optional[InstantiableConfig] = Linear.default_config()
         k_proj: Optional[InstantiableConfig] = Linear.default_config()
         v_proj: Optional[InstantiableConfig] = Linear.default_config()
@@ -120,12 +116,9 @@ class Attention(Module):
         super().__init__(cfg, parent=parent)
         c = self.config
         where = self.path()
-        if c.implementation not in IMPLEMENTATIONS:
-            raise ValueError(
-                f"{where}.implementation: {c.implementation!r} not in {IMPLEMENTATIONS}"
-            )
-        if c.paged_kernel not in paged.KERNELS:
-            raise ValueError(f"{where}.paged_kernel: {c.paged_kernel!r} not in {paged.KERNELS}")
+        for name, allowed in (("implementation", IMPLEMENTATIONS), ("paged_kernel", paged.KERNELS)):
+            if getattr(c, name) not in allowed:
+                raise ValueError(f"{where}.{name}: {getattr(c, name)!r} not in {allowed}")
         if c.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"{where}: num_heads={c.num_heads} must be a multiple of num_kv_heads="
