@@ -84,7 +84,8 @@ def test_generate_from_run_dir_restores_the_recorded_model(run, capsys):
                                                         max_queue=1)).splitlines())
     args = build_parser().parse_args(argv)
     engine = load_model(str(out), engine_config(args, max_queue=1))
-    served = [f"model.{line}" for line in to_flat_text(engine.model_cfg).splitlines()
+    # The model as given to the engine (its serving swaps, e.g. `paged_kernel`, apart).
+    served = [f"model.{line}" for line in to_flat_text(engine.base_model_cfg).splitlines()
               if not line.startswith("name:")]
     assert served == [line for line in _model_lines(record.config_text)
                       if not line.startswith("model.name:")]
