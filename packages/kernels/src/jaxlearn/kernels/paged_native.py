@@ -7,12 +7,12 @@ are read where they sit in the page pool.
 Why: `paged.attend_pages` in XLA gathers each block's pages out of the pool into the
 dots' layout before its two dots; on XLA:CPU those gather fusions run at about 4 GB/s and
 were two thirds of the attention time of a decode step (SmolLM2-135M, 8-32 rows, 100-250
-positions). The kernel instead runs one task per (row, kv head) on XLA's intra-op thread
-pool; a task converts each page of its row to f32 once, computes the logits of the g * s
-queries that share the kv head (vectorised over a page's positions: keys are stored
-[kv, d, ps]), an exact softmax (max, then a vectorised exp), and PV (vectorised over
-head_dim: values are stored [kv, ps, d]). Work follows each row's own length, not the
-longest row's.
+positions). The kernel instead runs one task per (row, block of 16 queries) on XLA's
+intra-op thread pool; a task reads its row's pages in order (a page's kv heads are
+adjacent), converts each kv head's block to f32 once, computes the logits of the g * s
+queries that share it (vectorised over a page's positions: keys are stored [kv, d, ps]),
+an exact softmax (max, then a vectorised exp), and PV (vectorised over head_dim: values
+are stored [kv, ps, d]). Work follows each row's own length, not the longest row's.
 
 Numerics: f32 throughout; a bf16 q and pool are widened exactly, the output is rounded
 once to q's dtype. The XLA path rounds bf16 softmax weights to bf16 before PV, so bf16

@@ -11,10 +11,10 @@
 //   kv_end      [b] s32                 positions >= kv_end[b] are hidden
 //   layer       [] s32                  which of the L stacked pools
 //
-// One task per (row, kv head, block of 16 queries), claimed by the caller and by tasks on
-// XLA's intra-op pool.
-// A task converts each page it reads to f32 once and uses it for the g * s queries that
-// share it: logits for every visible position first (QK^T vectorised over a page's
+// One task per (row, block of 16 queries), claimed by the caller and by tasks on XLA's
+// intra-op pool. A task reads its row's pages in order, every kv head of a page in turn
+// (they are adjacent), converts each kv head's block to f32 once and uses it for the g * s
+// queries that share it: logits for every visible position first (QK^T vectorised over a page's
 // positions, the "kdt" layout), an exact softmax, then PV (vectorised over head_dim, the
 // "ktd" layout). Sums are in f32; the output is rounded to q's dtype once.
 #include <algorithm>
@@ -212,13 +212,13 @@ inline void PageValues(const float* __restrict w, const float* __restrict values
 // and, under a causal mask, an early block of queries reads only the pages it sees.
 constexpr int64_t kQueriesPerTask = 16;
 
-// Task (row bi, kv head kh, queries [s0, s0 + sc)).
+// Task (row bi, queries [s0, s0 + sc)), every kv head.
 void RunTask(Call& c, int64_t task, std::vector<float>& scratch) {
   const int64_t chunks = (c.s + kQueriesPerTask - 1) / kQueriesPerTask;
-  const int64_t bi = task / (c.kv * chunks), kh = task / chunks % c.kv;
+  const int64_t bi = task / chunks;
   const int64_t s0 = task % chunks * kQueriesPerTask;
   const int64_t sc = std::min(kQueriesPerTask, c.s - s0);
-  const int64_t d = c.d, ps = c.ps, nq = c.g * sc;
+  const int64_t d = c.d, ps = c.ps, nk = c.kv, nq = c.g * sc;  // nq: queries per kv head
   const int32_t* qidx = c.q_index + bi * c.s + s0;
   int64_t end = std::min<int64_t>(c.kv_end[bi], c.n * ps);
   int32_t qmin = qidx[0], qmax = qidx[0];
@@ -229,24 +229,27 @@ void RunTask(Call& c, int64_t task, std::vector<float>& scratch) {
   const int64_t p0 = begin / ps;  // first page
   const int64_t p1 = end > begin ? (end + ps - 1) / ps : p0;  // one past the last page
   const int64_t len = (p1 - p0) * ps;
-  // Scratch: queries [nq, d], weights [nq, len], accumulators [nq, d], one page [d * ps],
-  // denominators [nq].
-  scratch.resize(nq * d + nq * len + nq * d + d * ps + nq);
+  // Scratch, per kv head kh and query qq (kq = kh * nq + qq): queries [kq, d], weights
+  // [kq, len], accumulators [kq, d], denominators [kq]; one page block [d * ps].
+  const int64_t nkq = nk * nq;
+  scratch.resize(nkq * d + nkq * len + nkq * d + nkq + d * ps);
   float* qf = scratch.data();
-  float* logits = qf + nq * d;
-  float* acc = logits + nq * len;
-  float* block = acc + nq * d;
-  float* denom = block + d * ps;
-  for (int64_t gi = 0; gi < c.g; ++gi) {
-    for (int64_t si = 0; si < sc; ++si) {
-      const int64_t src = ((bi * c.s + s0 + si) * c.h + kh * c.g + gi) * d;
-      float* dst = qf + (gi * sc + si) * d;
-      if (c.q_bf16) {
-        const uint16_t* q = static_cast<const uint16_t*>(c.q) + src;
-        for (int64_t i = 0; i < d; ++i) dst[i] = Bf16ToF32(q[i]) * c.scale;
-      } else {
-        const float* q = static_cast<const float*>(c.q) + src;
-        for (int64_t i = 0; i < d; ++i) dst[i] = q[i] * c.scale;
+  float* logits = qf + nkq * d;
+  float* acc = logits + nkq * len;
+  float* denom = acc + nkq * d;
+  float* block = denom + nkq;
+  for (int64_t kh = 0; kh < nk; ++kh) {
+    for (int64_t gi = 0; gi < c.g; ++gi) {
+      for (int64_t si = 0; si < sc; ++si) {
+        const int64_t src = ((bi * c.s + s0 + si) * c.h + kh * c.g + gi) * d;
+        float* dst = qf + (kh * nq + gi * sc + si) * d;
+        if (c.q_bf16) {
+          const uint16_t* q = static_cast<const uint16_t*>(c.q) + src;
+          for (int64_t i = 0; i < d; ++i) dst[i] = Bf16ToF32(q[i]) * c.scale;
+        } else {
+          const float* q = static_cast<const float*>(c.q) + src;
+          for (int64_t i = 0; i < d; ++i) dst[i] = q[i] * c.scale;
+        }
       }
     }
   }
@@ -258,22 +261,24 @@ void RunTask(Call& c, int64_t task, std::vector<float>& scratch) {
       return;
     }
   }
-  // Logits: keys page by page, [d, ps] blocks.
+  // Logits: keys page by page (a page's kv heads are adjacent), [d, ps] blocks.
   for (int64_t pg = p0; pg < p1; ++pg) {
-    const int64_t page = row_table[pg];
-    LoadBlock(c, c.kpool, page, kh, block);
-    PageLogitsAny(qf, block, d, ps, nq, logits + (pg - p0) * ps, len);
+    for (int64_t kh = 0; kh < nk; ++kh) {
+      LoadBlock(c, c.kpool, row_table[pg], kh, block);
+      PageLogitsAny(qf + kh * nq * d, block, d, ps, nq, logits + kh * nq * len + (pg - p0) * ps,
+                    len);
+    }
   }
   // Softmax weights per query over its visible positions [lo, hi) (relative to page p0);
   // every other position weighs 0.
-  for (int64_t qq = 0; qq < nq; ++qq) {
-    const int64_t qi = qidx[qq % sc];
-    float* l = logits + qq * len;
+  for (int64_t kq = 0; kq < nkq; ++kq) {
+    const int64_t qi = qidx[kq % nq % sc];
+    float* l = logits + kq * len;
     int64_t lo = begin, hi = end;
     if (c.causal) hi = std::min<int64_t>(hi, qi + 1);
     if (c.window > 0) lo = std::max<int64_t>(lo, qi - c.window + 1);
     lo -= p0 * ps, hi -= p0 * ps;
-    denom[qq] = 0.0f;
+    denom[kq] = 0.0f;
     if (hi <= lo) {  // Nothing visible: weights 0, output 0.
       std::fill(l, l + len, 0.0f);
       continue;
@@ -284,34 +289,39 @@ void RunTask(Call& c, int64_t task, std::vector<float>& scratch) {
     const float sum = ExpSum(l + lo, hi - lo, MaxOf(l + lo, hi - lo));
     std::fill(l, l + lo, 0.0f);
     std::fill(l + hi, l + len, 0.0f);
-    denom[qq] = sum;
+    denom[kq] = sum;
   }
   // PV: values page by page, [ps, d] blocks.
-  std::fill(acc, acc + nq * d, 0.0f);
+  std::fill(acc, acc + nkq * d, 0.0f);
   for (int64_t pg = p0; pg < p1; ++pg) {
-    LoadBlock(c, c.vpool, row_table[pg], kh, block);
-    for (int64_t qq = 0; qq < nq; ++qq) {
-      PageValues(logits + qq * len + (pg - p0) * ps, block, ps, d, acc + qq * d);
+    for (int64_t kh = 0; kh < nk; ++kh) {
+      LoadBlock(c, c.vpool, row_table[pg], kh, block);
+      for (int64_t qq = 0; qq < nq; ++qq) {
+        const int64_t kq = kh * nq + qq;
+        PageValues(logits + kq * len + (pg - p0) * ps, block, ps, d, acc + kq * d);
+      }
     }
   }
-  for (int64_t gi = 0; gi < c.g; ++gi) {
-    for (int64_t si = 0; si < sc; ++si) {
-      const int64_t qq = gi * sc + si;
-      const float inv = denom[qq] > 0.0f ? 1.0f / denom[qq] : 0.0f;
-      const float* a = acc + qq * d;
-      const int64_t dst = ((bi * c.s + s0 + si) * c.h + kh * c.g + gi) * d;
-      if (c.q_bf16) {
-        uint16_t* o = static_cast<uint16_t*>(c.out) + dst;
-        for (int64_t i = 0; i < d; ++i) o[i] = F32ToBf16(a[i] * inv);
-      } else {
-        float* o = static_cast<float*>(c.out) + dst;
-        for (int64_t i = 0; i < d; ++i) o[i] = a[i] * inv;
+  for (int64_t kh = 0; kh < nk; ++kh) {
+    for (int64_t gi = 0; gi < c.g; ++gi) {
+      for (int64_t si = 0; si < sc; ++si) {
+        const int64_t kq = kh * nq + gi * sc + si;
+        const float inv = denom[kq] > 0.0f ? 1.0f / denom[kq] : 0.0f;
+        const float* a = acc + kq * d;
+        const int64_t dst = ((bi * c.s + s0 + si) * c.h + kh * c.g + gi) * d;
+        if (c.q_bf16) {
+          uint16_t* o = static_cast<uint16_t*>(c.out) + dst;
+          for (int64_t i = 0; i < d; ++i) o[i] = F32ToBf16(a[i] * inv);
+        } else {
+          float* o = static_cast<float*>(c.out) + dst;
+          for (int64_t i = 0; i < d; ++i) o[i] = a[i] * inv;
+        }
       }
     }
   }
 }
 
-// The (row, kv head) tasks of one call, claimed by the caller and by pool tasks alike.
+// The (row, query block) tasks of one call, claimed by the caller and by pool tasks alike.
 struct Job {
   Call* call;
   int64_t total;  // Tasks; a pool task that starts after the call returned reads only this.
@@ -375,7 +385,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   c.q = q.untyped_data(), c.kpool = kpool.untyped_data(), c.vpool = vpool.untyped_data();
   c.table = table.typed_data(), c.q_index = q_index.typed_data(), c.kv_end = kv_end.typed_data();
   c.out = out->untyped_data();
-  const int64_t total = c.b * c.kv * ((c.s + kQueriesPerTask - 1) / kQueriesPerTask);
+  const int64_t total = c.b * ((c.s + kQueriesPerTask - 1) / kQueriesPerTask);
   if (total == 0 || c.s == 0) return ffi::Error::Success();
   auto job = std::make_shared<Job>();
   job->call = &c;
