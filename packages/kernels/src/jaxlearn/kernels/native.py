@@ -1,23 +1,30 @@
-"""C++ kernels for XLA:CPU behind XLA FFI calls: the one place that compiles them.
+"""C++ kernels for XLA:CPU behind XLA FFI calls: the one place that compiles and opens
+them.
 
-A kernel's source (`csrc/*.cc`) is compiled on first use with the system C++ compiler
-against the FFI headers jaxlib ships (`jax.ffi.include_dir()`), into `kernel_cache_dir()`,
-keyed by the source, the jax version, the flags and (for `-march=native` builds) the
-host's CPU flags, so a cache shared between hosts never hands one host another's code.
+A kernel's source (`csrc/*.cc`, with the shared headers `csrc/*.h`) is compiled on first
+use with the system C++ compiler against the FFI headers jaxlib ships
+(`jax.ffi.include_dir()`), into `kernel_cache_dir()`, keyed by the source, the headers, the
+jax version, the flags and (for `-march=native` builds) the host's CPU flags, so a cache
+shared between hosts never hands one host another's code. `NativeLibrary` opens a built
+library once per process and registers its FFI targets, or keeps the one-line reason it
+cannot.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
+from typing import Callable, Optional
 
 import jax
 
-__all__ = ["build", "kernel_cache_dir"]
+__all__ = ["NativeLibrary", "build", "kernel_cache_dir"]
 
 
 def kernel_cache_dir() -> Path:
@@ -40,7 +47,9 @@ def build(source: Path, flags: tuple[str, ...] = ("-O2",), libs: tuple[str, ...]
     """The shared library built from `source` with `flags` (cached; module doc).
 
     Raises RuntimeError (one line) when there is no compiler or the build fails."""
-    key_src = source.read_bytes() + jax.__version__.encode() + " ".join(flags).encode()
+    headers = sorted(source.parent.glob("*.h"))
+    key_src = b"".join(p.read_bytes() for p in [source, *headers])
+    key_src += jax.__version__.encode() + " ".join(flags).encode()
     if "-march=native" in flags:
         key_src += _cpu_flags()
     key = hashlib.sha256(key_src).hexdigest()[:16]
@@ -62,3 +71,50 @@ def build(source: Path, flags: tuple[str, ...] = ("-O2",), libs: tuple[str, ...]
         raise RuntimeError(f"building {source.name} failed: {proc.stderr.strip()[-400:]}")
     os.replace(tmp, out)  # Atomic: concurrent builders each write their own tmp.
     return out
+
+
+class NativeLibrary:
+    """One FFI kernel library, opened at most once per process (`get`).
+
+    `check()` gives a reason it cannot run here before anything is built (None: go on);
+    `prepare(lib)` readies the opened library and raises RuntimeError (one line) when it
+    cannot; `targets` maps FFI target names to the handler symbols registered on CPU.
+    Either failure, a non-CPU backend or a failed build is kept as `unavailable_reason()`.
+    """
+
+    def __init__(self, source: Path, *, flags: tuple[str, ...], libs: tuple[str, ...],
+                 targets: dict[str, str], check: Optional[Callable[[], Optional[str]]] = None,
+                 prepare: Optional[Callable[[ctypes.CDLL], None]] = None):
+        self.source, self.flags, self.libs, self.targets = source, flags, libs, targets
+        self._check, self._prepare = check, prepare
+        self._lock = threading.Lock()
+        self._lib: Optional[ctypes.CDLL] = None
+        self._reason: Optional[str] = None
+
+    def get(self) -> Optional[ctypes.CDLL]:
+        """The opened library with its targets registered, or None (`unavailable_reason`)."""
+        with self._lock:
+            if self._lib is None and self._reason is None:
+                try:
+                    self._lib = self._open()
+                except (RuntimeError, OSError) as e:
+                    self._reason = str(e)
+            return self._lib
+
+    def unavailable_reason(self) -> Optional[str]:
+        """None when the library runs here, else why not (one line)."""
+        self.get()
+        return self._reason
+
+    def _open(self) -> ctypes.CDLL:
+        if jax.default_backend() != "cpu":
+            raise RuntimeError(f"the backend is {jax.default_backend()}, not cpu")
+        if self._check is not None and (why := self._check()) is not None:
+            raise RuntimeError(why)
+        lib = ctypes.CDLL(str(build(self.source, self.flags, self.libs)))
+        if self._prepare is not None:
+            self._prepare(lib)
+        for name, symbol in self.targets.items():
+            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)),
+                                        platform="cpu")
+        return lib

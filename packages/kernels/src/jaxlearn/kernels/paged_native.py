@@ -26,9 +26,7 @@ compiler, a failed build); it needs no library beyond the C++ runtime.
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import threading
 from pathlib import Path
 from typing import Any, Optional
 
@@ -36,46 +34,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlearn.kernels.native import build
+from jaxlearn.kernels.native import NativeLibrary
 
 __all__ = ["KERNEL_CHOICES", "attend_pages_native", "check_kernel", "choose_kernel", "supports",
            "unavailable_reason"]
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cc"
 _TARGET = "jaxlearn_paged_attention"
-_FLAGS = ("-O3", "-march=native")
 KERNEL_CHOICES = ("auto", "xla", "native")
 log = logging.getLogger(__name__)
-_lock = threading.Lock()
-_loaded = False
-_reason: Optional[str] = None
 
 Array = jax.Array
 
 
-def _load() -> bool:
-    global _loaded, _reason
-    with _lock:
-        if _loaded or _reason is not None:
-            return _loaded
-        if jax.default_backend() != "cpu":
-            _reason = f"the backend is {jax.default_backend()}, not cpu"
-            return False
-        try:
-            lib = ctypes.CDLL(str(build(_SOURCE, _FLAGS, ("-lpthread",))))
-        except (RuntimeError, OSError) as e:
-            _reason = str(e)
-            return False
-        jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.JlPagedAttention),
-                                    platform="cpu")
-        _loaded = True
-        return True
+_LIBRARY = NativeLibrary(_SOURCE, flags=("-O3", "-march=native"), libs=("-lpthread",),
+                         targets={_TARGET: "JlPagedAttention"})
 
 
 def unavailable_reason() -> Optional[str]:
     """None when `attend_pages_native` runs here, else why not (one line)."""
-    _load()
-    return _reason
+    return _LIBRARY.unavailable_reason()
 
 
 def check_kernel(requested: str, *, one_device: bool, where: str = "kernel") -> None:
@@ -126,8 +104,8 @@ def attend_pages_native(
     """q [b, s, heads, d]; key_pool "kdt" / value_pool "ktd" pages ([num_pages, *page], or
     [layers, num_pages, *page] with `layer`); page_table [b, pages]; q_index [b, s];
     kv_end [b] -> [b, s, heads, d] in q's dtype (contract of `paged.attend_pages`)."""
-    if not _load():
-        raise RuntimeError(f"native paged attention unavailable: {_reason}")
+    if (why := unavailable_reason()) is not None:
+        raise RuntimeError(f"native paged attention unavailable: {why}")
     if not supports(q.dtype):
         raise ValueError(f"attend_pages_native: q must be float32 or bfloat16, got {q.dtype}")
     if layer is None:

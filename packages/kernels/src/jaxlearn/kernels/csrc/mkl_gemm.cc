@@ -9,13 +9,11 @@
 //   y[M, N] f32 = x[M, K] (f32, or bf16 for bf16 weights) @ W[K, N]
 //
 // MKL is opened at run time (jl_init) and runs sequentially; the column blocks run on
-// XLA's intra-op thread pool. The calling thread claims blocks too, so it never waits on a
-// pool whose threads are busy (two such calls on a two-thread pool cannot deadlock).
+// XLA's intra-op thread pool (`PoolFor`, pool_for.h).
 #include <dlfcn.h>
 
 #include <array>
 #include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -24,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "pool_for.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -86,31 +85,6 @@ void RunPart(const Weight& w, const Part& p, const void* x, int64_t m, float* y)
   }
 }
 
-// The column blocks of one call, claimed by the caller and by pool tasks alike.
-struct Job {
-  const Weight* w;
-  int total;  // Blocks; a task that starts after the call returned reads only this.
-  const void* x;
-  int64_t m;
-  float* y;
-  std::atomic<int> next{0};
-  std::atomic<int> done{0};
-  std::mutex mu;
-  std::condition_variable cv;
-
-  // Claims and runs blocks until none is left. A block claimed (i < total) means the call
-  // is still waiting for it, so w, x and y are alive while it runs.
-  void Work() {
-    for (int i = next.fetch_add(1); i < total; i = next.fetch_add(1)) {
-      RunPart(*w, w->parts[i], x, m, y);
-      if (done.fetch_add(1) + 1 == total) {
-        std::lock_guard<std::mutex> lock(mu);
-        cv.notify_all();
-      }
-    }
-  }
-};
-
 ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> id,
                             ffi::ResultBuffer<ffi::F32> y) {
   const int32_t i = id.typed_data()[0];
@@ -133,16 +107,11 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<
   }
   const int64_t m = dims[0];
   if (m == 0) return ffi::Error::Success();
-  auto job = std::make_shared<Job>();
-  job->w = w;
-  job->x = x.untyped_data();
-  job->m = m;
-  job->y = y->typed_data();
-  const int total = job->total = static_cast<int>(w->parts.size());
-  for (int t = 1; t < total; ++t) pool.Schedule([job] { job->Work(); });
-  job->Work();
-  std::unique_lock<std::mutex> lock(job->mu);
-  job->cv.wait(lock, [&] { return job->done.load() == total; });
+  const void* xd = x.untyped_data();
+  float* yd = y->typed_data();
+  const int64_t parts = static_cast<int64_t>(w->parts.size());
+  jaxlearn::PoolFor(pool, parts, parts - 1,
+                    [&](int64_t p) { RunPart(*w, w->parts[p], xd, m, yd); });
   return ffi::Error::Success();
 }
 
@@ -203,7 +172,8 @@ int jl_pack(const void* w, int64_t k, int64_t n, int dtype, int parts) {
   per = (per + block - 1) / block * block;
   for (int64_t n0 = 0; n0 < n; n0 += per) {
     const int64_t nc = n0 + per <= n ? per : n - n0;
-    const size_t bytes = dtype == 0 ? mkl.s_size(kBMatrix, 1, nc, k) : mkl.b_size(kBMatrix, 1, nc, k);
+    const size_t bytes =
+        dtype == 0 ? mkl.s_size(kBMatrix, 1, nc, k) : mkl.b_size(kBMatrix, 1, nc, k);
     void* buf = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
     if (buf == nullptr) return -1;
     weight->parts.push_back({n0, nc, buf, bytes});

@@ -11,23 +11,21 @@
 //   kv_end      [b] s32                 positions >= kv_end[b] are hidden
 //   layer       [] s32                  which of the L stacked pools
 //
-// One task per (row, block of 16 queries), claimed by the caller and by tasks on XLA's
-// intra-op pool. A task reads its row's pages in order, every kv head of a page in turn
-// (they are adjacent), converts each kv head's block to f32 once and uses it for the g * s
-// queries that share it: logits for every visible position first (QK^T vectorised over a page's
+// One task per (row, block of 16 queries) on XLA's intra-op pool (`PoolFor`, pool_for.h).
+// A task reads its row's pages in order, every kv head of a page in turn (they are
+// adjacent), converts each kv head's block to f32 once and uses it for the g * s queries
+// that share it: logits for every visible position first (QK^T vectorised over a page's
 // positions, the "kdt" layout), an exact softmax, then PV (vectorised over head_dim, the
 // "ktd" layout). Sums are in f32; the output is rounded to q's dtype once.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
+#include "pool_for.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -321,27 +319,6 @@ void RunTask(Call& c, int64_t task, std::vector<float>& scratch) {
   }
 }
 
-// The (row, query block) tasks of one call, claimed by the caller and by pool tasks alike.
-struct Job {
-  Call* call;
-  int64_t total;  // Tasks; a pool task that starts after the call returned reads only this.
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  std::mutex mu;
-  std::condition_variable cv;
-
-  void Work() {
-    thread_local std::vector<float> scratch;
-    for (int64_t i = next.fetch_add(1); i < total; i = next.fetch_add(1)) {
-      RunTask(*call, i, scratch);
-      if (done.fetch_add(1) + 1 == total) {
-        std::lock_guard<std::mutex> lock(mu);
-        cv.notify_all();
-      }
-    }
-  }
-};
-
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kpool,
                               ffi::AnyBuffer vpool, ffi::Buffer<ffi::S32> table,
                               ffi::Buffer<ffi::S32> q_index, ffi::Buffer<ffi::S32> kv_end,
@@ -386,17 +363,11 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   c.table = table.typed_data(), c.q_index = q_index.typed_data(), c.kv_end = kv_end.typed_data();
   c.out = out->untyped_data();
   const int64_t total = c.b * ((c.s + kQueriesPerTask - 1) / kQueriesPerTask);
-  if (total == 0 || c.s == 0) return ffi::Error::Success();
-  auto job = std::make_shared<Job>();
-  job->call = &c;
-  job->total = total;
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), total) - 1;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([job] { job->Work(); });
-  job->Work();
-  {
-    std::unique_lock<std::mutex> lock(job->mu);
-    job->cv.wait(lock, [&] { return job->done.load() == total; });
-  }
+  jaxlearn::PoolFor(pool, total, std::min<int64_t>(pool.num_threads(), total) - 1,
+                    [&](int64_t i) {
+                      thread_local std::vector<float> scratch;
+                      RunTask(c, i, scratch);
+                    });
   if (c.bad.load()) {
     return ffi::Error::InvalidArgument("jl_paged_attention: page table entry " +
                                        std::to_string(c.bad_page.load()) + " is outside the " +
