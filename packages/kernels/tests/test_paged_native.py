@@ -81,7 +81,7 @@ def _case(rng: np.random.Generator, b: int, s: int, kv: int, g: int, d: int, ps:
 
 @settings(max_examples=16, deadline=None)
 @given(b=st.integers(1, 3), s=st.sampled_from([1, 2, 5, 17]), kv=st.integers(1, 3),
-       g=st.integers(1, 3), d=st.sampled_from([8, 24, 32]), ps=st.sampled_from([4, 16, 32]),
+       g=st.integers(1, 4), d=st.sampled_from([8, 24, 32, 64]), ps=st.sampled_from([4, 16, 32]),
        n=st.integers(1, 4), bf16=st.booleans(), causal=st.booleans(),
        window=st.sampled_from([None, 1, 7]), cap=st.sampled_from([None, 2.5]),
        seed=st.integers(0, 2**16))

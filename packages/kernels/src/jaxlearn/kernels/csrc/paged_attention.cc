@@ -13,10 +13,13 @@
 //
 // One task per (row, block of 16 queries) on XLA's intra-op pool (`PoolFor`, pool_for.h).
 // A task reads its row's pages in order, every kv head of a page in turn (they are
-// adjacent), converts each kv head's block to f32 once and uses it for the g * s queries
-// that share it: logits for every visible position first (QK^T vectorised over a page's
-// positions, the "kdt" layout), an exact softmax, then PV (vectorised over head_dim, the
-// "ktd" layout). Sums are in f32; the output is rounded to q's dtype once.
+// adjacent), asking for the next page's cache lines while it reads one, and uses each kv
+// head's block for the g * s queries that share it: logits for every visible position
+// first (QK^T vectorised over a page's positions, the "kdt" layout), an exact softmax,
+// then PV (vectorised over head_dim, the "ktd" layout, each value row loaded once for up to
+// four queries). A bf16 block is widened to f32 in registers where a few queries read it
+// (decode), else once into scratch (a prefill chunk). Sums are in f32; the output is
+// rounded to q's dtype once.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -89,16 +92,35 @@ struct Call {
   std::atomic<int64_t> bad_page{0};
 };
 
-// Page `page`'s block for kv head `kh` (d * ps elements) as f32 into `dst`.
-void LoadBlock(const Call& c, const void* pool, int64_t page, int64_t kh, float* dst) {
+// Where page `page`'s block for kv head `kh` (d * ps elements) sits in `pool`; the kv heads
+// of a page are adjacent, so a page's blocks are one range of kv * d * ps elements.
+template <typename T>
+const T* Block(const Call& c, const void* pool, int64_t page, int64_t kh) {
   const int64_t elems = c.d * c.ps;
-  const int64_t off = ((c.layer * c.pages + page) * c.kv + kh) * elems;
-  if (c.pool_bf16) {
-    const uint16_t* src = static_cast<const uint16_t*>(pool) + off;
-    for (int64_t i = 0; i < elems; ++i) dst[i] = Bf16ToF32(src[i]);
-  } else {
-    std::memcpy(dst, static_cast<const float*>(pool) + off, elems * sizeof(float));
-  }
+  return static_cast<const T*>(pool) + ((c.layer * c.pages + page) * c.kv + kh) * elems;
+}
+
+// Asks for the cache lines of `bytes` bytes at `p` ahead of their use (a page's blocks
+// while the previous page is read: pages are scattered through the pool).
+inline void Prefetch(const void* p, int64_t bytes) {
+  const char* b = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(b + i);
+}
+
+inline float ToF32(float x) { return x; }
+inline float ToF32(uint16_t b) { return Bf16ToF32(b); }
+
+// A kv head's block [d * ps] for `nq` queries: bf16 read in place by a few queries (decode:
+// widened in registers), else widened to f32 in `tmp` once for all of them (a prefill
+// chunk's queries would widen it again for every four); f32 read in place.
+template <typename T>
+const void* BlockFor(const Call& c, const void* pool, int64_t page, int64_t kh, int64_t nq,
+                     float* tmp, bool* wide) {
+  const T* b = Block<T>(c, pool, page, kh);
+  *wide = sizeof(T) == sizeof(float) || nq > 4;
+  if (sizeof(T) == sizeof(float) || nq <= 4) return b;
+  for (int64_t i = 0; i < c.d * c.ps; ++i) tmp[i] = ToF32(b[i]);
+  return tmp;
 }
 
 // 16 floats as one value (GCC/Clang vector extension: one AVX-512 register, two AVX2
@@ -111,13 +133,26 @@ inline V16 Load16(const float* p) {
   return v;
 }
 
+// 16 bf16 values (bits) widened to f32 in registers: the pool is read once, no f32 copy.
+typedef uint16_t U16x16 __attribute__((vector_size(32)));
+typedef uint32_t U32x16 __attribute__((vector_size(64)));
+
+inline V16 Load16(const uint16_t* p) {
+  U16x16 h;
+  std::memcpy(&h, p, sizeof(h));
+  const U32x16 w = __builtin_convertvector(h, U32x16) << 16;
+  V16 v;
+  std::memcpy(&v, &w, sizeof(v));
+  return v;
+}
+
 inline void Store16(float* p, V16 v) { std::memcpy(p, &v, sizeof(v)); }
 
 // logits[j][t] = q[j] . keys[:, t] for NQ queries (q[j] = q + j * d, logits[j] =
 // logits + j * stride) and one page of 16 positions' keys [d, 16]: NQ independent sums
 // share each key load.
-template <int NQ>
-inline void PageLogits16(const float* __restrict q, const float* __restrict keys, int64_t d,
+template <int NQ, typename T>
+inline void PageLogits16(const float* __restrict q, const T* __restrict keys, int64_t d,
                          float* __restrict logits, int64_t stride) {
   V16 l[NQ] = {};
   for (int64_t i = 0; i < d; ++i) {
@@ -129,7 +164,8 @@ inline void PageLogits16(const float* __restrict q, const float* __restrict keys
 
 // logits for every query over one page (keys [d, ps]); 16-position pages four queries at
 // a time, other sizes one query at a time.
-inline void PageLogitsAny(const float* __restrict q, const float* __restrict keys, int64_t d,
+template <typename T>
+inline void PageLogitsAny(const float* __restrict q, const T* __restrict keys, int64_t d,
                           int64_t ps, int64_t nq, float* __restrict logits, int64_t stride) {
   if (ps == 16) {
     int64_t j = 0;
@@ -146,7 +182,7 @@ inline void PageLogitsAny(const float* __restrict q, const float* __restrict key
     for (int64_t t = 0; t < ps; ++t) l[t] = 0.0f;
     for (int64_t i = 0; i < d; ++i) {
       const float qi = q[j * d + i];
-      for (int64_t t = 0; t < ps; ++t) l[t] += qi * keys[i * ps + t];
+      for (int64_t t = 0; t < ps; ++t) l[t] += qi * ToF32(keys[i * ps + t]);
     }
   }
 }
@@ -185,7 +221,8 @@ inline float ExpSum(float* x, int64_t n, float m) {
 }
 
 // acc[:] += sum_t w[t] * values[t, :] for one page of values [ps, d].
-inline void PageValues(const float* __restrict w, const float* __restrict values, int64_t ps,
+template <typename T>
+inline void PageValues(const float* __restrict w, const T* __restrict values, int64_t ps,
                        int64_t d, float* __restrict acc) {
   if (d % 16 == 0 && d <= 256) {
     V16 a[16];
@@ -193,7 +230,7 @@ inline void PageValues(const float* __restrict w, const float* __restrict values
     for (int64_t j = 0; j < nv; ++j) a[j] = Load16(acc + j * 16);
     for (int64_t t = 0; t < ps; ++t) {
       const float wt = w[t];
-      const float* __restrict v = values + t * d;
+      const T* __restrict v = values + t * d;
       for (int64_t j = 0; j < nv; ++j) a[j] += wt * Load16(v + j * 16);
     }
     for (int64_t j = 0; j < nv; ++j) Store16(acc + j * 16, a[j]);
@@ -201,9 +238,46 @@ inline void PageValues(const float* __restrict w, const float* __restrict values
   }
   for (int64_t t = 0; t < ps; ++t) {
     const float wt = w[t];
-    const float* __restrict v = values + t * d;
-    for (int64_t i = 0; i < d; ++i) acc[i] += wt * v[i];
+    const T* __restrict v = values + t * d;
+    for (int64_t i = 0; i < d; ++i) acc[i] += wt * ToF32(v[i]);
   }
+}
+
+// PageValues for NQ queries at once (weights w + j * stride, accumulators acc + j * d),
+// d = 16 * NV: each value row is loaded (and widened) once for all of them.
+template <int NQ, int NV, typename T>
+inline void PageValuesN(const float* __restrict w, int64_t stride, const T* __restrict values,
+                        int64_t ps, float* __restrict acc) {
+  V16 a[NQ][NV];
+  for (int j = 0; j < NQ; ++j)
+    for (int k = 0; k < NV; ++k) a[j][k] = Load16(acc + (j * NV + k) * 16);
+  for (int64_t t = 0; t < ps; ++t) {
+    V16 v[NV];
+    for (int k = 0; k < NV; ++k) v[k] = Load16(values + t * NV * 16 + k * 16);
+    for (int j = 0; j < NQ; ++j) {
+      const float wt = w[j * stride + t];
+      for (int k = 0; k < NV; ++k) a[j][k] += wt * v[k];
+    }
+  }
+  for (int j = 0; j < NQ; ++j)
+    for (int k = 0; k < NV; ++k) Store16(acc + (j * NV + k) * 16, a[j][k]);
+}
+
+// PV of nq queries over one page (weights w + j * stride, accumulators acc + j * d); the
+// decode shapes (d = 64, up to 4 queries) load each value row once for all of them.
+template <typename T>
+inline void PageValuesAll(const float* __restrict w, int64_t stride, const T* __restrict values,
+                          int64_t ps, int64_t d, int64_t nq, float* __restrict acc) {
+  if (d == 64 && nq <= 4) {
+    switch (nq) {
+      case 4: return PageValuesN<4, 4>(w, stride, values, ps, acc);
+      case 3: return PageValuesN<3, 4>(w, stride, values, ps, acc);
+      case 2: return PageValuesN<2, 4>(w, stride, values, ps, acc);
+      case 1: return PageValuesN<1, 4>(w, stride, values, ps, acc);
+      default: return;
+    }
+  }
+  for (int64_t j = 0; j < nq; ++j) PageValues(w + j * stride, values, ps, d, acc + j * d);
 }
 
 // Query positions per task: a long chunk (prefill) is split so that both threads get work
@@ -211,6 +285,7 @@ inline void PageValues(const float* __restrict w, const float* __restrict values
 constexpr int64_t kQueriesPerTask = 16;
 
 // Task (row bi, queries [s0, s0 + sc)), every kv head.
+template <typename T>
 void RunTask(Call& c, int64_t task, std::vector<float>& scratch) {
   const int64_t chunks = (c.s + kQueriesPerTask - 1) / kQueriesPerTask;
   const int64_t bi = task / chunks;
@@ -228,14 +303,16 @@ void RunTask(Call& c, int64_t task, std::vector<float>& scratch) {
   const int64_t p1 = end > begin ? (end + ps - 1) / ps : p0;  // one past the last page
   const int64_t len = (p1 - p0) * ps;
   // Scratch, per kv head kh and query qq (kq = kh * nq + qq): queries [kq, d], weights
-  // [kq, len], accumulators [kq, d], denominators [kq]; one page block [d * ps].
+  // [kq, len], accumulators [kq, d], denominators [kq]; one widened block [d * ps].
   const int64_t nkq = nk * nq;
   scratch.resize(nkq * d + nkq * len + nkq * d + nkq + d * ps);
   float* qf = scratch.data();
   float* logits = qf + nkq * d;
   float* acc = logits + nkq * len;
   float* denom = acc + nkq * d;
-  float* block = denom + nkq;
+  float* tmp = denom + nkq;
+  bool wide = false;
+  const int64_t page_bytes = nk * d * ps * static_cast<int64_t>(sizeof(T));
   for (int64_t kh = 0; kh < nk; ++kh) {
     for (int64_t gi = 0; gi < c.g; ++gi) {
       for (int64_t si = 0; si < sc; ++si) {
@@ -260,11 +337,17 @@ void RunTask(Call& c, int64_t task, std::vector<float>& scratch) {
     }
   }
   // Logits: keys page by page (a page's kv heads are adjacent), [d, ps] blocks.
+  Prefetch(Block<T>(c, c.kpool, row_table[p0], 0), page_bytes);
   for (int64_t pg = p0; pg < p1; ++pg) {
+    if (pg + 1 < p1) Prefetch(Block<T>(c, c.kpool, row_table[pg + 1], 0), page_bytes);
     for (int64_t kh = 0; kh < nk; ++kh) {
-      LoadBlock(c, c.kpool, row_table[pg], kh, block);
-      PageLogitsAny(qf + kh * nq * d, block, d, ps, nq, logits + kh * nq * len + (pg - p0) * ps,
-                    len);
+      const void* block = BlockFor<T>(c, c.kpool, row_table[pg], kh, nq, tmp, &wide);
+      float* l = logits + kh * nq * len + (pg - p0) * ps;
+      if (wide) {
+        PageLogitsAny(qf + kh * nq * d, static_cast<const float*>(block), d, ps, nq, l, len);
+      } else {
+        PageLogitsAny(qf + kh * nq * d, static_cast<const T*>(block), d, ps, nq, l, len);
+      }
     }
   }
   // Softmax weights per query over its visible positions [lo, hi) (relative to page p0);
@@ -292,11 +375,14 @@ void RunTask(Call& c, int64_t task, std::vector<float>& scratch) {
   // PV: values page by page, [ps, d] blocks.
   std::fill(acc, acc + nkq * d, 0.0f);
   for (int64_t pg = p0; pg < p1; ++pg) {
+    if (pg + 1 < p1) Prefetch(Block<T>(c, c.vpool, row_table[pg + 1], 0), page_bytes);
     for (int64_t kh = 0; kh < nk; ++kh) {
-      LoadBlock(c, c.vpool, row_table[pg], kh, block);
-      for (int64_t qq = 0; qq < nq; ++qq) {
-        const int64_t kq = kh * nq + qq;
-        PageValues(logits + kq * len + (pg - p0) * ps, block, ps, d, acc + kq * d);
+      const void* block = BlockFor<T>(c, c.vpool, row_table[pg], kh, nq, tmp, &wide);
+      const float* w = logits + kh * nq * len + (pg - p0) * ps;
+      if (wide) {
+        PageValuesAll(w, len, static_cast<const float*>(block), ps, d, nq, acc + kh * nq * d);
+      } else {
+        PageValuesAll(w, len, static_cast<const T*>(block), ps, d, nq, acc + kh * nq * d);
       }
     }
   }
@@ -366,7 +452,11 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   jaxlearn::PoolFor(pool, total, std::min<int64_t>(pool.num_threads(), total) - 1,
                     [&](int64_t i) {
                       thread_local std::vector<float> scratch;
-                      RunTask(c, i, scratch);
+                      if (c.pool_bf16) {
+                        RunTask<uint16_t>(c, i, scratch);
+                      } else {
+                        RunTask<float>(c, i, scratch);
+                      }
                     });
   if (c.bad.load()) {
     return ffi::Error::InvalidArgument("jl_paged_attention: page table entry " +
