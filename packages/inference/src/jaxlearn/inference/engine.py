@@ -342,17 +342,18 @@ class Engine(Configurable):
         return cast(Engine, engine_cfg.instantiate(model_cfg=model_cfg, params=params,
                                                    tokenizer=tokenizer))
 
-    def warmup(self, level: str = "auto", threads: int = 0) -> int:
+    def warmup(self, level: str = "auto", threads: int = 0, scoring: bool = True) -> int:
         """Compiles the prefill / decode programs of `level` ("none", "auto", "all":
-        `programs.py`) before serving, on `threads` threads (0: one per CPU), and builds
-        the grammar vocabulary when the tokenizer supports structured output. Returns the
-        number of programs compiled; later compiles are counted as late."""
+        `programs.py`; scoring=False: not those of prompt_logprobs requests) before
+        serving, on `threads` threads (0: one per CPU), and builds the grammar vocabulary
+        when the tokenizer supports structured output. Returns the number of programs
+        compiled; later compiles are counted as late."""
         if self.tokenizer is not None:
             try:
                 self.scheduler.grammar_vocab()
             except (RequestError, InferenceError):  # No llguidance or no EOS: not served.
                 pass
-        return programs.warmup(self.scheduler, level, threads)
+        return programs.warmup(self.scheduler, level, threads, scoring)
 
     # ---- LoRA adapters (`inference.adapters`) ----------------------------------------------
 

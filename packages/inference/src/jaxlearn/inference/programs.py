@@ -33,11 +33,7 @@ WARMUP_LEVELS = ("none", "auto", "all")
 
 def _pow2_range(lo: int, hi: int) -> list[int]:
     """Powers of two in [lo, hi] (lo a power of two)."""
-    out = []
-    while lo <= hi:
-        out.append(lo)
-        lo *= 2
-    return out
+    return [lo << i for i in range(max(0, hi // lo).bit_length())]
 
 
 def _sampling(rows: int) -> dict[str, list[Any]]:
@@ -68,9 +64,11 @@ def prefill_call(runner: ModelRunner, rows: int, bucket: int, scoring: bool) -> 
         targets=[one] * rows if scoring else None)
 
 
-def reachable(scheduler: Any, level: str = "all") -> Iterator[tuple[str, dict[str, Any]]]:
+def reachable(scheduler: Any, level: str = "all",
+              scoring: bool = True) -> Iterator[tuple[str, dict[str, Any]]]:
     """("prefill" | "decode" | "verify", shape) of the programs `scheduler` can run (every level
-    but "none" warms all of them: module docstring)."""
+    but "none" warms all of them: module docstring); scoring=False leaves out the prefills
+    of requests that score prompt tokens. No chunk's bucket exceeds max_seq_len's."""
     del level
     rows_all = _pow2_range(1, next_pow2(scheduler.max_batch))
     for steps in sorted({1, scheduler.decode_burst}):
@@ -80,25 +78,27 @@ def reachable(scheduler: Any, level: str = "all") -> Iterator[tuple[str, dict[st
         most = min(scheduler.max_batch, scheduler.speculative_max_rows)
         for rows in _pow2_range(1, next_pow2(most)):
             yield "verify", {"rows": rows, "width": scheduler.speculative_tokens + 1}
-    buckets = _pow2_range(scheduler.min_prefill_bucket, scheduler.prefill_chunk)
-    for scoring in (False, True):
-        budget = scheduler.prefill_chunk * (1 if scoring else 4)
+    top = min(scheduler.prefill_chunk, next_pow2(scheduler.max_seq_len))
+    buckets = _pow2_range(scheduler.min_prefill_bucket, max(top, scheduler.min_prefill_bucket))
+    for scores in (False, True)[: 1 + scoring]:
+        budget = scheduler.prefill_chunk * (1 if scores else 4)
         for bucket in buckets:
             for rows in rows_all:
                 if rows > 1 and rows * bucket > budget:
                     break
-                yield "prefill", {"rows": rows, "bucket": bucket, "scoring": scoring}
+                yield "prefill", {"rows": rows, "bucket": bucket, "scoring": scores}
 
 
-def warmup(scheduler: Any, level: str = "auto", threads: int = 0) -> int:
-    """Compiles the programs of `level` (WARMUP_LEVELS) on `threads` threads (0: one per
-    CPU) and seals the runner (later compiles are counted). Returns how many were new."""
+def warmup(scheduler: Any, level: str = "auto", threads: int = 0, scoring: bool = True) -> int:
+    """Compiles the programs of `level` (WARMUP_LEVELS; `reachable`'s `scoring`) on `threads`
+    threads (0: one per CPU) and seals the runner (later compiles are counted). Returns how
+    many were new."""
     if level not in WARMUP_LEVELS:
         raise ValueError(f"warmup={level!r}: must be one of {', '.join(WARMUP_LEVELS)}")
     runner: ModelRunner = scheduler.runner
     calls = []
     if level != "none":
-        for kind, shape in reachable(scheduler, level):
+        for kind, shape in reachable(scheduler, level, scoring):
             if kind == "decode":
                 calls.append(decode_call(runner, **shape))
             elif kind == "verify":

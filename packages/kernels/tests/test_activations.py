@@ -1,0 +1,39 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxlearn.kernels.activations import silu
+
+
+def _ref(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    return x / (1.0 + np.exp(-x))
+
+
+def test_silu_matches_float64_across_the_range() -> None:
+    x = np.concatenate([np.linspace(-60, 60, 200_001), [0.0, -0.0, 1e-30, -1e-30]])
+    x = x.astype(np.float32)
+    got = np.asarray(jax.jit(silu)(jnp.asarray(x)), np.float64)
+    err = np.abs(got - _ref(x))
+    assert np.all(err <= 2.0 ** -22 * (1 + np.abs(x))), float(err.max())
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.floats(-30, 30, width=32), min_size=1, max_size=64))
+def test_silu_gradient_matches_jax_nn(xs: list[float]) -> None:
+    x = jnp.asarray(xs, jnp.float32)
+    ours = jax.grad(lambda v: jnp.sum(silu(v)))(x)
+    ref = jax.grad(lambda v: jnp.sum(jax.nn.silu(v)))(x)
+    err = np.abs(np.asarray(ours, np.float64) - np.asarray(ref, np.float64))
+    # Absolute, scaled like the value's error: tanh's 1 - t^2 cancels far below zero.
+    assert np.all(err <= 1e-5 * np.abs(np.asarray(ref)) + 2.0 ** -21 * (1 + np.abs(xs))), err
+
+
+def test_silu_keeps_bf16() -> None:
+    x = jnp.linspace(-8, 8, 101, dtype=jnp.bfloat16)
+    y = silu(x)
+    assert y.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(y, np.float32), _ref(np.asarray(x, np.float32)),
+                               rtol=2 ** -7, atol=2 ** -7)
