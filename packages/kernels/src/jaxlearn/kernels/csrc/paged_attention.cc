@@ -13,10 +13,9 @@
 //
 // One task per (row, block of 16 queries) on XLA's intra-op pool (`PoolFor`, pool_for.h).
 // A task reads its row's pages in order, every kv head of a page in turn (they are
-// adjacent), asking for the next page's cache lines while it reads one, and uses each kv
-// head's block for the g * s queries that share it: logits for every visible position
-// first (QK^T vectorised over a page's positions, the "kdt" layout), an exact softmax,
-// then PV (vectorised over head_dim, the "ktd" layout, each value row loaded once for up to
+// adjacent), and uses each kv head's block for the g * s queries that share it: logits
+// for every visible position first (QK^T vectorised over a page's positions, the "kdt"
+// layout), an exact softmax, then PV (vectorised over head_dim, the "ktd" layout, each value row loaded once for up to
 // four queries). A bf16 block is widened to f32 in registers where a few queries read it
 // (decode), else once into scratch (a prefill chunk). Sums are in f32; the output is
 // rounded to q's dtype once.
@@ -98,13 +97,6 @@ template <typename T>
 const T* Block(const Call& c, const void* pool, int64_t page, int64_t kh) {
   const int64_t elems = c.d * c.ps;
   return static_cast<const T*>(pool) + ((c.layer * c.pages + page) * c.kv + kh) * elems;
-}
-
-// Asks for the cache lines of `bytes` bytes at `p` ahead of their use (a page's blocks
-// while the previous page is read: pages are scattered through the pool).
-inline void Prefetch(const void* p, int64_t bytes) {
-  const char* b = static_cast<const char*>(p);
-  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(b + i);
 }
 
 inline float ToF32(float x) { return x; }
@@ -312,7 +304,6 @@ void RunTask(Call& c, int64_t task, std::vector<float>& scratch) {
   float* denom = acc + nkq * d;
   float* tmp = denom + nkq;
   bool wide = false;
-  const int64_t page_bytes = nk * d * ps * static_cast<int64_t>(sizeof(T));
   for (int64_t kh = 0; kh < nk; ++kh) {
     for (int64_t gi = 0; gi < c.g; ++gi) {
       for (int64_t si = 0; si < sc; ++si) {
@@ -337,9 +328,7 @@ void RunTask(Call& c, int64_t task, std::vector<float>& scratch) {
     }
   }
   // Logits: keys page by page (a page's kv heads are adjacent), [d, ps] blocks.
-  Prefetch(Block<T>(c, c.kpool, row_table[p0], 0), page_bytes);
   for (int64_t pg = p0; pg < p1; ++pg) {
-    if (pg + 1 < p1) Prefetch(Block<T>(c, c.kpool, row_table[pg + 1], 0), page_bytes);
     for (int64_t kh = 0; kh < nk; ++kh) {
       const void* block = BlockFor<T>(c, c.kpool, row_table[pg], kh, nq, tmp, &wide);
       float* l = logits + kh * nq * len + (pg - p0) * ps;
@@ -375,7 +364,6 @@ void RunTask(Call& c, int64_t task, std::vector<float>& scratch) {
   // PV: values page by page, [ps, d] blocks.
   std::fill(acc, acc + nkq * d, 0.0f);
   for (int64_t pg = p0; pg < p1; ++pg) {
-    if (pg + 1 < p1) Prefetch(Block<T>(c, c.vpool, row_table[pg + 1], 0), page_bytes);
     for (int64_t kh = 0; kh < nk; ++kh) {
       const void* block = BlockFor<T>(c, c.vpool, row_table[pg], kh, nq, tmp, &wide);
       const float* w = logits + kh * nq * len + (pg - p0) * ps;
