@@ -15,8 +15,8 @@
 // A task reads its row's pages in order, every kv head of a page in turn (they are
 // adjacent), and uses each kv head's block for the g * s queries that share it: logits
 // for every visible position first (QK^T vectorised over a page's positions, the "kdt"
-// layout), an exact softmax, then PV (vectorised over head_dim, the "ktd" layout, each value row loaded once for up to
-// four queries). A bf16 block is widened to f32 in registers where a few queries read it
+// layout), an exact softmax, then PV (vectorised over head_dim, the "ktd" layout, each
+// value row loaded once for up to four queries). A bf16 block is widened to f32 in registers where a few queries read it
 // (decode), else once into scratch (a prefill chunk). Sums are in f32; the output is
 // rounded to q's dtype once.
 #include <algorithm>
