@@ -127,3 +127,48 @@ def test_decode_loop_updates_the_pool_in_place(stack):
     assert leaf.dtype == jnp.uint16  # bf16 entries stored as bits.
     shape = ",".join(map(str, leaf.shape))
     assert not re.search(rf"= u16\[{shape}\]\{{[^}}]*\}} copy\(", text)
+
+
+@pytest.mark.parametrize("stack,kw,kernel", [("scan", {}, "xla"), ("scan", {}, "native"),
+                                             ("loop", {"qwen3": True}, "xla"),
+                                             ("scan", {"sliding_window": 3}, "native")])
+def test_ragged_rows_in_one_call_equal_each_rows_own_call(stack, kw, kernel):
+    """`paged.PagedRows`: a decode row (one token), a prompt chunk from position 0 and one
+    continuing a prefix, back to back in x [1, T] with padding after them, give each
+    row's logits and pool entries of its own call."""
+    cfg = tiny(stack, **kw)
+    cfg.decoder.transformer.layer.self_attention.paged_kernel = kernel
+    model = cfg.instantiate()
+    params = model.initialize_parameters_recursively(jax.random.key(1))
+    table = jnp.asarray([[7, 2, 9, 5], [1, 8, 3, 0], [4, 6, 10, 11]])
+    pools = run(model, params, 12, PS, method="init_paged_states")
+    step = jax.jit(lambda p, s, x: run(model, p, s, x, method="extend_step"))
+    prefix = jax.random.randint(jax.random.key(4), (3, 6), 0, VOCAB)
+    states = {**pools, "time_step": jnp.zeros(3, jnp.int32), "page_table": table}
+    states, _ = step(params, states, prefix)  # Rows 0 and 2 hold 6 positions; row 1 restarts.
+    ids = jax.random.randint(jax.random.key(5), (9,), 0, VOCAB)
+    rows = [(0, 6, ids[:1]), (1, 0, ids[1:6]), (2, 6, ids[6:9])]  # (row, start, tokens)
+    want = []
+    for r, start, toks in rows:
+        one = {"decoder": states["decoder"], "time_step": jnp.asarray([start]),
+               "page_table": table[r:r + 1]}
+        _, lg = step(params, one, toks[None])
+        want.append(lg[0])
+    starts = jnp.asarray([0, 1, 6, 9], jnp.int32)
+    positions = jnp.concatenate([jnp.asarray([6]), jnp.arange(5), jnp.arange(6, 9),
+                                 jnp.zeros(3, jnp.int32)]).astype(jnp.int32)
+    ragged = {"decoder": states["decoder"], "time_step": jnp.zeros(1, jnp.int32),
+              "page_table": paged.PagedRows(table, starts, positions)}
+    new, got = step(params, ragged, jnp.concatenate([ids, jnp.zeros(3, ids.dtype)])[None])
+    np.testing.assert_allclose(got[0, :9], jnp.concatenate(want), rtol=2e-5, atol=2e-5)
+    # The pool holds each row's new entries where its own call put them.
+    for r, start, toks in rows:
+        one = {"decoder": states["decoder"], "time_step": jnp.asarray([start]),
+               "page_table": table[r:r + 1]}
+        mine, _ = step(params, one, toks[None])
+        leaf = (lambda t: t["self_attention"]["key"]) if stack != "loop" else (
+            lambda t: t["layer1"]["self_attention"]["key"])
+        for page in np.asarray(table[r])[np.asarray(table[r]) > 0]:  # Page 0: padding's.
+            np.testing.assert_allclose(np.asarray(leaf(new["decoder"]))[..., page, :, :, :],
+                                       np.asarray(leaf(mine["decoder"]))[..., page, :, :, :],
+                                       atol=1e-5)

@@ -31,6 +31,13 @@ pages out of the pool as whole pages in the pool's layout (a row gather of conti
 pages), and QK^T / PV are dots that read keys [.., k, d, t] and values [.., k, t, d] as
 stored (in bf16 the gather is fused with the uint16 -> bf16 bitcast).
 
+Ragged rows (`PagedRows`, passed where a page table goes): one call's tokens [1, T] are
+several rows' tokens back to back (a decode row's one token, a prompt chunk's many), so
+prefill chunks and decode rows share a forward pass and nothing is padded to a common
+length. Each token is written at its own position of its row's pages; the native kernel
+attends each row's tokens together (one task per block of 16 of a row's queries), the
+XLA loop attends every token as a row of its own.
+
 A 16-bit float pool is stored as its raw bits (uint16; `init_pool`), and only the
 gathered windows and the new entries are bitcast: XLA:CPU runs bf16 gathers/scatters
 through an f32 copy of the operand, and a bitcast of the whole pool before a scatter is
@@ -39,7 +46,8 @@ materialised (a full copy of every layer's pool per decode step).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import dataclasses
+from typing import Any, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -135,11 +143,57 @@ BLOCK_POSITIONS = 128
 KERNELS = ("xla", "native")
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedRows:
+    """Ragged rows of one paged-cache call over tokens [1, T] (module doc): row r's tokens
+    are [starts[r], starts[r + 1]) at cache positions `positions`; tokens from starts[-1]
+    on belong to no row (padding: written to page 0, attended as nothing).
+
+    table [rows, pages] int32; starts [rows + 1] int32, ascending; positions [T] int32."""
+
+    table: Array
+    starts: Array
+    positions: Array
+
+    def token_rows(self) -> Array:
+        """[T] the row of each token (rows for padding)."""
+        t = jnp.arange(self.positions.shape[0], dtype=jnp.int32)
+        return jnp.searchsorted(self.starts[1:], t, side="right").astype(jnp.int32)
+
+    def kv_end(self) -> Array:
+        """[rows] one past each row's last position (0 for an empty row)."""
+        last = self.positions[jnp.maximum(self.starts[1:] - 1, 0)]
+        return jnp.where(self.starts[1:] > self.starts[:-1], last + 1, 0)
+
+    def token_table(self) -> Array:
+        """[T, pages] each token's row of the table (zeros, i.e. page 0, for padding)."""
+        return jnp.take(self.table, self.token_rows(), axis=0, mode="fill", fill_value=0)
+
+    def write(self, pool: Array, new: Array, layer: Optional[Array], layout: str) -> Array:
+        """Writes new [1, T, kv_heads, head_dim] at each token's position of its row."""
+        return write_pages(pool, new[0][:, None], self.positions, self.token_table(), layer,
+                           layout)
+
+    def attend(self, q: Array, key_pool: Array, value_pool: Array, kernel: str,
+               **kw: Any) -> Array:
+        """q [1, T, heads, head_dim] -> [1, T, heads, head_dim] (`attend_pages`'s options)."""
+        if kernel == "native" and paged_native.supports(q.dtype):
+            kw.pop("block_positions", None)
+            return paged_native.attend_rows_native(q, key_pool, value_pool, self.table,
+                                                   self.positions, self.starts, self.kv_end(),
+                                                   **kw)
+        o = _attend_pages_xla(q[0][:, None], key_pool, value_pool, self.token_table(),
+                              self.positions[:, None], self.positions + 1, **kw)[:, 0]
+        real = self.token_rows() < self.table.shape[0]
+        return jnp.where(real[:, None, None], o, jnp.zeros_like(o))[None]
+
+
 def attend_pages(
     q: Array,
     key_pool: Array,
     value_pool: Array,
-    page_table: Array,
+    page_table: Union[Array, PagedRows],
     q_index: Array,
     kv_end: Array,
     *,
@@ -165,11 +219,17 @@ def attend_pages(
 
     kernel: "xla" (this function's loop) or "native": one XLA FFI call that reads the pages
     in place (`paged_native`, CPU only; 2-6x faster for decode on the dev CPU). A float16
-    q falls back to "xla" (the native kernel takes f32 and bf16)."""
+    q falls back to "xla" (the native kernel takes f32 and bf16).
+
+    A `PagedRows` page_table: q [1, T, ...] holds its ragged rows (q_index and kv_end are
+    then its own: `PagedRows.attend`)."""
     if kernel not in KERNELS:
         raise ValueError(f"attend_pages: kernel {kernel!r} not in {KERNELS}")
     kw: dict[str, Any] = dict(scale=scale, causal=causal, sliding_window=sliding_window,
                               logit_soft_cap=logit_soft_cap, layer=layer)
+    if isinstance(page_table, PagedRows):
+        return page_table.attend(q, key_pool, value_pool, kernel,
+                                 block_positions=block_positions, **kw)
     if kernel == "native" and paged_native.supports(q.dtype):
         return paged_native.attend_pages_native(q, key_pool, value_pool, page_table, q_index,
                                                 kv_end, **kw)
@@ -264,7 +324,7 @@ def write_pages(
     pool: Array,
     new: Array,
     time_step: Array,
-    page_table: Array,
+    page_table: Union[Array, PagedRows],
     layer: Optional[Array] = None,
     layout: str = "tkd",
 ) -> Array:
@@ -272,7 +332,10 @@ def write_pages(
     pool's) at positions time_step [batch] + [0, steps) of each row into pool
     [num_pages, *page] (or into layer `layer` of pools stacked [layers, num_pages, *page]).
     Rows whose positions share a page slot (only ever page 0) write in an unspecified
-    order."""
+    order. A `PagedRows` page_table: new [1, T, ...] holds its ragged rows, each token
+    written at its own position (time_step is not read)."""
+    if isinstance(page_table, PagedRows):
+        return page_table.write(pool, new, layer, layout)
     b, s = new.shape[:2]
     if page_table.shape[0] != b:
         raise ValueError(f"write_pages: {b} rows of entries but a page table of {page_table.shape}")

@@ -36,8 +36,8 @@ import numpy as np
 
 from jaxlearn.kernels.native import NativeLibrary
 
-__all__ = ["KERNEL_CHOICES", "attend_pages_native", "check_kernel", "choose_kernel", "supports",
-           "unavailable_reason"]
+__all__ = ["KERNEL_CHOICES", "attend_pages_native", "attend_rows_native", "check_kernel",
+           "choose_kernel", "supports", "unavailable_reason"]
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cc"
 _TARGET = "jaxlearn_paged_attention"
@@ -104,6 +104,33 @@ def attend_pages_native(
     """q [b, s, heads, d]; key_pool "kdt" / value_pool "ktd" pages ([num_pages, *page], or
     [layers, num_pages, *page] with `layer`); page_table [b, pages]; q_index [b, s];
     kv_end [b] -> [b, s, heads, d] in q's dtype (contract of `paged.attend_pages`)."""
+    b, s = q.shape[:2]
+    starts = jnp.arange(b + 1, dtype=jnp.int32) * s
+    q_index = jnp.broadcast_to(jnp.asarray(q_index, jnp.int32), (b, s)).reshape(-1)
+    return attend_rows_native(q, key_pool, value_pool, page_table, q_index, starts, kv_end,
+                              scale=scale, causal=causal, sliding_window=sliding_window,
+                              logit_soft_cap=logit_soft_cap, layer=layer)
+
+
+def attend_rows_native(
+    q: Array,
+    key_pool: Array,
+    value_pool: Array,
+    page_table: Array,
+    q_index: Array,
+    starts: Array,
+    kv_end: Array,
+    *,
+    scale: float,
+    causal: bool = True,
+    sliding_window: Optional[int] = None,
+    logit_soft_cap: Optional[float] = None,
+    layer: Optional[Array] = None,
+) -> Array:
+    """Ragged rows: q [..., heads, d] holds T tokens (any leading dims); row r's are tokens
+    [starts[r], starts[r + 1]) (starts [rows + 1], ascending), at positions q_index [T],
+    over its pages page_table[r] up to kv_end[r]. Tokens after starts[rows] belong to no
+    row and come out 0. Returns q's shape and dtype."""
     if (why := unavailable_reason()) is not None:
         raise RuntimeError(f"native paged attention unavailable: {why}")
     if not supports(q.dtype):
@@ -111,12 +138,12 @@ def attend_pages_native(
     if layer is None:
         key_pool, value_pool = key_pool[None], value_pool[None]
         layer = jnp.int32(0)
-    b, s = q.shape[:2]
+    rows = page_table.shape[0]
     call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
     return call(
         q, key_pool, value_pool, jnp.asarray(page_table, jnp.int32),
-        jnp.broadcast_to(jnp.asarray(q_index, jnp.int32), (b, s)),
-        jnp.broadcast_to(jnp.asarray(kv_end, jnp.int32), (b,)),
+        jnp.asarray(q_index, jnp.int32).reshape(-1), jnp.asarray(starts, jnp.int32),
+        jnp.broadcast_to(jnp.asarray(kv_end, jnp.int32), (rows,)),
         jnp.asarray(layer, jnp.int32).reshape(()),
         scale=np.float32(scale), soft_cap=np.float32(logit_soft_cap or 0.0),
         causal=np.int32(bool(causal)), window=np.int32(sliding_window or 0),

@@ -189,9 +189,8 @@ class Attention(Module):
         return {"key": jnp.zeros(shape, self.dtype), "value": jnp.zeros(shape, self.dtype)}
 
     def init_paged_states(self, num_pages: int, page_size: int) -> KVCache:
-        """An empty page pool: key [num_pages, kv_heads, head_dim, page_size], value
-        [num_pages, kv_heads, page_size, head_dim] (see `jaxlearn.kernels.paged`; 16-bit
-        compute dtypes are stored as uint16 bits)."""
+        """An empty page pool: key [num_pages, kv_heads, head_dim, page_size], value [..,
+        page_size, head_dim] (`jaxlearn.kernels.paged`; 16-bit dtypes as uint16 bits)."""
         args = (num_pages, page_size, self.num_kv_heads, self.head_dim, self.dtype)
         return {name: paged.init_pool(*args, layout=_PAGE_LAYOUT[name]) for name in _PAGE_LAYOUT}
 
@@ -222,8 +221,8 @@ class Attention(Module):
 
         With `page_table` [batch, pages], `cache` is a page pool (`init_paged_states`; with
         `layer_index`, pools stacked [layers, ...] of which this layer uses one): this
-        call's keys/values are written into the rows' pages first, then the rows' windows
-        (positions [0, pages * page_size)) are gathered and attended over."""
+        call's keys/values are written into the rows' pages, then the rows' pages are
+        attended over. A `paged.PagedRows` table: x [1, T] holds ragged rows' tokens."""
         y, kv_cache = self._attention(
             x,
             positions=positions,
@@ -280,6 +279,8 @@ class Attention(Module):
                 raise ValueError(f"{self.path()}: a cache call needs time_step")
             t = jnp.broadcast_to(jnp.asarray(time_step, jnp.int32), (b,))
             q_index = q_index + t[:, None]  # [b, s]
+            if isinstance(page_table, paged.PagedRows):  # Ragged rows: their own positions.
+                q_index = page_table.positions[None]
         if positions is None:
             positions = jnp.broadcast_to(q_index, (b, s))
         q, k, v = self._project_qkv(x, positions)
@@ -325,7 +326,6 @@ class Attention(Module):
     ) -> tuple[jax.Array, KVCache]:
         """Writes this call's k/v [b, s, kv_heads, d] at time_step (scalar or [b]) into the
         cache (contiguous, or the page pool with `page_table`) and attends q over it.
-
         Returns (o [b, s, heads, d], the updated cache)."""
         c = self.config
         b, s = q.shape[:2]

@@ -1,13 +1,18 @@
 // Paged attention for XLA:CPU through the XLA FFI: reads keys and values where they sit
 // in the page pool (no gather of the rows' pages into a window first).
 //
-//   o[b, s, h, d] = softmax(scale * q . K^T, masked) V   over positions [0, kv_end[b])
+//   o[t, h, d] = softmax(scale * q[t] . K^T, masked) V   over row r's positions [0, kv_end[r])
+//                for the tokens t in [starts[r], starts[r + 1]) of row r
 //
-//   q           [b, s, h, d]            f32 or bf16; heads h = kv * g share kv heads in groups
+//   q           [..., h, d]             T tokens (any leading dims), f32 or bf16; heads
+//                                       h = kv * g share kv heads in groups
 //   key_pool    [L, P, kv, d, ps]       "kdt" pages; f32, or bf16 bits (u16)
 //   value_pool  [L, P, kv, ps, d]       "ktd" pages; same dtype
 //   page_table  [b, n] s32              position p of row b: page table[b, p / ps], slot p % ps
-//   q_index     [b, s] s32              query positions (causal and sliding-window masks)
+//   q_index     [T] s32                 query positions (causal and sliding-window masks)
+//   starts      [b + 1] s32             row r's tokens: [starts[r], starts[r + 1]), ascending;
+//                                       a token after starts[b] belongs to no row (output 0).
+//                                       Rows of s tokens each: starts = s * [0, 1, ..., b]
 //   kv_end      [b] s32                 positions >= kv_end[b] are hidden
 //   layer       [] s32                  which of the L stacked pools
 //
@@ -73,7 +78,7 @@ inline float ExpNonPositive(float x) {
 
 struct Call {
   // Shapes.
-  int64_t b, s, h, d, kv, g, ps, n, pages, layer;
+  int64_t b, tokens, h, d, kv, g, ps, n, pages, layer;
   bool q_bf16, pool_bf16;
   // Options.
   float scale, soft_cap;
@@ -85,6 +90,7 @@ struct Call {
   const void* vpool;
   const int32_t* table;
   const int32_t* q_index;
+  const int32_t* starts;
   const int32_t* kv_end;
   void* out;
   std::atomic<bool> bad{false};
@@ -278,13 +284,10 @@ constexpr int64_t kQueriesPerTask = 16;
 
 // Task (row bi, queries [s0, s0 + sc)), every kv head.
 template <typename T>
-void RunTask(Call& c, int64_t task, std::vector<float>& scratch) {
-  const int64_t chunks = (c.s + kQueriesPerTask - 1) / kQueriesPerTask;
-  const int64_t bi = task / chunks;
-  const int64_t s0 = task % chunks * kQueriesPerTask;
-  const int64_t sc = std::min(kQueriesPerTask, c.s - s0);
+// Row bi's queries [s0, s0 + sc) (token indices into q).
+void RunTask(Call& c, int64_t bi, int64_t s0, int64_t sc, std::vector<float>& scratch) {
   const int64_t d = c.d, ps = c.ps, nk = c.kv, nq = c.g * sc;  // nq: queries per kv head
-  const int32_t* qidx = c.q_index + bi * c.s + s0;
+  const int32_t* qidx = c.q_index + s0;
   int64_t end = std::min<int64_t>(c.kv_end[bi], c.n * ps);
   int32_t qmin = qidx[0], qmax = qidx[0];
   for (int64_t i = 1; i < sc; ++i) qmin = std::min(qmin, qidx[i]), qmax = std::max(qmax, qidx[i]);
@@ -307,7 +310,7 @@ void RunTask(Call& c, int64_t task, std::vector<float>& scratch) {
   for (int64_t kh = 0; kh < nk; ++kh) {
     for (int64_t gi = 0; gi < c.g; ++gi) {
       for (int64_t si = 0; si < sc; ++si) {
-        const int64_t src = ((bi * c.s + s0 + si) * c.h + kh * c.g + gi) * d;
+        const int64_t src = ((s0 + si) * c.h + kh * c.g + gi) * d;
         float* dst = qf + (kh * nq + gi * sc + si) * d;
         if (c.q_bf16) {
           const uint16_t* q = static_cast<const uint16_t*>(c.q) + src;
@@ -380,7 +383,7 @@ void RunTask(Call& c, int64_t task, std::vector<float>& scratch) {
         const int64_t kq = kh * nq + gi * sc + si;
         const float inv = denom[kq] > 0.0f ? 1.0f / denom[kq] : 0.0f;
         const float* a = acc + kq * d;
-        const int64_t dst = ((bi * c.s + s0 + si) * c.h + kh * c.g + gi) * d;
+        const int64_t dst = ((s0 + si) * c.h + kh * c.g + gi) * d;
         if (c.q_bf16) {
           uint16_t* o = static_cast<uint16_t*>(c.out) + dst;
           for (int64_t i = 0; i < d; ++i) o[i] = F32ToBf16(a[i] * inv);
@@ -395,26 +398,27 @@ void RunTask(Call& c, int64_t task, std::vector<float>& scratch) {
 
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kpool,
                               ffi::AnyBuffer vpool, ffi::Buffer<ffi::S32> table,
-                              ffi::Buffer<ffi::S32> q_index, ffi::Buffer<ffi::S32> kv_end,
-                              ffi::Buffer<ffi::S32> layer, float scale, float soft_cap,
-                              int32_t causal, int32_t window, ffi::Result<ffi::AnyBuffer> out) {
+                              ffi::Buffer<ffi::S32> q_index, ffi::Buffer<ffi::S32> starts,
+                              ffi::Buffer<ffi::S32> kv_end, ffi::Buffer<ffi::S32> layer,
+                              float scale, float soft_cap, int32_t causal, int32_t window,
+                              ffi::Result<ffi::AnyBuffer> out) {
   auto qd = q.dimensions(), kd = kpool.dimensions(), vd = vpool.dimensions();
   auto td = table.dimensions();
-  if (qd.size() != 4 || kd.size() != 5 || vd.size() != 5 || td.size() != 2) {
+  if (qd.size() < 2 || kd.size() != 5 || vd.size() != 5 || td.size() != 2) {
     return ffi::Error::InvalidArgument(
-        "jl_paged_attention: need q [b, s, h, d], pools [L, P, kv, d, ps] / [L, P, kv, ps, d] "
+        "jl_paged_attention: need q [..., h, d], pools [L, P, kv, d, ps] / [L, P, kv, ps, d] "
         "and a page table [b, n]");
   }
   Call c;
-  c.b = qd[0], c.s = qd[1], c.h = qd[2], c.d = qd[3];
-  c.pages = kd[1], c.kv = kd[2], c.ps = kd[4], c.n = td[1];
+  c.h = qd[qd.size() - 2], c.d = qd[qd.size() - 1], c.b = td[0], c.n = td[1];
+  c.tokens = 1;
+  for (size_t i = 0; i + 2 < qd.size(); ++i) c.tokens *= qd[i];
+  c.pages = kd[1], c.kv = kd[2], c.ps = kd[4];
   if (kd[3] != c.d || vd[0] != kd[0] || vd[1] != c.pages || vd[2] != c.kv || vd[3] != c.ps ||
-      vd[4] != c.d || c.kv <= 0 || c.h % c.kv != 0 || td[0] != c.b ||
-      q_index.dimensions().size() != 2 || q_index.dimensions()[0] != c.b ||
-      q_index.dimensions()[1] != c.s || kv_end.dimensions().size() != 1 ||
-      kv_end.dimensions()[0] != c.b) {
+      vd[4] != c.d || c.kv <= 0 || c.h % c.kv != 0 || q_index.element_count() != c.tokens ||
+      starts.element_count() != c.b + 1 || kv_end.element_count() != c.b) {
     return ffi::Error::InvalidArgument("jl_paged_attention: shapes of q, pools, page table, "
-                                       "q_index and kv_end do not agree");
+                                       "q_index, starts and kv_end do not agree");
   }
   c.g = c.h / c.kv;
   c.layer = layer.typed_data()[0];
@@ -434,16 +438,36 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   }
   c.scale = scale, c.soft_cap = soft_cap, c.causal = causal != 0, c.window = window;
   c.q = q.untyped_data(), c.kpool = kpool.untyped_data(), c.vpool = vpool.untyped_data();
-  c.table = table.typed_data(), c.q_index = q_index.typed_data(), c.kv_end = kv_end.typed_data();
+  c.table = table.typed_data(), c.q_index = q_index.typed_data();
+  c.starts = starts.typed_data(), c.kv_end = kv_end.typed_data();
   c.out = out->untyped_data();
-  const int64_t total = c.b * ((c.s + kQueriesPerTask - 1) / kQueriesPerTask);
+  // Tasks: (row, first query, queries) for every block of up to 16 of a row's queries.
+  std::vector<int64_t> tasks;
+  for (int64_t r = 0; r < c.b; ++r) {
+    const int64_t lo = c.starts[r], hi = c.starts[r + 1];
+    if (lo < 0 || hi < lo || hi > c.tokens) {
+      return ffi::Error::InvalidArgument(
+          "jl_paged_attention: row " + std::to_string(r) + "'s tokens [" + std::to_string(lo) +
+          ", " + std::to_string(hi) + ") are not ascending within the " +
+          std::to_string(c.tokens) + " queries");
+    }
+    for (int64_t s0 = lo; s0 < hi; s0 += kQueriesPerTask) {
+      tasks.insert(tasks.end(), {r, s0, std::min(kQueriesPerTask, hi - s0)});
+    }
+  }
+  const int64_t covered = c.b > 0 ? c.starts[c.b] : 0;  // Tokens of no row: output 0.
+  const int64_t row_bytes = c.h * c.d * (c.q_bf16 ? 2 : 4);
+  std::memset(static_cast<char*>(c.out) + covered * row_bytes, 0,
+              (c.tokens - covered) * row_bytes);
+  const int64_t total = static_cast<int64_t>(tasks.size()) / 3;
   jaxlearn::PoolFor(pool, total, std::min<int64_t>(pool.num_threads(), total) - 1,
                     [&](int64_t i) {
                       thread_local std::vector<float> scratch;
+                      const int64_t* t = tasks.data() + 3 * i;
                       if (c.pool_bf16) {
-                        RunTask<uint16_t>(c, i, scratch);
+                        RunTask<uint16_t>(c, t[0], t[1], t[2], scratch);
                       } else {
-                        RunTask<float>(c, i, scratch);
+                        RunTask<float>(c, t[0], t[1], t[2], scratch);
                       }
                     });
   if (c.bad.load()) {
@@ -462,6 +486,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JlPagedAttention, PagedAttentionImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
