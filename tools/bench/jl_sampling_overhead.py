@@ -22,8 +22,8 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from jaxlearn.decoding.penalties import pack
 from jaxlearn.inference import Engine, SamplingParams
-from jaxlearn.inference.penalties import pack
 from jaxlearn.layers import llama_config
 
 

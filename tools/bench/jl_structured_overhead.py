@@ -30,8 +30,8 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from jaxlearn.decoding.grammar import GrammarVocab, fill_masks, response_format_grammar
 from jaxlearn.inference import Engine
-from jaxlearn.inference.grammar import GrammarVocab, fill_masks, response_format_grammar
 from jaxlearn.layers import llama_config
 from jaxlearn.text.gguf_tokenizer import GGUFTokenizer
 

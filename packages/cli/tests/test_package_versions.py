@@ -14,8 +14,11 @@ ALLOWED = {
     "resilience": {"config", "mesh", "checkpoint"}, "launch": {"config"},
     "runtime": {"config", "module", "mesh", "checkpoint", "resilience", "text"},
     "aot": {"config", "module", "mesh", "checkpoint", "runtime"},
-    "inference": {"config", "module", "kernels", "layers", "mesh", "checkpoint", "text"},
-    "serve": {"config", "module", "layers", "mesh", "checkpoint", "text", "inference"},
+    "decoding": {"text"},
+    "inference": {"config", "module", "kernels", "layers", "mesh", "checkpoint", "text",
+                  "decoding"},
+    "serve": {"config", "module", "layers", "mesh", "checkpoint", "text", "decoding",
+              "inference"},
     "families": {"config", "module", "layers"},
     "interop": {"config", "module", "layers", "families", "mesh", "checkpoint", "inference",
                 "text"},
@@ -25,7 +28,7 @@ ALLOWED = {
 def test_versions_match_and_layering_rules_are_declared():
     packages = sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "BUILD").exists())
     assert {"config", "module", "layers", "mesh", "checkpoint", "text", "resilience", "runtime",
-            "aot", "launch", "inference", "serve", "families", "interop"} <= set(
+            "aot", "launch", "decoding", "inference", "serve", "families", "interop"} <= set(
         packages)
     for name in packages:
         build = (ROOT / "packages" / name / "BUILD").read_text()

@@ -8,7 +8,7 @@ from engine_testing import make_engine, prompt_pool
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jaxlearn.inference.speculative import ngram_draft
+from jaxlearn.decoding.speculative import ngram_draft
 
 POOL = prompt_pool(n=4, length=30, seed=11)
 # A prompt that repeats itself, so its continuation has n-grams to look up.

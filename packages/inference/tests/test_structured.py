@@ -167,7 +167,7 @@ _JSON = st.recursive(
 def test_any_schema_is_a_grammar_or_a_one_line_request_error(schema, name):
     """Whatever the JSON (NaN and infinities included), parsing a response_format gives
     grammar text or a RequestError naming a response_format field, never another error."""
-    from jaxlearn.inference.grammar import response_format_grammar
+    from jaxlearn.decoding.grammar import response_format_grammar
 
     try:
         grammar = response_format_grammar(
@@ -181,7 +181,7 @@ def test_strict_closes_every_object(byte_engine):
     """strict: true (OpenAI's structured outputs) means no property outside `properties`,
     in nested objects too; without strict an object may hold extra properties. A bias
     toward ',' and '"' pushes the random model to add more properties when it can."""
-    from jaxlearn.inference.grammar import _closed
+    from jaxlearn.decoding.grammar import _closed
 
     inner = {"type": "object", "properties": {"b": {"type": "boolean"}}, "required": ["b"]}
     schema = {"type": "object", "properties": {"a": inner, "n": {"type": "null"}},
@@ -215,7 +215,7 @@ def test_schema_without_any_output_is_a_request_error(byte_engine, schema):
 
 
 def test_text_format_with_extra_fields_names_the_field():
-    from jaxlearn.inference.grammar import response_format_grammar
+    from jaxlearn.decoding.grammar import response_format_grammar
 
     assert response_format_grammar({"type": "text"}) is None
     with pytest.raises(RequestError, match="'response_format.schema': unknown field for "

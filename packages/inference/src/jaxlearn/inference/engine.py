@@ -36,6 +36,9 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxlearn.config import REQUIRED, Configurable
+from jaxlearn.decoding.grammar import response_format_grammar
+from jaxlearn.decoding.logprobs import TokenLogprob
+from jaxlearn.decoding.sampling import SamplingParams
 from jaxlearn.inference import programs
 from jaxlearn.inference.adapters import AdapterBanks
 from jaxlearn.inference.engine_setup import (
@@ -48,12 +51,9 @@ from jaxlearn.inference.engine_setup import (
     serving_model,
 )
 from jaxlearn.inference.errors import InferenceError, QueueFullError, RequestError
-from jaxlearn.inference.grammar import response_format_grammar
-from jaxlearn.inference.logprobs import TokenLogprob
 from jaxlearn.inference.metrics import Metrics
 from jaxlearn.inference.request import Request
 from jaxlearn.inference.runner import ModelRunner, kv_window, next_pow2
-from jaxlearn.inference.sampling import SamplingParams
 from jaxlearn.inference.scheduler import Scheduler
 from jaxlearn.layers.lora import DEFAULT_TARGETS
 from jaxlearn.module import Module
@@ -143,7 +143,7 @@ class Engine(Configurable):
             clipped to max_seq_len).
         decode_burst: most decode steps fused into one jit call when nobody waits.
         speculative_tokens: k > 0 turns on speculative decoding with prompt-lookup drafts
-            (`inference.speculative`): while at most `speculative_max_rows` requests
+            (`decoding.speculative`): while at most `speculative_max_rows` requests
             decode and one of them finds an earlier occurrence of its last (up to
             `speculative_ngram`) tokens, one call verifies k draft tokens per request and
             emits 1 to k + 1 tokens each, identical to plain decoding's (greedy or seeded).
@@ -439,7 +439,7 @@ class Engine(Configurable):
     ) -> SamplingParams:
         """A SamplingParams (see there); logit_bias as {token id: bias}; response_format
         as the OpenAI object ({"type": "json_object"} or {"type": "json_schema",
-        "json_schema": {"name": ..., "schema": {...}}}, `grammar.py`); adapter: a loaded
+        "json_schema": {"name": ..., "schema": {...}}}, `decoding.grammar`); adapter: a loaded
         LoRA adapter's name (None: the base model)."""
         strings, ids = split_stop(stop)
         bias = tuple(sorted((logit_bias or {}).items()))

@@ -1,26 +1,12 @@
-"""Exceptions of jaxlearn.inference. Every error names what was wrong and where."""
+"""The request errors of jaxlearn.inference. They are defined in `jaxlearn.decoding.errors`
+(the decoding modules raise them too) and re-exported here: the same classes, so a
+`RequestError` from either package is the one the server answers with HTTP 400."""
 
-from __future__ import annotations
+from jaxlearn.decoding.errors import (
+    InferenceError,
+    MissingDependencyError,
+    QueueFullError,
+    RequestError,
+)
 
-
-class InferenceError(Exception):
-    """Base class of every error raised by jaxlearn.inference."""
-
-
-class RequestError(InferenceError, ValueError):
-    """A request that cannot be served as given (bad sampling value, prompt too long...).
-
-    `param` names the offending field (OpenAI's `error.param`), when there is one.
-    """
-
-    def __init__(self, message: str, *, param: str | None = None):
-        super().__init__(message)
-        self.param = param
-
-
-class QueueFullError(InferenceError):
-    """The scheduler's waiting queue is full (the server answers 429)."""
-
-
-class MissingDependencyError(InferenceError, NotImplementedError):
-    """A loader needs a package (or a package feature) that is not available here."""
+__all__ = ["InferenceError", "MissingDependencyError", "QueueFullError", "RequestError"]

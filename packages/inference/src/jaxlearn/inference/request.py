@@ -10,10 +10,10 @@ import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
+from jaxlearn.decoding.grammar import Matcher
+from jaxlearn.decoding.logprobs import TokenLogprob
+from jaxlearn.decoding.sampling import SamplingParams
 from jaxlearn.inference.adapters import Adapter
-from jaxlearn.inference.grammar import Matcher
-from jaxlearn.inference.logprobs import TokenLogprob
-from jaxlearn.inference.sampling import SamplingParams
 from jaxlearn.text.detokenize import Delta, OutputState
 
 Sink = Callable[["Request", Delta], None]

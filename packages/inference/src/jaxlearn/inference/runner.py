@@ -26,7 +26,7 @@ cost O(rows x live length) while no length is part of a program's shape, and onl
 call's new entries are scattered back. Programs are compiled per (rows, bucket,
 scoring) for prefill and (rows, steps) for decode; rows and buckets are powers of two.
 Sampling settings are never part of the key: every call passes the same fixed-width
-per-row arrays (`sampling.py`: temperature, top-k/p, penalties, a `MAX_LOGIT_BIAS`-wide
+per-row arrays (`decoding.sampling`: temperature, top-k/p, penalties, a `MAX_LOGIT_BIAS`-wide
 logit bias, grammar bit rows, whether the row wants logprobs) and the program skips at
 run time what no row uses, logprobs included (the top `MAX_LOGPROBS` alternatives are
 computed, the host keeps each row's k). So the set of programs is fixed by the engine's
@@ -50,9 +50,9 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxlearn.inference.logprobs import MAX_LOGPROBS, token_logprobs, wanted_logprobs
-from jaxlearn.inference.penalties import pack
-from jaxlearn.inference.sampling import sample_tokens
+from jaxlearn.decoding.logprobs import MAX_LOGPROBS, token_logprobs, wanted_logprobs
+from jaxlearn.decoding.penalties import pack
+from jaxlearn.decoding.sampling import sample_tokens
 from jaxlearn.layers.attention import Attention
 from jaxlearn.layers.multi_lora import ADAPTER_ROWS
 from jaxlearn.module import Module, functional, logical_sharding
@@ -330,7 +330,7 @@ class ModelRunner:
         pen: dict[str, Array],
         allow: Array,
     ) -> tuple[Any, Array, Array, dict[str, Array]]:
-        """Speculative verification (`speculative.py`): ids [rows, k + 1] (last token, k
+        """Speculative verification (`decoding.speculative`): ids [rows, k + 1] (last token, k
         drafts) at positions time_step + [0, k]; position j is sampled with generated
         index index + j. Returns {"tok": [rows, k + 1], "accepted": [rows]} (drafts
         matching their position's sample; tok[r, :accepted + 1] are the new tokens)."""

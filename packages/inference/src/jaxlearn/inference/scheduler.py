@@ -23,7 +23,7 @@ Each `step()`:
      back to the front of the queue, to be prefilled again later from its prompt + the
      tokens it already produced (recomputation, as vLLM does), continuing with the same
      sampling keys. Requests with a grammar (`response_format`) take one token per
-     call, masked by their grammar state (`grammar.py`), in a call of their own when
+     call, masked by their grammar state (`decoding.grammar`), in a call of their own when
      the others burst;
   5. turns new tokens into text deltas (`OutputState`) and hands them to each request's
      sink; finished requests free their slot and pages.
@@ -48,18 +48,18 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from jaxlearn.inference import penalties
+from jaxlearn.decoding import penalties
+from jaxlearn.decoding.grammar import GrammarVocab, Matcher, fill_masks
+from jaxlearn.decoding.logprobs import unpack
+from jaxlearn.decoding.sampling import SamplingParams
+from jaxlearn.decoding.speculative import choose_drafts
 from jaxlearn.inference.adapters import check_loaded, resolve_adapter
 from jaxlearn.inference.errors import QueueFullError, RequestError
-from jaxlearn.inference.grammar import GrammarVocab, Matcher, fill_masks
-from jaxlearn.inference.logprobs import unpack
 from jaxlearn.inference.metrics import Metrics, scheduler_metrics
 from jaxlearn.inference.pages import PageTable
 from jaxlearn.inference.prefill_plan import bucket, chunk_len
 from jaxlearn.inference.request import NoText, Request, Sink, eos_ids, sampling_lists, slot_of
 from jaxlearn.inference.runner import ModelRunner, next_pow2
-from jaxlearn.inference.sampling import SamplingParams
-from jaxlearn.inference.speculative import choose_drafts
 from jaxlearn.text.detokenize import Delta, OutputState
 
 
@@ -79,7 +79,7 @@ class Scheduler:
     window: the model's sliding window (`runner.kv_window`) when pages behind it are to
         be released before each call (`PageTable.trim`); None: keep every page.
     speculative_tokens: k > 0 verifies k prompt-lookup draft tokens per call when at most
-        `speculative_max_rows` requests decode, all of them can (`speculative.py`), and
+        `speculative_max_rows` requests decode, all of them can (`decoding.speculative`), and
         one has a draft (n-grams of up to `speculative_ngram` tokens); 0: off.
     """
 

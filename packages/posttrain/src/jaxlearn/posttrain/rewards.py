@@ -105,7 +105,7 @@ def _regex(pattern: str) -> RewardFn:
 
 
 def _json_schema(path: str) -> RewardFn:
-    from jaxlearn.inference.grammar import GrammarVocab, response_format_grammar
+    from jaxlearn.decoding.grammar import GrammarVocab, response_format_grammar
     from jaxlearn.text.tokenizers import ByteTokenizer
 
     try:

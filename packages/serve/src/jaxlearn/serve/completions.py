@@ -27,15 +27,15 @@ import functools
 import queue
 from typing import Any, Optional, Union
 
-from jaxlearn.inference.errors import QueueFullError, RequestError
-from jaxlearn.inference.logprobs import (
+from jaxlearn.decoding.logprobs import (
     TokenLogprob,
     chat_logprobs,
     completion_logprobs,
     cumulative,
 )
+from jaxlearn.decoding.sampling import SamplingParams
+from jaxlearn.inference.errors import QueueFullError, RequestError
 from jaxlearn.inference.request import Request
-from jaxlearn.inference.sampling import SamplingParams
 from jaxlearn.serve.chat_reply import ChatPlan, ChatReply
 from jaxlearn.serve.protocol import ParsedRequest, choice, usage
 from jaxlearn.text.detokenize import Delta, token_texts

@@ -12,7 +12,7 @@ errors, as are values outside these ranges:
     true/false with top_logprobs 0..20); logit_bias up to 300 {"token id": bias in
     [-100, 100]}; stop: a string or up to 16 strings of 1..256 characters;
     stop_token_ids: up to 16 ids; response_format {"type": "text" | "json_object" |
-    "json_schema", "json_schema": {name, schema, strict, description}} (`grammar.py`;
+    "json_schema", "json_schema": {name, schema, strict, description}} (`decoding.grammar`;
     not with ignore_eos); prompt (completions): a string, a list of token ids,
     or a list of up to 64 strings / id lists (prompts x best_of <= 256 choices).
 
@@ -27,10 +27,10 @@ import time
 import uuid
 from typing import Any, Mapping, Optional, Union
 
+from jaxlearn.decoding.grammar import response_format_grammar
+from jaxlearn.decoding.logprobs import MAX_LOGPROBS
+from jaxlearn.decoding.penalties import MAX_BIAS, MAX_LOGIT_BIAS, MAX_PRESENCE_FREQUENCY
 from jaxlearn.inference.errors import RequestError
-from jaxlearn.inference.grammar import response_format_grammar
-from jaxlearn.inference.logprobs import MAX_LOGPROBS
-from jaxlearn.inference.penalties import MAX_BIAS, MAX_LOGIT_BIAS, MAX_PRESENCE_FREQUENCY
 from jaxlearn.serve.chat_messages import Message, parse_messages, parse_template_kwargs
 from jaxlearn.serve.tools import Function, ToolChoice, parse_tool_choice, parse_tools
 
@@ -81,7 +81,7 @@ class ParsedRequest:
     logit_bias: tuple[tuple[int, float], ...]
     logprobs: Optional[int]
     echo: bool = False
-    grammar: Optional[str] = None  # From response_format (`grammar.py`).
+    grammar: Optional[str] = None  # From response_format (`decoding.grammar`).
     # Chat: the tools offered, how they may be called, extra chat template variables.
     tools: tuple[Function, ...] = ()
     tool_choice: ToolChoice = ToolChoice("none")

@@ -32,8 +32,8 @@ import json
 import re
 from typing import Any, Mapping, Optional, Sequence
 
+from jaxlearn.decoding.grammar import MAX_SCHEMA_CHARS, check_grammar
 from jaxlearn.inference.errors import RequestError
-from jaxlearn.inference.grammar import MAX_SCHEMA_CHARS, check_grammar
 
 MAX_TOOLS = 128
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jaxlearn.inference import RequestError, SamplingParams
-from jaxlearn.inference.sampling import filtered_logits, penalize, sample_tokens
+from jaxlearn.decoding import RequestError, SamplingParams
+from jaxlearn.decoding.sampling import filtered_logits, penalize, sample_tokens
 
 V = 16
 
@@ -191,7 +191,7 @@ def test_invalid_sampling_params(field, value):
 def test_argmax_and_draws_equal_jax_reference(seed, levels):
     """`argmax` is jnp.argmax (first index on ties; few distinct levels force ties), and
     the sampler's Gumbel-max draw is jax.random.categorical's, key for key."""
-    from jaxlearn.inference.sampling import argmax
+    from jaxlearn.decoding.sampling import argmax
 
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.integers(0, levels, size=(8, 50)).astype(np.float32))
@@ -204,7 +204,7 @@ def test_argmax_and_draws_equal_jax_reference(seed, levels):
 
 
 def test_presence_frequency_and_bias_match_openai_formula():
-    from jaxlearn.inference.penalties import MAX_LOGIT_BIAS, any_penalty, apply_penalties, pack
+    from jaxlearn.decoding.penalties import MAX_LOGIT_BIAS, any_penalty, apply_penalties, pack
 
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(3, 10)).astype(np.float32)

@@ -37,10 +37,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxlearn.inference.errors import RequestError
-from jaxlearn.inference.grammar import allowed_logits
-from jaxlearn.inference.logprobs import MAX_LOGPROBS
-from jaxlearn.inference.penalties import (
+from jaxlearn.decoding.errors import RequestError
+from jaxlearn.decoding.grammar import allowed_logits
+from jaxlearn.decoding.logprobs import MAX_LOGPROBS
+from jaxlearn.decoding.penalties import (
     MAX_BIAS,
     MAX_LOGIT_BIAS,
     MAX_PRESENCE_FREQUENCY,

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlearn.inference.errors import MissingDependencyError, RequestError
+from jaxlearn.decoding.errors import MissingDependencyError, RequestError
 from jaxlearn.text.tokenizers import ByteTokenizer
 
 Array = jax.Array
