@@ -113,7 +113,9 @@ def test_load_unload_at_runtime(cfg, params, tok, adapters, refs):
     prompt = prompt_pool(1, 40, seed=6)[0]
     first = run(engine, [(prompt, {"max_new_tokens": 6, "adapter": "r2"}, 0)])
     assert first == run(refs["r2"], [(prompt, {"max_new_tokens": 6}, 0)])
-    engine.runner.sealed = True  # From here on a new program would be counted.
+    run(engine, [(prompt_pool(1, 40, seed=7)[0], {"max_new_tokens": 6}, 0)])  # Base rows'
+    engine.runner.sealed = True  # programs (mixed steps) too; from here on a new program
+    # would be counted.
     programs = len(engine.runner.programs)
 
     queued = engine.request(prompt, engine.sampling_params(max_new_tokens=2, adapter="r2"))

@@ -147,6 +147,6 @@ def test_step_time_is_split_into_prefill_decode_and_host(cfg, params, tok):
     singles = m.counter_value("decode_calls_total", steps="1")
     # 9 tokens: the first from prefill, then 8 decoded: two bursts of 4 (nobody waits).
     assert (bursts, singles) == (2, 0), (bursts, singles)
-    # One call of 2 rows x the 16-token bucket for prompts of 3 and 2 (+ BOS) tokens.
+    # One mixed step of 16 tokens for prompts of 3 and 2 (+ BOS) tokens, nobody decoding.
     assert m.counter_value("prefill_calls_total") == 1
-    assert m.counter_value("prefill_padded_tokens_total") == 2 * 16
+    assert m.counter_value("prefill_padded_tokens_total") == 16

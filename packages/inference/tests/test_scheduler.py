@@ -182,7 +182,7 @@ def test_prefill_calls_carry_no_padding_rows(cfg, params, tok):
     """Three prompts waiting: the first call prefills two (a third would be padded to four
     rows, one of them wasted), the next call the third; results as alone."""
     engine = make_engine(cfg, params, tok, max_seq_len=64, max_batch=4, prefill_chunk=16,
-                         decode_burst=2)
+                         decode_burst=2, mixed_steps=False)  # The plain prefill calls.
     rows = []
     _run_spying(engine, "prefill", lambda kw: rows.append(len(kw["slots"])), 3)
     assert rows == [2, 1], rows
@@ -264,7 +264,7 @@ def _alone_long(eng, which, length, max_new):
 def test_prefill_chunks_are_padded_or_split_by_cost(cfg, params, tok):
     """A prompt's chunks: padded up to their bucket or split at a power of two, whichever
     costs fewer padded tokens plus CALL_COST_TOKENS per call; they cover the prompt."""
-    from jaxlearn.inference.prefill_plan import CALL_COST_TOKENS
+    from jaxlearn.inference.prefill_plan import CALL_COST_TOKENS, chunk_len
 
     sched = make_engine(cfg, params, tok, max_seq_len=1024, max_batch=2,
                         prefill_chunk=256).scheduler
@@ -272,7 +272,7 @@ def test_prefill_chunks_are_padded_or_split_by_cost(cfg, params, tok):
     def plan(n):
         out = []
         while n:
-            out.append(sched._chunk_len(n))
+            out.append(chunk_len(n, sched.prefill_chunk, sched.min_prefill_bucket))
             n -= out[-1]
         return out
 

@@ -142,6 +142,9 @@ class Engine(Configurable):
         prefill_chunk: prompt tokens per prefill chunk (rounded up to a power of two and
             clipped to max_seq_len).
         decode_burst: most decode steps fused into one jit call when nobody waits.
+        mixed_steps: a prompt pending while others decode joins their step (its chunk and
+            their next tokens in one forward, `inference.mixed`) instead of a prefill call
+            of its own that stalls them.
         speculative_tokens: k > 0 turns on speculative decoding with prompt-lookup drafts
             (`decoding.speculative`): while at most `speculative_max_rows` requests
             decode and one of them finds an earlier occurrence of its last (up to
@@ -201,6 +204,7 @@ class Engine(Configurable):
         max_batch: int = 8
         prefill_chunk: int = 256
         decode_burst: int = 8
+        mixed_steps: bool = True
         speculative_tokens: int = 0
         speculative_max_rows: int = 4
         speculative_ngram: int = 3
@@ -288,6 +292,7 @@ class Engine(Configurable):
             speculative_max_rows=cfg.speculative_max_rows,
             speculative_ngram=cfg.speculative_ngram,
             adapters=self.adapters,
+            mixed_steps=cfg.mixed_steps,
         )
         self.add_bos = _resolve_add_bos(cfg.add_bos, self.tokenizer)
         self._thread: Optional[threading.Thread] = None

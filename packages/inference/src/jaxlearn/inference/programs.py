@@ -1,12 +1,13 @@
 """The engine's compiled programs: which ones the scheduler can reach, and the warm-up
 that compiles them before the first request.
 
-A prefill program is fixed by (rows, bucket, scoring) and a decode program by (rows,
-steps) (`runner.py`); no length is (attention loops up to each call's longest row at
-run time) and sampling settings never are. With the scheduler's rules (rows and buckets
-powers of two, rows x bucket within the prefill budget, steps 1 or `decode_burst`) that
-is a small set fixed by the engine's config (`reachable`): 12 decode and 39 prefill
-programs for 32 rows and chunks of 256. Warm-up levels:
+A prefill program is fixed by (rows, bucket, scoring), a decode program by (rows, steps)
+and a mixed step by (rows, tokens) (`runner.py`, `rows_step.py`); no length is
+(attention loops up to each call's longest row at run time) and sampling settings never
+are. With the scheduler's rules (rows, buckets and tokens powers of two, rows x bucket
+within the prefill budget, steps 1 or `decode_burst`) that is a small set fixed by the
+engine's config (`reachable`): for 32 rows and chunks of 256, 12 decode, 29 mixed and
+19 (scoring) prefill programs. Warm-up levels:
 
 - "none": nothing; the first request of each shape compiles it.
 - "auto" (default) and "all": every reachable program (with speculative decoding, one
@@ -26,6 +27,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from jaxlearn.inference.rows_step import MIN_TOKENS, token_bucket
 from jaxlearn.inference.runner import ModelRunner, next_pow2
 
 WARMUP_LEVELS = ("none", "auto", "all")
@@ -64,13 +66,30 @@ def prefill_call(runner: ModelRunner, rows: int, bucket: int, scoring: bool) -> 
         targets=[one] * rows if scoring else None)
 
 
+def rows_call(runner: ModelRunner, rows: int, tokens: int) -> Any:
+    """The (program, inputs, static) of a mixed step of `rows` rows and `tokens` tokens."""
+    return runner.rows_call(slots=[0] * rows, tables=np.zeros((rows, 1), np.int32),
+                            chunks=[[0]] * rows, starts=[0] * rows, sampling=_sampling(rows),
+                            tokens=tokens)
+
+
 def reachable(scheduler: Any, level: str = "all",
               scoring: bool = True) -> Iterator[tuple[str, dict[str, Any]]]:
-    """("prefill" | "decode" | "verify", shape) of the programs `scheduler` can run (every level
-    but "none" warms all of them: module docstring); scoring=False leaves out the prefills
-    of requests that score prompt tokens. No chunk's bucket exceeds max_seq_len's."""
+    """("prefill" | "decode" | "verify" | "rows", shape) of the programs `scheduler` can run
+    (every level but "none" warms all of them: module docstring); scoring=False leaves out
+    the prefills of requests that score prompt tokens. No chunk's bucket exceeds
+    max_seq_len's. With mixed steps (`mixed.py`) a plain prefill runs only for requests
+    with a LoRA adapter or beside speculative drafts."""
     del level
     rows_all = _pow2_range(1, next_pow2(scheduler.max_batch))
+    if scheduler.mixed_steps:
+        most = token_bucket(max(scheduler.prefill_chunk, scheduler.max_batch + MIN_TOKENS))
+        for rows in rows_all:
+            for tokens in _pow2_range(MIN_TOKENS, most):
+                if tokens >= rows:
+                    yield "rows", {"rows": rows, "tokens": tokens}
+    plain = (not scheduler.mixed_steps or bool(getattr(scheduler.adapters, "max_loras", 0))
+             or bool(scheduler.speculative_tokens))
     for steps in sorted({1, scheduler.decode_burst}):
         for rows in rows_all:
             yield "decode", {"rows": rows, "steps": steps}
@@ -80,7 +99,7 @@ def reachable(scheduler: Any, level: str = "all",
             yield "verify", {"rows": rows, "width": scheduler.speculative_tokens + 1}
     top = min(scheduler.prefill_chunk, next_pow2(scheduler.max_seq_len))
     buckets = _pow2_range(scheduler.min_prefill_bucket, max(top, scheduler.min_prefill_bucket))
-    for scores in (False, True)[: 1 + scoring]:
+    for scores in (False, True)[(0 if plain else 1): 1 + scoring]:
         budget = scheduler.prefill_chunk * (1 if scores else 4)
         for bucket in buckets:
             for rows in rows_all:
@@ -103,6 +122,8 @@ def warmup(scheduler: Any, level: str = "auto", threads: int = 0, scoring: bool 
                 calls.append(decode_call(runner, **shape))
             elif kind == "verify":
                 calls.append(verify_call(runner, **shape))
+            elif kind == "rows":
+                calls.append(rows_call(runner, **shape))
             else:
                 calls.append(prefill_call(runner, **shape))
     new = runner.compile_programs(calls, threads=threads or os.cpu_count() or 1)

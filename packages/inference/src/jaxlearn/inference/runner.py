@@ -1,36 +1,32 @@
 """ModelRunner: the device side of the engine. It owns the params, the paged KV pool, the
-per-slot "seen tokens" mask and generated-token counts, and runs three jit'ed programs
-through the `CausalLM` decode API (`init_paged_states`, `extend_step`, `logits`), i.e.
-the same layer code as training:
+per-slot "seen tokens" mask and generated-token counts, and runs jit'ed programs through
+the `CausalLM` decode API (`init_paged_states`, `extend_step`, `logits`), i.e. the same
+layer code as training:
 
-- `prefill`: prompt chunks of several requests at once, ids [rows, bucket]; row r is
-  written at positions [start[r], start[r] + bucket) of its pages and the token after its
-  last valid position is sampled. Only that position's logits are computed
-  (`logits_index`): the LM head is a large share of a short chunk; a call scoring prompt
-  tokens (`prompt_k`, for echo + logprobs) computes every position's and returns the
-  logprobs of each next prompt id.
+- `prefill`: prompt chunks of several requests, ids [rows, bucket]; row r is written at
+  positions [start[r], start[r] + bucket) of its pages and the token after its last
+  valid position is sampled (only that position's logits: `logits_index`); a call
+  scoring prompt tokens (echo + logprobs) computes every position's.
 - `decode`: `steps` fused decode steps (`lax.scan` over `extend_step` + sampling) for a
-  compacted list of decoding rows (any slots), writing one token per row per step.
-- `logits`: a cache-free forward for `Engine.logits`.
+  compacted list of decoding rows (any slots), one token per row per step.
+- `rows`: a mixed step over ragged rows, decode rows and prompt chunks back to back
+  (`rows_step.py`, `mixed.py`).
+- `verify`: speculative verification; `logits`: a cache-free forward (`Engine.logits`).
 
 KV memory is one pool of pages per layer ([num_pages, *page], `jaxlearn.kernels.paged`),
-allocated once and donated to every call. The scheduler's
-`PageTable` hands pages to requests as they grow; a call receives its rows' page
-tables. Page 0 belongs to nobody: padding rows and
-positions past a row's pages read and write it, and the mask hides it.
+allocated once and donated to every call; the scheduler's `PageTable` hands pages to
+requests as they grow and a call receives its rows' page tables. Page 0 belongs to
+nobody: padding rows and positions past a row's pages read and write it.
 
-Every call passes each row's whole page table ([rows, max_len / page_size], page 0 past
-its pages); attention loops over blocks of pages up to the longest row of the call
-(`kernels.paged.attend_pages`, a run-time bound), so attention and the page gathers
-cost O(rows x live length) while no length is part of a program's shape, and only this
-call's new entries are scattered back. Programs are compiled per (rows, bucket,
-scoring) for prefill and (rows, steps) for decode; rows and buckets are powers of two.
-Sampling settings are never part of the key: every call passes the same fixed-width
-per-row arrays (`decoding.sampling`: temperature, top-k/p, penalties, a `MAX_LOGIT_BIAS`-wide
-logit bias, grammar bit rows, whether the row wants logprobs) and the program skips at
-run time what no row uses, logprobs included (the top `MAX_LOGPROBS` alternatives are
-computed, the host keeps each row's k). So the set of programs is fixed by the engine's
-config (`programs.reachable`), compiled by `warmup`, and no request can add one.
+Every call passes each row's whole page table ([rows, max_len / page_size]); attention
+follows each row's live length at run time, so no length is part of a program's shape.
+Programs are compiled per (rows, bucket, scoring) for prefill, (rows, steps) for decode
+and (rows, tokens) for mixed steps, all powers of two. Sampling settings are never part
+of the key: every call passes the same fixed-width per-row arrays (`decoding.sampling`:
+temperature, top-k/p, penalties, a `MAX_LOGIT_BIAS`-wide logit bias, grammar bit rows,
+whether the row wants logprobs) and the program skips at run time what no row uses. So
+the set of programs is fixed by the engine's config (`programs.reachable`), compiled by
+`warmup`, and no request can add one.
 
 Padding rows (to reach a power of two) use slot `num_slots`, a seen-mask / counts row
 nobody owns, and the null page table. Each row's LoRA slot (`adapters.py`; 0: none) is
@@ -53,6 +49,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxlearn.decoding.logprobs import MAX_LOGPROBS, token_logprobs, wanted_logprobs
 from jaxlearn.decoding.penalties import pack
 from jaxlearn.decoding.sampling import sample_tokens
+from jaxlearn.inference.rows_step import rows_args, rows_step
 from jaxlearn.layers.attention import Attention
 from jaxlearn.layers.multi_lora import ADAPTER_ROWS
 from jaxlearn.module import Module, functional, logical_sharding
@@ -150,6 +147,7 @@ class ModelRunner:
         self._jit_prefill = self._jit(self._prefill, static=("scoring",))
         self._jit_decode = self._jit(self._decode, static=("steps",))
         self._jit_verify = self._jit(self._verify, static=())
+        self._jit_mixed = self._jit(functools.partial(rows_step, self), static=())
         self._jit_logits = jax.jit(self._logits)
         rows_kw: dict[str, Any] = {} if mesh is None else {"out_shardings": (self._rep,) * 2}
         self._jit_rows = jax.jit(_set_rows, donate_argnums=(0, 1), **rows_kw)
@@ -450,12 +448,10 @@ class ModelRunner:
         return self._jit_prefill, args, {"scoring": targets is not None}
 
     def prefill(self, **kwargs: Any) -> dict[str, Any]:
-        """Runs `prefill_call(**kwargs)`: writes chunk i (len <= bucket) at positions
-        [starts[i], starts[i] + len) of the pages in tables[i] (start 0 resets slot i's
-        seen-mask and counts) and samples the next token of each. Returns host arrays cut
-        to n rows: "tok" [n], "lp" [n], "top_ids" / "top_lp" [n, MAX_LOGPROBS] (zeros
-        unless some row wants logprobs), with targets "prompt" (the same, per position
-        [n, bucket, ...])."""
+        """Runs `prefill_call(**kwargs)` (start 0 resets slot i's seen-mask and counts).
+        Returns host arrays cut to n rows: "tok" [n], "lp" [n], "top_ids" / "top_lp" [n,
+        MAX_LOGPROBS] (zeros unless a row wants logprobs); with targets "prompt" [n,
+        bucket, ...]."""
         out = self._run(*self.prefill_call(**kwargs))
         return jax.tree.map(lambda a: np.asarray(a)[: len(kwargs["slots"])], out)
 
@@ -494,9 +490,8 @@ class ModelRunner:
         return self._jit_decode, args, {"steps": steps}
 
     def decode(self, **kwargs: Any) -> dict[str, Any]:
-        """Runs `decode_call(**kwargs)`: `steps` decode steps for the given rows. Returns
-        host arrays: "tok" [steps, n] int32, "lp" [steps, n], "top_ids" / "top_lp"
-        [steps, n, MAX_LOGPROBS] (zeros unless some row wants logprobs)."""
+        """Runs `decode_call(**kwargs)`. Returns host "tok" [steps, n] int32, "lp" [steps,
+        n], "top_ids" / "top_lp" [steps, n, MAX_LOGPROBS] (zeros unless a row wants them)."""
         out = self._run(*self.decode_call(**kwargs))
         return jax.tree.map(lambda a: np.asarray(a)[:, : len(kwargs["slots"])], out)
 
@@ -528,13 +523,21 @@ class ModelRunner:
         out = self._run(*self.verify_call(**kwargs))
         return jax.tree.map(lambda a: np.asarray(a)[: len(kwargs["slots"])], out)
 
+    def rows_call(self, **kwargs: Any) -> tuple[Any, tuple, dict[str, Any]]:
+        return self._jit_mixed, rows_args(self, **kwargs), {}  # `rows_step.rows_args`
+
+    def rows(self, **kwargs: Any) -> dict[str, Any]:
+        """Runs `rows_call(**kwargs)`: host "tok" [n], "lp" [n], "top_ids" / "top_lp"."""
+        out = self._run(*self.rows_call(**kwargs))
+        return jax.tree.map(lambda a: np.asarray(a)[: len(kwargs["slots"])], out)
+
     # ---- the program table ----------------------------------------------------------------
 
     def _key(self, fn: Any, args: tuple, static: dict[str, Any]) -> tuple:
         """A program's identity: which program, its static settings, its inputs' shapes."""
         shapes = tuple((a.shape, a.dtype.str) for a in jax.tree.leaves(args))
-        kind = ("decode" if fn is self._jit_decode else "verify" if fn is self._jit_verify
-                else "prefill")
+        kind = {self._jit_decode: "decode", self._jit_verify: "verify",
+                self._jit_mixed: "rows"}.get(fn, "prefill")
         return (kind, tuple(sorted(static.items())), shapes)
 
     def _lower(self, fn: Any, args: tuple, static: dict[str, Any]) -> Any:
@@ -552,7 +555,7 @@ class ModelRunner:
                 log.warning("compiling a program warm-up did not cover (%s %s): every "
                             "request waits for it", key[0],
                             dict(static, rows=args[0].shape[0],
-                                 **({"width": args[2].shape[1]} if key[0] != "decode"
+                                 **({"width": args[2].shape[-1]} if key[0] != "decode"
                                     else {})))
             program = self.programs[key] = self._lower(fn, args, static).compile()
         self.pool, self.seen, self.counts, out = program(
@@ -575,9 +578,8 @@ class ModelRunner:
         return len(todo)
 
     def set_history(self, slot: int, ids: Sequence[int], gen_from: int) -> None:
-        """Sets slot's seen-mask to the ids of `ids` and its generated-token counts to
-        those of ids[gen_from:]: a prefix found in the prefix cache, not prefilled (the
-        next prefill chunk of the slot starts after it)."""
+        """Sets slot's seen-mask to `ids` and its generated-token counts to ids[gen_from:]'s:
+        a prefix found in the prefix cache, not prefilled."""
         a = np.asarray(ids, np.int64)
         seen = np.zeros(self.vocab_size, bool)
         seen[a] = True
@@ -591,8 +593,7 @@ class ModelRunner:
 
     @functools.cached_property
     def compute_dtype(self) -> Any:
-        """The dtype of the KV entries (the model's compute dtype; a 16-bit pool stores
-        their bits as uint16)."""
+        """The KV entries' dtype (the compute dtype; a 16-bit pool stores uint16 bits)."""
         shapes = jax.eval_shape(
             lambda p: _call(self.model, p, "init_states", (1, self.page_size)), self.params
         )

@@ -7,24 +7,22 @@ Each `step()`:
      request's whole prompt (head-of-line: a request that does not fit blocks those
      behind it, so none starves); with prefix caching the cached full pages of its
      prompt's prefix are shared, not allocated, and its prefill starts after them;
-  3. prefills: the next chunk (at most `prefill_chunk` tokens) of the oldest admitted
-     prompts, several requests in one call, padded to [rows, bucket] (powers of two)
-     with rows x bucket <= the step's prefill budget (`prefill_chunk` tokens while others
-     decode or the call scores prompt tokens, `4 x prefill_chunk` otherwise). Chunks
-     whose prompt tokens are scored (`prompt_logprobs`) go in calls of their own. The
-     chunk that ends a prompt also samples the request's first token (or ends a request
-     of max_new_tokens=0);
+  3. while prompts are pending beside decoding rows, runs a mixed step (`mixed.py`):
+     every decoding row's next token and the oldest prompts' next chunks in one forward;
+     otherwise (and for prompts that score their tokens, use a LoRA adapter or meet
+     speculative drafts) prefills chunks of the oldest prompts, several per call, padded
+     to [rows, bucket] (powers of two) within the step's prefill budget (`prefill_chunk`
+     tokens while others decode or the call scores prompt tokens, 4x otherwise). The
+     chunk that ends a prompt samples the request's first token;
   4. decodes one token for every decoding request, or, when nobody is prefilling or
-     waiting for a free slot, a fused burst of up to `decode_burst` tokens (never more than any
-     running request still may produce). Before the call every row gets the pages its
-     new positions need (with `window`, prefill and decode rows first give back the
-     pages behind every layer's sliding window: `PageTable.trim`); when the pool is
-     short, the youngest running request is *preempted*: its pages are freed and it goes
-     back to the front of the queue, to be prefilled again later from its prompt + the
-     tokens it already produced (recomputation, as vLLM does), continuing with the same
-     sampling keys. Requests with a grammar (`response_format`) take one token per
-     call, masked by their grammar state (`decoding.grammar`), in a call of their own when
-     the others burst;
+     waiting for a free slot, a fused burst of up to `decode_burst` tokens. Before a call
+     every row gets the pages its new positions need (with `window`, rows first give
+     back the pages behind every layer's sliding window: `PageTable.trim`); when the
+     pool is short, the youngest running request is *preempted*: its pages are freed and
+     it goes back to the front of the queue, to be prefilled again later from its prompt
+     + the tokens it already produced (recomputation, as vLLM does), with the same
+     sampling keys. Requests with a grammar (`response_format`) take one token per call,
+     masked by their grammar state (`decoding.grammar`), alone when the others burst;
   5. turns new tokens into text deltas (`OutputState`) and hands them to each request's
      sink; finished requests free their slot and pages.
 
@@ -56,6 +54,7 @@ from jaxlearn.decoding.speculative import choose_drafts
 from jaxlearn.inference.adapters import check_loaded, resolve_adapter
 from jaxlearn.inference.errors import QueueFullError, RequestError
 from jaxlearn.inference.metrics import Metrics, scheduler_metrics
+from jaxlearn.inference.mixed import mixed_step, scores_prompt
 from jaxlearn.inference.pages import PageTable
 from jaxlearn.inference.prefill_plan import bucket, chunk_len
 from jaxlearn.inference.request import NoText, Request, Sink, eos_ids, sampling_lists, slot_of
@@ -81,6 +80,7 @@ class Scheduler:
     speculative_tokens: k > 0 verifies k prompt-lookup draft tokens per call when at most
         `speculative_max_rows` requests decode, all of them can (`decoding.speculative`), and
         one has a draft (n-grams of up to `speculative_ngram` tokens); 0: off.
+    mixed_steps: prompts pending beside decoding rows share their step (`mixed.py`).
     """
 
     def __init__(
@@ -101,6 +101,7 @@ class Scheduler:
         speculative_max_rows: int = 4,
         speculative_ngram: int = 3,
         adapters: Any = None,
+        mixed_steps: bool = True,
     ):
         if prefill_chunk < 1 or prefill_chunk & (prefill_chunk - 1):
             raise ValueError(f"prefill_chunk={prefill_chunk} must be a power of two")
@@ -116,6 +117,7 @@ class Scheduler:
         self.speculative_max_rows = speculative_max_rows
         self.speculative_ngram = speculative_ngram
         self.adapters = adapters  # `AdapterBanks` (None: no LoRA slots).
+        self.mixed_steps = mixed_steps
         self.max_queue = max_queue
         self.min_prefill_bucket = min(min_prefill_bucket, prefill_chunk)
         self.metrics = metrics or Metrics()
@@ -259,8 +261,9 @@ class Scheduler:
             self._device_s = 0.0
             did = self._drop_cancelled()
             self._admit()
-            did |= self._prefill()
-            did |= self._decode()
+            mixed = mixed_step(self)  # None: the plain prefill and decode calls run.
+            did |= (self._prefill() | self._decode() if mixed is None
+                    else mixed | self._prefill(scoring_only=True))
             if did:
                 total = time.monotonic() - t0
                 self.metrics.observe("step_seconds", total)
@@ -327,10 +330,6 @@ class Scheduler:
     def _bucket(self, n: int) -> int:
         return bucket(n, self.prefill_chunk, self.min_prefill_bucket)
 
-    def _chunk_len(self, n: int) -> int:
-        """How many of a prompt's n remaining tokens its next chunk takes (`chunk_len`)."""
-        return chunk_len(n, self.prefill_chunk, self.min_prefill_bucket)
-
     def _scores(self, req: Request, chunk: Sequence[int]) -> bool:
         """Whether `chunk` (the next one of `req`) holds prompt positions still to score."""
         done = len(req.prompt_logprobs)
@@ -347,7 +346,8 @@ class Scheduler:
         longest = 0
         for req in pending:
             rest = len(req.context) - req.prefilled
-            chunk = req.context[req.prefilled : req.prefilled + self._chunk_len(rest)]
+            take = chunk_len(rest, self.prefill_chunk, self.min_prefill_bucket)
+            chunk = req.context[req.prefilled : req.prefilled + take]
             scores = self._scores(req, chunk)
             if not batch:
                 scoring = scores
@@ -363,11 +363,10 @@ class Scheduler:
         # chunks go as 2 now and 1 with the next step's.
         return batch[: 1 << (len(batch).bit_length() - 1)], scoring
 
-    def _prefill(self) -> bool:
-        pending = sorted(
-            (r for r in self.slots if r is not None and r.state == "prefill"),
-            key=lambda r: r.admitted,
-        )
+    def _prefill(self, scoring_only: bool = False) -> bool:
+        pending = sorted((r for r in self.slots if r is not None and r.state == "prefill"
+                          and (scores_prompt(r) or not scoring_only)),
+                         key=lambda r: r.admitted)
         if not pending:
             return False
         batch, scoring = self._prefill_batch(pending)
