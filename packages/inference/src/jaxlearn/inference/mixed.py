@@ -10,8 +10,9 @@ In a mixed step the prompt's tokens ride in the decode step's matmuls, and no ch
 padded to a power of two (the step pads its total only).
 
 A step takes all decoding rows (one token each) and then prompt chunks, oldest request
-first, up to `prefill_chunk` tokens in all (at least `MIN_TOKENS` of prompt); a prompt
-longer than what is left continues in the next step. A prompt that scores its tokens
+first, up to `prefill_chunk` tokens in all (at least `MIN_TOKENS` of prompt), cut so
+that the step's tokens fill its power-of-two count (`_chunks`); a prompt longer than
+what is left continues in the next step. A prompt that scores its tokens
 (`prompt_logprobs`: every position's logits) is prefilled in a call of its own beside
 the mixed step. The scheduler's own prefill and decode calls run instead when no prompt
 is pending (decode bursts), when a row uses a LoRA adapter (adapters are chosen per row
@@ -44,15 +45,22 @@ def _applies(s: Any, pending: list[Request], decoding: list[Request]) -> bool:
 
 
 def _chunks(s: Any, pending: list[Request], decoding: list[Request]) -> dict[Request, list[int]]:
-    """The prompt chunks of this step: oldest first, within the token budget."""
-    left = max(s.prefill_chunk - len(decoding), MIN_TOKENS)
+    """The prompt chunks of this step, oldest prompt first: as many tokens as fill the
+    step's power-of-two token count exactly (a prompt cut there continues in the next
+    step, which runs for the decoding rows anyway), or, when that would leave a prompt
+    fewer than `MIN_TOKENS`, all that the budget allows (the step then pads)."""
+    d = len(decoding)
+    rest = sum(len(r.context) - r.prefilled for r in pending)
+    left = min(rest, max(s.prefill_chunk - d, MIN_TOKENS))
+    fill = 1 << (d + left).bit_length() - 1  # The largest power of two <= d + left.
+    if fill - d >= min(left, MIN_TOKENS):
+        left = fill - d
     chunks: dict[Request, list[int]] = {}
     for req in pending:
         if left <= 0:
             break
-        chunk = req.context[req.prefilled : req.prefilled + left]
-        chunks[req] = chunk
-        left -= len(chunk)
+        chunks[req] = req.context[req.prefilled : req.prefilled + left]
+        left -= len(chunks[req])
     return chunks
 
 
