@@ -163,8 +163,7 @@ class Scheduler:
         sink: Optional[Sink] = None,
         request_id: Optional[str] = None,
     ) -> Request:
-        """Validates a request against this engine's limits (RequestError if it cannot be
-        served) without queueing it."""
+        """Validates a request against this engine's limits (RequestError), unqueued."""
         ids = [int(t) for t in prompt_ids]
         vocab = self.runner.vocab_size
         if not ids:
@@ -327,8 +326,6 @@ class Scheduler:
                                     gen_from=len(req.prompt_ids))
             self.metrics.inc("prefix_cache_hit_tokens_total", req.prefilled)
 
-    def _bucket(self, n: int) -> int:
-        return bucket(n, self.prefill_chunk, self.min_prefill_bucket)
 
     def _scores(self, req: Request, chunk: Sequence[int]) -> bool:
         """Whether `chunk` (the next one of `req`) holds prompt positions still to score."""
@@ -354,7 +351,8 @@ class Scheduler:
             elif scores != scoring:
                 continue
             budget = self.prefill_chunk * (1 if decoding or scoring else 4)
-            cost = next_pow2(len(batch) + 1) * self._bucket(max(longest, len(chunk)))
+            cost = next_pow2(len(batch) + 1) * bucket(max(longest, len(chunk)),
+                                                      self.prefill_chunk, self.min_prefill_bucket)
             if batch and cost > budget:
                 break
             batch.append((req, chunk))
@@ -380,9 +378,10 @@ class Scheduler:
         reqs = [r for r, _ in batch]
         slots = [slot_of(r) for r in reqs]
         params = [r.params for r in reqs]
-        bucket = self._bucket(max(len(c) for _, c in batch))
+        width = bucket(max(len(c) for _, c in batch), self.prefill_chunk,
+                       self.min_prefill_bucket)
         self.metrics.inc("prefill_calls_total")
-        self.metrics.inc("prefill_padded_tokens_total", next_pow2(len(batch)) * bucket)
+        self.metrics.inc("prefill_padded_tokens_total", next_pow2(len(batch)) * width)
         out = self._timed(
             "prefill",
             self.runner.prefill,
@@ -390,7 +389,7 @@ class Scheduler:
             chunks=[np.asarray(c, np.int32) for _, c in batch],
             starts=[r.prefilled for r in reqs],
             tables=self.pages.rows(slots),
-            bucket=bucket,
+            bucket=width,
             sampling=sampling_lists(reqs),
             gen_from=[len(r.prompt_ids) for r in reqs],
             targets=[np.asarray(r.context[r.prefilled + 1 : r.prefilled + len(c) + 1], np.int32)
@@ -418,8 +417,7 @@ class Scheduler:
             req.prompt_logprobs.append(unpack(out, (row, pos - start), ids[pos + 1], k))
 
     def _prefilled(self, req: Request, out: dict[str, Any], row: int) -> None:
-        """A request's whole context is in the cache: its first (next) token, or the end
-        of a request of max_new_tokens=0."""
+        """A request's context is cached: its first (next) token, or max_new_tokens=0's end."""
         req.state = "decode"
         if req.first_token_at is None:
             req.first_token_at = time.monotonic()
@@ -447,8 +445,7 @@ class Scheduler:
         return len(req.prompt_ids) + req.num_generated - 1
 
     def _commit(self, req: Request) -> None:
-        """Registers the full pages of a decoding `req` whose positions are written (its
-        last token's is not yet) for prefix caching."""
+        """Registers for prefix caching the full pages of decoding `req` already written."""
         n = self._position(req)
         if self.pages.prefix_caching and n // self.pages.page_size > self.pages.committed(
                 slot_of(req)):
@@ -501,7 +498,11 @@ class Scheduler:
             return True
         running = [r for r in decoding if r.matcher is None]
         steps = 1
-        if running and not busy and min(self._room(r) for r in running) >= self.decode_burst:
+        # Only the sequence limit bounds a burst: a row whose max_new_tokens (or a stop)
+        # ends it within the burst drops the burst's later tokens.
+        left = min((self.max_seq_len - len(r.prompt_ids) - r.num_generated for r in running),
+                   default=0)
+        if running and not busy and left >= self.decode_burst:
             burst = self.decode_burst
             pages = self.pages
             need = sum(max(0, pages.pages_for(self._position(r) + burst) - pages.owned(slot_of(r)))
