@@ -236,3 +236,22 @@ def test_presence_frequency_and_bias_match_openai_formula():
 def test_invalid_penalty_and_logprob_params(field, value):
     with pytest.raises(RequestError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_a_tokenizer_llguidance_cannot_read_is_a_request_error():
+    """A decoder llguidance does not read (SentencePiece's Metaspace) makes structured
+    output a RequestError naming response_format, not a crash of the engine's warm-up."""
+    tokenizers = pytest.importorskip("tokenizers")
+    pytest.importorskip("llguidance")
+    from jaxlearn.decoding.errors import RequestError
+    from jaxlearn.decoding.grammar import GrammarVocab
+    from jaxlearn.text.tokenizers import HFTokenizer
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "▁a": 3, "▁b": 4, "a": 5, "b": 6}
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab, [], unk_token=None))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace()
+    tok.decoder = tokenizers.decoders.Metaspace()
+    hf = HFTokenizer.from_tokenizer(tok, bos_id=1, eos_token_ids=[2], pad_id=0)
+    with pytest.raises(RequestError, match="llguidance cannot read") as e:
+        GrammarVocab(hf, len(vocab))
+    assert e.value.param == "response_format"

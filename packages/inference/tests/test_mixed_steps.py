@@ -99,3 +99,20 @@ def test_warmup_covers_every_mixed_step(model, tok):
     engine.generate([_prompts(3, (20,))[0]], max_new_tokens=3, prompt_logprobs=1,
                     ignore_eos=True)
     assert engine.runner.compiled_late == 0
+
+
+def test_a_length_dependent_rope_keeps_the_plain_path(tok):
+    """Dynamic NTK / LongRoPE rotate by the call's length (a mixed step is one row of all
+    its rows' tokens, and cutting a prompt changes its rotation): no mixed steps."""
+    from jaxlearn.layers.rope import DynamicNTKFrequencyScaling, scaling_config
+
+    cfg = tiny_config()
+    rope = cfg.decoder.transformer.layer.self_attention.rope
+    rope.frequency_scaling = scaling_config({"rope_type": "dynamic", "factor": 2.0,
+                                             "original_max_position_embeddings": 16})
+    assert rope.frequency_scaling.klass is DynamicNTKFrequencyScaling
+    engine = make_engine(cfg, tiny_params(cfg), tok, max_batch=4, max_seq_len=64)
+    assert not engine.scheduler.mixed_steps
+    plain = make_engine(*(lambda c: (c, tiny_params(c)))(tiny_config()), tok, max_batch=4,
+                        max_seq_len=64)
+    assert plain.scheduler.mixed_steps

@@ -223,7 +223,12 @@ class GrammarVocab:
         hf = getattr(tokenizer, "tokenizer", None)
         n = max(int(vocab_size), int(tokenizer.vocab_size))
         if hf is not None and hasattr(hf, "to_str"):
-            self.tokenizer = llg.LLTokenizer(hf.to_str(), n_vocab=n, eos_token=eos)
+            try:
+                self.tokenizer = llg.LLTokenizer(hf.to_str(), n_vocab=n, eos_token=eos)
+            except ValueError as e:  # A decoder llguidance does not read (e.g. Metaspace).
+                raise RequestError(f"response_format: llguidance cannot read this "
+                                   f"tokenizer ({_one_line(str(e))})",
+                                   param="response_format") from e
         elif isinstance(tokenizer, ByteTokenizer):
             wrapper = llg.TokenizerWrapper(_ByteTokens(n))
             self.tokenizer = llg.LLTokenizer(wrapper, n_vocab=n, eos_token=eos)

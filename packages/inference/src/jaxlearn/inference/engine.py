@@ -53,6 +53,7 @@ from jaxlearn.inference.engine_setup import (
 from jaxlearn.inference.errors import InferenceError, QueueFullError, RequestError
 from jaxlearn.inference.metrics import Metrics
 from jaxlearn.inference.request import Request
+from jaxlearn.inference.rows_step import rows_invariant
 from jaxlearn.inference.runner import ModelRunner, kv_window, next_pow2
 from jaxlearn.inference.scheduler import Scheduler
 from jaxlearn.layers.lora import DEFAULT_TARGETS
@@ -144,7 +145,7 @@ class Engine(Configurable):
         decode_burst: most decode steps fused into one jit call when nobody waits.
         mixed_steps: a prompt pending while others decode joins their step (its chunk and
             their next tokens in one forward, `inference.mixed`) instead of a prefill call
-            of its own that stalls them.
+            of its own that stalls them (not for a length-dependent RoPE: LongRoPE, NTK).
         speculative_tokens: k > 0 turns on speculative decoding with prompt-lookup drafts
             (`decoding.speculative`): while at most `speculative_max_rows` requests
             decode and one of them finds an earlier occurrence of its last (up to
@@ -292,7 +293,7 @@ class Engine(Configurable):
             speculative_max_rows=cfg.speculative_max_rows,
             speculative_ngram=cfg.speculative_ngram,
             adapters=self.adapters,
-            mixed_steps=cfg.mixed_steps,
+            mixed_steps=cfg.mixed_steps and rows_invariant(self.model),
         )
         self.add_bos = _resolve_add_bos(cfg.add_bos, self.tokenizer)
         self._thread: Optional[threading.Thread] = None

@@ -24,6 +24,7 @@ import numpy as np
 from jaxlearn.decoding.logprobs import wanted_logprobs
 from jaxlearn.decoding.sampling import sample_tokens
 from jaxlearn.kernels.paged import PagedRows
+from jaxlearn.layers.attention import Attention
 from jaxlearn.layers.multi_lora import ADAPTER_ROWS
 from jaxlearn.module import functional
 
@@ -73,6 +74,22 @@ def rows_step(
                         pen=pen, allow=allow, **samp)
     out = {"tok": tok, **wanted_logprobs(logits, tok, want)}
     return new["decoder"], seen.at[slots].set(seen_rows), counts.at[slots].set(count_rows), out
+
+
+def rows_invariant(model: Any) -> bool:
+    """Whether `model`'s rows may share a mixed step: not when an attention layer's RoPE
+    scaling depends on the call's length (dynamic NTK, LongRoPE: a row's length is its
+    largest position in the call, and a mixed step is one row of all its rows' tokens;
+    such a model's outputs also depend on where a prompt is cut into chunks)."""
+    todo = [model]
+    while todo:
+        m = todo.pop()
+        if isinstance(m, Attention) and m.config.rope is not None:
+            fs = m.config.rope.frequency_scaling
+            if fs is not None and getattr(fs.klass, "length_dependent", False):
+                return False
+        todo.extend(m.children.values())
+    return True
 
 
 def token_bucket(n: int) -> int:

@@ -62,8 +62,10 @@ class EngineSampler:
             quantize=None, add_bos=False)
         self.engine = Engine(cfg, model_cfg=model_cfg, params=params, tokenizer=tokenizer)
         # Every program sampling can reach, compiled now rather than inside a later step
-        # (one compiled late is logged and counted in `runner.compiled_late`).
-        self.engine.warmup(scoring=False)
+        # (one compiled late is logged and counted in `runner.compiled_late`), one at a
+        # time: two threads reading the persistent compilation cache at once crashed the
+        # trainer's process in jaxlib's executable deserialization (SIGSEGV).
+        self.engine.warmup(threads=1, scoring=False)
         current = self.engine.runner.params
         self._shardings = jax.tree.map(lambda x: x.sharding, current)
         self._shapes = jax.tree.map(lambda x: (x.shape, x.dtype), current)
