@@ -183,8 +183,10 @@ def test_a_row_per_completion_trains_like_the_shared_prompt_rows(tmp_path, refer
     want = _rows(reference[0])[0]
     for k in ("reward_mean", "num_tokens", "num_completions"):
         assert result.metrics[k] == want[k], k
+    # The first step's loss is a sum of O(1) terms that cancels to ~0 (ratio 1, advantages
+    # of mean 0): the two layouts' summation orders part by f32 rounding of those terms.
     for k in ("loss", "grad_norm", "entropy", "ratio_mean"):
-        assert result.metrics[k] == pytest.approx(want[k], rel=1e-5, abs=1e-7), k
+        assert result.metrics[k] == pytest.approx(want[k], rel=1e-5, abs=1e-6), k
 
 
 def test_failing_rewards_and_bad_prompts_name_the_row(tmp_path):

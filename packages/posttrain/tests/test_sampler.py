@@ -87,17 +87,3 @@ def test_swapped_weights_are_the_ones_sampled(setup):
     with pytest.raises(ValueError, match="shapes or dtypes"):
         sampler.set_params(jax.tree.map(lambda x: x.astype(jnp.bfloat16), params))
 
-
-def test_sampling_compiles_nothing_after_the_sampler_is_built(setup):
-    """The sampler warms every program sampling reaches (row counts as groups end, prompt
-    buckets, bursts), so no later step stalls on a compile."""
-    _, params, sampler, _ = setup
-    prompts = [list(range(1, 40)), [5], list(range(2, 12))]
-    for n, new in ((1, 3), (5, 9)):
-        sampler.sample(prompts, n=n, temperature=1.0, max_new_tokens=new, seed=n)
-    sampler.release()
-    sampler.set_params(params)
-    sampler.sample(prompts[:1], n=2, temperature=0.5, max_new_tokens=4, seed=0)
-    runner = sampler.engine.runner
-    assert runner.sealed and runner.compiled_late == 0
-    assert not any(key[1] == (("scoring", True),) for key in runner.programs)

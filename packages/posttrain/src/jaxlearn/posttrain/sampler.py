@@ -19,10 +19,6 @@ A prompt's n copies share its KV pages: `sample` first prefills each distinct pr
 prompt's full pages in the engine's prefix cache, so only each copy's last partial page is
 computed again. The cache is dropped whenever the weights change (`set_params`,
 `release`): no page outlives the params it was computed with.
-
-The engine compiles the programs sampling can reach when the sampler is built (its
-`warmup` without the prompt-scoring ones), so no step stalls on a compile of a shape the
-earlier steps did not meet (a group's last rows, a longer prompt).
 """
 
 from __future__ import annotations
@@ -61,11 +57,6 @@ class EngineSampler:
             prefix_caching=True, weight_layout="in_out", fuse_projections=False,
             quantize=None, add_bos=False)
         self.engine = Engine(cfg, model_cfg=model_cfg, params=params, tokenizer=tokenizer)
-        # Every program sampling can reach, compiled now rather than inside a later step
-        # (one compiled late is logged and counted in `runner.compiled_late`), one at a
-        # time: two threads reading the persistent compilation cache at once crashed the
-        # trainer's process in jaxlib's executable deserialization (SIGSEGV).
-        self.engine.warmup(threads=1, scoring=False)
         current = self.engine.runner.params
         self._shardings = jax.tree.map(lambda x: x.sharding, current)
         self._shapes = jax.tree.map(lambda x: (x.shape, x.dtype), current)
