@@ -116,3 +116,11 @@ def test_a_length_dependent_rope_keeps_the_plain_path(tok):
     plain = make_engine(*(lambda c: (c, tiny_params(c)))(tiny_config()), tok, max_batch=4,
                         max_seq_len=64)
     assert plain.scheduler.mixed_steps
+
+
+def test_warmup_without_scoring_compiles_no_scoring_prefill(model, tok):
+    engine = make_engine(*model, tok, max_batch=2, max_seq_len=48, prefill_chunk=32)
+    new = engine.warmup(scoring=False)
+    keys = list(engine.runner.programs)
+    assert new == len(keys) and not any(k[1] == (("scoring", True),) for k in keys)
+    assert {k[0] for k in keys} == {"decode", "rows"}  # Plain prefills only for adapters.
