@@ -137,8 +137,24 @@ def test_idle_connection_is_closed_quietly(server):
         assert read_all(sock) == b""  # After keep_alive_timeout, without a response.
 
 
-def test_connection_cap_answers_429_and_recovers(server):
+@pytest.fixture()
+def capped(engine):
+    """The probe's connection cap with deadlines far from a loaded CI machine's scheduling
+    delays (the module server's 0.6 s head deadline can pass before a held connection's
+    head is read); HTTP thread only."""
+    limits = Limits(max_connections=LIMITS.max_connections, keep_alive_timeout=3.0,
+                    header_timeout=20.0, io_timeout=30.0, max_body_bytes=4096)
+    srv = InferenceServer(engine, port=0, api_key=KEY, limits=limits)
+    t = threading.Thread(target=srv.httpd.serve_forever, daemon=True)
+    t.start()
+    yield srv
+    srv.httpd.shutdown()
+    srv.httpd.server_close()
+
+
+def test_connection_cap_answers_429_and_recovers(capped):
     """429 once every connection is busy with a request (here: waiting for a body)."""
+    server = capped
     httpd = server.httpd
     assert httpd.open_connections == 0 or _wait(lambda: httpd.open_connections == 0)
     held = [socket.create_connection(server.address) for _ in range(LIMITS.max_connections)]
