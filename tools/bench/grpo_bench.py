@@ -15,9 +15,10 @@ serving engine; TRL with `model.generate` (its default without vLLM).
     . tools/malloc_env.sh && python tools/bench/grpo_bench.py drive --out /tmp/grpo_bench \\
         --jl "tools/jaxlearn python" --pt /tmp/tvenv/bin/python --rounds 1
 
-Each side runs `--steps` steps as its trainer does (jaxlearn: `Trainer.run`, TRL:
-`trainer.train()`) and emits the median step time after warm-up, the time spent sampling,
-the reward per step and its peak RSS as one JSON line; the driver appends them, with the
+Each side runs `--steps` steps as its trainer does (jaxlearn: `Trainer.run` with the
+persistent compilation cache `jaxlearn train` enables, TRL: `trainer.train()`) and emits
+the median step time after warm-up, the time spent sampling, the reward per step and its
+peak RSS as one JSON line; the driver appends them, with the
 ratios, to tools/bench/results/grpo.jsonl.
 """
 
@@ -81,7 +82,10 @@ def data_stage(out: pathlib.Path) -> None:
 def jl_stage(out: pathlib.Path, steps: int, warmup: int, tag: str) -> None:
     import jax
 
+    from jaxlearn.cli.main import enable_compilation_cache
     from jaxlearn.config import from_flat_text
+
+    enable_compilation_cache()  # As `jaxlearn train` does for a user.
 
     cfg = from_flat_text((out / "grpo.txt").read_text())
     cfg.output_dir = str(out / f"jl_{os.getpid()}")
@@ -93,7 +97,8 @@ def jl_stage(out: pathlib.Path, steps: int, warmup: int, tag: str) -> None:
     rows = [json.loads(x) for x in (pathlib.Path(cfg.output_dir) / "metrics.jsonl")
             .read_text().splitlines()]
     rows = [r for r in rows if r["split"] == "train"]
-    # step_time: the whole step (sampling included), as the trainer logs it.
+    # step_time: the whole step (sampling included), as the trainer logs it: only the
+    # train step's compilation for a batch length not met before is left out.
     _emit("jaxlearn", jax.__version__, [r["step_time"] for r in rows],
           [r["sample_time"] for r in rows], [r["reward_mean"] for r in rows],
           [r["completion_length"] for r in rows], warmup, tag, wall_s=rnd(wall),

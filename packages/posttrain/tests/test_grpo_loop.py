@@ -79,6 +79,9 @@ def test_grpo_raises_the_reward_on_policy(reference):
     for r in rows:  # The sampler's log-probabilities are the trainer's (f32).
         assert r["logprob_mismatch_max"] <= 1e-5, r
         assert r["completion_length"] <= NEW and r["sampling_tokens_per_sec"] > 0
+        # Every step's time holds its rollout, the first one's too (it compiled the
+        # train step after sampling; only the compilation is left out).
+        assert r["step_time"] >= r["rollout_time"] > 0, r
     goodput = json.loads((out / "goodput.json").read_text())
     assert goodput["seconds"]["rollout"] > 0
 

@@ -123,7 +123,7 @@ COMMANDS = {
 }
 
 
-def _enable_compilation_cache() -> None:
+def enable_compilation_cache() -> None:
     """Persistent XLA compilation cache (JAXLEARN_COMPILATION_CACHE=0 disables it)."""
     path = os.environ.get("JAXLEARN_COMPILATION_CACHE",
                           os.path.join(os.path.expanduser("~"), ".cache", "jaxlearn", "xla"))
@@ -153,7 +153,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = argv[1:]  # After the command name (train --supervise re-runs them).
     _configure_logging()
-    _enable_compilation_cache()
+    enable_compilation_cache()
     try:
         return COMMANDS[args.command](args)
     except UsageError as e:
