@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 
 from jaxlearn.config import replace_config
 from jaxlearn.kernels import Int8Weight, quantize_int8
-from jaxlearn.layers import Decoder, Embedding, Int8Linear, Linear
+from jaxlearn.layers import Decoder, Embedding, Int8Linear, Linear, LoraLinear
 from jaxlearn.module import Module
 
 QUANTIZE_MODES = ("int8",)
@@ -35,17 +35,20 @@ def check_quantize(mode: Optional[str]) -> None:
                          f"{', '.join(QUANTIZE_MODES)}")
 
 
-def is_plain_linear(c: Any) -> bool:
-    """A `Linear` config (not a subclass: LoRA, int8, transposed) with the default dot."""
-    return "klass" in c and c.klass is Linear and c.dot is None
+def is_plain_linear(c: Any, *, lora: bool = False) -> bool:
+    """A `Linear` config (not a subclass: LoRA, int8, transposed; with `lora`, a
+    `LoraLinear` too) with the default dot."""
+    return "klass" in c and (c.klass is Linear or (lora and c.klass is LoraLinear)) \
+        and c.dot is None
 
 
-def plain_linears(model: Module, params: Any) -> list[tuple[Module, dict[str, Any]]]:
+def plain_linears(model: Module, params: Any, *,
+                  lora: bool = False) -> list[tuple[Module, dict[str, Any]]]:
     """(module, its params) of every plain Linear of `model` (see `is_plain_linear`)."""
     out: list[tuple[Module, dict[str, Any]]] = []
 
     def walk(module: Module, p: Any) -> None:
-        if is_plain_linear(module.config):
+        if is_plain_linear(module.config, lora=lora):
             out.append((module, p))
             return
         for name, child in module.children.items():
@@ -56,15 +59,18 @@ def plain_linears(model: Module, params: Any) -> list[tuple[Module, dict[str, An
     return out
 
 
-def swap_linears(model_cfg: Any, params: Any, variant: type[Linear], fn: Convert
-                 ) -> tuple[Any, Any]:
+def swap_linears(model_cfg: Any, params: Any, variant: type[Linear], fn: Convert, *,
+                 lora_variant: Optional[type[Linear]] = None) -> tuple[Any, Any]:
     """(config with every plain Linear config replaced by `variant`'s (fields carried
     over), params with each plain Linear's `weight` replaced by `fn(weight, in dims,
-    lead dims)`). A scanned stack's weights keep their leading layer axis (`lead`)."""
+    lead dims)`). A scanned stack's weights keep their leading layer axis (`lead`). With
+    `lora_variant`, every `LoraLinear` becomes one too, its weight converted alike and its
+    `adapter` params kept."""
     model = model_cfg.instantiate()
+    lora = lora_variant is not None
 
     def walk(module: Module, p: Any) -> Any:
-        if is_plain_linear(module.config):
+        if is_plain_linear(module.config, lora=lora):
             own = module._create_layer_parameter_specs()["weight"]
             lead = len(p["weight"].shape) - len(own.shape)
             rest = {k: v for k, v in p.items() if k != "weight"}
@@ -75,8 +81,10 @@ def swap_linears(model_cfg: Any, params: Any, variant: type[Linear], fn: Convert
                 out[name] = walk(child, p[name])
         return out
 
-    new_cfg = replace_config(model_cfg, lambda path, c: is_plain_linear(c),
-                             lambda old, path: variant.default_config(), allow_no_match=True)
+    new_cfg = replace_config(
+        model_cfg, lambda path, c: is_plain_linear(c, lora=lora),
+        lambda old, path: (lora_variant if old.klass is LoraLinear else variant)
+        .default_config(), allow_no_match=True)  # type: ignore[union-attr]
     return new_cfg, walk(model, params)
 
 

@@ -10,7 +10,8 @@ reads the same weight 1.0-1.5x faster stored `[out, in]`; f32 dots are faster `[
 - "out_in": every plain float Linear weight stored `[out, in]` (one device only);
 - "in_out": the trained layout;
 - "packed": every plain float Linear weight packed once for oneMKL's GEMM
-  (`kernels.packed_gemm`: bf16 on AMX / AVX512_BF16, f32 on any x86-64), one CPU device.
+  (`kernels.packed_gemm`: bf16 on AMX / AVX512_BF16, f32 on any x86-64), one CPU device;
+  a `LoraLinear`'s base weight too (a `layers.PackedLoraLinear`, its adapter unpacked).
   Activations are cast to the weights' dtype. "auto" chooses it first when every plain
   Linear weight and compute dtype is bfloat16, the host has native bf16 dot
   instructions and the kernel builds here (`unavailable_reason`): a decode step's
@@ -38,7 +39,7 @@ from jaxlearn.config import replace_config
 from jaxlearn.inference.quantize import plain_linears, swap_linears, tied_head
 from jaxlearn.kernels import PackedTable, PackedWeights, transpose_weight
 from jaxlearn.kernels.packed_gemm import host_has_bf16, unavailable_reason
-from jaxlearn.layers import PackedLinear, TransposedLinear
+from jaxlearn.layers import PackedLinear, PackedLoraLinear, TransposedLinear
 
 WEIGHT_LAYOUTS = ("auto", "in_out", "out_in", "packed")
 log = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ def packed_layout_chosen(model_cfg: Any, params: Any, layout: str, *,
     if layout == "auto" and (mesh_shape is not None or jax.default_backend() != "cpu"
                              or not host_has_bf16()):
         return False
-    linears = plain_linears(model_cfg.instantiate(), params)
+    linears = plain_linears(model_cfg.instantiate(), params, lora=True)
     dtypes = {jnp.dtype(p["weight"].dtype) for _, p in linears}
     if layout == "auto":  # bf16 weights and compute (x is cast to the weights' dtype).
         bf16 = {jnp.dtype(jnp.bfloat16)}
@@ -125,10 +126,12 @@ def pack_weights(model_cfg: Any, params: Any) -> tuple[Any, Any, PackedWeights]:
         return {"weight_id": owner.pack_stack(mats, lead)}
 
     dtype = {str(jnp.dtype(p["weight"].dtype)) for _, p in
-             plain_linears(model_cfg.instantiate(), params)}.pop()
-    new_cfg, new_params = swap_linears(model_cfg, params, PackedLinear, fn)
-    new_cfg = replace_config(new_cfg, lambda path, c: "klass" in c and c.klass is PackedLinear,
-                             lambda old, path: old.clone(weight_dtype=dtype))
+             plain_linears(model_cfg.instantiate(), params, lora=True)}.pop()
+    new_cfg, new_params = swap_linears(model_cfg, params, PackedLinear, fn,
+                                       lora_variant=PackedLoraLinear)
+    new_cfg = replace_config(
+        new_cfg, lambda path, c: "klass" in c and c.klass in (PackedLinear, PackedLoraLinear),
+        lambda old, path: old.clone(weight_dtype=dtype))
     if tied_head(model_cfg):  # Its transpose packed too.
         table = new_params["decoder"]["emb"]["weight"]
         if jnp.dtype(table.dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):

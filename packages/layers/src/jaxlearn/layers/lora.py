@@ -109,6 +109,14 @@ class LoraAdapter(Module):
         return y.reshape(*lead, *outs)
 
 
+def add_adapter(layer: Linear) -> None:
+    """Adds the `adapter` child of a Linear whose config has `LoraFields`."""
+    c = layer.config
+    layer._add_child("adapter", LoraAdapter.default_config().set(
+        input_dim=c.input_dim, output_dim=c.output_dim, weight_axes=tuple(c.weight_axes),
+        rank=c.lora_rank, alpha=c.lora_alpha, dropout=c.lora_dropout))
+
+
 class LoraLinear(Linear):
     """`Linear` plus a low-rank `adapter` child; the base weight is frozen (module doc)."""
 
@@ -117,10 +125,7 @@ class LoraLinear(Linear):
 
     def __init__(self, cfg: "LoraLinear.Config", *, parent: Optional[Module] = None):
         super().__init__(cfg, parent=parent)
-        c = self.config
-        self._add_child("adapter", LoraAdapter.default_config().set(
-            input_dim=c.input_dim, output_dim=c.output_dim, weight_axes=tuple(c.weight_axes),
-            rank=c.lora_rank, alpha=c.lora_alpha, dropout=c.lora_dropout))
+        add_adapter(self)
 
     def _params(self) -> Any:
         return {k: v if isinstance(v, dict) else jax.lax.stop_gradient(v)

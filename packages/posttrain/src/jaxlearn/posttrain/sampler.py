@@ -14,6 +14,14 @@ tree as is), no fusion or quantization. Copy j of the prompts (prompt j // n, sa
 j % n) samples with seed `seed + j`, so a rerun of a step with the same seed samples the
 same tokens.
 
+`dtype="bfloat16"` samples from a bf16 copy of the params instead, made at construction
+and at each `set_params`, computed in bf16: on one CPU device of a host with native bf16
+dots the copy's dense weights are packed for oneMKL (a LoRA projection's base weight too,
+its adapter as it is; `inference.weight_layout`), a decode step 2-3x faster than f32 here.
+Its log-probabilities are then the bf16 policy's, not the f32 trainer's: the trainer's
+`logprob_mismatch_*` metrics measure the gap, and as old-policy log-probabilities they
+make the PPO ratio the trained policy's over the policy that really sampled.
+
 A prompt's n copies share its KV pages: `sample` first prefills each distinct prompt once
 (a `max_new_tokens=0` call) and then samples the copies, whose admission finds the
 prompt's full pages in the engine's prefix cache, so only each copy's last partial page is
@@ -27,8 +35,10 @@ import dataclasses
 from typing import Any, Optional, Sequence
 
 import jax
+import jax.numpy as jnp
 
 from jaxlearn.inference.engine import Engine
+from jaxlearn.inference.weight_layout import pack_weights
 
 __all__ = ["EngineSampler", "Completion"]
 
@@ -51,11 +61,19 @@ class EngineSampler:
     """An in-process `Engine` whose weights are swapped for the trainer's (module doc)."""
 
     def __init__(self, model_cfg: Any, params: Any, tokenizer: Any = None, *,
-                 max_batch: int = 16, max_seq_len: int = 512, page_size: int = 16):
+                 max_batch: int = 16, max_seq_len: int = 512, page_size: int = 16,
+                 dtype: Optional[str] = None):
+        if dtype not in (None, "bfloat16"):
+            raise ValueError(f"EngineSampler: dtype must be None or 'bfloat16', got {dtype!r}")
+        self._dtype = dtype
+        if dtype is not None:
+            model_cfg = model_cfg.clone(dtype=dtype, param_dtype=dtype)
+            params = self._cast(params)
+        self._model_cfg = model_cfg
         cfg = Engine.default_config().set(
             max_batch=max_batch, max_seq_len=max_seq_len, page_size=page_size,
-            prefix_caching=True, weight_layout="in_out", fuse_projections=False,
-            quantize=None, add_bos=False)
+            prefix_caching=True, weight_layout="in_out" if dtype is None else "auto",
+            fuse_projections=False, quantize=None, add_bos=False)
         self.engine = Engine(cfg, model_cfg=model_cfg, params=params, tokenizer=tokenizer)
         current = self.engine.runner.params
         self._shardings = jax.tree.map(lambda x: x.sharding, current)
@@ -67,22 +85,39 @@ class EngineSampler:
         """Bytes of the engine's KV pool (0 while released)."""
         return 0 if self.engine.runner.pool is None else self.engine.runner.cache_bytes()
 
+    def _cast(self, params: Any) -> Any:
+        return jax.tree.map(lambda x: x.astype(self._dtype)
+                            if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+
     def release(self) -> None:
         """Frees the KV pool and drops the engine's reference to the params (training
-        time-sliced with sampling gets that memory back); the next `sample` reallocates
-        the pool and needs a `set_params` first."""
+        time-sliced with sampling gets that memory back, packed copies included); the
+        next `sample` reallocates the pool and needs a `set_params` first."""
         runner = self.engine.runner
         runner.pool = runner.seen = runner.counts = runner.params = None
+        if self.engine.packed_weights is not None:
+            self.engine.packed_weights.close()
         self.engine.scheduler.pages.drop_cached()
         self._released = True
 
     def set_params(self, params: Any) -> None:
         """Runs `params` from now on (same tree, shapes and dtypes as the first; placed
         like the engine's current ones, which is no copy when they already are)."""
+        owner = None
+        if self._dtype is not None:
+            params = self._cast(params)
+            if self.engine.packed_weights is not None:  # Packed anew (module doc).
+                _, params, owner = pack_weights(self._model_cfg, params)
         new = jax.device_put(params, self._shardings)
         if jax.tree.map(lambda x: (x.shape, x.dtype), new) != self._shapes:
+            if owner is not None:
+                owner.close()
             raise ValueError("EngineSampler.set_params: the params' tree, shapes or dtypes "
                              "differ from the engine's")
+        if owner is not None:  # No program runs between samples: the old copies go.
+            assert self.engine.packed_weights is not None
+            self.engine.packed_weights.close()
+            self.engine.packed_weights = owner
         self.engine.runner.params = new
         self.engine.scheduler.pages.drop_cached()  # KV pages of the old weights.
         if self._released:
