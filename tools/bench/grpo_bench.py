@@ -15,6 +15,9 @@ serving engine; TRL with `model.generate` (its default without vLLM).
     . tools/malloc_env.sh && python tools/bench/grpo_bench.py drive --out /tmp/grpo_bench \\
         --jl "tools/jaxlearn python" --pt /tmp/tvenv/bin/python --rounds 1
 
+`JAXLEARN_BENCH_SAMPLER_DTYPE=bfloat16` has jaxlearn sample from a bf16 copy of the
+params (`rollout.sampler_dtype`; the trainer stays f32) and records it as `sampler_dtype`.
+
 Each side runs `--steps` steps as its trainer does (jaxlearn: `Trainer.run` with the
 persistent compilation cache `jaxlearn train` enables, TRL: `trainer.train()`) and emits
 the median step time after warm-up, the time spent sampling, the reward per step and its
@@ -90,6 +93,7 @@ def jl_stage(out: pathlib.Path, steps: int, warmup: int, tag: str) -> None:
     cfg = from_flat_text((out / "grpo.txt").read_text())
     cfg.output_dir = str(out / f"jl_{os.getpid()}")
     cfg.set(max_step=steps, save_every_n_steps=10_000, log_every_n_steps=1)
+    cfg.rollout.sampler_dtype = sampler_dtype()
     cfg.summary_writer.set(progress=False)
     t0 = time.perf_counter()
     cfg.instantiate().run()
@@ -102,7 +106,15 @@ def jl_stage(out: pathlib.Path, steps: int, warmup: int, tag: str) -> None:
     _emit("jaxlearn", jax.__version__, [r["step_time"] for r in rows],
           [r["sample_time"] for r in rows], [r["reward_mean"] for r in rows],
           [r["completion_length"] for r in rows], warmup, tag, wall_s=rnd(wall),
-          logprob_mismatch_max=max(r["logprob_mismatch_max"] for r in rows))
+          logprob_mismatch_max=max(r["logprob_mismatch_max"] for r in rows),
+          logprob_mismatch_mean=med([r["logprob_mismatch_mean"] for r in rows]),
+          sampler_dtype=cfg.rollout.sampler_dtype or "float32")
+
+
+def sampler_dtype() -> "str | None":
+    """jaxlearn's sampler: the trainer's f32 params (the recipe's default), or a bf16 copy
+    with JAXLEARN_BENCH_SAMPLER_DTYPE=bfloat16 (`rollout.sampler_dtype`)."""
+    return os.environ.get("JAXLEARN_BENCH_SAMPLER_DTYPE") or None
 
 
 def args_bf16() -> bool:

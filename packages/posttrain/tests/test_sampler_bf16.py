@@ -9,8 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxlearn.inference.weight_layout import PackedLoraLinear
 from jaxlearn.kernels.packed_gemm import host_has_bf16, unavailable_reason
-from jaxlearn.layers import PackedLoraLinear, llama_config, use_lora
+from jaxlearn.layers import llama_config, use_lora
 from jaxlearn.posttrain import token_logprobs
 from jaxlearn.posttrain.logprobs import adapters_off
 from jaxlearn.posttrain.sampler import EngineSampler

@@ -11,7 +11,7 @@ reads the same weight 1.0-1.5x faster stored `[out, in]`; f32 dots are faster `[
 - "in_out": the trained layout;
 - "packed": every plain float Linear weight packed once for oneMKL's GEMM
   (`kernels.packed_gemm`: bf16 on AMX / AVX512_BF16, f32 on any x86-64), one CPU device;
-  a `LoraLinear`'s base weight too (a `layers.PackedLoraLinear`, its adapter unpacked).
+  a `LoraLinear`'s base weight too (a `PackedLoraLinear`, its adapter unpacked).
   Activations are cast to the weights' dtype. "auto" chooses it first when every plain
   Linear weight and compute dtype is bfloat16, the host has native bf16 dot
   instructions and the kernel builds here (`unavailable_reason`): a decode step's
@@ -39,10 +39,32 @@ from jaxlearn.config import replace_config
 from jaxlearn.inference.quantize import plain_linears, swap_linears, tied_head
 from jaxlearn.kernels import PackedTable, PackedWeights, transpose_weight
 from jaxlearn.kernels.packed_gemm import host_has_bf16, unavailable_reason
-from jaxlearn.layers import PackedLinear, PackedLoraLinear, TransposedLinear
+from jaxlearn.layers import LoraAdapter, PackedLinear, TransposedLinear
+from jaxlearn.layers.lora import LoraFields
+from jaxlearn.module import Module
 
 WEIGHT_LAYOUTS = ("auto", "in_out", "out_in", "packed")
 log = logging.getLogger(__name__)
+
+
+class PackedLoraLinear(PackedLinear):
+    """A `LoraLinear` served with its base weight packed (`PackedLinear`) and its
+    `adapter` child as it is; the adapter's f32 output joins the f32 accumulator before
+    the one rounding to the output dtype (a bf16 sum drops a young adapter's updates)."""
+
+    class Config(LoraFields, PackedLinear.Config):
+        pass
+
+    def __init__(self, cfg: "PackedLoraLinear.Config", *, parent: Optional[Module] = None):
+        super().__init__(cfg, parent=parent)
+        c = self.config  # The adapter `LoraLinear` adds.
+        self._add_child("adapter", LoraAdapter.default_config().set(
+            input_dim=c.input_dim, output_dim=c.output_dim, weight_axes=tuple(c.weight_axes),
+            rank=c.lora_rank, alpha=c.lora_alpha, dropout=c.lora_dropout))
+
+    def forward(self, x: Any, *, out_dtype: Any = None) -> Any:
+        y = super().forward(x, out_dtype=jnp.float32)
+        return (y + self.adapter(x.astype(self.dtype))).astype(out_dtype or self.dtype)
 
 
 def check_weight_layout(layout: str, mesh_shape: Optional[tuple[int, ...]]) -> None:

@@ -48,7 +48,7 @@ from jaxlearn.layers.rope import (
     scaling_config,
     scaling_dict,
 )
-from jaxlearn.layers.serving import Int8Linear, PackedLinear, PackedLoraLinear, TransposedLinear
+from jaxlearn.layers.serving import Int8Linear, PackedLinear, TransposedLinear
 from jaxlearn.layers.transformer import (
     ACTIVATION_NAMES,
     BaseStack,
@@ -111,7 +111,6 @@ __all__ = [
     "ScanStack",
     "TransformerLayer",
     "PackedLinear",
-    "PackedLoraLinear",
     "TransposedLinear",
     "cross_entropy",
     "dense",

@@ -109,14 +109,6 @@ class LoraAdapter(Module):
         return y.reshape(*lead, *outs)
 
 
-def add_adapter(layer: Linear) -> None:
-    """Adds the `adapter` child of a Linear whose config has `LoraFields`."""
-    c = layer.config
-    layer._add_child("adapter", LoraAdapter.default_config().set(
-        input_dim=c.input_dim, output_dim=c.output_dim, weight_axes=tuple(c.weight_axes),
-        rank=c.lora_rank, alpha=c.lora_alpha, dropout=c.lora_dropout))
-
-
 class LoraLinear(Linear):
     """`Linear` plus a low-rank `adapter` child; the base weight is frozen (module doc)."""
 
@@ -125,7 +117,10 @@ class LoraLinear(Linear):
 
     def __init__(self, cfg: "LoraLinear.Config", *, parent: Optional[Module] = None):
         super().__init__(cfg, parent=parent)
-        add_adapter(self)
+        c = self.config
+        self._add_child("adapter", LoraAdapter.default_config().set(
+            input_dim=c.input_dim, output_dim=c.output_dim, weight_axes=tuple(c.weight_axes),
+            rank=c.lora_rank, alpha=c.lora_alpha, dropout=c.lora_dropout))
 
     def _params(self) -> Any:
         return {k: v if isinstance(v, dict) else jax.lax.stop_gradient(v)

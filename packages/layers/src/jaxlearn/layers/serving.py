@@ -10,8 +10,7 @@ converts the params, `jaxlearn.inference.quantize` / `weight_layout`):
 - `PackedLinear`: the weight packed for oneMKL (`kernels.packed_gemm`), held outside JAX by
   a `kernels.PackedWeights` owner; the param is its int32 id `weight_id []` (a scanned
   stack: `[layers]`), and the matmul is `kernels.packed_matmul` (x cast to the packed
-  weight's dtype, config `weight_dtype`; f32 accumulation). `PackedLoraLinear` is a
-  `LoraLinear` served so: its base weight packed, its `adapter` child as it is.
+  weight's dtype, config `weight_dtype`; f32 accumulation).
 
 None of them trains (no float weight to differentiate) nor takes an injected `dot`.
 """
@@ -26,10 +25,9 @@ import jax.numpy as jnp
 
 from jaxlearn.kernels import int8_matmul, packed_matmul
 from jaxlearn.layers.dense import Linear, matmul_nt
-from jaxlearn.layers.lora import LoraFields, add_adapter
 from jaxlearn.module import Module, ParameterSpec, ones, zeros
 
-__all__ = ["Int8Linear", "PackedLinear", "PackedLoraLinear", "TransposedLinear"]
+__all__ = ["Int8Linear", "PackedLinear", "TransposedLinear"]
 
 
 class _ServingLinear(Linear):
@@ -109,20 +107,3 @@ class PackedLinear(_ServingLinear):
         x2d = x.astype(self.config.weight_dtype).reshape(-1, k)
         y = packed_matmul(x2d, self.parameters["weight_id"], n)
         return self._finish(y, lead, out_dtype)
-
-
-class PackedLoraLinear(PackedLinear):
-    """`PackedLinear` plus `LoraLinear`'s `adapter` child (module doc)."""
-
-    class Config(LoraFields, PackedLinear.Config):
-        pass
-
-    def __init__(self, cfg: "PackedLoraLinear.Config", *, parent: Optional[Module] = None):
-        super().__init__(cfg, parent=parent)
-        add_adapter(self)
-
-    def forward(self, x: jax.Array, *, out_dtype: Any = None) -> jax.Array:
-        # The adapter's f32 output joins the f32 accumulator before the one rounding to
-        # the output dtype (a bf16 sum would drop a young adapter's small updates).
-        y = super().forward(x, out_dtype=jnp.float32)
-        return (y + self.adapter(x.astype(self.dtype))).astype(out_dtype or self.dtype)
