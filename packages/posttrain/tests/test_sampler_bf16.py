@@ -12,6 +12,7 @@ import pytest
 from jaxlearn.inference.weight_layout import PackedLoraLinear
 from jaxlearn.kernels.packed_gemm import host_has_bf16, unavailable_reason
 from jaxlearn.layers import llama_config, use_lora
+from jaxlearn.posttrain import sampler as sampler_module
 from jaxlearn.posttrain import token_logprobs
 from jaxlearn.posttrain.logprobs import adapters_off
 from jaxlearn.posttrain.sampler import EngineSampler
@@ -103,3 +104,18 @@ def test_swapped_adapters_are_packed_anew_and_released_copies_come_back(setup):
     with pytest.raises(ValueError, match="shapes or dtypes"):
         sampler.set_params(short)
     assert _gap(model, params, sampler.sample(prompts, n=1, max_new_tokens=4)) < 0.1
+
+
+def test_a_host_that_cannot_pack_samples_the_trained_layout_in_bf16(setup, monkeypatch):
+    """No native bf16 dots (or no oneMKL): the copy keeps the trained layout, so swaps
+    still fit it."""
+    model, params, _, prompts = setup
+    monkeypatch.setattr(sampler_module, "packed_layout_chosen", lambda *a, **k: False)
+    sampler = EngineSampler(model.config, params, max_batch=8, max_seq_len=64,
+                            dtype="bfloat16")
+    assert sampler.engine.packed_weights is None
+    assert PackedLoraLinear not in {type(m) for m in _modules(sampler.engine.runner.model)}
+    new = _adapters(params, jax.random.key(7))
+    sampler.set_params(new)
+    rollouts = sampler.sample(prompts, n=2, temperature=1.0, max_new_tokens=6, seed=1)
+    assert _gap(model, new, rollouts) < 0.1

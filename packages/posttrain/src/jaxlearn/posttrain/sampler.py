@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxlearn.inference.engine import Engine
-from jaxlearn.inference.weight_layout import pack_weights
+from jaxlearn.inference.weight_layout import pack_weights, packed_layout_chosen
 
 __all__ = ["EngineSampler", "Completion"]
 
@@ -70,9 +70,11 @@ class EngineSampler:
             model_cfg = model_cfg.clone(dtype=dtype, param_dtype=dtype)
             params = self._cast(params)
         self._model_cfg = model_cfg
+        # Packed where the host can (set_params packs anew), else the trained layout.
+        packed = dtype is not None and packed_layout_chosen(model_cfg, params, "auto")
         cfg = Engine.default_config().set(
             max_batch=max_batch, max_seq_len=max_seq_len, page_size=page_size,
-            prefix_caching=True, weight_layout="in_out" if dtype is None else "auto",
+            prefix_caching=True, weight_layout="packed" if packed else "in_out",
             fuse_projections=False, quantize=None, add_bos=False)
         self.engine = Engine(cfg, model_cfg=model_cfg, params=params, tokenizer=tokenizer)
         current = self.engine.runner.params
