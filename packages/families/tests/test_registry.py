@@ -164,3 +164,28 @@ def test_the_recorded_family_decides_and_checks_what_it_can_hold():
     cfg.family = "qwen2"
     with pytest.raises(UnsupportedModelError, match="has biases on q/k/v and none on o"):
         architecture_from_config(cfg)
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLES))
+def test_fused_projections_compute_every_familys_logits(name):
+    """The serving engine fuses q/k/v and gate/up (`layers.fuse_projections`) whenever it
+    packs bf16 weights: the fused model gives the family's logits (f32, the same params)."""
+    import jax
+    import numpy as np
+
+    from jaxlearn.layers import fuse_projections
+
+    cfg = build_config(sample(name), stack="loop").set(name="model")
+    params = cfg.instantiate().initialize_parameters_recursively(jax.random.key(0))
+    fused_cfg, fused = fuse_projections(cfg, params)
+    ids = jax.random.randint(jax.random.key(1), (2, 11), 0, BASE["vocab_size"])
+
+    def logits(c, p):
+        from jaxlearn.module import functional
+
+        out, _ = functional(c.instantiate(), None, p, ({"input_ids": ids},), method="logits",
+                            is_training=False)
+        return np.asarray(out)
+
+    np.testing.assert_allclose(logits(fused_cfg, fused), logits(cfg, params), rtol=1e-5,
+                               atol=1e-5)

@@ -78,9 +78,9 @@ def test_auto_transposes_the_16_bit_dense_weights_only(stack, tied):
     assert apply_weight_layout(cfg, params, "in_out") == (cfg, params)
 
 
-def _engine(cfg, params, layout):
+def _engine(cfg, params, layout, fuse=False):
     return make_engine(cfg, params, None, max_seq_len=64, max_batch=4, prefill_chunk=16,
-                       page_size=8, weight_layout=layout)
+                       page_size=8, weight_layout=layout, fuse_projections=fuse)
 
 
 @pytest.mark.parametrize("stack", ["scan", "loop"])
@@ -143,6 +143,24 @@ def test_packed_weights_serve_the_same_logits_and_tokens(stack, tied, dtype):
         want = [r.tokens for r in base.generate(rows, max_new_tokens=12, ignore_eos=True)]
         got_tokens = [r.tokens for r in packed.generate(rows, max_new_tokens=12, ignore_eos=True)]
         assert got_tokens == want
+
+
+@pytest.mark.skipif(unavailable_reason() is not None, reason="no packed GEMM here")
+def test_packed_weights_fuse_the_projections_by_default():
+    """fuse_projections=None: q/k/v and gate/up fused exactly when the weights are packed,
+    with the unfused engine's logits and greedy tokens."""
+    cfg = tiny_config("scan").clone(name="model")
+    params = tiny_params(cfg, seed=1)
+    base, packed = _engine(cfg, params, "in_out", None), _engine(cfg, params, "packed", None)
+    assert not any("qkv_proj" in k for k in _paths(base.runner.params))
+    paths = _paths(packed.runner.params)
+    assert any("['qkv_proj']['weight_id']" in k for k in paths)
+    assert any("['wi_fused']['weight_id']" in k for k in paths)
+    ref = np.asarray(base.logits([PROMPT]))[0]
+    np.testing.assert_allclose(np.asarray(packed.logits([PROMPT]))[0], ref, rtol=0, atol=1e-5)
+    rows = [PROMPT, PROMPT[:5], [7, 7, 7]]
+    want = [r.tokens for r in base.generate(rows, max_new_tokens=12, ignore_eos=True)]
+    assert [r.tokens for r in packed.generate(rows, max_new_tokens=12, ignore_eos=True)] == want
 
 
 def test_auto_packs_bf16_weights_on_hosts_with_native_bf16_only():

@@ -163,9 +163,11 @@ class Engine(Configurable):
             it has one, else whether it has a BOS id).
         model_name: the name clients use (`model` in the HTTP API).
         fuse_projections: serve with fused q/k/v and gate/up projections (one matmul each,
-            `jaxlearn.layers.fuse_projections`; one device only). Off by default: on the
-            2-core dev CPU it made f32 batch-1 decode ~5% faster but bf16 batch-1 ~8%
-            slower (XLA's bf16 GEMV), batch 16 within noise.
+            `jaxlearn.layers.fuse_projections`; one device only). None (default): fused
+            when the dense weights are packed for oneMKL (`weight_layout`; no adapter
+            banks, no `quantize`): a one-row decode step of SmolLM2-135M bf16 14.4 ms
+            against 15.6-16.1 unfused (AMX Xeon), 8-32 rows within noise. XLA's own bf16
+            GEMV was ~8% slower fused at one row, f32 ~5% faster: unfused there.
         prefix_caching: share the KV pages of prompt prefixes between requests
             (content-hashed full pages, reference counted, LRU-evicted when the pool
             needs pages); a prompt's cached full pages are not prefilled again.
@@ -214,7 +216,7 @@ class Engine(Configurable):
         kv_cache_tokens: Optional[int] = None
         add_bos: Optional[bool] = None
         model_name: str = "jaxlearn"
-        fuse_projections: bool = False
+        fuse_projections: Optional[bool] = None
         prefix_caching: bool = True
         window_page_release: bool = True
         quantize: Optional[str] = None

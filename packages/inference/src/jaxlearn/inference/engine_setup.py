@@ -17,7 +17,11 @@ from jaxlearn import layers
 from jaxlearn.config import REQUIRED, replace_config
 from jaxlearn.inference.adapters import check_adapter_settings
 from jaxlearn.inference.quantize import check_quantize, quantize
-from jaxlearn.inference.weight_layout import check_weight_layout, store_weights
+from jaxlearn.inference.weight_layout import (
+    check_weight_layout,
+    packed_layout_chosen,
+    store_weights,
+)
 from jaxlearn.kernels import PackedWeights, paged_native
 from jaxlearn.layers import older_param_path
 from jaxlearn.mesh import (
@@ -85,6 +89,15 @@ class ServingModel:
     attention_kernel: str  # "xla" | "native"
 
 
+def fuse_chosen(cfg: Any, model_cfg: Any, params: Any) -> bool:
+    """`Engine.Config.fuse_projections`, None resolved: fused where the weights will be
+    packed (one device, no adapter banks, no int8)."""
+    if cfg.fuse_projections is not None:
+        return bool(cfg.fuse_projections)
+    return (cfg.mesh_shape is None and not cfg.max_loras and cfg.quantize is None
+            and packed_layout_chosen(model_cfg, params, cfg.weight_layout))
+
+
 def serving_model(cfg: Any, model_cfg: Any, params: Any) -> ServingModel:
     """The config swaps an `Engine.Config` asks for, in order: layer scans rolled (every
     program compiles one layer body), LoRA adapter banks (`max_loras`), fused projections,
@@ -98,7 +111,7 @@ def serving_model(cfg: Any, model_cfg: Any, params: Any) -> ServingModel:
         model_cfg, params = layers.use_multi_lora(
             model_cfg, params, slots=cfg.max_loras + 1, max_rank=cfg.max_lora_rank,
             targets=cfg.lora_targets)
-    if cfg.fuse_projections:
+    if fuse_chosen(cfg, model_cfg, params):
         model_cfg, params = layers.fuse_projections(model_cfg, params)
     if cfg.quantize is not None:  # Int8Linear configs, int8 params.
         model_cfg, params = quantize(model_cfg, params, cfg.quantize)
