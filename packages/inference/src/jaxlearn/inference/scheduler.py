@@ -326,7 +326,6 @@ class Scheduler:
                                     gen_from=len(req.prompt_ids))
             self.metrics.inc("prefix_cache_hit_tokens_total", req.prefilled)
 
-
     def _scores(self, req: Request, chunk: Sequence[int]) -> bool:
         """Whether `chunk` (the next one of `req`) holds prompt positions still to score."""
         done = len(req.prompt_logprobs)

@@ -54,6 +54,7 @@ from jaxlearn.runtime.trainer_support import (
     merged_iterator_state,
     peak_flops,
     step_timing,
+    untimed_compile,
     warn_if_schedule_changed,
 )
 
@@ -356,6 +357,7 @@ class Trainer(Configurable):
             self._setup(run)
             self._start_outputs(run)
             run.guard.loop_started(run.step)
+            run.t_last = time.monotonic()  # Step times start with the loop, not the setup.
             while run.step < cfg.max_step:
                 self._train_step_once(run)
                 self._after_step(run)
@@ -422,22 +424,16 @@ class Trainer(Configurable):
         found = self._programs.get(batch)
         if found is None:  # A new batch shape: compile its step.
             first_save = (run.step // cfg.save_every_n_steps + 1) * cfg.save_every_n_steps
-            t0 = time.monotonic()
-            with guard.span("compile"):
+            with untimed_compile(run):
                 found = self._programs.compile(batch, keep_later=(
                     run.checkpointer is not None and first_save < cfg.max_step))
-            # The logged step time leaves the compilation out, and only it: an RL step's
-            # rollout, made before its batch's shape was known, stays in.
-            run.t_last += time.monotonic() - t0
             self.compiled_flops = found[1]
             if len(self._programs) == 1:
                 self._report_flops(run)
         step_fn, self.compiled_flops = found
         if run.keep_input:  # The previous step's state is being saved: do not donate it.
-            t0 = time.monotonic()
-            with guard.span("compile"):
+            with untimed_compile(run):
                 step_fn = self._keep_step_fn(batch)
-            run.t_last += time.monotonic() - t0
             run.keep_input = False
         with jax.set_mesh(self.mesh):
             run.state, summaries = guard.train_step(step_fn, run.state, batch, run.step + 1)

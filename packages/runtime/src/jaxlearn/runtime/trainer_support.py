@@ -5,11 +5,12 @@ schedule-length check on a resume, and compiling a step on a background thread."
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import jax
 import numpy as np
@@ -37,6 +38,16 @@ class Run:
     steps_since: int = 0
     rollout_scalars: dict[str, float] = dataclasses.field(default_factory=dict)
     rollout_s: float = 0.0  # RL: seconds spent making batches since the last log.
+
+
+@contextlib.contextmanager
+def untimed_compile(run: Run) -> Iterator[None]:
+    """A "compile" span of the guard, left out of the logged step time (and only it: an RL
+    step's rollout, made before its batch's shape was known, stays in)."""
+    t0 = time.monotonic()
+    with run.guard.span("compile"):
+        yield
+    run.t_last += time.monotonic() - t0
 
 
 def step_timing(run: Run, flops: Optional[float],
