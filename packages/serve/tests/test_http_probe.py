@@ -157,13 +157,17 @@ def test_connection_cap_answers_429_and_recovers(capped):
     server = capped
     httpd = server.httpd
     assert httpd.open_connections == 0 or _wait(lambda: httpd.open_connections == 0)
-    held = [socket.create_connection(server.address) for _ in range(LIMITS.max_connections)]
+    held: list[socket.socket] = []
     try:
-        for s in held:
-            s.sendall(request("POST", "/v1/completions", close=False, extra=(
+        # One at a time, each head read before the next connects: a connection accepted
+        # while earlier ones still wait for their heads could close one of them (at most
+        # pending_cap may wait), which is the half-open defence, not what this probes.
+        for i in range(LIMITS.max_connections):
+            held.append(socket.create_connection(server.address))
+            held[-1].sendall(request("POST", "/v1/completions", close=False, extra=(
                 b"Content-Type: application/json\r\nContent-Length: 10\r\n")))
-        assert _wait(lambda: httpd.open_connections == LIMITS.max_connections
-                     and httpd.waiting_connections == 0)
+            assert _wait(lambda n=i + 1: httpd.open_connections == n
+                         and httpd.waiting_connections == 0), (i, httpd.open_connections)
         with socket.create_connection(server.address, timeout=10) as extra:
             resp = read_all(extra)
         _, headers, _ = parse(resp)
