@@ -16,7 +16,10 @@ serving engine; TRL with `model.generate` (its default without vLLM).
         --jl "tools/jaxlearn python" --pt /tmp/tvenv/bin/python --rounds 1
 
 `JAXLEARN_BENCH_SAMPLER_DTYPE=bfloat16` has jaxlearn sample from a bf16 copy of the
-params (`rollout.sampler_dtype`; the trainer stays f32) and records it as `sampler_dtype`.
+params (`rollout.sampler_dtype`; the trainer stays f32) and records it as `sampler_dtype`;
+`JAXLEARN_BENCH_TRAIN_DTYPE=bfloat16` trains with bf16 compute on the f32 masters
+(`model.dtype`, recorded as `train_dtype`), and `JAXLEARN_BENCH_TRL_BF16=1` runs TRL with
+its bf16 autocast, the like-for-like peer of that setting.
 
 Each side runs `--steps` steps as its trainer does (jaxlearn: `Trainer.run` with the
 persistent compilation cache `jaxlearn train` enables, TRL: `trainer.train()`) and emits
@@ -94,6 +97,7 @@ def jl_stage(out: pathlib.Path, steps: int, warmup: int, tag: str) -> None:
     cfg.output_dir = str(out / f"jl_{os.getpid()}")
     cfg.set(max_step=steps, save_every_n_steps=10_000, log_every_n_steps=1)
     cfg.rollout.sampler_dtype = sampler_dtype()
+    cfg.model.dtype = train_dtype()
     cfg.summary_writer.set(progress=False)
     t0 = time.perf_counter()
     cfg.instantiate().run()
@@ -108,13 +112,21 @@ def jl_stage(out: pathlib.Path, steps: int, warmup: int, tag: str) -> None:
           [r["completion_length"] for r in rows], warmup, tag, wall_s=rnd(wall),
           logprob_mismatch_max=max(r["logprob_mismatch_max"] for r in rows),
           logprob_mismatch_mean=med([r["logprob_mismatch_mean"] for r in rows]),
-          sampler_dtype=cfg.rollout.sampler_dtype or "float32")
+          sampler_dtype=cfg.rollout.sampler_dtype or "float32",
+          train_dtype=cfg.model.dtype or "float32")
 
 
 def sampler_dtype() -> "str | None":
     """jaxlearn's sampler: the trainer's f32 params (the recipe's default), or a bf16 copy
     with JAXLEARN_BENCH_SAMPLER_DTYPE=bfloat16 (`rollout.sampler_dtype`)."""
     return os.environ.get("JAXLEARN_BENCH_SAMPLER_DTYPE") or None
+
+
+def train_dtype() -> "str | None":
+    """jaxlearn's compute dtype in the train step: the params' (f32, the recipe's default
+    on CPU), or bf16 compute on the f32 masters with JAXLEARN_BENCH_TRAIN_DTYPE=bfloat16
+    (`model.dtype`, the recipe's accelerator setting)."""
+    return os.environ.get("JAXLEARN_BENCH_TRAIN_DTYPE") or None
 
 
 def args_bf16() -> bool:

@@ -119,3 +119,46 @@ def test_a_host_that_cannot_pack_samples_the_trained_layout_in_bf16(setup, monke
     sampler.set_params(new)
     rollouts = sampler.sample(prompts, n=2, temperature=1.0, max_new_tokens=6, seed=1)
     assert _gap(model, new, rollouts) < 0.1
+
+
+def _adapter_mask(params):
+    """The LoRA recipe's trainable mask: only the adapters train."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: "adapter" in jax.tree_util.keystr(path), params)
+
+
+def test_a_frozen_base_is_packed_once_and_new_adapters_are_followed(setup):
+    """With the learner's mask, set_params casts the adapters in and keeps the packed base:
+    the same packed copies, the same samples as a sampler packed anew, the new adapters'
+    log-probabilities; a trained base weight (a full fine-tune) is packed anew."""
+    model, params, full, prompts = setup
+    sampler = EngineSampler(model.config, params, max_batch=8, max_seq_len=64,
+                            dtype="bfloat16", trainable=_adapter_mask(params))
+    try:
+        owner = sampler.engine.packed_weights
+        new = _adapters(params, jax.random.key(11))
+        sampler.set_params(new)
+        assert sampler.engine.packed_weights is owner
+        rollouts = sampler.sample(prompts, n=2, temperature=1.0, max_new_tokens=6, seed=5)
+        assert _gap(model, new, rollouts) < 0.1
+        assert _gap(model, params, rollouts) > 1.0  # The new adapters, not the old ones.
+        full.set_params(new)
+        want = full.sample(prompts, n=2, temperature=1.0, max_new_tokens=6, seed=5)
+        assert [r.tokens for r in rollouts] == [r.tokens for r in want]
+        assert [r.logprobs for r in rollouts] == [r.logprobs for r in want]
+
+        everything = jax.tree.map(lambda _: True, params)
+        retrained = EngineSampler(model.config, params, max_batch=8, max_seq_len=64,
+                                  dtype="bfloat16", trainable=everything)
+        before = retrained.engine.packed_weights
+        retrained.set_params(new)
+        assert (retrained.engine.packed_weights is not before) == PACKED
+        again = retrained.sample(prompts, n=2, temperature=1.0, max_new_tokens=6, seed=5)
+        assert [r.tokens for r in again] == [r.tokens for r in want]
+        retrained.release()
+        with pytest.raises(ValueError, match="the trainable mask has 1"):
+            EngineSampler(model.config, params, max_batch=8, max_seq_len=64,
+                          dtype="bfloat16", trainable=[True]).set_params(new)
+    finally:
+        full.set_params(params)
+        sampler.release()

@@ -69,3 +69,23 @@ def test_checkpoints_restore_across_the_setting(tmp_path, first, then):
     # own (its first steps differ only by the gradient's bf16 rounding).
     for a, b in zip(jax.tree.leaves(final["params"]), jax.tree.leaves(ref["params"])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-2)
+
+
+def test_frozen_weights_keep_their_copy_and_trained_ones_are_cast_anew(tmp_path):
+    """With `learner.trainable`, a step converts only the trained weights: a frozen one's
+    copy is the previous step's, carried over (here a marked value, to see it kept)."""
+    cfg = _cfg(tmp_path / "frozen", True, 3)
+    cfg.learner.trainable = "proj"
+    trainer = cfg.instantiate()
+    state = trainer.init_state()
+    mask = trainer._trainable
+    marked = {"emb": jnp.full_like(state[COPY_KEY]["emb"], 7),
+              "proj": jnp.full_like(state[COPY_KEY]["proj"], 7)}
+    made = trainer.copy.make(state["params"], marked, mask)
+    assert _same(made["emb"], marked["emb"])  # Frozen: the previous copy.
+    assert _same(made["proj"], state["params"]["proj"].astype(jnp.bfloat16))
+    assert _same(trainer.copy.make(state["params"], marked, None),  # No mask: all cast.
+                 trainer.copy.make(state["params"]))
+    final = trainer.run().state
+    assert not _same(final["params"]["proj"], state["params"]["proj"])  # It trained.
+    assert _same(final[COPY_KEY], trainer.copy.make(final["params"]))

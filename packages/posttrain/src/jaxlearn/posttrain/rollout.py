@@ -125,12 +125,13 @@ class GRPORollout(Rollout):
         self._forward: Any = None
 
     def bind(self, *, model_cfg: Any, input: Any, process_index: int,
-             process_count: int) -> None:
+             process_count: int, trainable: Any = None) -> None:
         if not isinstance(input, PromptInput):
             raise ConfigError(f"GRPORollout needs a PromptInput as input, got "
                               f"{type(input).__name__}")
         cfg, icfg = self.config, input.config
         self._input, self._model_cfg = input, model_cfg.clone(name="model")
+        self._trainable = trainable
         self._group, self._seq = icfg.num_generations, icfg.seq_len
         self._shared = icfg.shared_prompt
         self._prompts = input.prompt_ids()
@@ -160,7 +161,7 @@ class GRPORollout(Rollout):
             self._sampler = EngineSampler(
                 self._model_cfg, params, self._input.tokenizer,
                 max_batch=cfg.max_batch or self._completions, max_seq_len=self._max_len,
-                page_size=cfg.page_size, dtype=cfg.sampler_dtype)
+                page_size=cfg.page_size, dtype=cfg.sampler_dtype, trainable=self._trainable)
         else:
             self._sampler.set_params(params)
         seed = (cfg.seed * 1_000_003 + step * 65_537 + self._offset) % (1 << 31)

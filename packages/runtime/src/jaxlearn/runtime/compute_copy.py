@@ -11,7 +11,9 @@ the same forward bits. Norm scales, biases and routers (read in f32) stay the ma
 One jitted step then (1) runs the forward and backward on the copy, (2) updates the f32
 masters and (3) writes the next copy from the new masters, a convert that XLA fuses into
 the optimizer's elementwise pass, instead of converting each f32 weight at its uses
-(forward, and again under remat or per microbatch). Gradients flow to the masters through
+(forward, and again under remat or per microbatch). Frozen weights (outside
+`learner.trainable`, e.g. a LoRA base) keep their copy from step to step: converted once
+per run, where without the copy every step converts all of them. Gradients flow to the masters through
 `ComputeCopy.forward`: a weight's gradient arrives in the compute dtype (the backward
 matmul's output is rounded once, as torch autocast's is) and is widened to the master's
 dtype before clipping and Adam; microbatches accumulate in the master's dtype.
@@ -39,6 +41,12 @@ from jaxlearn.module import flatten_specs
 COPY_KEY = "compute_params"
 
 
+def _get(tree: Any, path: tuple[str, ...]) -> Any:
+    for name in path:
+        tree = tree[name]
+    return tree
+
+
 def _set_path(tree: dict, path: tuple[str, ...], value: Any) -> None:
     for name in path[:-1]:
         tree = tree.setdefault(name, {})
@@ -64,19 +72,25 @@ class ComputeCopy:
     def enabled(self) -> bool:
         return bool(self.paths)
 
-    def make(self, params: Any) -> dict:
-        """The copy of `params`: a nested dict holding only the copied leaves."""
+    def make(self, params: Any, previous: Optional[dict] = None,
+             trainable: Optional[Any] = None) -> dict:
+        """The copy of `params`: a nested dict holding only the copied leaves. With the
+        last copy (`previous`) and the learner's `trainable` mask, a frozen leaf (e.g. a
+        LoRA base weight) keeps its previous copy: its master never changes, so the step
+        converts only what it trains."""
         out: dict = {}
         for path in self.paths:
-            leaf = params
-            for name in path:
-                leaf = leaf[name]
-            _set_path(out, path, leaf.astype(self.dtype))
+            if previous is not None and trainable is not None and not _get(trainable, path):
+                _set_path(out, path, _get(previous, path))
+            else:
+                _set_path(out, path, _get(params, path).astype(self.dtype))
         return out
 
-    def state(self, params: Any) -> dict:
-        """The state entries to add next to `params` ({} when off)."""
-        return {COPY_KEY: self.make(params)} if self.enabled else {}
+    def state(self, params: Any, previous: Optional[dict] = None,
+              trainable: Optional[Any] = None) -> dict:
+        """The state entries to add next to `params` ({} when off); `previous` and
+        `trainable` as for `make`."""
+        return {COPY_KEY: self.make(params, previous, trainable)} if self.enabled else {}
 
     def forward(self, params: Any, state: Any) -> Any:
         """`params` with the copied leaves taken from `state[COPY_KEY]`; the gradient with

@@ -24,9 +24,11 @@ class Rollout(Configurable):
     """The interface: `bind` once, then `__call__` per step."""
 
     def bind(self, *, model_cfg: Any, input: Any, process_index: int,
-             process_count: int) -> None:
-        """Called once before the first step with the model config and the built input
-        (its tokenizer, template and rows); raises what is wrong with them."""
+             process_count: int, trainable: Any = None) -> None:
+        """Called once before the first step with the model config, the built input (its
+        tokenizer, template and rows) and the learner's `trainable` mask (a params-like
+        tree, False where a parameter keeps its value for the whole run, e.g. a LoRA base;
+        None: all train); raises what is wrong with them."""
         raise NotImplementedError(type(self).__name__)
 
     def __call__(self, rows: dict[str, np.ndarray], params: Any,

@@ -284,7 +284,7 @@ class Trainer(Configurable):
             updates, opt_state = self.tx.update(grads, old["opt_state"], old["params"])
             params = optax.apply_updates(old["params"], updates)
             new = {"params": merge_updates(params, state_updates), "opt_state": opt_state}
-            new.update(self.copy.state(new["params"]))
+            new.update(self.copy.state(new["params"], old.get(COPY_KEY), self._trainable))
             if "ema" in old:
                 new["ema"] = ema_update(old["ema"], new["params"],
                                         self.learner.config.ema_decay)
@@ -376,7 +376,7 @@ class Trainer(Configurable):
         data = cfg.input.instantiate()
         run.data = data.iterator(jax.process_index(), jax.process_count())
         if self.rollout is not None:
-            self.rollout.bind(model_cfg=cfg.model, input=data,
+            self.rollout.bind(model_cfg=cfg.model, input=data, trainable=self._trainable,
                               process_index=jax.process_index(),
                               process_count=jax.process_count())
         if cfg.checkpointer is not None:
