@@ -13,8 +13,8 @@ masters and (3) writes the next copy from the new masters, a convert that XLA fu
 the optimizer's elementwise pass, instead of converting each f32 weight at its uses
 (forward, and again under remat or per microbatch). Frozen weights (outside
 `learner.trainable`, e.g. a LoRA base) keep their copy from step to step: converted once
-per run, where without the copy every step converts all of them. Gradients flow to the masters through
-`ComputeCopy.forward`: a weight's gradient arrives in the compute dtype (the backward
+per run, where without the copy every step converts all of them. Gradients flow to the
+masters through `ComputeCopy.forward`: a weight's gradient arrives in the compute dtype (the backward
 matmul's output is rounded once, as torch autocast's is) and is widened to the master's
 dtype before clipping and Adam; microbatches accumulate in the master's dtype.
 
