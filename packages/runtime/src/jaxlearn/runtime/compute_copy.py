@@ -14,9 +14,9 @@ the optimizer's elementwise pass, instead of converting each f32 weight at its u
 (forward, and again under remat or per microbatch). Frozen weights (outside
 `learner.trainable`, e.g. a LoRA base) keep their copy from step to step: converted once
 per run, where without the copy every step converts all of them. Gradients flow to the
-masters through `ComputeCopy.forward`: a weight's gradient arrives in the compute dtype (the backward
-matmul's output is rounded once, as torch autocast's is) and is widened to the master's
-dtype before clipping and Adam; microbatches accumulate in the master's dtype.
+masters through `ComputeCopy.forward`: a weight's gradient arrives in the compute dtype
+(the backward matmul's output is rounded once, as torch autocast's is) and is widened to
+the master's dtype before clipping and Adam; microbatches accumulate in the master's dtype.
 
 The copy is derived state: the checkpointer never sees it (`checkpointed(state)`), a
 restore rebuilds it from the restored masters (`attach`), bit for bit what the
