@@ -16,7 +16,15 @@ peer trains without gradient checkpointing (its fastest, most memory-hungry sett
     . tools/malloc_env.sh && python tools/bench/lora_bench.py drive --out /tmp/lora_bench \\
         --jl "tools/jaxlearn python" --pt /tmp/tvenv/bin/python --rounds 2
 
-Each measuring process emits tokens/s (median step after warm-up) and its peak RSS
+`JAXLEARN_BENCH_BF16=1` measures bf16 compute on both sides instead: jaxlearn's
+`model.dtype=bfloat16` on the f32 masters (the recipe's accelerator setting), the peer's
+forward and loss under `torch.autocast("cpu", bfloat16)`; records carry `dtype`.
+
+Each side runs the saved batches `--passes` times (default 2: 12 steps, the median over
+the 10 after warm-up). On the Firecracker VM the bench was written on, a step now and then
+takes ~3.5 s longer on either side (the slow steps seen counted ~2 GB of fresh page
+faults); with 4 steps after warm-up, two such steps set the median. Each measuring
+process emits tokens/s (median step after warm-up) and its peak RSS
 (`ru_maxrss`: weights, optimizer, activations, framework) as one JSON line; the driver
 appends them, with the ratios of the round, to tools/bench/results/lora.jsonl.
 """
@@ -111,7 +119,7 @@ def load_batches(out: pathlib.Path) -> dict:
 # ---- jaxlearn side (project venv) ---------------------------------------------------------
 
 
-def jl_stage(out: pathlib.Path, mode: str, warmup: int, tag: str) -> None:
+def jl_stage(out: pathlib.Path, mode: str, warmup: int, tag: str, passes: int) -> None:
     import jax
     import numpy as np
 
@@ -119,6 +127,8 @@ def jl_stage(out: pathlib.Path, mode: str, warmup: int, tag: str) -> None:
 
     cfg = from_flat_text((out / f"{mode}.txt").read_text())
     cfg.output_dir = str(out / f"jl_{mode}_{os.getpid()}")
+    if bf16():
+        cfg.model.dtype = "bfloat16"
     trainer = cfg.instantiate()
     state = trainer.init_state()  # init_from: the GGUF, dequantised
     data = load_batches(out)
@@ -132,7 +142,7 @@ def jl_stage(out: pathlib.Path, mode: str, warmup: int, tag: str) -> None:
         step = trainer.compile_train_step(abstract)
     times, losses = [], []
     with jax.set_mesh(trainer.mesh):
-        for batch in batches:
+        for batch in batches * passes:
             with Timer() as t:
                 state, summary = step(state, batch)
                 losses.append(float(summary["loss"]))  # blocks on the step
@@ -140,6 +150,11 @@ def jl_stage(out: pathlib.Path, mode: str, warmup: int, tag: str) -> None:
     _emit("jaxlearn", mode, jax.__version__, data, times, losses, warmup, tag,
           trained=trained, compile_s=rnd(t_comp.wall),
           remat=str(cfg.model.decoder.transformer.layer.remat_spec))
+
+
+def bf16() -> bool:
+    """bf16 compute on both sides (JAXLEARN_BENCH_BF16=1), else f32."""
+    return os.environ.get("JAXLEARN_BENCH_BF16") == "1"
 
 
 def _flat(tree):
@@ -156,7 +171,8 @@ def _emit(framework, mode, version, data, times, losses, warmup, tag, **extra) -
     emit(bench="lora", framework=framework, mode=mode, version=version, batch=int(b),
          seq=int(s), steps=len(times), warmup=warmup, step_s=rnd(dt),
          step_times=[rnd(x) for x in times], tokens_per_s=rnd(b * s / dt),
-         losses=[rnd(x, 6) for x in losses], wall_time=time.time(), tag=tag, **extra)
+         losses=[rnd(x, 6) for x in losses], wall_time=time.time(), tag=tag,
+         dtype="bfloat16" if bf16() else "float32", **extra)
 
 
 # ---- peer (a venv with torch + transformers + peft) ---------------------------------------
@@ -176,7 +192,7 @@ def packed_mask(segment_ids):
     return mask[:, None]
 
 
-def pt_stage(out: pathlib.Path, mode: str, warmup: int, tag: str) -> None:
+def pt_stage(out: pathlib.Path, mode: str, warmup: int, tag: str, passes: int) -> None:
     import torch
     import transformers
 
@@ -198,7 +214,7 @@ def pt_stage(out: pathlib.Path, mode: str, warmup: int, tag: str) -> None:
     opt = torch.optim.AdamW(params, lr=LR[mode], betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
     data = load_batches(out)
     times, losses = [], []
-    for i in range(data["input_ids"].shape[0]):
+    for i in list(range(data["input_ids"].shape[0])) * passes:
         ids = torch.as_tensor(data["input_ids"][i], dtype=torch.long)
         # Padding's label is -1 (weight 0): any valid id there leaves the loss as is.
         labels = torch.as_tensor(data["target_labels"][i], dtype=torch.long).clamp(min=0)
@@ -207,10 +223,11 @@ def pt_stage(out: pathlib.Path, mode: str, warmup: int, tag: str) -> None:
         pos = torch.as_tensor(data["positions"][i], dtype=torch.long)
         with Timer() as t:
             opt.zero_grad(set_to_none=True)
-            logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-            ce = torch.nn.functional.cross_entropy(
-                logits.float().flatten(0, 1), labels.flatten(), reduction="none")
-            loss = (ce * weights.flatten()).sum() / weights.sum()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16()):
+                logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+                ce = torch.nn.functional.cross_entropy(
+                    logits.float().flatten(0, 1), labels.flatten(), reduction="none")
+                loss = (ce * weights.flatten()).sum() / weights.sum()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
@@ -232,8 +249,9 @@ def drive(args: argparse.Namespace) -> None:
             order = ["jaxlearn", "torch"] if r % 2 == 0 else ["torch", "jaxlearn"]
             got = {}
             for side in order:
-                got[side] = run_result(sides[side] + ["--out", str(args.out), "--mode", mode,
-                                                "--warmup", str(args.warmup), "--tag", args.tag])
+                got[side] = run_result(sides[side] + [
+                    "--out", str(args.out), "--mode", mode, "--warmup", str(args.warmup),
+                    "--passes", str(args.passes), "--tag", args.tag])
             row = {"bench": "lora-round", "round": r, "mode": mode, "order": order,
                    "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
                    "tag": args.tag, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -256,6 +274,7 @@ def main() -> None:
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("/tmp/lora_bench"))
     p.add_argument("--steps", type=int, default=6, help="batches (data stage)")
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the median")
+    p.add_argument("--passes", type=int, default=2, help="runs over the saved batches")
     p.add_argument("--mode", default="lora", choices=tuple(LR))
     p.add_argument("--modes", default="lora,full")
     p.add_argument("--rounds", type=int, default=2)
@@ -268,9 +287,9 @@ def main() -> None:
     if args.stage == "data":
         data_stage(args.out, args.steps)
     elif args.stage == "jl":
-        jl_stage(args.out, args.mode, args.warmup, args.tag)
+        jl_stage(args.out, args.mode, args.warmup, args.tag, args.passes)
     elif args.stage == "pt":
-        pt_stage(args.out, args.mode, args.warmup, args.tag)
+        pt_stage(args.out, args.mode, args.warmup, args.tag, args.passes)
     else:
         drive(args)
 
