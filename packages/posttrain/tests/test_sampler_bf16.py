@@ -162,3 +162,12 @@ def test_a_frozen_base_is_packed_once_and_new_adapters_are_followed(setup):
     finally:
         full.set_params(params)
         sampler.release()
+
+
+def test_a_bf16_sampler_of_sharded_params_is_a_clear_error(setup):
+    model, params, _, _ = setup
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    spread = jax.device_put(params, jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec()))
+    with pytest.raises(ValueError, match="sampler_dtype.*one device; the params are on 2"):
+        EngineSampler(model.config, spread, max_batch=8, max_seq_len=64, dtype="bfloat16")

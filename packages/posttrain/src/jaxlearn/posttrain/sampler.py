@@ -72,6 +72,11 @@ class EngineSampler:
         # Where set_params may keep the engine's copy (False: the leaf never changes).
         self._trained = None if trainable is None else jax.tree.leaves(trainable)
         if dtype is not None:
+            devices = {d for x in jax.tree.leaves(params) if isinstance(x, jax.Array)
+                       for d in x.sharding.device_set}
+            if len(devices) > 1:  # A sharded bf16 engine is not a tested path.
+                raise ValueError(f"EngineSampler: dtype='bfloat16' (rollout.sampler_dtype) "
+                                 f"samples on one device; the params are on {len(devices)}")
             model_cfg = model_cfg.clone(dtype=dtype, param_dtype=dtype)
             params = self._cast(params)
         self._model_cfg = model_cfg
