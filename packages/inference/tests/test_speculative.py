@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from jaxlearn.decoding.speculative import ngram_draft
+from jaxlearn.kernels.packed_gemm import unavailable_reason
 
 POOL = prompt_pool(n=4, length=30, seed=11)
 # A prompt that repeats itself, so its continuation has n-grams to look up.
@@ -77,6 +78,22 @@ def test_penalized_or_logprob_rows_decode_as_usual(engines):
         assert spec.metrics.counter_value("decode_calls_total", steps="verify") == before
 
 
+@pytest.mark.skipif(unavailable_reason() is not None, reason="no packed GEMM here")
+def test_packed_int8_weights_verify_to_the_same_tokens(cfg, params, tok):
+    """Packed int8 weights (oneMKL's int8 GEMM: exact int32 sums per row) give a forward of
+    k + 1 tokens equal to k + 1 single steps, so drafts leave the tokens as they are."""
+    kw = dict(max_seq_len=128, max_batch=4, prefill_chunk=32, decode_burst=4,
+              quantize="int8", weight_layout="packed")
+    plain = make_engine(cfg, params, tok, **kw)
+    spec = make_engine(cfg, params, tok, speculative_tokens=4, **kw)
+    for batch in ([LOOP], [LOOP, POOL[1], POOL[2]]):
+        for sampling in (dict(), dict(temperature=0.9, top_k=20, seed=5)):
+            want = plain.generate(batch, max_new_tokens=40, ignore_eos=True, **sampling)
+            got = spec.generate(batch, max_new_tokens=40, ignore_eos=True, **sampling)
+            assert [r.tokens for r in got] == [r.tokens for r in want]
+    assert spec.metrics.counter_value("speculative_accepted_tokens_total") > 0
+
+
 def test_warmup_covers_verification(cfg, params, tok):
     eng = make_engine(cfg, params, tok, max_seq_len=96, max_batch=2, prefill_chunk=32,
                       decode_burst=4, speculative_tokens=3)
@@ -90,6 +107,8 @@ def test_warmup_covers_verification(cfg, params, tok):
 def test_bad_speculative_settings(cfg, params, tok):
     with pytest.raises(ValueError, match="speculative_tokens=-1"):
         make_engine(cfg, params, tok, max_seq_len=64, speculative_tokens=-1)
-    with pytest.raises(ValueError, match="speculative_tokens=4 needs quantize=None"):
-        make_engine(cfg, params, tok, max_seq_len=64, speculative_tokens=4, quantize="int8")
+    with pytest.raises(ValueError, match="speculative_tokens=4 with quantize='int8' needs the "
+                                         "int8 weights packed .* got weight_layout='in_out'"):
+        make_engine(cfg, params, tok, max_seq_len=64, speculative_tokens=4, quantize="int8",
+                    weight_layout="in_out")
     assert np.all(np.asarray(ngram_draft([3], 4)) == [])

@@ -11,8 +11,8 @@ from conftest import make_engine, tiny_config, tiny_params
 from jaxlearn.config import visit
 from jaxlearn.inference.quantize import quantize
 from jaxlearn.inference.weight_layout import apply_weight_layout, serving_stack, store_weights
-from jaxlearn.kernels import PackedTable
-from jaxlearn.kernels.packed_gemm import host_has_bf16, unavailable_reason
+from jaxlearn.kernels import Int8Weight, PackedTable
+from jaxlearn.kernels.packed_gemm import host_has_bf16, host_has_int8, unavailable_reason
 
 PROMPT = [3, 17, 42, 9, 28, 5, 61, 12]
 
@@ -187,3 +187,59 @@ def test_serving_stack_is_scanned_only_for_packed_weights():
     assert serving_stack("auto", mesh_shape=(1, 8, 1), **bf16) == "loop"
     for layout in ("in_out", "out_in"):
         assert serving_stack(layout, **bf16) == "loop"
+
+
+@pytest.mark.skipif(unavailable_reason() is not None, reason="no packed GEMM here")
+@pytest.mark.parametrize("stack,tied", [("scan", True), ("loop", False)])
+def test_packed_int8_weights_serve_what_xla_int8_serves(stack, tied):
+    """quantize="int8" with weight_layout="packed": the Linears' weights quantized and
+    packed as int8 (`PackedLinear`, weight_dtype "int8"), a tied head a `PackedTable` of
+    an `Int8Weight`; the kernel's products are exact int32 sums with XLA's scales (bit
+    for bit: kernels/tests), so logits equal the XLA int8 engine's up to how XLA fuses
+    the float ops around them (an ulp), and greedy tokens too (one and four rows), fused
+    projections included."""
+    cfg = _untied_or_tied(tiny_config(stack), tied)
+    params = tiny_params(cfg, seed=1)
+
+    def engine(layout, fuse):
+        return make_engine(cfg, params, None, max_seq_len=64, max_batch=4, prefill_chunk=16,
+                           page_size=8, weight_layout=layout, fuse_projections=fuse,
+                           quantize="int8")
+
+    base, packed, fused = engine("in_out", False), engine("packed", False), engine("packed", None)
+    assert base.packed_weights is None and _klasses(base.model_cfg) == {"Int8Linear"}
+    assert _klasses(packed.model_cfg) == {"PackedLinear"}
+    weight_dtypes = set()
+    visit(packed.model_cfg, lambda path, c: weight_dtypes.add(c.weight_dtype)
+          if hasattr(c, "keys") and "weight_dtype" in c.keys() else None)
+    assert weight_dtypes == {"int8"}
+    table = packed.runner.params["decoder"]["emb"]["weight"]
+    assert isinstance(table, PackedTable) == tied
+    if tied:
+        assert isinstance(table.table, Int8Weight)
+    assert any("['qkv_proj']['weight_id']" in k for k in _paths(fused.runner.params))
+    ref = np.asarray(base.logits([PROMPT]))[0]
+    assert 0 < np.abs(ref).max()
+    for e in (packed, fused):
+        np.testing.assert_allclose(np.asarray(e.logits([PROMPT]))[0], ref, rtol=0,
+                                   atol=1e-6 * np.abs(ref).max())
+    prompts = [PROMPT, PROMPT[:5], PROMPT[2:], [7, 7, 7]]
+    for rows in (prompts[:1], prompts):
+        want = [r.tokens for r in base.generate(rows, max_new_tokens=12, ignore_eos=True)]
+        for e in (packed, fused):
+            assert [r.tokens for r in e.generate(rows, max_new_tokens=12,
+                                                 ignore_eos=True)] == want
+
+
+def test_auto_packs_int8_weights_on_hosts_with_int8_dots_only():
+    cfg = tiny_config("scan").clone(name="model")
+    params = tiny_params(cfg)
+    packs = host_has_int8() and unavailable_reason() is None
+    new_cfg, out, owner = store_weights(cfg, params, "auto", quantize_mode="int8")
+    assert (owner is not None) == packs and bool(_packed_linears(out)) == packs
+    if not packs:  # XLA's int8 dot.
+        assert _klasses(new_cfg) == {"Int8Linear"}
+    _, out, owner = store_weights(cfg, params, "in_out", quantize_mode="int8")
+    assert owner is None and not _packed_linears(out)
+    assert serving_stack("auto", dtype=None, param_dtype=None, quantize="int8") == (
+        "scan" if packs else "loop")

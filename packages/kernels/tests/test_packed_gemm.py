@@ -1,9 +1,11 @@
 """The oneMKL packed matmul against numpy: f32 and bf16 weights, any row count, column
-blocks that do not divide the width, inside jit and a scanned stack of ids; freed ids and
-wrong inputs fail with errors naming them."""
+blocks that do not divide the width, inside jit and a scanned stack of ids; int8 weights
+bit for bit against XLA's `int8_matmul`; freed ids and wrong inputs fail with errors
+naming them."""
 
 from __future__ import annotations
 
+import functools
 import platform
 
 import jax
@@ -13,7 +15,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxlearn.kernels import PackedTable, PackedWeights, packed_matmul
+from jaxlearn.kernels import (
+    PackedTable,
+    PackedWeights,
+    int8_matmul,
+    packed_matmul,
+    quantize_int8,
+)
 from jaxlearn.kernels.packed_gemm import unavailable_reason
 
 pytestmark = pytest.mark.skipif(
@@ -78,8 +86,21 @@ def test_bad_inputs_fail_with_errors_naming_them() -> None:
         packed_matmul(jnp.ones((2, 8), jnp.bfloat16), jnp.int32(wid), 16).block_until_ready()
     with pytest.raises(Exception, match=r"x must be \[rows, 8\]"):
         packed_matmul(jnp.ones((2, 9), jnp.float32), jnp.int32(wid), 16).block_until_ready()
-    with pytest.raises(ValueError, match=r"float32 or bfloat16 weight, got float16\[8, 16\]"):
+    with pytest.raises(ValueError, match=r"bfloat16 or int8 weight, got float16\[8, 16\]"):
         owner.pack(w.astype(np.float16))
+    with pytest.raises(ValueError, match=r"int8 weight \[8, 16\] needs scale \[16\]"):
+        owner.pack(w.astype(np.int8))
+    with pytest.raises(ValueError, match=r"int8 weight \[8, 16\] needs scale \[16\] float32, "
+                                         r"got \[8\]"):
+        owner.pack(w.astype(np.int8), scale=np.ones(8, np.float32))
+    with pytest.raises(ValueError, match="scale is for int8 weights, not float32"):
+        owner.pack(w, scale=np.ones(16, np.float32))
+    w8 = owner.pack(w.astype(np.int8), scale=np.ones(16, np.float32))
+    with pytest.raises(Exception, match=f"weight {w8} .*int8 weights the int8 target"):
+        packed_matmul(jnp.ones((2, 8), jnp.float32), jnp.int32(w8), 16).block_until_ready()
+    with pytest.raises(Exception, match=f"weight {wid} is not int8"):
+        packed_matmul(jnp.ones((2, 8), jnp.float32), jnp.int32(wid), 16,
+                      int8=True).block_until_ready()
     owner.close()
     with pytest.raises(Exception, match=f"no packed weight with id {wid}"):
         packed_matmul(jnp.ones((2, 8), jnp.float32), jnp.int32(wid), 16).block_until_ready()
@@ -91,3 +112,48 @@ def test_a_packed_table_is_a_pytree_leaf_pair() -> None:
     leaves, tree = jax.tree.flatten(t)
     assert len(leaves) == 2 and t.shape == (6, 4) and t.dtype == jnp.bfloat16
     assert jax.tree.unflatten(tree, leaves).table is table
+
+
+@settings(max_examples=12, deadline=None)
+@given(m=st.integers(1, 70), k=st.integers(1, 80), n=st.integers(1, 300),
+       parts=st.integers(1, 3), bf16=st.booleans(), zero_row=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_int8_weights_compute_what_xla_int8_matmul_computes(
+        m: int, k: int, n: int, parts: int, bf16: bool, zero_row: bool, seed: int) -> None:
+    """Rows quantized on the fly, exact int32 sums, row and column scales: equal to
+    `int8_matmul` (XLA's int8 dot) bit for bit, for f32 and bf16 activations, more rows
+    than one int32 block (32), an all-zero row; and each row's result is the same when
+    computed alone (integer sums do not depend on the call's row count)."""
+    rng = np.random.default_rng(seed)
+    dtype = jnp.bfloat16 if bf16 else jnp.float32
+    w8 = quantize_int8(jnp.asarray(rng.standard_normal((k, n)), jnp.float32), (0,))
+    x = np.asarray(rng.standard_normal((m, k)) * rng.uniform(0.01, 50), dtype)
+    if zero_row:
+        x[m // 2] = 0
+    owner = PackedWeights(parts=parts)
+    wid = owner.pack(np.asarray(w8.q), scale=np.asarray(w8.scale).reshape(n))
+    # Jitted both: eager ops would divide where XLA's simplifier multiplies by reciprocals.
+    mm = jax.jit(functools.partial(packed_matmul, int8=True), static_argnums=2)
+    y = np.asarray(mm(jnp.asarray(x), jnp.int32(wid), n))
+    ref = np.asarray(jax.jit(int8_matmul)(jnp.asarray(x), w8.q, w8.scale.reshape(n)))
+    np.testing.assert_array_equal(y, ref)
+    r = m - 1
+    alone = mm(jnp.asarray(x[r:r + 1]), jnp.int32(wid), n)
+    np.testing.assert_array_equal(np.asarray(alone)[0], y[r])
+    owner.close()
+
+
+def test_an_int8_table_packs_as_a_tied_head() -> None:
+    """A tied int8 head: the table's transpose packed with its per-row scales as column
+    scales gives `int8_matmul(transposed=True)`'s logits."""
+    rng = np.random.default_rng(3)
+    table = quantize_int8(jnp.asarray(rng.standard_normal((300, 24)), jnp.float32), (1,))
+    owner = PackedWeights()
+    head = PackedTable(table, np.int32(owner.pack(np.asarray(table.q).T,
+                                                  scale=np.asarray(table.scale)[:, 0])))
+    assert head.shape == (300, 24) and head.dtype == jnp.int8
+    x = jnp.asarray(rng.standard_normal((5, 24)), jnp.float32)
+    got = jax.jit(functools.partial(packed_matmul, n=300, int8=True))(x, head.head_id)
+    want = jax.jit(lambda x: int8_matmul(x, table.q, table.scale[:, 0], transposed=True))(x)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    owner.close()

@@ -297,7 +297,7 @@ def load_model(path: str, engine_cfg: Any, *, experiment: Optional[str] = None,
     try:
         opts = {k: v for k, v in (("dtype", dtype), ("param_dtype", param_dtype)) if v}
         stack = serving_stack(engine_cfg.weight_layout, dtype=dtype, param_dtype=param_dtype,
-                              mesh_shape=engine_cfg.mesh_shape)
+                              mesh_shape=engine_cfg.mesh_shape, quantize=engine_cfg.quantize)
         loaded = source.load_host(stack=stack, **opts)
     except InteropError as e:
         raise UsageError(str(e)) from None

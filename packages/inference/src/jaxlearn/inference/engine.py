@@ -151,8 +151,8 @@ class Engine(Configurable):
             decode and one of them finds an earlier occurrence of its last (up to
             `speculative_ngram`) tokens, one call verifies k draft tokens per request and
             emits 1 to k + 1 tokens each, identical to plain decoding's (greedy or seeded).
-            Float weights only (refused with quantize="int8", whose multi-token forward
-            is not bit-identical to single steps). 0 (default): off.
+            With quantize="int8" only on packed weights (XLA's int8 forward of several
+            tokens is not bit-identical to single steps). 0 (default): off.
         max_queue: most requests waiting for a slot (beyond it: QueueFullError / 429).
         page_size: tokens per KV page (power of two <= 64).
         kv_cache_tokens: tokens the KV pool holds, all requests together (None: max_batch
@@ -165,7 +165,7 @@ class Engine(Configurable):
         fuse_projections: serve with fused q/k/v and gate/up projections (one matmul each,
             `jaxlearn.layers.fuse_projections`; one device only). None (default): fused
             when the dense weights are packed for oneMKL (`weight_layout`; no adapter
-            banks, no `quantize`): a one-row decode step of SmolLM2-135M bf16 14.4 ms
+            banks; float or int8): a one-row decode step of SmolLM2-135M bf16 14.4 ms
             against 15.6-16.1 unfused (AMX Xeon), 8-32 rows within noise. XLA's own bf16
             GEMV was ~8% slower fused at one row, f32 ~5% faster: unfused there.
         prefix_caching: share the KV pages of prompt prefixes between requests
@@ -174,10 +174,13 @@ class Engine(Configurable):
         window_page_release: when every attention layer has a sliding window, return the
             KV pages behind it to the pool while a request runs (`PageTable.trim`).
         quantize: None keeps the weights' dtype; "int8": dense weights and a tied head as
-            int8 + f32 per-channel scales (`inference.quantize`; one device only).
+            int8 + f32 per-channel scales (`inference.quantize`; one device only), with
+            activations quantized per row; packed for oneMKL's int8 GEMM where
+            `weight_layout` packs (same products; a one-row step 1.5x packed bf16's).
         weight_layout: "auto" packs bf16 dense weights for oneMKL's GEMM on one CPU
             device of a host with native bf16 instructions (1.1-1.9x faster decode
-            matmuls than XLA's dot at 8-32 rows), else stores 16-bit dense weights
+            matmuls than XLA's dot at 8-32 rows), int8 ones (`quantize`) on one CPU
+            device of a host with VNNI / AMX-INT8, else stores 16-bit dense weights
             [out, in] (XLA:CPU's bf16 decode dots read them 1.0-1.5x faster);
             "packed" packs f32 or bf16 weights, "out_in" stores every float dense
             weight [out, in], "in_out" keeps the trained layout

@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxlearn import layers
 from jaxlearn.config import REQUIRED, replace_config
 from jaxlearn.inference.adapters import check_adapter_settings
-from jaxlearn.inference.quantize import check_quantize, quantize
+from jaxlearn.inference.quantize import check_quantize
 from jaxlearn.inference.weight_layout import (
     check_weight_layout,
     packed_layout_chosen,
@@ -63,13 +63,6 @@ def check_settings(cfg: Any) -> int:
     if cfg.quantize is not None and cfg.mesh_shape is not None:
         raise ValueError(f"Engine.Config.quantize={cfg.quantize!r} needs mesh_shape=None (one "
                          f"device), got mesh_shape={cfg.mesh_shape}")
-    if cfg.speculative_tokens and cfg.quantize is not None:
-        # The int8 forward of k + 1 tokens is not bit-identical to k + 1 one-token steps
-        # (SmolLM2-135M: greedy outputs part after 25-61 tokens), so drafts would change
-        # what a request generates.
-        raise ValueError(f"Engine.Config.speculative_tokens={cfg.speculative_tokens} needs "
-                         f"quantize=None (its outputs equal plain decoding's only on float "
-                         f"weights), got quantize={cfg.quantize!r}")
     max_len = -(-cfg.max_seq_len // ps) * ps
     tokens = cfg.max_batch * max_len if cfg.kv_cache_tokens is None else cfg.kv_cache_tokens
     if tokens < max_len:
@@ -91,11 +84,12 @@ class ServingModel:
 
 def fuse_chosen(cfg: Any, model_cfg: Any, params: Any) -> bool:
     """`Engine.Config.fuse_projections`, None resolved: fused where the weights will be
-    packed (one device, no adapter banks, no int8)."""
+    packed (one device, no adapter banks; float or int8)."""
     if cfg.fuse_projections is not None:
         return bool(cfg.fuse_projections)
-    return (cfg.mesh_shape is None and not cfg.max_loras and cfg.quantize is None
-            and packed_layout_chosen(model_cfg, params, cfg.weight_layout))
+    return (cfg.mesh_shape is None and not cfg.max_loras
+            and packed_layout_chosen(model_cfg, params, cfg.weight_layout,
+                                     quantize=cfg.quantize))
 
 
 def serving_model(cfg: Any, model_cfg: Any, params: Any) -> ServingModel:
@@ -113,10 +107,18 @@ def serving_model(cfg: Any, model_cfg: Any, params: Any) -> ServingModel:
             targets=cfg.lora_targets)
     if fuse_chosen(cfg, model_cfg, params):
         model_cfg, params = layers.fuse_projections(model_cfg, params)
-    if cfg.quantize is not None:  # Int8Linear configs, int8 params.
-        model_cfg, params = quantize(model_cfg, params, cfg.quantize)
     model_cfg, params, packed = store_weights(model_cfg, params, cfg.weight_layout,
-                                              mesh_shape=cfg.mesh_shape)
+                                              mesh_shape=cfg.mesh_shape,
+                                              quantize_mode=cfg.quantize)
+    if cfg.speculative_tokens and cfg.quantize is not None and packed is None:
+        # XLA's int8 forward of k + 1 tokens is not bit-identical to k + 1 one-token steps
+        # (SmolLM2-135M: greedy outputs part after 25-61 tokens), so drafts would change
+        # what a request generates; the packed int8 kernel's rows are exact int32 sums.
+        raise ValueError(f"Engine.Config.speculative_tokens={cfg.speculative_tokens} with "
+                         f"quantize={cfg.quantize!r} needs the int8 weights packed "
+                         f"(weight_layout 'packed', or 'auto' on one CPU device of a host with "
+                         f"VNNI / AMX-INT8): XLA's int8 forward of several tokens differs from "
+                         f"single steps, got weight_layout={cfg.weight_layout!r}")
     kernel = paged_native.choose_kernel(cfg.attention_kernel, one_device=cfg.mesh_shape is None,
                                         where="Engine.Config.attention_kernel")
     model_cfg = replace_config(model_cfg, layers.Attention.Config,

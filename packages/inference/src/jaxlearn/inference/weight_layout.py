@@ -17,6 +17,12 @@ reads the same weight 1.0-1.5x faster stored `[out, in]`; f32 dots are faster `[
   instructions and the kernel builds here (`unavailable_reason`): a decode step's
   matmuls then run 1.1-1.9x faster than XLA's bf16 dot at 8-32 rows and 3-19x at one
   row (XLA repacks the weight on every call).
+  With `quantize="int8"` the plain Linears and a tied head are quantized as
+  `inference.quantize` does and packed as int8 (oneMKL's int8 GEMM; `PackedLinear`
+  with `weight_dtype="int8"`): the same products as `Int8Linear`'s XLA int8 dot, at
+  half the bytes of bf16. "auto" chooses it on one CPU device of a host with int8 dot
+  instructions (AVX512_VNNI, AVX_VNNI or AMX-INT8) where the kernel builds; LoRA
+  projections stay as `quantize` leaves them (float, XLA's dot).
 
 Stored `[out, in]` means a config swap: every plain Linear (`quantize.is_plain_linear`:
 the LM head and the attention / FFN projections) becomes a `layers.TransposedLinear`
@@ -36,9 +42,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlearn.config import replace_config
-from jaxlearn.inference.quantize import plain_linears, swap_linears, tied_head
-from jaxlearn.kernels import PackedTable, PackedWeights, transpose_weight
-from jaxlearn.kernels.packed_gemm import host_has_bf16, unavailable_reason
+from jaxlearn.inference.quantize import (
+    check_quantize,
+    plain_linears,
+    quantize,
+    swap_linears,
+    tied_head,
+)
+from jaxlearn.kernels import PackedTable, PackedWeights, quantize_int8, transpose_weight
+from jaxlearn.kernels.packed_gemm import host_has_bf16, host_has_int8, unavailable_reason
 from jaxlearn.layers import LoraAdapter, PackedLinear, TransposedLinear
 from jaxlearn.layers.lora import LoraFields
 from jaxlearn.module import Module
@@ -105,14 +117,28 @@ def apply_weight_layout(model_cfg: Any, params: Any, layout: str, *,
 
 
 def packed_layout_chosen(model_cfg: Any, params: Any, layout: str, *,
-                         mesh_shape: Any = None) -> bool:
-    """Whether `layout` means packed weights here (module docstring). "packed" where the
-    kernel cannot run, or on weights it cannot pack, is a ValueError saying why."""
+                         mesh_shape: Any = None, quantize: Optional[str] = None) -> bool:
+    """Whether `layout` means packed weights here (module docstring), for weights served
+    as `quantize` says. "packed" where the kernel cannot run, or on weights it cannot
+    pack, is a ValueError saying why."""
     check_weight_layout(layout, mesh_shape)
+    check_quantize(quantize)
     if layout not in ("auto", "packed"):
         return False
-    if layout == "auto" and (mesh_shape is not None or jax.default_backend() != "cpu"
-                             or not host_has_bf16()):
+    cpu = mesh_shape is None and jax.default_backend() == "cpu"
+    if quantize == "int8":  # Float Linears quantized and packed as int8.
+        if layout == "auto" and not (cpu and host_has_int8()):
+            return False
+        if not plain_linears(model_cfg.instantiate(), params):
+            return False
+        if (why := unavailable_reason()) is not None:
+            if layout == "packed":
+                raise ValueError(f"Engine.Config.weight_layout='packed': the packed GEMM "
+                                 f"cannot run here: {why}")
+            log.warning("weight_layout='auto': int8 weights on XLA's int8 dot (slower): %s", why)
+            return False
+        return True
+    if layout == "auto" and not (cpu and host_has_bf16()):
         return False
     linears = plain_linears(model_cfg.instantiate(), params, lora=True)
     dtypes = {jnp.dtype(p["weight"].dtype) for _, p in linears}
@@ -135,59 +161,86 @@ def packed_layout_chosen(model_cfg: Any, params: Any, layout: str, *,
     return True
 
 
-def pack_weights(model_cfg: Any, params: Any) -> tuple[Any, Any, PackedWeights]:
+def _matrices(w: Any, in_dims: int, lead: int) -> np.ndarray:
+    """w [*lead, *in, *out] on the host as [*lead, K, N]."""
+    shape = w.shape
+    k = int(np.prod(shape[lead:lead + in_dims]))
+    n = int(np.prod(shape[lead + in_dims:]))
+    return np.asarray(jax.device_get(w)).reshape(*shape[:lead], k, n)
+
+
+def pack_weights(model_cfg: Any, params: Any, *, int8: bool = False
+                 ) -> tuple[Any, Any, PackedWeights]:
     """(config with every plain Linear a `PackedLinear`, params with each weight replaced
-    by its packed copy's id, the owner of the copies)."""
+    by its packed copy's id, the owner of the copies). `int8`: the float weights are
+    quantized (`kernels.quantize_int8`, per output channel) and packed as int8, the
+    plain Linears only (LoRA projections are left as they are)."""
     owner = PackedWeights()
 
     def fn(w: Any, in_dims: int, lead: int) -> dict[str, Any]:
-        shape = w.shape
-        k = int(np.prod(shape[lead:lead + in_dims]))
-        n = int(np.prod(shape[lead + in_dims:]))
-        mats = np.asarray(jax.device_get(w)).reshape(*shape[:lead], k, n)
-        return {"weight_id": owner.pack_stack(mats, lead)}
+        mats = _matrices(w, in_dims, lead)
+        if not int8:
+            return {"weight_id": owner.pack_stack(mats, lead)}
+        q = quantize_int8(jnp.asarray(mats), (mats.ndim - 2,))
+        return {"weight_id": owner.pack_stack(np.asarray(q.q), lead, np.asarray(q.scale))}
 
-    dtype = {str(jnp.dtype(p["weight"].dtype)) for _, p in
-             plain_linears(model_cfg.instantiate(), params, lora=True)}.pop()
+    linears = plain_linears(model_cfg.instantiate(), params, lora=not int8)
+    dtype = "int8" if int8 else {str(jnp.dtype(p["weight"].dtype)) for _, p in linears}.pop()
     new_cfg, new_params = swap_linears(model_cfg, params, PackedLinear, fn,
-                                       lora_variant=PackedLoraLinear)
+                                       lora_variant=None if int8 else PackedLoraLinear)
     new_cfg = replace_config(
         new_cfg, lambda path, c: "klass" in c and c.klass in (PackedLinear, PackedLoraLinear),
         lambda old, path: old.clone(weight_dtype=dtype))
     if tied_head(model_cfg):  # Its transpose packed too.
         table = new_params["decoder"]["emb"]["weight"]
-        if jnp.dtype(table.dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        if int8:  # Per-row scales: the lookup's and, on the transpose, the head's columns.
+            t8 = quantize_int8(table, (1,))
+            head_id = owner.pack(np.asarray(t8.q).T, scale=np.asarray(t8.scale)[:, 0])
+            table = t8
+        elif jnp.dtype(table.dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
             head_id = owner.pack(np.asarray(jax.device_get(table)).T)
-            new_params = dict(new_params, decoder=dict(new_params["decoder"], emb=dict(
-                new_params["decoder"]["emb"],
-                weight=PackedTable(table, np.asarray(head_id, np.int32)))))
+        else:
+            return new_cfg, new_params, owner
+        new_params = dict(new_params, decoder=dict(new_params["decoder"], emb=dict(
+            new_params["decoder"]["emb"],
+            weight=PackedTable(table, np.asarray(head_id, np.int32)))))
     return new_cfg, new_params, owner
 
 
-def store_weights(model_cfg: Any, params: Any, layout: str, *, mesh_shape: Any = None
+def store_weights(model_cfg: Any, params: Any, layout: str, *, mesh_shape: Any = None,
+                  quantize_mode: Optional[str] = None
                   ) -> tuple[Any, Any, Optional[PackedWeights]]:
-    """(config, params, owner of packed copies or None) stored as `layout` says here."""
-    if packed_layout_chosen(model_cfg, params, layout, mesh_shape=mesh_shape):
-        cfg, packed, owner = pack_weights(model_cfg, params)
-        log.info("weights packed for oneMKL's GEMM: %.1f MB (%.1f MB of address space "
-                 "reserved)", owner.nbytes / 2**20, owner.reserved_bytes / 2**20)
+    """(config, params, owner of packed copies or None) served as `quantize_mode`
+    (`Engine.Config.quantize`) and stored as `layout` say here."""
+    if packed_layout_chosen(model_cfg, params, layout, mesh_shape=mesh_shape,
+                            quantize=quantize_mode):
+        cfg, packed, owner = pack_weights(model_cfg, params, int8=quantize_mode == "int8")
+        log.info("weights packed for oneMKL's GEMM (%s): %.1f MB (%.1f MB of address space "
+                 "reserved)", quantize_mode or "float", owner.nbytes / 2**20,
+                 owner.reserved_bytes / 2**20)
         return cfg, packed, owner
+    if quantize_mode is not None:  # Int8Linear configs, int8 params.
+        model_cfg, params = quantize(model_cfg, params, quantize_mode)
     return (*apply_weight_layout(model_cfg, params, layout, mesh_shape=mesh_shape), None)
 
 
 def serving_stack(layout: str, *, dtype: Optional[str], param_dtype: Optional[str],
-                  mesh_shape: Any = None) -> str:
+                  mesh_shape: Any = None, quantize: Optional[str] = None) -> str:
     """The layer stack ("scan" or "loop") to load an HF / GGUF model as, for an engine
     storing its weights as `layout` with these compute / weight dtypes. A scanned stack
     compiles one layer body (2-3x faster warm-up) but slices every layer's weights out of
     the stacked arrays on each decode step, which XLA:CPU copies before a dot: "loop",
     unless the weights will be packed (`packed_layout_chosen`), whose ids are what the
     scan slices: then "scan" (SmolLM2-135M bf16, 8 requests in flight: 140 tok/s in
-    process either way, first pass 39 s vs 89 s)."""
+    process either way, first pass 39 s vs 89 s). With `quantize="int8"` the same on a
+    host where "auto" packs int8 weights."""
     if layout == "packed":
         return "scan"
-    if (layout != "auto" or mesh_shape is not None or jax.default_backend() != "cpu"
-            or not host_has_bf16()):
+    if layout != "auto" or mesh_shape is not None or jax.default_backend() != "cpu":
+        return "loop"
+    if quantize == "int8":
+        return "scan" if host_has_int8() and unavailable_reason() is None else "loop"
+    if not host_has_bf16():
         return "loop"
     bf16 = "bfloat16"
     if param_dtype != bf16 or (dtype or param_dtype) != bf16:

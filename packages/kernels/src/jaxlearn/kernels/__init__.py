@@ -5,6 +5,7 @@ from jaxlearn.kernels.chunked_loss import head_cross_entropy
 from jaxlearn.kernels.packed_gemm import PackedTable, PackedWeights, packed_matmul
 from jaxlearn.kernels.ring_attention import ring_attention
 from jaxlearn.kernels.segments import segments_visible, shared_segment
+from jaxlearn.kernels.table_rows import table_rows
 from jaxlearn.kernels.weight_layout import TransposedWeight, transpose_weight
 from jaxlearn.kernels.weight_quant import Int8Weight, int8_matmul, quantize_int8, take_rows
 
@@ -21,6 +22,7 @@ __all__ = [
     "ring_attention",
     "segments_visible",
     "shared_segment",
+    "table_rows",
     "take_rows",
     "transpose_weight",
 ]

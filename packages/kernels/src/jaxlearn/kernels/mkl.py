@@ -1,5 +1,5 @@
 """oneMKL behind XLA FFI calls: the one place that builds `csrc/mkl_gemm.cc`, opens oneMKL
-from the `mkl` wheel and registers the FFI target of `packed_gemm`.
+from the `mkl` wheel and registers the FFI targets of `packed_gemm`.
 
 oneMKL is opened with `dlopen` (nothing is imported), LP64, sequential: each call splits
 its work into one block per thread of XLA's intra-op pool, and the calling thread claims
@@ -16,10 +16,12 @@ from typing import Optional
 
 from jaxlearn.kernels.native import NativeLibrary
 
-__all__ = ["PACKED_TARGET", "host_has_bf16", "library", "unavailable_reason"]
+__all__ = ["PACKED_INT8_TARGET", "PACKED_TARGET", "host_has_bf16", "host_has_int8", "library",
+           "unavailable_reason"]
 
 _SOURCE = Path(__file__).parent / "csrc" / "mkl_gemm.cc"
 PACKED_TARGET = "jaxlearn_packed_matmul"
+PACKED_INT8_TARGET = "jaxlearn_packed_int8_matmul"
 
 
 def host_has_bf16() -> bool:
@@ -29,6 +31,15 @@ def host_has_bf16() -> bool:
     except OSError:
         return False
     return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
+def host_has_int8() -> bool:
+    """Whether this CPU has int8 dot instructions (AVX512_VNNI, AVX_VNNI or AMX-INT8)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(f" {f}" in flags for f in ("avx512_vnni", "avx_vnni", "amx_int8"))
 
 
 def _mkl_rt() -> Optional[str]:
@@ -60,15 +71,16 @@ def _prepare(lib: ctypes.CDLL) -> None:
     if lib.jl_init(mkl.encode(), err, len(err)) != 0:
         raise RuntimeError(f"opening {mkl}: {err.value.decode(errors='replace')}")
     lib.jl_pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
-                            ctypes.c_int]
+                            ctypes.c_int, ctypes.c_void_p]
     lib.jl_pack.restype = ctypes.c_int
     lib.jl_free.argtypes = [ctypes.c_int]
     lib.jl_bytes.argtypes = [ctypes.c_int]
     lib.jl_bytes.restype = ctypes.c_int64
 
 
-_LIBRARY = NativeLibrary(_SOURCE, flags=("-O2",), libs=("-ldl", "-lpthread"),
-                         targets={PACKED_TARGET: "JlPackedMatmul"}, check=_check,
+_LIBRARY = NativeLibrary(_SOURCE, flags=("-O3", "-march=native"), libs=("-ldl", "-lpthread"),
+                         targets={PACKED_TARGET: "JlPackedMatmul",
+                                  PACKED_INT8_TARGET: "JlPackedInt8Matmul"}, check=_check,
                          prepare=_prepare)
 
 

@@ -3,6 +3,8 @@
     weights = PackedWeights()                    # owns the packed copies
     wid = weights.pack(w)                        # w [K, N] float32 or bfloat16 (numpy / jax)
     y = packed_matmul(x, jnp.int32(wid), n=N)    # x [M, K] -> y [M, N] float32
+    wid8 = weights.pack(q, scale=s)              # q [K, N] int8, s [N] f32 per column
+    y = packed_matmul(x, jnp.int32(wid8), n=N, int8=True)  # x any float, rows quantized
 
 Why: XLA:CPU's dots repack the weight on every call (YNNPACK), which is most of a decode
 step's time when a batch has few rows. oneMKL packs a weight once
@@ -12,7 +14,13 @@ form with the host's native instructions (AMX / AVX512_BF16 for bf16). Measured 
 (`tools/bench/jl_gemv.py`, forms `packed_*`, `results/gemv.jsonl`): bf16 1.1-1.9x XLA's
 bf16 dot (in its faster `[out, in]` layout) at 8-32 rows and 3-19x at one row; f32
 0.5-0.6x XLA's f32 dot at one row and 0.9-1.3x at 8-32 rows, so only bf16 is packed by
-default.
+default. int8 weights (`cblas_gemm_s8u8s32_pack`: VNNI / AMX-INT8) compute exactly what
+`int8_matmul` computes with XLA's int8 dot: XLA quantizes x's rows (`quantize_rows`,
+the same code) and the kernel takes them shifted to uint8, removes the shift's
+128 * colsum(q) in int32 and applies the row and column scales. At one row they read
+half the bytes of bf16 (a SmolLM2-135M layer's q/k/v, down and gate/up calls 34-41 /
+41 / 88-100 us against bf16's 46-55 / 57 / 175-242, scanned over 30 layers, same Xeon);
+at 32 rows XLA's row quantization and the int32 pass make them no faster than bf16.
 
 How:
 - The C++ source (`csrc/mkl_gemm.cc`, built and opened by `kernels.mkl`) is compiled on
@@ -49,13 +57,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlearn.kernels import mkl
-from jaxlearn.kernels.mkl import host_has_bf16
+from jaxlearn.kernels.mkl import host_has_bf16, host_has_int8
 from jaxlearn.kernels.native import kernel_cache_dir
+from jaxlearn.kernels.weight_quant import quantize_rows
 
 __all__ = ["PackedTable", "PackedWeights", "packed_matmul", "unavailable_reason",
-           "host_has_bf16", "kernel_cache_dir"]
+           "host_has_bf16", "host_has_int8", "kernel_cache_dir"]
 
-_DTYPES = {np.dtype(np.float32): 0, np.dtype(jnp.bfloat16): 1}
+_DTYPES = {np.dtype(np.float32): 0, np.dtype(jnp.bfloat16): 1, np.dtype(np.int8): 2}
 
 
 def unavailable_reason() -> Optional[str]:
@@ -90,15 +99,26 @@ class PackedWeights:
         self.nbytes = 0
         self.reserved_bytes = 0
 
-    def pack(self, w: Any) -> int:
-        """Packs w [K, N] (float32 or bfloat16; numpy or jax) and returns its id."""
+    def pack(self, w: Any, scale: Any = None) -> int:
+        """Packs w [K, N] (float32 or bfloat16, or int8 with its per-column float32
+        `scale` [N]; numpy or jax) and returns its id."""
         a = np.ascontiguousarray(np.asarray(w))
         if a.ndim != 2 or a.dtype not in _DTYPES:
-            raise ValueError(f"PackedWeights.pack: need a [K, N] float32 or bfloat16 weight, "
-                             f"got {a.dtype}{list(a.shape)}")
+            raise ValueError(f"PackedWeights.pack: need a [K, N] float32, bfloat16 or int8 "
+                             f"weight, got {a.dtype}{list(a.shape)}")
         k, n = a.shape
+        s = None
+        if a.dtype == np.int8:
+            s = np.ascontiguousarray(np.asarray(scale, np.float32)) if scale is not None else None
+            if s is None or s.shape != (n,):
+                raise ValueError(f"PackedWeights.pack: an int8 weight [{k}, {n}] needs scale "
+                                 f"[{n}] float32, got "
+                                 f"{None if s is None else list(s.shape)}")
+        elif scale is not None:
+            raise ValueError(f"PackedWeights.pack: scale is for int8 weights, not {a.dtype}")
         parts = self._parts or max(1, min(_threads(), n // 64))
-        wid = self._lib.jl_pack(a.ctypes.data, k, n, _DTYPES[a.dtype], parts)
+        wid = self._lib.jl_pack(a.ctypes.data, k, n, _DTYPES[a.dtype], parts,
+                                None if s is None else s.ctypes.data)
         if wid < 0:
             raise MemoryError(f"PackedWeights.pack: could not pack a {a.dtype}{list(a.shape)} "
                               f"weight (out of memory or ids)")
@@ -107,12 +127,17 @@ class PackedWeights:
         self.reserved_bytes += int(self._lib.jl_bytes(wid))
         return int(wid)
 
-    def pack_stack(self, w: Any, lead: int) -> np.ndarray:
-        """Packs every [K, N] matrix of w [*lead dims, K, N]; ids int32 [*lead dims]."""
+    def pack_stack(self, w: Any, lead: int, scale: Any = None) -> np.ndarray:
+        """Packs every [K, N] matrix of w [*lead dims, K, N] (int8: with `scale` [*lead
+        dims, N]); ids int32 [*lead dims]."""
         a = np.asarray(w)
         shape = a.shape[:lead]
         mats = a.reshape(-1, *a.shape[lead:])
-        return np.asarray([self.pack(m) for m in mats], np.int32).reshape(shape)
+        if scale is None:
+            return np.asarray([self.pack(m) for m in mats], np.int32).reshape(shape)
+        scales = np.asarray(scale, np.float32).reshape(len(mats), -1)
+        return np.asarray([self.pack(m, s) for m, s in zip(mats, scales)],
+                          np.int32).reshape(shape)
 
     def close(self) -> None:
         """Frees every copy this owner packed (no program may still run with them)."""
@@ -126,20 +151,31 @@ class PackedWeights:
             self.close()
 
 
-def packed_matmul(x: jax.Array, weight_id: jax.Array, n: int) -> jax.Array:
-    """x [M, K] (float32 for an f32 weight, bfloat16 for a bf16 one) @ the packed weight
-    `weight_id` (int32 scalar) [K, n] -> [M, n] float32."""
+def packed_matmul(x: jax.Array, weight_id: jax.Array, n: int, *, int8: bool = False
+                  ) -> jax.Array:
+    """x [M, K] @ the packed weight `weight_id` (int32 scalar) [K, n] -> [M, n] float32.
+    x is float32 for an f32 weight, bfloat16 for a bf16 one. `int8`: the weight is int8
+    with column scales and x any float dtype; the result equals `int8_matmul`'s on that
+    weight (x's rows quantized here by `quantize_rows`, the int32 dot and the scales in
+    the kernel)."""
     if mkl.library() is None:
         raise RuntimeError(f"packed GEMM unavailable: {mkl.unavailable_reason()}")
-    call = jax.ffi.ffi_call(mkl.PACKED_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
-    return call(x, jnp.asarray(weight_id, jnp.int32))
+    out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
+    wid = jnp.asarray(weight_id, jnp.int32)
+    if not int8:
+        return jax.ffi.ffi_call(mkl.PACKED_TARGET, out)(x, wid)
+    q, sx = quantize_rows(x)
+    xq = (q.astype(jnp.int16) + 128).astype(jnp.uint8)  # oneMKL's unsigned activations.
+    return jax.ffi.ffi_call(mkl.PACKED_INT8_TARGET, out)(xq, sx.reshape(-1), wid)
 
 
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True)
 class PackedTable:
     """An embedding table [vocab, dim] and the id (int32 scalar) of its packed transpose
-    (`PackedWeights.pack(table.T)`), for a tied output head (module doc)."""
+    (`PackedWeights.pack(table.T)`), for a tied output head (module doc). The table may
+    be an `Int8Weight` with per-row scales; its transpose is then packed as int8 with
+    those scales per column."""
 
     table: Any
     head_id: Any

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxlearn.config import REQUIRED
-from jaxlearn.kernels import Int8Weight, PackedTable, int8_matmul, packed_matmul, take_rows
+from jaxlearn.kernels import Int8Weight, PackedTable, int8_matmul, packed_matmul, table_rows
 from jaxlearn.layers.dense import DotGeneral, dense, matmul_nt, maybe_dot
 from jaxlearn.module import FanAxes, Module, Normal, ParameterSpec, with_logical_constraint
 
@@ -49,7 +49,7 @@ class Embedding(Module):
 
     def forward(self, ids: jax.Array) -> jax.Array:
         w = self.parameters["weight"]
-        x = _take_rows(w, ids).astype(self.dtype)
+        x = table_rows(w, ids).astype(self.dtype)
         if self.config.scale_by_sqrt_dim:
             x = x * jnp.asarray(math.sqrt(self.config.dim), x.dtype)
         return with_logical_constraint(x, ("batch", "seq", "embed"))
@@ -57,51 +57,15 @@ class Embedding(Module):
     def attend(self, x: jax.Array, *, out_dtype: Any = jnp.float32) -> jax.Array:
         """x [batch, seq, embed] -> logits [batch, seq, vocab] (f32 by default)."""
         w = self.parameters["weight"]
-        if isinstance(w, Int8Weight) and self._dot is None:
-            x2d = x.reshape(-1, x.shape[-1])
-            y = int8_matmul(x2d, w.q, w.scale[:, 0], transposed=True)
-            return y.astype(out_dtype).reshape(*x.shape[:-1], w.shape[0])
-        if isinstance(w, PackedTable) and self._dot is None:  # Serving: oneMKL packed head.
-            x2d = x.astype(w.dtype).reshape(-1, x.shape[-1])
-            y = packed_matmul(x2d, w.head_id, w.shape[0])
-            return y.astype(out_dtype).reshape(*x.shape[:-1], w.shape[0])
-        if self._dot is None:
+        if self._dot is not None:
+            return dense(x.astype(self.dtype), w.T, dot=self._dot, out_dtype=out_dtype)
+        if not isinstance(w, (Int8Weight, PackedTable)):
             return matmul_nt(x.astype(self.dtype), w, out_dtype=out_dtype)
-        return dense(x.astype(self.dtype), w.T, dot=self._dot, out_dtype=out_dtype)
-
-
-def _take_rows(w: jax.Array, ids: jax.Array) -> jax.Array:
-    """w[ids] (rows). A 16-bit float table goes through `_take_rows_16` (below)."""
-    if isinstance(w, Int8Weight):  # Weight-only int8 with per-row scales (serving).
-        return take_rows(w, ids)
-    if isinstance(w, PackedTable):
-        w = w.table
-    if jnp.dtype(w.dtype).itemsize == 2 and jnp.issubdtype(w.dtype, jnp.floating):
-        return _take_rows_16(w, ids)
-    return jnp.take(w, ids, axis=0)
-
-
-@jax.custom_vjp
-def _take_rows_16(w: jax.Array, ids: jax.Array) -> jax.Array:
-    # XLA:CPU gathers bf16 through an f32 (or, for a uint16 bitcast, a u16) copy of the
-    # whole table; inside a decode loop that copy is loop-invariant, gets hoisted and is
-    # materialised on every call (32 MB for a 32000 x 512 table, ~10 ms here). The barrier
-    # ties the table to this call's ids, so the gather reads just its rows (0.03 ms).
-    w, ids = jax.lax.optimization_barrier((w, ids))
-    return jnp.take(w, ids, axis=0)
-
-
-def _take_rows_16_fwd(w: jax.Array, ids: jax.Array) -> tuple[jax.Array, Any]:
-    return _take_rows_16(w, ids), (ids, jnp.zeros((w.shape[0], 0), w.dtype))
-
-
-def _take_rows_16_bwd(res: Any, g: jax.Array) -> tuple[jax.Array, None]:
-    ids, table = res  # table: [rows, 0], for the gradient's row count and dtype.
-    # Rows of repeated ids are summed in f32 and rounded once (a 16-bit sum would round
-    # at every repeat of a frequent token). ids and g keep their [batch, seq] layout.
-    dw = jnp.zeros((table.shape[0], g.shape[-1]), jnp.float32).at[ids].add(
-        g.astype(jnp.float32))
-    return dw.astype(table.dtype), None
-
-
-_take_rows_16.defvjp(_take_rows_16_fwd, _take_rows_16_bwd)
+        x2d = x.reshape(-1, x.shape[-1])  # Serving: an int8 (XLA) or oneMKL packed head.
+        if isinstance(w, Int8Weight):
+            y = int8_matmul(x2d, w.q, w.scale[:, 0], transposed=True)
+        else:  # An int8 table's rows are quantized in packed_matmul.
+            i8 = isinstance(w.table, Int8Weight)
+            y = packed_matmul(x2d.astype(self.dtype if i8 else w.dtype), w.head_id, w.shape[0],
+                              int8=i8)
+        return y.astype(out_dtype).reshape(*x.shape[:-1], w.shape[0])

@@ -1,16 +1,16 @@
 """Serving variants of `Linear`, chosen by config (the inference engine swaps them in and
 converts the params, `jaxlearn.inference.quantize` / `weight_layout`):
 
-- `Int8Linear`: weight-only int8. Params `weight [*in, *out]` int8 and `scale [1 x in,
-  *out]` float32 (per output channel, `kernels.quantize_int8`), optional `bias`; the
-  matmul is `kernels.int8_matmul` (activations quantized per row on the fly).
+- `Int8Linear`: int8 weights, `weight [*in, *out]` with float32 `scale [1 x in, *out]`
+  per output channel (`kernels.quantize_int8`), optional `bias`; `kernels.int8_matmul`
+  quantizes the activations per row on the fly.
 - `TransposedLinear`: the weight stored output-major, `weight_t [prod(out), prod(in)]`
   (`kernels.weight_layout`: XLA:CPU's bf16 dots with few rows read it faster), contracted
   on that layout by `kernels.matmul_nt`.
-- `PackedLinear`: the weight packed for oneMKL (`kernels.packed_gemm`), held outside JAX by
-  a `kernels.PackedWeights` owner; the param is its int32 id `weight_id []` (a scanned
-  stack: `[layers]`), and the matmul is `kernels.packed_matmul` (x cast to the packed
-  weight's dtype, config `weight_dtype`; f32 accumulation).
+- `PackedLinear`: a copy packed for oneMKL (`kernels.packed_gemm`) owned by a
+  `kernels.PackedWeights`, named by the int32 param `weight_id []` (scanned: `[layers]`);
+  `kernels.packed_matmul` with x cast to config `weight_dtype` (f32 accumulation), or for
+  "int8" x's rows quantized as `Int8Linear` does, with the same result.
 
 None of them trains (no float weight to differentiate) nor takes an injected `dot`.
 """
@@ -94,7 +94,7 @@ class PackedLinear(_ServingLinear):
     """`Linear` whose weight is a packed copy named by `weight_id` (module doc)."""
 
     class Config(Linear.Config):
-        # The packed copy's dtype ("float32" or "bfloat16"); x is cast to it.
+        # The packed copy's dtype: "float32" or "bfloat16" (x cast to it), or "int8".
         weight_dtype: str = "bfloat16"
 
     def _create_layer_parameter_specs(self) -> dict[str, ParameterSpec]:
@@ -104,6 +104,7 @@ class PackedLinear(_ServingLinear):
     def forward(self, x: jax.Array, *, out_dtype: Any = None) -> jax.Array:
         k, n = math.prod(self.in_shape), math.prod(self.out_shape)
         lead = x.shape[: x.ndim - len(self.in_shape)]
-        x2d = x.astype(self.config.weight_dtype).reshape(-1, k)
-        y = packed_matmul(x2d, self.parameters["weight_id"], n)
+        i8 = self.config.weight_dtype == "int8"
+        x2d = x.astype(self.dtype if i8 else self.config.weight_dtype).reshape(-1, k)
+        y = packed_matmul(x2d, self.parameters["weight_id"], n, int8=i8)
         return self._finish(y, lead, out_dtype)

@@ -1,5 +1,6 @@
 // Prepacked-weight matmul for XLA:CPU through the XLA FFI, on oneMKL's packed GEMM API
-// (cblas_sgemm_pack / _compute, cblas_gemm_bf16bf16f32_pack / _compute).
+// (cblas_sgemm_pack / _compute, cblas_gemm_bf16bf16f32_pack / _compute,
+// cblas_gemm_s8u8s32_pack / _compute).
 //
 // XLA:CPU's dots repack the weight on every call, which dominates a decode step with few
 // rows. Here each weight is packed once, into `parts` column blocks (one per thread), and
@@ -7,6 +8,16 @@
 // scanned layer stack slices an id instead of copying a weight.
 //
 //   y[M, N] f32 = x[M, K] (f32, or bf16 for bf16 weights) @ W[K, N]
+//
+// int8 weights (q [K, N] int8, per-column f32 scales s [N]), a second target:
+//
+//   y[M, N] f32 = f32((xq[M, K] - 128) @ q) * sx[M] * s
+//
+// where the caller (`kernels.packed_matmul(..., int8=True)`) quantized x's rows in XLA
+// (`quantize_rows`: sx and q_x) and passed xq = q_x + 128 as uint8, which oneMKL's int8
+// GEMM takes; the 128 * colsum(q) that adds is removed through its row offset, exactly,
+// in int32. Integer sums do not depend on the order, so a row's result is the same in a
+// call of any number of rows, and equal to `int8_matmul`'s.
 //
 // MKL is opened at run time (jl_init) and runs sequentially; the column blocks run on
 // XLA's intra-op thread pool (`PoolFor`, pool_for.h). Packed blocks are mapped pages of
@@ -34,6 +45,9 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int kRowMajor = 101, kNoTrans = 111, kPacked = 151, kBMatrix = 162;
+constexpr int kRowOffset = 171;  // oc[N]: one offset per column of C.
+constexpr int kF32 = 0, kBf16 = 1, kInt8 = 2;
+constexpr int64_t kRowBlock = 32;  // int8: rows per int32 scratch block.
 constexpr int kThreadingSequential = 1, kInterfaceLp64 = 0;
 
 // oneMKL's LP64 interface (MKL_INT = 32-bit int; set explicitly in jl_init).
@@ -47,6 +61,10 @@ using BPackFn = void (*)(int, int, int, MklInt, MklInt, MklInt, const uint16_t*,
                          uint16_t*);
 using BComputeFn = void (*)(int, MklInt, MklInt, MklInt, MklInt, MklInt, float, const uint16_t*,
                             MklInt, const uint16_t*, MklInt, float, float*, MklInt);
+using IPackFn = void (*)(int, int, int, MklInt, MklInt, MklInt, const void*, MklInt, void*);
+using IComputeFn = void (*)(int, MklInt, MklInt, int, MklInt, MklInt, MklInt, float, const void*,
+                            MklInt, int8_t, const void*, MklInt, int8_t, float, int32_t*, MklInt,
+                            const int32_t*);
 
 struct Mkl {
   PackSizeFn s_size = nullptr, b_size = nullptr;
@@ -54,6 +72,9 @@ struct Mkl {
   SComputeFn s_compute = nullptr;
   BPackFn b_pack = nullptr;
   BComputeFn b_compute = nullptr;
+  PackSizeFn i_size = nullptr;
+  IPackFn i_pack = nullptr;
+  IComputeFn i_compute = nullptr;
 };
 Mkl mkl;
 
@@ -65,8 +86,10 @@ struct Part {
 
 struct Weight {
   int64_t k, n;
-  int dtype;  // 0: f32, 1: bf16
+  int dtype;  // kF32, kBf16 or kInt8
   std::vector<Part> parts;
+  std::vector<float> scale;       // int8: per column [n]
+  std::vector<int32_t> col_off;   // int8: -128 * colsum(q) [n]
   ~Weight() {
     for (auto& p : parts) munmap(p.buf, p.bytes);
   }
@@ -79,13 +102,33 @@ std::mutex free_mu;
 std::vector<int> free_ids;
 
 void RunPart(const Weight& w, const Part& p, const void* x, int64_t m, float* y) {
-  if (w.dtype == 0) {
+  if (w.dtype == kF32) {
     mkl.s_compute(kRowMajor, kNoTrans, kPacked, m, p.n, w.k, static_cast<const float*>(x), w.k,
                   static_cast<const float*>(p.buf), p.n, 0.0f, y + p.n0, w.n);
   } else {
     mkl.b_compute(kRowMajor, kNoTrans, kPacked, m, p.n, w.k, 1.0f,
                   static_cast<const uint16_t*>(x), w.k, static_cast<const uint16_t*>(p.buf),
                   p.n, 0.0f, y + p.n0, w.n);
+  }
+}
+
+// int8 weight: xq [m, k] (q_x + 128) with row scales sx [m]; int32 blocks of kRowBlock rows.
+void RunPartInt8(const Weight& w, const Part& p, const uint8_t* xq, const float* sx, int64_t m,
+                 float* y) {
+  thread_local std::vector<int32_t> acc;
+  acc.resize(static_cast<size_t>(kRowBlock * p.n));
+  const int32_t* off = w.col_off.data() + p.n0;
+  const float* s = w.scale.data() + p.n0;
+  for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
+    const int64_t mb = r0 + kRowBlock <= m ? kRowBlock : m - r0;
+    mkl.i_compute(kRowMajor, kNoTrans, kPacked, kRowOffset, mb, p.n, w.k, 1.0f, xq + r0 * w.k,
+                  w.k, 0, p.buf, p.n, 0, 0.0f, acc.data(), p.n, off);
+    for (int64_t r = 0; r < mb; ++r) {
+      const float rs = sx[r0 + r];
+      float* yr = y + (r0 + r) * w.n + p.n0;
+      const int32_t* ar = acc.data() + r * p.n;
+      for (int64_t j = 0; j < p.n; ++j) yr[j] = static_cast<float>(ar[j]) * rs * s[j];
+    }
   }
 }
 
@@ -104,10 +147,11 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<
                                        std::to_string(i));
   }
   const bool bf16 = x.element_type() == ffi::BF16;
-  if (bf16 != (w->dtype == 1) || (!bf16 && x.element_type() != ffi::F32)) {
+  if (w->dtype == kInt8 || bf16 != (w->dtype == kBf16) ||
+      (!bf16 && x.element_type() != ffi::F32)) {
     return ffi::Error::InvalidArgument("jl_packed_matmul: x's dtype does not match weight " +
                                        std::to_string(i) + " (f32 weights take f32 x, bf16 "
-                                       "weights bf16 x)");
+                                       "weights bf16 x; int8 weights the int8 target)");
   }
   const int64_t m = dims[0];
   if (m == 0) return ffi::Error::Success();
@@ -119,12 +163,51 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<
   return ffi::Error::Success();
 }
 
+ffi::Error PackedInt8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> xq,
+                                ffi::Buffer<ffi::F32> sx, ffi::Buffer<ffi::S32> id,
+                                ffi::ResultBuffer<ffi::F32> y) {
+  const int32_t i = id.typed_data()[0];
+  Weight* w = (i >= 0 && i < kMaxWeights) ? table[i].load(std::memory_order_acquire) : nullptr;
+  if (w == nullptr) {
+    return ffi::Error::InvalidArgument("jl_packed_int8_matmul: no packed weight with id " +
+                                       std::to_string(i) + " (freed, or from another process)");
+  }
+  if (w->dtype != kInt8) {
+    return ffi::Error::InvalidArgument("jl_packed_int8_matmul: weight " + std::to_string(i) +
+                                       " is not int8 (the float target takes it)");
+  }
+  auto dims = xq.dimensions();
+  if (dims.size() != 2 || dims[1] != w->k || dims[0] > INT32_MAX ||
+      static_cast<int64_t>(sx.element_count()) != dims[0]) {
+    return ffi::Error::InvalidArgument("jl_packed_int8_matmul: xq must be [rows, " +
+                                       std::to_string(w->k) + "] with one scale per row, for "
+                                       "weight " + std::to_string(i));
+  }
+  const int64_t m = dims[0];
+  if (m == 0) return ffi::Error::Success();
+  const int64_t parts = static_cast<int64_t>(w->parts.size());
+  const uint8_t* xd = xq.typed_data();
+  const float* sd = sx.typed_data();
+  float* yd = y->typed_data();
+  jaxlearn::PoolFor(pool, parts, parts - 1,
+                    [&](int64_t p) { RunPartInt8(*w, w->parts[p], xd, sd, m, yd); });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JlPackedMatmul, PackedMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JlPackedInt8Matmul, PackedInt8MatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
@@ -152,41 +235,57 @@ int jl_init(const char* path, char* err, int err_len) {
   m.b_size = reinterpret_cast<PackSizeFn>(dlsym(lib, "cblas_gemm_bf16bf16f32_pack_get_size"));
   m.b_pack = reinterpret_cast<BPackFn>(dlsym(lib, "cblas_gemm_bf16bf16f32_pack"));
   m.b_compute = reinterpret_cast<BComputeFn>(dlsym(lib, "cblas_gemm_bf16bf16f32_compute"));
-  if (!m.s_size || !m.s_pack || !m.s_compute || !m.b_size || !m.b_pack || !m.b_compute) {
+  m.i_size = reinterpret_cast<PackSizeFn>(dlsym(lib, "cblas_gemm_s8u8s32_pack_get_size"));
+  m.i_pack = reinterpret_cast<IPackFn>(dlsym(lib, "cblas_gemm_s8u8s32_pack"));
+  m.i_compute = reinterpret_cast<IComputeFn>(dlsym(lib, "cblas_gemm_s8u8s32_compute"));
+  if (!m.s_size || !m.s_pack || !m.s_compute || !m.b_size || !m.b_pack || !m.b_compute ||
+      !m.i_size || !m.i_pack || !m.i_compute) {
     return fail("the MKL library lacks the packed GEMM functions");
   }
   mkl = m;
   return 0;
 }
 
-// Packs w ([k, n] row major; f32 for dtype 0, bf16 bits for dtype 1) into `parts` column
-// blocks of multiples of 64 columns. Returns its id (>= 0), or -1 (not initialised, out
-// of ids or memory).
-int jl_pack(const void* w, int64_t k, int64_t n, int dtype, int parts) {
+// Packs w ([k, n] row major; f32 for dtype 0, bf16 bits for dtype 1, int8 for dtype 2
+// with per-column `scale` [n]) into `parts` column blocks of multiples of 64 columns.
+// Returns its id (>= 0), or -1 (not initialised, out of ids or memory).
+int jl_pack(const void* w, int64_t k, int64_t n, int dtype, int parts, const float* scale) {
   if (mkl.s_compute == nullptr || k <= 0 || n <= 0 || k > INT32_MAX || n > INT32_MAX ||
-      parts < 1) {
+      parts < 1 || dtype < kF32 || dtype > kInt8 || (dtype == kInt8 && scale == nullptr)) {
     return -1;
   }
   auto weight = std::make_unique<Weight>();
   weight->k = k;
   weight->n = n;
   weight->dtype = dtype;
+  if (dtype == kInt8) {
+    const int8_t* q = static_cast<const int8_t*>(w);
+    weight->scale.assign(scale, scale + n);
+    weight->col_off.assign(static_cast<size_t>(n), 0);
+    for (int64_t r = 0; r < k; ++r) {
+      for (int64_t j = 0; j < n; ++j) weight->col_off[j] -= 128 * q[r * n + j];
+    }
+  }
   const int64_t block = 64;
   int64_t per = (n + parts - 1) / parts;
   per = (per + block - 1) / block * block;
   for (int64_t n0 = 0; n0 < n; n0 += per) {
     const int64_t nc = n0 + per <= n ? per : n - n0;
-    const size_t bytes =
-        dtype == 0 ? mkl.s_size(kBMatrix, 1, nc, k) : mkl.b_size(kBMatrix, 1, nc, k);
+    const size_t bytes = dtype == kF32    ? mkl.s_size(kBMatrix, 1, nc, k)
+                         : dtype == kBf16 ? mkl.b_size(kBMatrix, 1, nc, k)
+                                          : mkl.i_size(kBMatrix, 1, nc, k);
     void* buf = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (buf == MAP_FAILED) return -1;
     weight->parts.push_back({n0, nc, buf, bytes});
-    if (dtype == 0) {
+    if (dtype == kF32) {
       mkl.s_pack(kRowMajor, kBMatrix, kNoTrans, 1, nc, k, 1.0f, static_cast<const float*>(w) + n0,
                  n, static_cast<float*>(buf));
-    } else {
+    } else if (dtype == kBf16) {
       mkl.b_pack(kRowMajor, kBMatrix, kNoTrans, 1, nc, k, static_cast<const uint16_t*>(w) + n0,
                  n, static_cast<uint16_t*>(buf));
+    } else {
+      mkl.i_pack(kRowMajor, kBMatrix, kNoTrans, 1, nc, k, static_cast<const int8_t*>(w) + n0, n,
+                 buf);
     }
   }
   int id = -1;
