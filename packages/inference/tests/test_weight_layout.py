@@ -195,9 +195,9 @@ def test_packed_int8_weights_serve_what_xla_int8_serves(stack, tied):
     """quantize="int8" with weight_layout="packed": the Linears' weights quantized and
     packed as int8 (`PackedLinear`, weight_dtype "int8"), a tied head a `PackedTable` of
     an `Int8Weight`; the kernel's products are exact int32 sums with XLA's scales (bit
-    for bit: kernels/tests), so logits equal the XLA int8 engine's up to how XLA fuses
-    the float ops around them (an ulp), and greedy tokens too (one and four rows), fused
-    projections included."""
+    for bit: kernels/tests), so on this model logits equal the XLA int8 engine's up to
+    how XLA fuses the float ops around them (an ulp), and greedy tokens too (one and four
+    rows), fused projections included."""
     cfg = _untied_or_tied(tiny_config(stack), tied)
     params = tiny_params(cfg, seed=1)
 
