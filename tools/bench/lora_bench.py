@@ -18,7 +18,10 @@ peer trains without gradient checkpointing (its fastest, most memory-hungry sett
 
 `JAXLEARN_BENCH_BF16=1` measures bf16 compute on both sides instead: jaxlearn's
 `model.dtype=bfloat16` on the f32 masters (the recipe's accelerator setting), the peer's
-forward and loss under `torch.autocast("cpu", bfloat16)`; records carry `dtype`.
+forward and loss under `torch.autocast("cpu", bfloat16)`; records carry `dtype`. With
+`JAXLEARN_BENCH_PEER_F32=1` too the peer stays f32 (each side as its users run it:
+jaxlearn with the bf16 flag its README recommends on AVX512_BF16 / AMX hosts, torch's
+default f32, which was also torch's faster setting here).
 
 Each side runs the saved batches `--passes` times (default 2: 12 steps, the median over
 the 10 after warm-up). On the Firecracker VM the bench was written on, a step now and then
@@ -152,9 +155,13 @@ def jl_stage(out: pathlib.Path, mode: str, warmup: int, tag: str, passes: int) -
           remat=str(cfg.model.decoder.transformer.layer.remat_spec))
 
 
-def bf16() -> bool:
-    """bf16 compute on both sides (JAXLEARN_BENCH_BF16=1), else f32."""
-    return os.environ.get("JAXLEARN_BENCH_BF16") == "1"
+def bf16(framework: str = "jaxlearn") -> bool:
+    """bf16 compute (JAXLEARN_BENCH_BF16=1) on both sides, or on jaxlearn's only with
+    JAXLEARN_BENCH_PEER_F32=1; else f32."""
+    on = os.environ.get("JAXLEARN_BENCH_BF16") == "1"
+    if framework != "jaxlearn" and os.environ.get("JAXLEARN_BENCH_PEER_F32") == "1":
+        return False
+    return on
 
 
 def _flat(tree):
@@ -172,7 +179,7 @@ def _emit(framework, mode, version, data, times, losses, warmup, tag, **extra) -
          seq=int(s), steps=len(times), warmup=warmup, step_s=rnd(dt),
          step_times=[rnd(x) for x in times], tokens_per_s=rnd(b * s / dt),
          losses=[rnd(x, 6) for x in losses], wall_time=time.time(), tag=tag,
-         dtype="bfloat16" if bf16() else "float32", **extra)
+         dtype="bfloat16" if bf16(framework) else "float32", **extra)
 
 
 # ---- peer (a venv with torch + transformers + peft) ---------------------------------------
@@ -223,7 +230,7 @@ def pt_stage(out: pathlib.Path, mode: str, warmup: int, tag: str, passes: int) -
         pos = torch.as_tensor(data["positions"][i], dtype=torch.long)
         with Timer() as t:
             opt.zero_grad(set_to_none=True)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16()):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16("torch")):
                 logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
                 ce = torch.nn.functional.cross_entropy(
                     logits.float().flatten(0, 1), labels.flatten(), reduction="none")
