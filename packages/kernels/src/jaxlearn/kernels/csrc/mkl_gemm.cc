@@ -132,14 +132,22 @@ void RunPartInt8(const Weight& w, const Part& p, const uint8_t* xq, const float*
   }
 }
 
+// The weight an FFI call names by id, or nullptr with `error` saying why (`who` calls).
+Weight* Lookup(int32_t i, const char* who, ffi::Error* error) {
+  Weight* w = (i >= 0 && i < kMaxWeights) ? table[i].load(std::memory_order_acquire) : nullptr;
+  if (w == nullptr) {
+    *error = ffi::Error::InvalidArgument(std::string(who) + ": no packed weight with id " +
+                                         std::to_string(i) + " (freed, or from another process)");
+  }
+  return w;
+}
+
 ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> id,
                             ffi::ResultBuffer<ffi::F32> y) {
   const int32_t i = id.typed_data()[0];
-  Weight* w = (i >= 0 && i < kMaxWeights) ? table[i].load(std::memory_order_acquire) : nullptr;
-  if (w == nullptr) {
-    return ffi::Error::InvalidArgument("jl_packed_matmul: no packed weight with id " +
-                                       std::to_string(i) + " (freed, or from another process)");
-  }
+  ffi::Error error = ffi::Error::Success();
+  Weight* w = Lookup(i, "jl_packed_matmul", &error);
+  if (w == nullptr) return error;
   auto dims = x.dimensions();
   if (dims.size() != 2 || dims[1] != w->k || dims[0] > INT32_MAX) {
     return ffi::Error::InvalidArgument("jl_packed_matmul: x must be [rows, " +
@@ -167,11 +175,9 @@ ffi::Error PackedInt8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> xq,
                                 ffi::Buffer<ffi::F32> sx, ffi::Buffer<ffi::S32> id,
                                 ffi::ResultBuffer<ffi::F32> y) {
   const int32_t i = id.typed_data()[0];
-  Weight* w = (i >= 0 && i < kMaxWeights) ? table[i].load(std::memory_order_acquire) : nullptr;
-  if (w == nullptr) {
-    return ffi::Error::InvalidArgument("jl_packed_int8_matmul: no packed weight with id " +
-                                       std::to_string(i) + " (freed, or from another process)");
-  }
+  ffi::Error error = ffi::Error::Success();
+  Weight* w = Lookup(i, "jl_packed_int8_matmul", &error);
+  if (w == nullptr) return error;
   if (w->dtype != kInt8) {
     return ffi::Error::InvalidArgument("jl_packed_int8_matmul: weight " + std::to_string(i) +
                                        " is not int8 (the float target takes it)");
