@@ -70,8 +70,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                         "bfloat16 with --dtype bfloat16 halves the weight memory and the "
                         "bytes each decode step reads")
     p.add_argument("--quantize", default=None, metavar="int8",
-                   help="weight-only int8: dense weights and a tied output head become int8 "
-                        "+ per-channel scales at load (a quarter of the f32 weight memory)")
+                   help="int8: dense weights and a tied output head become int8 + per-channel "
+                        "scales at load (a quarter of the f32 weight memory), activations are "
+                        "quantized per row; packed for oneMKL's int8 GEMM on VNNI / AMX hosts")
     p.add_argument("--max_seq_len", type=int, default=None,
                    help="prompt + generated tokens (default 2048)")
     p.add_argument("--max_batch", type=int, default=None,

@@ -1,4 +1,6 @@
-"""Weight-only quantization of a model for serving (`Engine.Config.quantize`).
+"""int8 quantization of a model for serving (`Engine.Config.quantize`): int8 weights with
+per-output-channel scales, and activations quantized per row by the matmul
+(`kernels.int8_matmul`).
 
 `quantize(model_cfg, params, "int8")` returns (config, params) with every plain `Linear`
 (the LM head and the attention / feed-forward projections, which are Linear children)

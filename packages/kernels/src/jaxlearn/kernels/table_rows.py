@@ -21,7 +21,7 @@ def table_rows(w: Any, ids: jax.Array) -> jax.Array:
     (dequantized rows, f32) or a `PackedTable` (its table's rows)."""
     if isinstance(w, PackedTable):
         w = w.table
-    if isinstance(w, Int8Weight):  # Weight-only int8 with per-row scales (serving).
+    if isinstance(w, Int8Weight):  # int8 with per-row scales (serving).
         return take_rows(w, ids)
     if jnp.dtype(w.dtype).itemsize == 2 and jnp.issubdtype(w.dtype, jnp.floating):
         return _take_rows_16(w, ids)
