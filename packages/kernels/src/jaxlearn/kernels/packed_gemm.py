@@ -17,10 +17,12 @@ bf16 dot (in its faster `[out, in]` layout) at 8-32 rows and 3-19x at one row; f
 default. int8 weights (`cblas_gemm_s8u8s32_pack`: VNNI / AMX-INT8) compute exactly what
 `int8_matmul` computes with XLA's int8 dot: XLA quantizes x's rows (`quantize_rows`,
 the same code) and the kernel takes them shifted to uint8, removes the shift's
-128 * colsum(q) in int32 and applies the row and column scales. At one row they read
-half the bytes of bf16 (a SmolLM2-135M layer's q/k/v, down and gate/up calls 34-41 /
-41 / 88-100 us against bf16's 46-55 / 57 / 175-242, scanned over 30 layers, same Xeon);
-at 32 rows XLA's row quantization and the int32 pass make them no faster than bf16.
+128 * colsum(q) in int32 and applies the row and column scales. They read half the
+bytes of bf16: a SmolLM2-135M layer's q/k/v, down and gate/up calls at one row 36-48 /
+47-54 / 87-94 us against bf16's 38-61 / 58-64 / 144-178, at 32 rows 64-78 / 74-86 /
+174-184 against 87-90 / 87-94 / 275-288 (scanned over 30 layers, same Xeon, quantization
+included). In a whole 32-row decode step XLA's row quantization, one core at a time,
+takes back what the calls save (`packages/inference/README.md`).
 
 How:
 - The C++ source (`csrc/mkl_gemm.cc`, built and opened by `kernels.mkl`) is compiled on
