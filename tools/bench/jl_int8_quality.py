@@ -6,7 +6,7 @@ it on this host (packed for oneMKL where `weight_layout="auto"` packs).
 
     tools/jaxlearn python tools/bench/jl_int8_quality.py --model SmolLM2-135M-Instruct.Q4_1.gguf
 
-Prints one JSON line per setting.
+Prints one JSON line per setting, with the host's CPU and SIMD flags.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import argparse
 import json
 
 import numpy as np
+from common import host_cpu
 
 TEXT = (
     "The river ran past the old stone bridge and into the quiet city, where the market "
@@ -56,9 +57,10 @@ def main() -> None:
         kl = float(np.mean(np.sum(np.exp(ref) * (ref - lp), -1)))
         top1 = float(np.mean(ref.argmax(-1) == lp.argmax(-1)))
         nll = float(-np.mean(lp[np.arange(len(ids) - 1), ids[1:]]))
-        print(json.dumps(dict(setting=name, packed=engine.packed_weights is not None,
-                              positions=len(ids) - 1, top1_agree=round(top1, 4),
-                              kl=round(kl, 5), nll=round(nll, 4))), flush=True)
+        rec = dict(bench="int8_quality", host=host_cpu(), setting=name,
+                   packed=engine.packed_weights is not None, positions=len(ids) - 1,
+                   top1_agree=round(top1, 4), kl=round(kl, 5), nll=round(nll, 4))
+        print(json.dumps(rec), flush=True)
         del engine, loaded
 
 

@@ -99,8 +99,15 @@ def tied_head(model_cfg: Any) -> bool:
             and decoder.config.lm_head is None)
 
 
+def int8_weight(w: Any, in_dims: int, lead: int) -> Int8Weight:
+    """A Linear weight [*lead, *in, *out] as int8 with per-output-channel scales (one
+    scale per lead index and output channel): what `quantize` stores and what
+    `weight_layout` packs as int8."""
+    return quantize_int8(w, tuple(range(lead, lead + in_dims)))
+
+
 def _int8(w: Any, in_dims: int, lead: int) -> dict[str, Any]:
-    q = quantize_int8(w, tuple(range(lead, lead + in_dims)))
+    q = int8_weight(w, in_dims, lead)
     return {"weight": q.q, "scale": q.scale}
 
 

@@ -44,6 +44,7 @@ import numpy as np
 from jaxlearn.config import replace_config
 from jaxlearn.inference.quantize import (
     check_quantize,
+    int8_weight,
     plain_linears,
     quantize,
     swap_linears,
@@ -178,11 +179,11 @@ def pack_weights(model_cfg: Any, params: Any, *, int8: bool = False
     owner = PackedWeights()
 
     def fn(w: Any, in_dims: int, lead: int) -> dict[str, Any]:
-        mats = _matrices(w, in_dims, lead)
         if not int8:
-            return {"weight_id": owner.pack_stack(mats, lead)}
-        q = quantize_int8(jnp.asarray(mats), (mats.ndim - 2,))
-        return {"weight_id": owner.pack_stack(np.asarray(q.q), lead, np.asarray(q.scale))}
+            return {"weight_id": owner.pack_stack(_matrices(w, in_dims, lead), lead)}
+        q = int8_weight(w, in_dims, lead)
+        scale = np.asarray(q.scale).reshape(*w.shape[:lead], -1)  # [*lead, N]
+        return {"weight_id": owner.pack_stack(_matrices(q.q, in_dims, lead), lead, scale)}
 
     linears = plain_linears(model_cfg.instantiate(), params, lora=not int8)
     dtype = "int8" if int8 else {str(jnp.dtype(p["weight"].dtype)) for _, p in linears}.pop()
