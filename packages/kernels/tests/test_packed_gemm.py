@@ -1,7 +1,8 @@
-"""The oneMKL packed matmul against numpy: f32 and bf16 weights, any row count, column
-blocks that do not divide the width, inside jit and a scanned stack of ids; int8 weights
-bit for bit against XLA's `int8_matmul`; freed ids and wrong inputs fail with errors
-naming them."""
+"""The packed matmul against numpy, on both backends (oneMKL, and the AVX-512 BF16 / VNNI
+kernels where the CPU has them): f32 and bf16 weights, any row count, column blocks and
+panels that do not divide the width, odd depths, inside jit and a scanned stack of ids;
+int8 weights bit for bit against XLA's `int8_matmul` (and so the two backends against each
+other); freed ids and wrong inputs fail with errors naming them."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from jaxlearn.kernels import (
     packed_matmul,
     quantize_int8,
 )
+from jaxlearn.kernels import mkl
 from jaxlearn.kernels.packed_gemm import unavailable_reason
 
 pytestmark = pytest.mark.skipif(
@@ -35,19 +37,43 @@ def test_runs_on_this_cpu() -> None:
     assert unavailable_reason() is None
 
 
+def _backends(dtype: str) -> list[str]:
+    """The backends that run `dtype` weights here (avx512: bf16 / int8 on a CPU with
+    AVX512_BF16 / VNNI)."""
+    return ["onemkl"] + (["avx512"] if mkl.avx512_runs(dtype) else [])
+
+
+def test_backend_choice_follows_the_vendor_and_the_override(monkeypatch) -> None:
+    monkeypatch.delenv("JAXLEARN_PACKED_GEMM", raising=False)
+    assert mkl.backend_for("float32") == "onemkl"
+    assert mkl.backend_for("bfloat16") == ("onemkl" if mkl.host_is_intel() else "avx512")
+    monkeypatch.setenv("JAXLEARN_PACKED_GEMM", "avx512")
+    assert mkl.backend_for("int8") == "avx512"
+    monkeypatch.setenv("JAXLEARN_PACKED_GEMM", "blas")
+    with pytest.raises(ValueError, match="JAXLEARN_PACKED_GEMM='blas': must be one of"):
+        mkl.backend_for("int8")
+    with pytest.raises(ValueError, match=r"PackedWeights\(backend='blas'\)"):
+        PackedWeights(backend="blas")
+    with pytest.raises(ValueError, match="avx512 backend cannot pack a float32 weight"):
+        PackedWeights(backend="avx512").pack(np.ones((4, 4), np.float32))
+
+
 def _reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return x.astype(np.float64) @ w.astype(np.float64)
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=16, deadline=None)
 @given(m=st.integers(1, 19), k=st.integers(1, 70), n=st.integers(1, 300),
-       parts=st.integers(1, 3), bf16=st.booleans(), seed=st.integers(0, 2**16))
-def test_matches_numpy(m: int, k: int, n: int, parts: int, bf16: bool, seed: int) -> None:
+       parts=st.integers(1, 3), bf16=st.booleans(), seed=st.integers(0, 2**16),
+       data=st.data())
+def test_matches_numpy(m: int, k: int, n: int, parts: int, bf16: bool, seed: int,
+                       data: st.DataObject) -> None:
     rng = np.random.default_rng(seed)
     dtype = jnp.bfloat16 if bf16 else jnp.float32
     w = np.asarray(rng.standard_normal((k, n)), dtype)
     x = np.asarray(rng.standard_normal((m, k)), dtype)
-    owner = PackedWeights(parts=parts)
+    backend = data.draw(st.sampled_from(_backends("bfloat16" if bf16 else "float32")))
+    owner = PackedWeights(parts=parts, backend=backend)
     wid = owner.pack(w)
     y = np.asarray(jax.jit(packed_matmul, static_argnums=2)(jnp.asarray(x), jnp.int32(wid), n))
     assert y.shape == (m, n) and y.dtype == np.float32
@@ -114,12 +140,13 @@ def test_a_packed_table_is_a_pytree_leaf_pair() -> None:
     assert jax.tree.unflatten(tree, leaves).table is table
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=16, deadline=None)
 @given(m=st.integers(1, 70), k=st.integers(1, 80), n=st.integers(1, 300),
        parts=st.integers(1, 3), bf16=st.booleans(), zero_row=st.booleans(),
-       seed=st.integers(0, 2**16))
+       seed=st.integers(0, 2**16), data=st.data())
 def test_int8_weights_compute_what_xla_int8_matmul_computes(
-        m: int, k: int, n: int, parts: int, bf16: bool, zero_row: bool, seed: int) -> None:
+        m: int, k: int, n: int, parts: int, bf16: bool, zero_row: bool, seed: int,
+        data: st.DataObject) -> None:
     """Rows quantized on the fly, exact int32 sums, row and column scales: equal to
     `int8_matmul` (XLA's int8 dot) bit for bit, for f32 and bf16 activations, more rows
     than one int32 block (32), an all-zero row; and each row's result is the same when
@@ -130,7 +157,7 @@ def test_int8_weights_compute_what_xla_int8_matmul_computes(
     x = np.asarray(rng.standard_normal((m, k)) * rng.uniform(0.01, 50), dtype)
     if zero_row:
         x[m // 2] = 0
-    owner = PackedWeights(parts=parts)
+    owner = PackedWeights(parts=parts, backend=data.draw(st.sampled_from(_backends("int8"))))
     wid = owner.pack(np.asarray(w8.q), scale=np.asarray(w8.scale).reshape(n))
     # Jitted both: eager ops would divide where XLA's simplifier multiplies by reciprocals.
     mm = jax.jit(functools.partial(packed_matmul, int8=True), static_argnums=2)
@@ -143,12 +170,13 @@ def test_int8_weights_compute_what_xla_int8_matmul_computes(
     owner.close()
 
 
-def test_an_int8_table_packs_as_a_tied_head() -> None:
+@pytest.mark.parametrize("backend", _backends("int8"))
+def test_an_int8_table_packs_as_a_tied_head(backend: str) -> None:
     """A tied int8 head: the table's transpose packed with its per-row scales as column
     scales gives `int8_matmul(transposed=True)`'s logits."""
     rng = np.random.default_rng(3)
     table = quantize_int8(jnp.asarray(rng.standard_normal((300, 24)), jnp.float32), (1,))
-    owner = PackedWeights()
+    owner = PackedWeights(backend=backend)
     head = PackedTable(table, np.int32(owner.pack(np.asarray(table.q).T,
                                                   scale=np.asarray(table.scale)[:, 0])))
     assert head.shape == (300, 24) and head.dtype == jnp.int8

@@ -1,5 +1,6 @@
 """oneMKL behind XLA FFI calls: the one place that builds `csrc/mkl_gemm.cc`, opens oneMKL
-from the `mkl` wheel and registers the FFI targets of `packed_gemm`.
+from the `mkl` wheel and registers the FFI targets of `packed_gemm`, and that decides
+which backend packs a weight on this host (`backend_for`).
 
 oneMKL is opened with `dlopen` (nothing is imported), LP64, sequential: each call splits
 its work into one block per thread of XLA's intra-op pool, and the calling thread claims
@@ -10,18 +11,24 @@ from __future__ import annotations
 
 import ctypes
 import importlib.metadata
+import os
 import platform
 from pathlib import Path
 from typing import Optional
 
 from jaxlearn.kernels.native import NativeLibrary
 
-__all__ = ["PACKED_INT8_TARGET", "PACKED_TARGET", "host_has_bf16", "host_has_int8", "library",
-           "unavailable_reason"]
+__all__ = ["BACKENDS", "PACKED_INT8_TARGET", "PACKED_TARGET", "backend_for", "host_has_bf16",
+           "host_has_int8", "host_is_intel", "library", "unavailable_reason"]
 
 _SOURCE = Path(__file__).parent / "csrc" / "mkl_gemm.cc"
 PACKED_TARGET = "jaxlearn_packed_matmul"
 PACKED_INT8_TARGET = "jaxlearn_packed_int8_matmul"
+# Packed-GEMM backends: oneMKL's packed GEMMs, or the library's own AVX-512 BF16 / VNNI
+# kernels (`csrc/avx512_gemm.h`, bf16 and int8 weights only).
+BACKENDS = ("onemkl", "avx512")
+_BACKEND_CODES = {"onemkl": 0, "avx512": 1}
+_DTYPE_CODES = {"float32": 0, "bfloat16": 1, "int8": 2}
 
 
 def host_has_bf16() -> bool:
@@ -34,12 +41,56 @@ def host_has_bf16() -> bool:
 
 
 def host_has_int8() -> bool:
-    """Whether this CPU has int8 dot instructions (AVX512_VNNI, AVX_VNNI or AMX-INT8)."""
+    """Whether this CPU has int8 dot instructions the packed GEMM uses: AVX512_VNNI,
+    AVX_VNNI or AMX-INT8 on an Intel CPU (oneMKL), AVX512_VNNI elsewhere (the AVX-512
+    kernels, `backend_for`)."""
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
+    if "GenuineIntel" not in flags:
+        return " avx512_vnni" in flags and " avx512bw" in flags
     return any(f" {f}" in flags for f in ("avx512_vnni", "avx_vnni", "amx_int8"))
+
+
+def host_is_intel() -> bool:
+    """Whether this CPU is Intel's (`vendor_id` GenuineIntel)."""
+    try:
+        return "GenuineIntel" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+def backend_for(dtype: str) -> str:
+    """The backend that packs a weight of `dtype` ("float32", "bfloat16", "int8") here.
+
+    oneMKL on Intel CPUs and for float32 everywhere; on other x86 CPUs bf16 and int8
+    weights take the AVX-512 kernels, because oneMKL's bf16 and int8 GEMMs run a slow
+    generic path there (measured on a 2-core AMD EPYC, Zen 4, AVX512_BF16 / VNNI: a
+    SmolLM2-135M decode step with oneMKL's packed bf16 68 ms at one row against 46 ms
+    with XLA's bf16 dot, and int8 73 ms against 16 ms). `JAXLEARN_PACKED_GEMM=onemkl` or
+    `=avx512` forces one (for comparisons); ValueError (one line) for another value."""
+    forced = os.environ.get("JAXLEARN_PACKED_GEMM", "")
+    if forced:
+        if forced not in BACKENDS:
+            raise ValueError(f"JAXLEARN_PACKED_GEMM={forced!r}: must be one of "
+                             f"{', '.join(BACKENDS)}")
+        return forced
+    if dtype == "float32" or host_is_intel():
+        return "onemkl"
+    return "avx512"
+
+
+def avx512_runs(dtype: str) -> bool:
+    """Whether the AVX-512 backend runs `dtype` weights on this CPU (bfloat16: AVX512_BF16,
+    int8: AVX512_VNNI; the library's own cpuid check)."""
+    lib = library()
+    return lib is not None and dtype in ("bfloat16", "int8") and bool(
+        lib.jl_avx512_ok(_DTYPE_CODES[dtype]))
+
+
+def backend_code(backend: str) -> int:
+    return _BACKEND_CODES[backend]
 
 
 def _mkl_rt() -> Optional[str]:
@@ -71,8 +122,10 @@ def _prepare(lib: ctypes.CDLL) -> None:
     if lib.jl_init(mkl.encode(), err, len(err)) != 0:
         raise RuntimeError(f"opening {mkl}: {err.value.decode(errors='replace')}")
     lib.jl_pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
-                            ctypes.c_int, ctypes.c_void_p]
+                            ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     lib.jl_pack.restype = ctypes.c_int
+    lib.jl_avx512_ok.argtypes = [ctypes.c_int]
+    lib.jl_avx512_ok.restype = ctypes.c_int
     lib.jl_free.argtypes = [ctypes.c_int]
     lib.jl_bytes.argtypes = [ctypes.c_int]
     lib.jl_bytes.restype = ctypes.c_int64

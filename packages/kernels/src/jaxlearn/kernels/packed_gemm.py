@@ -91,12 +91,16 @@ class PackedWeights:
     112 MB of RSS): address space, untouched, but a host with strict overcommit
     (vm.overcommit_memory=2) counts it."""
 
-    def __init__(self, parts: Optional[int] = None):
+    def __init__(self, parts: Optional[int] = None, backend: Optional[str] = None):
         lib = mkl.library()
         if lib is None:
             raise RuntimeError(f"packed GEMM unavailable: {mkl.unavailable_reason()}")
+        if backend is not None and backend not in mkl.BACKENDS:
+            raise ValueError(f"PackedWeights(backend={backend!r}): must be one of "
+                             f"{', '.join(mkl.BACKENDS)} or None (`kernels.mkl.backend_for`)")
         self._lib = lib
         self._parts = parts
+        self._backend = backend
         self._ids: list[int] = []
         self.nbytes = 0
         self.reserved_bytes = 0
@@ -119,8 +123,14 @@ class PackedWeights:
         elif scale is not None:
             raise ValueError(f"PackedWeights.pack: scale is for int8 weights, not {a.dtype}")
         parts = self._parts or max(1, min(_threads(), n // 64))
+        dtype = str(jnp.dtype(a.dtype))
+        backend = self._backend or mkl.backend_for(dtype)
+        if backend == "avx512" and not mkl.avx512_runs(dtype):
+            raise ValueError(f"PackedWeights.pack: the avx512 backend cannot pack a {dtype} "
+                             f"weight on this CPU (bfloat16 needs AVX512_BF16, int8 "
+                             f"AVX512_VNNI; float32 is oneMKL's)")
         wid = self._lib.jl_pack(a.ctypes.data, k, n, _DTYPES[a.dtype], parts,
-                                None if s is None else s.ctypes.data)
+                                None if s is None else s.ctypes.data, mkl.backend_code(backend))
         if wid < 0:
             raise MemoryError(f"PackedWeights.pack: could not pack a {a.dtype}{list(a.shape)} "
                               f"weight (out of memory or ids)")

@@ -1,6 +1,7 @@
 // Prepacked-weight matmul for XLA:CPU through the XLA FFI, on oneMKL's packed GEMM API
 // (cblas_sgemm_pack / _compute, cblas_gemm_bf16bf16f32_pack / _compute,
-// cblas_gemm_s8u8s32_pack / _compute).
+// cblas_gemm_s8u8s32_pack / _compute), or for bf16 and int8 weights on the AVX-512 BF16 /
+// VNNI kernels of avx512_gemm.h (backend kAvx512: hosts where oneMKL's are slow).
 //
 // XLA:CPU's dots repack the weight on every call, which dominates a decode step with few
 // rows. Here each weight is packed once, into `parts` column blocks (one per thread), and
@@ -27,6 +28,7 @@
 #include <dlfcn.h>
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstdint>
@@ -37,6 +39,7 @@
 #include <string>
 #include <vector>
 
+#include "avx512_gemm.h"
 #include "pool_for.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -47,6 +50,7 @@ namespace {
 constexpr int kRowMajor = 101, kNoTrans = 111, kPacked = 151, kBMatrix = 162;
 constexpr int kRowOffset = 171;  // oc[N]: one offset per column of C.
 constexpr int kF32 = 0, kBf16 = 1, kInt8 = 2;
+constexpr int kMklBackend = 0, kAvx512 = 1;
 constexpr int64_t kRowBlock = 32;  // int8: rows per int32 scratch block.
 constexpr int kThreadingSequential = 1, kInterfaceLp64 = 0;
 
@@ -87,9 +91,10 @@ struct Part {
 struct Weight {
   int64_t k, n;
   int dtype;  // kF32, kBf16 or kInt8
+  int backend;  // kMklBackend (one part per column block) or kAvx512 (one part, all panels)
   std::vector<Part> parts;
-  std::vector<float> scale;       // int8: per column [n]
-  std::vector<int32_t> col_off;   // int8: -128 * colsum(q) [n]
+  std::vector<float> scale;       // int8: per column [n] (kAvx512: zeros to the last panel)
+  std::vector<int32_t> col_off;   // int8: -128 * colsum(q), the same length
   ~Weight() {
     for (auto& p : parts) munmap(p.buf, p.bytes);
   }
@@ -132,6 +137,18 @@ void RunPartInt8(const Weight& w, const Part& p, const uint8_t* xq, const float*
   }
 }
 
+// An avx512 weight's panels over XLA's pool: a few panels per task, claimed dynamically.
+template <typename Fn>
+void RunPanels(ffi::ThreadPool& pool, const Weight& w, const Fn& fn) {
+  const int64_t panels = jaxlearn::avx512::Panels(w.n);
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t per = std::max<int64_t>(1, panels / (4 * threads));
+  const int64_t tasks = (panels + per - 1) / per;
+  jaxlearn::PoolFor(pool, tasks, std::min(tasks, threads) - 1, [&](int64_t t) {
+    fn(t * per, std::min(panels, (t + 1) * per));
+  });
+}
+
 // The weight an FFI call names by id, or nullptr with `error` saying why (`who` calls).
 Weight* Lookup(int32_t i, const char* who, ffi::Error* error) {
   Weight* w = (i >= 0 && i < kMaxWeights) ? table[i].load(std::memory_order_acquire) : nullptr;
@@ -165,6 +182,14 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<
   if (m == 0) return ffi::Error::Success();
   const void* xd = x.untyped_data();
   float* yd = y->typed_data();
+  if (w->backend == kAvx512) {
+    const auto* xb = static_cast<const uint16_t*>(xd);
+    const auto* wb = static_cast<const uint16_t*>(w->parts[0].buf);
+    RunPanels(pool, *w, [&](int64_t p0, int64_t p1) {
+      jaxlearn::avx512::Bf16Panels(xb, m, w->k, w->n, wb, p0, p1, yd);
+    });
+    return ffi::Error::Success();
+  }
   const int64_t parts = static_cast<int64_t>(w->parts.size());
   jaxlearn::PoolFor(pool, parts, parts - 1,
                     [&](int64_t p) { RunPart(*w, w->parts[p], xd, m, yd); });
@@ -195,6 +220,14 @@ ffi::Error PackedInt8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> xq,
   const uint8_t* xd = xq.typed_data();
   const float* sd = sx.typed_data();
   float* yd = y->typed_data();
+  if (w->backend == kAvx512) {
+    const auto* wq = static_cast<const int8_t*>(w->parts[0].buf);
+    RunPanels(pool, *w, [&](int64_t p0, int64_t p1) {
+      jaxlearn::avx512::Int8Panels(xd, sd, m, w->k, w->n, wq, w->col_off.data(),
+                                   w->scale.data(), p0, p1, yd);
+    });
+    return ffi::Error::Success();
+  }
   jaxlearn::PoolFor(pool, parts, parts - 1,
                     [&](int64_t p) { RunPartInt8(*w, w->parts[p], xd, sd, m, yd); });
   return ffi::Error::Success();
@@ -253,29 +286,50 @@ int jl_init(const char* path, char* err, int err_len) {
 }
 
 // Packs w ([k, n] row major; f32 for dtype 0, bf16 bits for dtype 1, int8 for dtype 2
-// with per-column `scale` [n]) into `parts` column blocks of multiples of 64 columns.
-// Returns its id (>= 0), or -1 (not initialised, out of ids or memory).
-int jl_pack(const void* w, int64_t k, int64_t n, int dtype, int parts, const float* scale) {
+// with per-column `scale` [n]). backend kMklBackend: `parts` column blocks of multiples of
+// 64 columns for oneMKL; kAvx512 (bf16 and int8 only, on a host with the instructions,
+// jl_avx512_ok): the panels of avx512_gemm.h in one block.
+// Returns its id (>= 0), or -1 (not initialised, unsupported, out of ids or memory).
+int jl_pack(const void* w, int64_t k, int64_t n, int dtype, int parts, const float* scale,
+            int backend) {
+  namespace a5 = jaxlearn::avx512;
   if (mkl.s_compute == nullptr || k <= 0 || n <= 0 || k > INT32_MAX || n > INT32_MAX ||
-      parts < 1 || dtype < kF32 || dtype > kInt8 || (dtype == kInt8 && scale == nullptr)) {
+      parts < 1 || dtype < kF32 || dtype > kInt8 || (dtype == kInt8 && scale == nullptr) ||
+      (backend != kMklBackend && backend != kAvx512) ||
+      (backend == kAvx512 && (dtype == kF32 || (dtype == kBf16 && !a5::HostHasBf16()) ||
+                              (dtype == kInt8 && !a5::HostHasVnni())))) {
     return -1;
   }
   auto weight = std::make_unique<Weight>();
   weight->k = k;
   weight->n = n;
   weight->dtype = dtype;
+  weight->backend = backend;
   if (dtype == kInt8) {
     const int8_t* q = static_cast<const int8_t*>(w);
-    weight->scale.assign(scale, scale + n);
-    weight->col_off.assign(static_cast<size_t>(n), 0);
+    const int64_t width = backend == kAvx512 ? a5::Panels(n) * a5::kPanel : n;
+    weight->scale.assign(static_cast<size_t>(width), 0.0f);
+    std::copy(scale, scale + n, weight->scale.begin());
+    weight->col_off.assign(static_cast<size_t>(width), 0);
     for (int64_t r = 0; r < k; ++r) {
       for (int64_t j = 0; j < n; ++j) weight->col_off[j] -= 128 * q[r * n + j];
+    }
+  }
+  if (backend == kAvx512) {
+    const size_t bytes = static_cast<size_t>(a5::PackedBytes(k, n, dtype == kInt8));
+    void* buf = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (buf == MAP_FAILED) return -1;
+    weight->parts.push_back({0, n, buf, bytes});
+    if (dtype == kBf16) {
+      a5::PackBf16(static_cast<const uint16_t*>(w), k, n, static_cast<uint16_t*>(buf));
+    } else {
+      a5::PackInt8(static_cast<const int8_t*>(w), k, n, static_cast<int8_t*>(buf));
     }
   }
   const int64_t block = 64;
   int64_t per = (n + parts - 1) / parts;
   per = (per + block - 1) / block * block;
-  for (int64_t n0 = 0; n0 < n; n0 += per) {
+  for (int64_t n0 = 0; backend == kMklBackend && n0 < n; n0 += per) {
     const int64_t nc = n0 + per <= n ? per : n - n0;
     const size_t bytes = dtype == kF32    ? mkl.s_size(kBMatrix, 1, nc, k)
                          : dtype == kBf16 ? mkl.b_size(kBMatrix, 1, nc, k)
@@ -306,6 +360,12 @@ int jl_pack(const void* w, int64_t k, int64_t n, int dtype, int parts, const flo
   if (id >= kMaxWeights) return -1;
   table[id].store(weight.release(), std::memory_order_release);
   return id;
+}
+
+// Whether this CPU runs the avx512 backend for dtype (kBf16: AVX512_BF16, kInt8: VNNI).
+int jl_avx512_ok(int dtype) {
+  namespace a5 = jaxlearn::avx512;
+  return (dtype == kBf16 && a5::HostHasBf16()) || (dtype == kInt8 && a5::HostHasVnni());
 }
 
 // Frees weight `id` (no program may be running with it).
