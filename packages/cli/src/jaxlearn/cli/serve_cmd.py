@@ -72,7 +72,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", default=None, metavar="int8",
                    help="int8: dense weights and a tied output head become int8 + per-channel "
                         "scales at load (a quarter of the f32 weight memory), activations are "
-                        "quantized per row; packed for oneMKL's int8 GEMM on VNNI / AMX hosts")
+                        "quantized per row; packed for an int8 GEMM on VNNI / AMX hosts")
     p.add_argument("--max_seq_len", type=int, default=None,
                    help="prompt + generated tokens (default 2048)")
     p.add_argument("--max_batch", type=int, default=None,

@@ -164,7 +164,7 @@ class Engine(Configurable):
         model_name: the name clients use (`model` in the HTTP API).
         fuse_projections: serve with fused q/k/v and gate/up projections (one matmul each,
             `jaxlearn.layers.fuse_projections`; one device only). None (default): fused
-            when the dense weights are packed for oneMKL (`weight_layout`; no adapter
+            when the dense weights are packed (`weight_layout`; no adapter
             banks; float or int8): a one-row decode step of SmolLM2-135M bf16 14.4 ms
             against 15.6-16.1 unfused (AMX Xeon), 8-32 rows within noise. XLA's own bf16
             GEMV was ~8% slower fused at one row, f32 ~5% faster: unfused there.
@@ -175,9 +175,10 @@ class Engine(Configurable):
             KV pages behind it to the pool while a request runs (`PageTable.trim`).
         quantize: None keeps the weights' dtype; "int8": dense weights and a tied head as
             int8 + f32 per-channel scales (`inference.quantize`; one device only), with
-            activations quantized per row; packed for oneMKL's int8 GEMM where
+            activations quantized per row; packed for the int8 GEMM where
             `weight_layout` packs (same products; a one-row step 1.5x packed bf16's).
-        weight_layout: "auto" packs bf16 dense weights for oneMKL's GEMM on one CPU
+        weight_layout: "auto" packs bf16 dense weights (`kernels.packed_gemm`: oneMKL on
+            Intel CPUs, AVX-512 BF16 / VNNI kernels on others) on one CPU
             device of a host with native bf16 instructions (1.1-1.9x faster decode
             matmuls than XLA's dot at 8-32 rows), int8 ones (`quantize`) on one CPU
             device of a host with VNNI / AMX-INT8, else stores 16-bit dense weights

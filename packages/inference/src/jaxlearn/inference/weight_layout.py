@@ -9,8 +9,10 @@ reads the same weight 1.0-1.5x faster stored `[out, in]`; f32 dots are faster `[
   other backend or a mesh keep the trained layout;
 - "out_in": every plain float Linear weight stored `[out, in]` (one device only);
 - "in_out": the trained layout;
-- "packed": every plain float Linear weight packed once for oneMKL's GEMM
-  (`kernels.packed_gemm`: bf16 on AMX / AVX512_BF16, f32 on any x86-64), one CPU device;
+- "packed": every plain float Linear weight packed once for the packed GEMM
+  (`kernels.packed_gemm`: oneMKL on Intel CPUs, bf16 on AMX / AVX512_BF16, f32 on any
+  x86-64; the library's AVX-512 BF16 / VNNI kernels for bf16 and int8 on other CPUs,
+  `kernels.mkl.backend_for`), one CPU device;
   a `LoraLinear`'s base weight too (a `PackedLoraLinear`, its adapter unpacked).
   Activations are cast to the weights' dtype. "auto" chooses it first when every plain
   Linear weight and compute dtype is bfloat16, the host has native bf16 dot
@@ -18,10 +20,11 @@ reads the same weight 1.0-1.5x faster stored `[out, in]`; f32 dots are faster `[
   matmuls then run 1.1-1.9x faster than XLA's bf16 dot at 8-32 rows and 3-19x at one
   row (XLA repacks the weight on every call).
   With `quantize="int8"` the plain Linears and a tied head are quantized as
-  `inference.quantize` does and packed as int8 (oneMKL's int8 GEMM; `PackedLinear`
+  `inference.quantize` does and packed as int8 (the packed int8 GEMM; `PackedLinear`
   with `weight_dtype="int8"`): the same products as `Int8Linear`'s XLA int8 dot, at
   half the bytes of bf16. "auto" chooses it on one CPU device of a host with int8 dot
-  instructions (AVX512_VNNI, AVX_VNNI or AMX-INT8) where the kernel builds; LoRA
+  instructions (AVX512_VNNI, AVX_VNNI or AMX-INT8 on Intel, AVX512_VNNI elsewhere)
+  where the kernel builds; LoRA
   projections stay as `quantize` leaves them (float, XLA's dot).
 
 Stored `[out, in]` means a config swap: every plain Linear (`quantize.is_plain_linear`:
@@ -216,9 +219,9 @@ def store_weights(model_cfg: Any, params: Any, layout: str, *, mesh_shape: Any =
     if packed_layout_chosen(model_cfg, params, layout, mesh_shape=mesh_shape,
                             quantize=quantize_mode):
         cfg, packed, owner = pack_weights(model_cfg, params, int8=quantize_mode == "int8")
-        log.info("weights packed for oneMKL's GEMM (%s): %.1f MB (%.1f MB of address space "
-                 "reserved)", quantize_mode or "float", owner.nbytes / 2**20,
-                 owner.reserved_bytes / 2**20)
+        log.info("weights packed for the %s GEMM (%s): %.1f MB (%.1f MB of address space "
+                 "reserved)", "/".join(sorted(owner.backends)), quantize_mode or "float",
+                 owner.nbytes / 2**20, owner.reserved_bytes / 2**20)
         return cfg, packed, owner
     if quantize_mode is not None:  # Int8Linear configs, int8 params.
         model_cfg, params = quantize(model_cfg, params, quantize_mode)

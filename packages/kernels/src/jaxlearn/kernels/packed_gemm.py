@@ -1,4 +1,5 @@
-"""Prepacked-weight matmul on XLA:CPU: oneMKL's packed GEMM behind an XLA FFI call.
+"""Prepacked-weight matmul on XLA:CPU behind an XLA FFI call: oneMKL's packed GEMM, or
+the library's own AVX-512 BF16 / VNNI kernels for bf16 and int8 weights on non-Intel CPUs.
 
     weights = PackedWeights()                    # owns the packed copies
     wid = weights.pack(w)                        # w [K, N] float32 or bfloat16 (numpy / jax)
@@ -23,6 +24,19 @@ bytes of bf16: a SmolLM2-135M layer's q/k/v, down and gate/up calls at one row 3
 174-184 against 87-90 / 87-94 / 275-288 (scanned over 30 layers, same Xeon, quantization
 included). In a whole 32-row decode step XLA's row quantization, one core at a time,
 takes back what the calls save (`packages/inference/README.md`).
+
+Backends (`kernels.mkl.backend_for`, one per weight; `PackedWeights(backend=)` or
+`JAXLEARN_PACKED_GEMM` to force one): oneMKL on Intel CPUs and for f32 weights; on other
+x86 CPUs bf16 and int8 weights go to `csrc/avx512_gemm.h` (VDPBF16PS / VPDPBUSD on
+32-column panels, rows in register blocks of 8), because oneMKL's bf16 and int8 GEMMs
+take a slow generic path there. Measured on a 2-core AMD EPYC (Zen 4: AVX512_BF16,
+AVX512_VNNI, no AMX), SmolLM2-135M decode step (`tools/bench/jl_serve_step.py`) at 1 /
+8 / 32 rows: oneMKL bf16 68 / 70 / 128 ms, XLA's bf16 dot 46 / 44 / 70, the AVX-512
+kernels 10.3 / 15.6 / 34.5; int8 oneMKL 73 / - / 288, XLA's int8 dot 16.3 / - / 63,
+AVX-512 7.4 / 15.1 / 27.6. Single calls (`[32, 576] @ [576, 49152]`): 281 GFLOP/s bf16,
+381 int8; 256 rows of the MLP shapes 358-372 bf16, 457-466 int8; one row of the head
+streams 34 GB/s. The int8 results equal oneMKL's bit for bit (the same int32 sums and
+scaling); bf16 results differ from oneMKL's in the summation order only.
 
 How:
 - The C++ source (`csrc/mkl_gemm.cc`, built and opened by `kernels.mkl`) is compiled on
@@ -101,6 +115,7 @@ class PackedWeights:
         self._lib = lib
         self._parts = parts
         self._backend = backend
+        self.backends: set[str] = set()  # The backends of the weights packed so far.
         self._ids: list[int] = []
         self.nbytes = 0
         self.reserved_bytes = 0
@@ -135,6 +150,7 @@ class PackedWeights:
             raise MemoryError(f"PackedWeights.pack: could not pack a {a.dtype}{list(a.shape)} "
                               f"weight (out of memory or ids)")
         self._ids.append(wid)
+        self.backends.add(backend)
         self.nbytes += int(a.nbytes)
         self.reserved_bytes += int(self._lib.jl_bytes(wid))
         return int(wid)

@@ -7,7 +7,7 @@ converts the params, `jaxlearn.inference.quantize` / `weight_layout`):
 - `TransposedLinear`: the weight stored output-major, `weight_t [prod(out), prod(in)]`
   (`kernels.weight_layout`: XLA:CPU's bf16 dots with few rows read it faster), contracted
   on that layout by `kernels.matmul_nt`.
-- `PackedLinear`: a copy packed for oneMKL (`kernels.packed_gemm`) owned by a
+- `PackedLinear`: a copy packed for the packed GEMM (`kernels.packed_gemm`) owned by a
   `kernels.PackedWeights`, named by the int32 param `weight_id []` (scanned: `[layers]`);
   `kernels.packed_matmul` with x cast to config `weight_dtype` (f32 accumulation), or for
   "int8" x's rows quantized as `Int8Linear` does, with the same result.
