@@ -20,10 +20,10 @@ from jaxlearn.kernels import (
     PackedTable,
     PackedWeights,
     int8_matmul,
+    mkl,
     packed_matmul,
     quantize_int8,
 )
-from jaxlearn.kernels import mkl
 from jaxlearn.kernels.packed_gemm import unavailable_reason
 
 pytestmark = pytest.mark.skipif(
