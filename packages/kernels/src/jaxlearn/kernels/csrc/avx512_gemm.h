@@ -182,26 +182,34 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void Int8Block(
   }
 }
 
+// Bf16Block / Int8Block for `rows` (1..R) rows: the block of that height.
+template <int R>
+void Bf16Rows(int64_t rows, const uint16_t* x, int64_t k, const uint16_t* panel, float* y,
+              int64_t ldy, int64_t cols) {
+  if constexpr (R > 1) {
+    if (rows < R) return Bf16Rows<R - 1>(rows, x, k, panel, y, ldy, cols);
+  }
+  Bf16Block<R>(x, k, k, panel, y, ldy, cols);
+}
+template <int R>
+void Int8Rows(int64_t rows, const uint8_t* xq, int64_t k, const int8_t* panel,
+              const int32_t* off, const float* sx, const float* s, float* y, int64_t ldy,
+              int64_t cols) {
+  if constexpr (R > 1) {
+    if (rows < R) return Int8Rows<R - 1>(rows, xq, k, panel, off, sx, s, y, ldy, cols);
+  }
+  Int8Block<R>(xq, k, k, panel, off, sx, s, y, ldy, cols);
+}
+
 // Every row of x [m, k] times panels [p0, p1) of a packed bf16 weight [k, n] -> y [m, n].
 inline void Bf16Panels(const uint16_t* x, int64_t m, int64_t k, int64_t n, const uint16_t* w,
                        int64_t p0, int64_t p1, float* y) {
   const int64_t stride = PanelBytes(k, false) / 2;
   for (int64_t p = p0; p < p1; ++p) {
-    const uint16_t* panel = w + p * stride;
     const int64_t cols = std::min(kPanel, n - p * kPanel);
     for (int64_t r0 = 0; r0 < m; r0 += kRows) {
-      const uint16_t* xr = x + r0 * k;
-      float* yr = y + r0 * n + p * kPanel;
-      switch (std::min<int64_t>(kRows, m - r0)) {
-        case 1: Bf16Block<1>(xr, k, k, panel, yr, n, cols); break;
-        case 2: Bf16Block<2>(xr, k, k, panel, yr, n, cols); break;
-        case 3: Bf16Block<3>(xr, k, k, panel, yr, n, cols); break;
-        case 4: Bf16Block<4>(xr, k, k, panel, yr, n, cols); break;
-        case 5: Bf16Block<5>(xr, k, k, panel, yr, n, cols); break;
-        case 6: Bf16Block<6>(xr, k, k, panel, yr, n, cols); break;
-        case 7: Bf16Block<7>(xr, k, k, panel, yr, n, cols); break;
-        default: Bf16Block<8>(xr, k, k, panel, yr, n, cols); break;
-      }
+      Bf16Rows<kRows>(std::min<int64_t>(kRows, m - r0), x + r0 * k, k, w + p * stride,
+                      y + r0 * n + p * kPanel, n, cols);
     }
   }
 }
@@ -213,22 +221,10 @@ inline void Int8Panels(const uint8_t* xq, const float* sx, int64_t m, int64_t k,
                        int64_t p1, float* y) {
   const int64_t stride = PanelBytes(k, true);
   for (int64_t p = p0; p < p1; ++p) {
-    const int8_t* panel = w + p * stride;
     const int64_t c0 = p * kPanel, cols = std::min(kPanel, n - c0);
     for (int64_t r0 = 0; r0 < m; r0 += kRows) {
-      const uint8_t* xr = xq + r0 * k;
-      float* yr = y + r0 * n + c0;
-      const float* sr = sx + r0;
-      switch (std::min<int64_t>(kRows, m - r0)) {
-        case 1: Int8Block<1>(xr, k, k, panel, off + c0, sr, s + c0, yr, n, cols); break;
-        case 2: Int8Block<2>(xr, k, k, panel, off + c0, sr, s + c0, yr, n, cols); break;
-        case 3: Int8Block<3>(xr, k, k, panel, off + c0, sr, s + c0, yr, n, cols); break;
-        case 4: Int8Block<4>(xr, k, k, panel, off + c0, sr, s + c0, yr, n, cols); break;
-        case 5: Int8Block<5>(xr, k, k, panel, off + c0, sr, s + c0, yr, n, cols); break;
-        case 6: Int8Block<6>(xr, k, k, panel, off + c0, sr, s + c0, yr, n, cols); break;
-        case 7: Int8Block<7>(xr, k, k, panel, off + c0, sr, s + c0, yr, n, cols); break;
-        default: Int8Block<8>(xr, k, k, panel, off + c0, sr, s + c0, yr, n, cols); break;
-      }
+      Int8Rows<kRows>(std::min<int64_t>(kRows, m - r0), xq + r0 * k, k, w + p * stride,
+                      off + c0, sx + r0, s + c0, y + r0 * n + c0, n, cols);
     }
   }
 }
