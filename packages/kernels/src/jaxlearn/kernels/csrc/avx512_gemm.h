@@ -56,34 +56,28 @@ inline bool HostHasVnni() {
   return (c & (1u << 11)) && (b & (1u << 16)) && (b & (1u << 30));  // VNNI, F, BW
 }
 
-// Packs w [k, n] (bf16 bits, row major) into out (PackedBytes(k, n, false) bytes).
-inline void PackBf16(const uint16_t* w, int64_t k, int64_t n, uint16_t* out) {
+// Packs w [k, n] (row major) into out (PackedBytes bytes): panels of kPanel columns, each
+// `group` consecutive rows of a column adjacent (bf16: T = uint16_t bits, group 2; int8:
+// T = int8_t, group 4).
+template <typename T, int group>
+void PackPanels(const T* w, int64_t k, int64_t n, T* out) {
   for (int64_t p = 0; p < Panels(n); ++p) {
-    for (int64_t k2 = 0; k2 < Steps(k, 2); ++k2) {
+    for (int64_t g = 0; g < Steps(k, group); ++g) {
       for (int64_t c = 0; c < kPanel; ++c) {
         const int64_t col = p * kPanel + c;
-        for (int64_t e = 0; e < 2; ++e) {
-          const int64_t row = 2 * k2 + e;
-          *out++ = (row < k && col < n) ? w[row * n + col] : 0;
+        for (int64_t e = 0; e < group; ++e) {
+          const int64_t row = group * g + e;
+          *out++ = (row < k && col < n) ? w[row * n + col] : T(0);
         }
       }
     }
   }
 }
-
-// Packs q [k, n] (int8, row major) into out (PackedBytes(k, n, true) bytes).
+inline void PackBf16(const uint16_t* w, int64_t k, int64_t n, uint16_t* out) {
+  PackPanels<uint16_t, 2>(w, k, n, out);
+}
 inline void PackInt8(const int8_t* q, int64_t k, int64_t n, int8_t* out) {
-  for (int64_t p = 0; p < Panels(n); ++p) {
-    for (int64_t k4 = 0; k4 < Steps(k, 4); ++k4) {
-      for (int64_t c = 0; c < kPanel; ++c) {
-        const int64_t col = p * kPanel + c;
-        for (int64_t e = 0; e < 4; ++e) {
-          const int64_t row = 4 * k4 + e;
-          *out++ = (row < k && col < n) ? q[row * n + col] : 0;
-        }
-      }
-    }
-  }
+  PackPanels<int8_t, 4>(q, k, n, out);
 }
 
 // Lane masks of the two result vectors for a panel with `cols` (1..32) valid columns.
