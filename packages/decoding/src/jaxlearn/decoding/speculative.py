@@ -1,8 +1,9 @@
-"""Speculative decoding with prompt-lookup (n-gram) drafts: no second model.
+"""Speculative decoding: drafts from prompt lookup (n-grams) or from a draft model.
 
 A decoding request's next k tokens are guessed from its own context: the latest earlier
 occurrence of its last n tokens (n from `max_n` down to 1) is looked up and the k tokens
-that followed it are the draft (`ngram_draft`). One forward over [last token, draft]
+that followed it are the draft (`ngram_draft`); or a smaller model that shares the
+tokenizer proposes them greedily (`jaxlearn.inference.draft`). One forward over [last token, draft]
 (`ModelRunner.verify`) computes the logits at all k + 1 positions and samples each with
 the request's settings and sampling key (seed, generated index), exactly the draw plain
 decoding makes at that index. The drafts are accepted up to the first one that differs
@@ -39,12 +40,14 @@ def ngram_draft(tokens: Sequence[int], k: int, max_n: int = 3) -> list[int]:
     return []
 
 
-def choose_drafts(decoding: Sequence[Any], k: int, max_n: int,
-                  room: Callable[[Any], int]) -> Optional[dict[Any, list[int]]]:
+def choose_drafts(decoding: Sequence[Any], k: int, max_n: int, room: Callable[[Any], int],
+                  lookup: bool = True) -> Optional[dict[Any, list[int]]]:
     """k draft tokens per decoding request (`scheduler.Request`) when the step verifies
     drafts, else None: every request can be verified (no grammar, logprobs or
-    history-dependent penalty; room(r) >= k + 1 tokens left) and one finds an n-gram. A
-    request without a match gets its last token repeated (it still gets one token)."""
+    history-dependent penalty; room(r) >= k + 1 tokens left) and, with `lookup`, one finds
+    an n-gram. A request without a match gets its last token repeated (it still gets one
+    token); lookup=False: every request gets that placeholder, for a draft model to
+    replace."""
     for r in decoding:
         p = r.params
         if (r.matcher is not None or p.logprobs is not None or p.repetition_penalty != 1
@@ -52,8 +55,8 @@ def choose_drafts(decoding: Sequence[Any], k: int, max_n: int,
             return None
     drafts = {}
     for r in decoding:
-        d = ngram_draft(r.prompt_ids + r.output.tokens, k, max_n)
+        d = ngram_draft(r.prompt_ids + r.output.tokens, k, max_n) if lookup else []
         drafts[r] = d + [d[-1] if d else r.output.tokens[-1]] * (k - len(d))
-    if all(d == [r.output.tokens[-1]] * k for r, d in drafts.items()):
+    if lookup and all(d == [r.output.tokens[-1]] * k for r, d in drafts.items()):
         return None  # Nothing found: a fused burst does more.
     return drafts

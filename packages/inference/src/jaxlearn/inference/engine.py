@@ -37,12 +37,12 @@ from jax.sharding import Mesh
 
 from jaxlearn.config import REQUIRED, Configurable
 from jaxlearn.decoding.grammar import response_format_grammar
-from jaxlearn.decoding.logprobs import TokenLogprob
 from jaxlearn.decoding.sampling import SamplingParams
 from jaxlearn.inference import programs
 from jaxlearn.inference.adapters import AdapterBanks
 from jaxlearn.inference.engine_setup import (
     SpecFn,
+    build_draft,
     build_mesh,
     check_settings,
     engine_axis_rules,
@@ -52,7 +52,7 @@ from jaxlearn.inference.engine_setup import (
 )
 from jaxlearn.inference.errors import InferenceError, QueueFullError, RequestError
 from jaxlearn.inference.metrics import Metrics
-from jaxlearn.inference.request import Request
+from jaxlearn.inference.request import GenerationResult, Request
 from jaxlearn.inference.rows_step import rows_invariant
 from jaxlearn.inference.runner import ModelRunner, kv_window, next_pow2
 from jaxlearn.inference.scheduler import Scheduler
@@ -65,32 +65,6 @@ log = logging.getLogger(__name__)
 
 Prompt = Union[str, Sequence[int]]
 Stop = Union[None, str, int, Sequence[Union[str, int]]]
-
-@dataclasses.dataclass
-class GenerationResult:
-    """One finished request.
-
-    tokens: generated ids (a final stop/EOS token included); text: their text, cut before
-    a stop string; finish_reason: "stop" (EOS, stop token or stop string), "length"
-    (max_new_tokens or max_seq_len), "cancelled" or "error"; stop_reason: the stop string
-    or token id that matched; logprobs (with `logprobs=k`): one `TokenLogprob` per
-    generated token; prompt_logprobs (with `prompt_logprobs=k`): one per prompt token after
-    the first (`prompt_ids[1:]`).
-    """
-
-    request_id: str
-    prompt_ids: list[int]
-    tokens: list[int]
-    text: str
-    finish_reason: str
-    stop_reason: Optional[Union[str, int]] = None
-    logprobs: Optional[list[TokenLogprob]] = None
-    prompt_logprobs: Optional[list[TokenLogprob]] = None
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_ids)
-
 
 def split_stop(stop: Stop) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """stop strings / token ids from `stop` (one string or id, or a list mixing both)."""
@@ -128,6 +102,8 @@ class Engine(Configurable):
         engine = Engine.default_config().set(max_seq_len=512, max_batch=8).instantiate(
             model_cfg=llama_config(...), params=params, tokenizer=tok)
 
+    draft_model_cfg / draft_params: a smaller `CausalLM` sharing the tokenizer whose greedy
+    guesses speculative decoding verifies (`speculative_tokens`; `inference.draft`).
     model_cfg: a `CausalLM` config; params: its parameter tree; tokenizer: a `Tokenizer`,
     a `tokenizers.Tokenizer` or interop's `LoadedModel` (`as_tokenizer`), or None: then
     the engine serves token ids only (prompts and stops as ids, `text` always "", the
@@ -146,11 +122,12 @@ class Engine(Configurable):
         mixed_steps: a prompt pending while others decode joins their step (its chunk and
             their next tokens in one forward, `inference.mixed`) instead of a prefill call
             of its own that stalls them (not for a length-dependent RoPE: LongRoPE, NTK).
-        speculative_tokens: k > 0 turns on speculative decoding with prompt-lookup drafts
-            (`decoding.speculative`): while at most `speculative_max_rows` requests
-            decode and one of them finds an earlier occurrence of its last (up to
-            `speculative_ngram`) tokens, one call verifies k draft tokens per request and
-            emits 1 to k + 1 tokens each, identical to plain decoding's (greedy or seeded).
+        speculative_tokens: k > 0 turns on speculative decoding (`decoding.speculative`):
+            while at most `speculative_max_rows` requests decode, one call verifies k
+            draft tokens per request and emits 1 to k + 1 tokens each, identical to plain
+            decoding's (greedy or seeded). The drafts are a draft model's when the engine
+            has one (`draft_model_cfg`, `inference.draft`), else prompt lookups: the
+            tokens after an earlier occurrence of the last (up to `speculative_ngram`).
             With quantize="int8" only on packed weights (XLA's int8 forward of several
             tokens is not bit-identical to single steps). 0 (default): off.
         max_queue: most requests waiting for a slot (beyond it: QueueFullError / 429).
@@ -235,7 +212,7 @@ class Engine(Configurable):
         axis_rules: Optional[tuple[tuple[str, Any], ...]] = None
 
     def __init__(self, cfg: "Engine.Config", *, model_cfg: Any, params: Any,
-                 tokenizer: Any = None):
+                 tokenizer: Any = None, draft_model_cfg: Any = None, draft_params: Any = None):
         super().__init__(cfg)
         cfg = self.config
         pool_tokens = check_settings(cfg)
@@ -300,6 +277,9 @@ class Engine(Configurable):
             speculative_ngram=cfg.speculative_ngram,
             adapters=self.adapters,
             mixed_steps=cfg.mixed_steps and rows_invariant(self.model),
+            draft=None if draft_model_cfg is None else build_draft(
+                cfg, draft_model_cfg, draft_params, self.runner,
+                min(next_pow2(cfg.prefill_chunk), next_pow2(cfg.max_seq_len))),
         )
         self.add_bos = _resolve_add_bos(cfg.add_bos, self.tokenizer)
         self._thread: Optional[threading.Thread] = None

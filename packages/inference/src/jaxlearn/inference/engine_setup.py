@@ -1,7 +1,8 @@
 """What an `Engine` needs before it serves: its settings checked (`check_settings`), the
 model as served (`serving_model`: the config swaps its settings ask for), its mesh
-(`build_mesh`), parameter placement from logical axes (`param_shardings`, `SpecFn`) and
-the params of a jaxlearn checkpoint (`restore_params`)."""
+(`build_mesh`), parameter placement from logical axes (`param_shardings`, `SpecFn`), the
+draft model of speculative decoding (`build_draft`) and the params of a jaxlearn
+checkpoint (`restore_params`)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from jax.sharding import Mesh, NamedSharding
 from jaxlearn import layers
 from jaxlearn.config import REQUIRED, replace_config
 from jaxlearn.inference.adapters import check_adapter_settings
+from jaxlearn.inference.draft import DraftModel
 from jaxlearn.inference.quantize import check_quantize
+from jaxlearn.inference.runner import ModelRunner
 from jaxlearn.inference.weight_layout import (
     check_weight_layout,
     packed_layout_chosen,
@@ -30,7 +33,7 @@ from jaxlearn.mesh import (
     make_mesh,
     merge_axis_rules,
 )
-from jaxlearn.module import Module, is_spec
+from jaxlearn.module import Module, functional, is_spec
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +128,35 @@ def serving_model(cfg: Any, model_cfg: Any, params: Any) -> ServingModel:
                                lambda old, path: old.clone(paged_kernel=kernel),
                                allow_no_match=True)
     return ServingModel(base, model_cfg, params, packed, kernel)
+
+
+def build_draft(cfg: Any, model_cfg: Any, params: Any, target: ModelRunner,
+                prefill_chunk: int) -> DraftModel:
+    """The draft model of speculative decoding (`draft.DraftModel`) for the engine of `cfg`
+    and its runner `target`: served with cfg's int8, weight layout and attention kernel
+    (`serving_model`; never adapter banks), its runner laid out like the target's (slots,
+    pages, page size, length) and sampling only ids the target may sample. ValueError
+    when cfg does not speculate, serves on a mesh, or the draft's vocabulary is smaller
+    than the ids the target samples (a draft shares the target's tokenizer)."""
+    if not cfg.speculative_tokens or cfg.mesh_shape is not None:
+        raise ValueError(f"a draft model needs Engine.Config.speculative_tokens > 0 and "
+                         f"mesh_shape=None, got speculative_tokens={cfg.speculative_tokens}, "
+                         f"mesh_shape={cfg.mesh_shape}")
+    served = serving_model(cfg.clone(max_loras=0, speculative_tokens=0), model_cfg, params)
+    model = served.model_cfg.instantiate()
+    params = jax.device_put(served.params)
+    logits = jax.eval_shape(lambda p: functional(
+        model, None, p, ({"input_ids": jax.numpy.zeros((1, 1), "int32")},), method="logits",
+        is_training=False)[0], params)
+    vocab, limit = int(logits.shape[-1]), target.vocab_limit or target.vocab_size
+    if vocab < limit:
+        raise ValueError(f"the draft model has {vocab} ids and the served model samples "
+                         f"{limit}: a draft model must share the served model's tokenizer")
+    runner = ModelRunner(model, params, num_slots=target.num_slots,
+                         num_pages=target.num_pages, page_size=target.page_size,
+                         max_len=target.max_len, vocab_size=vocab, vocab_limit=limit)
+    return DraftModel(runner, cfg.speculative_tokens, prefill_chunk,
+                      owner=served.packed_weights)
 
 
 def build_mesh(cfg: Any) -> Optional[Mesh]:

@@ -1,8 +1,10 @@
 """How a prompt is cut into prefill chunks: the bucket (padded length) of a chunk, and
 whether a chunk takes all of a prompt's remaining tokens or the largest power of two
-below them (`chunk_len`)."""
+below them (`chunk_len`), and which requests' chunks a prefill call takes (`plan_batch`)."""
 
 from __future__ import annotations
+
+from typing import Any, Callable, Sequence
 
 from jaxlearn.inference.runner import next_pow2
 
@@ -36,3 +38,35 @@ def _plan(n: int, prefill_chunk: int, min_bucket: int) -> tuple[int, int]:
     split = (bucket(low, prefill_chunk, min_bucket) + CALL_COST_TOKENS
              + _plan(n - low, prefill_chunk, min_bucket)[0])
     return (pad, n) if pad <= split else (split, low)
+
+
+def plan_batch(pending: Sequence[Any], *, decoding: bool, prefill_chunk: int, min_bucket: int,
+               scores: Callable[[Any, list[int]], bool]) -> tuple[list[tuple[Any, list[int]]],
+                                                                  bool]:
+    """The next prefill call: the oldest `pending` requests' next chunks (`chunk_len` of
+    each request's context after its `prefilled` tokens) that fit the step's budget
+    (prefill_chunk padded tokens while others are `decoding` or the call scores prompt
+    tokens, 4x otherwise), all scoring prompt tokens (`scores(req, chunk)`) or none (a
+    scoring call computes logits at every position). Returns (batch, scoring)."""
+    batch: list[tuple[Any, list[int]]] = []
+    scoring = False
+    longest = 0
+    for req in pending:
+        rest = len(req.context) - req.prefilled
+        take = chunk_len(rest, prefill_chunk, min_bucket)
+        chunk = req.context[req.prefilled : req.prefilled + take]
+        scored = scores(req, chunk)
+        if not batch:
+            scoring = scored
+        elif scored != scoring:
+            continue
+        budget = prefill_chunk * (1 if decoding or scoring else 4)
+        cost = next_pow2(len(batch) + 1) * bucket(max(longest, len(chunk)), prefill_chunk,
+                                                  min_bucket)
+        if batch and cost > budget:
+            break
+        batch.append((req, chunk))
+        longest = max(longest, len(chunk))
+    # Rows are padded to a power of two, and a padding row costs a whole chunk: 3 chunks
+    # go as 2 now and 1 with the next step's.
+    return batch[: 1 << (len(batch).bit_length() - 1)], scoring

@@ -11,7 +11,8 @@ engine's config (`reachable`): for 32 rows and chunks of 256, 12 decode, 29 mixe
 
 - "none": nothing; the first request of each shape compiles it.
 - "auto" (default) and "all": every reachable program (with speculative decoding, one
-  verification program per row count up to `speculative_max_rows` too). The persistent
+  verification program per row count up to `speculative_max_rows` too, and a draft
+  model's catch-up prefills and decode steps, `draft.DraftModel.calls`). The persistent
   compilation cache (`jaxlearn serve` enables it) makes later starts load them instead
   of compiling.
 
@@ -126,6 +127,13 @@ def warmup(scheduler: Any, level: str = "auto", threads: int = 0, scoring: bool 
                 calls.append(rows_call(runner, **shape))
             else:
                 calls.append(prefill_call(runner, **shape))
-    new = runner.compile_programs(calls, threads=threads or os.cpu_count() or 1)
+    threads = threads or os.cpu_count() or 1
+    new = runner.compile_programs(calls, threads=threads)
     runner.sealed = True
+    draft = getattr(scheduler, "draft", None)  # A draft model's runner (`draft.py`).
+    if draft is not None:
+        if level != "none":
+            most = min(scheduler.max_batch, scheduler.speculative_max_rows)
+            new += draft.runner.compile_programs(draft.calls(most), threads=threads)
+        draft.runner.sealed = True
     return new

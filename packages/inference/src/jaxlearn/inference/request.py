@@ -1,6 +1,6 @@
-"""A generation request as the scheduler tracks it (`Request`), and the per-request
-values its calls need: the slot, the runner's per-row sampling lists (and LoRA slots),
-the EOS ids."""
+"""A generation request as the scheduler tracks it (`Request`), the per-request values
+its calls need (the slot, the runner's per-row sampling lists and LoRA slots, the EOS
+ids), and what a finished one returns (`GenerationResult`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import dataclasses
 import itertools
 import threading
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 from jaxlearn.decoding.grammar import Matcher
 from jaxlearn.decoding.logprobs import TokenLogprob
@@ -100,3 +100,29 @@ class Request:
     @property
     def num_generated(self) -> int:
         return len(self.output.tokens)
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """One finished request.
+
+    tokens: generated ids (a final stop/EOS token included); text: their text, cut before
+    a stop string; finish_reason: "stop" (EOS, stop token or stop string), "length"
+    (max_new_tokens or max_seq_len), "cancelled" or "error"; stop_reason: the stop string
+    or token id that matched; logprobs (with `logprobs=k`): one `TokenLogprob` per
+    generated token; prompt_logprobs (with `prompt_logprobs=k`): one per prompt token after
+    the first (`prompt_ids[1:]`).
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    tokens: list[int]
+    text: str
+    finish_reason: str
+    stop_reason: Optional[Union[str, int]] = None
+    logprobs: Optional[list[TokenLogprob]] = None
+    prompt_logprobs: Optional[list[TokenLogprob]] = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)

@@ -56,7 +56,7 @@ from jaxlearn.inference.errors import QueueFullError, RequestError
 from jaxlearn.inference.metrics import Metrics, scheduler_metrics
 from jaxlearn.inference.mixed import mixed_step, scores_prompt
 from jaxlearn.inference.pages import PageTable
-from jaxlearn.inference.prefill_plan import bucket, chunk_len
+from jaxlearn.inference.prefill_plan import bucket, plan_batch
 from jaxlearn.inference.request import NoText, Request, Sink, eos_ids, sampling_lists, slot_of
 from jaxlearn.inference.runner import ModelRunner, next_pow2
 from jaxlearn.text.detokenize import Delta, OutputState
@@ -77,9 +77,10 @@ class Scheduler:
         the prefill of a request starts after them.
     window: the model's sliding window (`runner.kv_window`) when pages behind it are to
         be released before each call (`PageTable.trim`); None: keep every page.
-    speculative_tokens: k > 0 verifies k prompt-lookup draft tokens per call when at most
-        `speculative_max_rows` requests decode, all of them can (`decoding.speculative`), and
-        one has a draft (n-grams of up to `speculative_ngram` tokens); 0: off.
+    speculative_tokens: k > 0 verifies k draft tokens per call when at most
+        `speculative_max_rows` requests decode and all of them can (`decoding.speculative`):
+        a `draft` model's (`draft.DraftModel`), else prompt lookups (n-grams of up to
+        `speculative_ngram` tokens; a step where none matches decodes); 0: off.
     mixed_steps: prompts pending beside decoding rows share their step (`mixed.py`).
     """
 
@@ -102,6 +103,7 @@ class Scheduler:
         speculative_ngram: int = 3,
         adapters: Any = None,
         mixed_steps: bool = True,
+        draft: Any = None,
     ):
         if prefill_chunk < 1 or prefill_chunk & (prefill_chunk - 1):
             raise ValueError(f"prefill_chunk={prefill_chunk} must be a power of two")
@@ -117,6 +119,7 @@ class Scheduler:
         self.speculative_max_rows = speculative_max_rows
         self.speculative_ngram = speculative_ngram
         self.adapters = adapters  # `AdapterBanks` (None: no LoRA slots).
+        self.draft = draft  # `draft.DraftModel` (None: prompt-lookup drafts).
         self.mixed_steps = mixed_steps
         self.max_queue = max_queue
         self.min_prefill_bucket = min(min_prefill_bucket, prefill_chunk)
@@ -332,41 +335,15 @@ class Scheduler:
         return (req.params.prompt_logprobs is not None and done < len(req.prompt_ids) - 1
                 and req.prefilled + len(chunk) > done)
 
-    def _prefill_batch(self, pending: list[Request]) -> tuple[list[tuple[Request, list[int]]],
-                                                              bool]:
-        """The oldest pending chunks that fit the step's prefill budget, all scoring prompt
-        tokens or none (a scoring call computes logits at every position)."""
-        decoding = any(r is not None and r.state == "decode" for r in self.slots)
-        batch: list[tuple[Request, list[int]]] = []
-        scoring = False
-        longest = 0
-        for req in pending:
-            rest = len(req.context) - req.prefilled
-            take = chunk_len(rest, self.prefill_chunk, self.min_prefill_bucket)
-            chunk = req.context[req.prefilled : req.prefilled + take]
-            scores = self._scores(req, chunk)
-            if not batch:
-                scoring = scores
-            elif scores != scoring:
-                continue
-            budget = self.prefill_chunk * (1 if decoding or scoring else 4)
-            cost = next_pow2(len(batch) + 1) * bucket(max(longest, len(chunk)),
-                                                      self.prefill_chunk, self.min_prefill_bucket)
-            if batch and cost > budget:
-                break
-            batch.append((req, chunk))
-            longest = max(longest, len(chunk))
-        # Rows are padded to a power of two, and a padding row costs a whole chunk: 3
-        # chunks go as 2 now and 1 with the next step's.
-        return batch[: 1 << (len(batch).bit_length() - 1)], scoring
-
     def _prefill(self, scoring_only: bool = False) -> bool:
         pending = sorted((r for r in self.slots if r is not None and r.state == "prefill"
                           and (scores_prompt(r) or not scoring_only)),
                          key=lambda r: r.admitted)
         if not pending:
             return False
-        batch, scoring = self._prefill_batch(pending)
+        decoding = any(r is not None and r.state == "decode" for r in self.slots)
+        batch, scoring = plan_batch(pending, decoding=decoding, prefill_chunk=self.prefill_chunk,
+                                    min_bucket=self.min_prefill_bucket, scores=self._scores)
         for r, _ in batch:  # Pages behind the window of the chunk's first position.
             self.pages.trim(slot_of(r), r.prefilled)
         # With a window admission reserved only the first chunk's pages.
@@ -489,11 +466,16 @@ class Scheduler:
         drafts = None
         if self.speculative_tokens and len(decoding) <= self.speculative_max_rows:
             drafts = choose_drafts(decoding, self.speculative_tokens, self.speculative_ngram,
-                                   self._room)
+                                   self._room, lookup=self.draft is None)
         if drafts is not None:
-            rows = self._reserve({r: self._position(r) + len(d) + 1 for r, d in drafts.items()})
+            k = self.speculative_tokens
+            rows = sorted(self._reserve({r: self._position(r) + k + 1 for r in drafts}),
+                          key=lambda r: r.slot or 0)
+            if rows and self.draft is not None:  # A draft model proposes (`draft.py`).
+                drafts = self._timed("draft", self.draft.propose, rows=rows,
+                                     tables=self.pages.rows([slot_of(r) for r in rows]))
             if rows:
-                self._verify_rows(sorted(rows, key=lambda r: r.slot or 0), drafts)
+                self._verify_rows(rows, drafts)
             return True
         running = [r for r in decoding if r.matcher is None]
         steps = 1
@@ -538,6 +520,8 @@ class Scheduler:
             accepted = int(out["accepted"][i])
             self.metrics.inc("speculative_draft_tokens_total", len(drafts[r]))
             self.metrics.inc("speculative_accepted_tokens_total", accepted)
+            if self.draft is not None:
+                self.draft.accepted(r, accepted)
             for j in range(accepted + 1):
                 if r.done:
                     break
