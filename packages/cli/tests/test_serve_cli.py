@@ -290,3 +290,20 @@ def test_param_dtype_is_refused_for_a_jaxlearn_run(run, capsys):
                  *SMALL]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--param_dtype: applies to HF / GGUF models" in err[0], err
+
+
+def test_generate_with_a_draft_model_keeps_the_models_tokens(run, capsys):
+    """--draft_model (here the run itself, a draft that agrees with the model) with
+    speculative_tokens: the continuation is the one plain decoding gives."""
+    out = str(run[0])
+    argv = ["generate", "--model", out, "--prompt", "Once upon", "--max_new_tokens", "12",
+            *SMALL]
+    assert main(argv) == 0
+    plain = capsys.readouterr().out
+    assert main([*argv, "--draft_model", out, "--engine_set", "speculative_tokens=3"]) == 0
+    std = capsys.readouterr()
+    assert std.out == plain
+    assert f"draft model {out} proposes 3 tokens per verification" in std.err
+    assert main([*argv, "--draft_model", out]) == 2
+    assert ("a draft model needs Engine.Config.speculative_tokens > 0 and mesh_shape=None, got "
+            "speculative_tokens=0" in capsys.readouterr().err)

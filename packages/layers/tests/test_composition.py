@@ -5,6 +5,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxlearn.config import replace_config, visit
 from jaxlearn.layers import (
@@ -96,3 +97,26 @@ def test_readme_new_layer_example():
     out, params = logits(cfg)
     assert set(params["decoder"]["transformer"]["layer"]["feed_forward"]) == {"w_gate", "w_value"}
     assert np.isfinite(np.asarray(out)).all()
+
+
+def test_first_layers_cut_the_stack_and_keep_the_head():
+    """An early-exit model: the first n layers of a scanned stack equal those of the same
+    weights unstacked (LoopStack), all layers equal the model, fewer differ from it."""
+    from jaxlearn.layers import first_layers
+
+    cfg = tiny(stack="scan")
+    full, params = logits(cfg)
+    loop_cfg = tiny(stack="loop")
+    layer = params["decoder"]["transformer"]["layer"]
+    loop = {**params, "decoder": {**params["decoder"], "transformer": {
+        f"layer{i}": jax.tree.map(lambda x, i=i: x[i], layer) for i in range(2)}}}
+    one_scan = logits(*first_layers(cfg, params, 1))[0]
+    one_loop = logits(*first_layers(loop_cfg, loop, 1))[0]
+    np.testing.assert_allclose(one_scan, one_loop, rtol=1e-5, atol=1e-5)
+    assert not np.allclose(one_scan, full, atol=1e-3)
+    np.testing.assert_array_equal(logits(*first_layers(cfg, params, 2))[0], full)
+    assert params["decoder"]["transformer"]["layer"] is layer  # The input is left alone.
+    for n in (0, 3):
+        with pytest.raises(ValueError, match=f"decoder.transformer is a ScanStack of 2 layers; "
+                                             f"n={n} must be in"):
+            first_layers(cfg, params, n)

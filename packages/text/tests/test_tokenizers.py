@@ -229,3 +229,21 @@ def test_sentencepiece_bad_files(tmp_path: os.PathLike) -> None:
     open(empty, "wb").close()
     with pytest.raises(TokenizerError, match=f"{empty}: file is empty"):
         SentencePieceTokenizer.default_config().set(path=empty).instantiate()
+
+
+def test_vocabulary_mismatch_names_what_differs(hf_file: str) -> None:
+    from jaxlearn.text.protocol import vocabulary_mismatch
+
+    hf = HFTokenizer.default_config().set(path=hf_file).instantiate()
+    same = HFTokenizer.default_config().set(path=hf_file).instantiate()
+    byte = ByteTokenizer.default_config().instantiate()
+    assert vocabulary_mismatch(hf, same) is None
+    assert vocabulary_mismatch(byte, ByteTokenizer.default_config().instantiate()) is None
+    assert vocabulary_mismatch(hf, byte) == f"vocab_size {hf.vocab_size} != {byte.vocab_size}"
+
+    class Shifted(HFTokenizer):  # Same size and specials, other ids for the same text.
+        def encode(self, text: str) -> list[int]:
+            return [i + 1 for i in super().encode(text)]
+
+    shifted = Shifted.default_config().set(path=hf_file).instantiate()
+    assert vocabulary_mismatch(hf, shifted) == "the same text encodes to other ids"

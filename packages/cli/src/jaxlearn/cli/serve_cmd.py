@@ -7,7 +7,7 @@
                    [--max_connections N] [--max_pending_connections N]
                    [--header_timeout S] [--max_active_per_request N]
                    [--lora NAME=PATH ...] [--max_loras N] [--max_lora_rank R]
-                   [--allow_runtime_lora]
+                   [--allow_runtime_lora] [--draft_model PATH]
     jaxlearn generate --model PATH --prompt TEXT [--chat] [--max_new_tokens 128]
                       [--temperature 0] [--top_k 0] [--top_p 1] [--seed N]
                       [--lora NAME=PATH --adapter NAME]
@@ -89,6 +89,10 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                         "(the default)")
     p.add_argument("--no_prefix_caching", dest="prefix_caching", action="store_false",
                    default=None, help="prefill every prompt in full")
+    p.add_argument("--draft_model", default=None, metavar="PATH",
+                   help="a smaller model with the same tokenizer (HF dir, .gguf or jaxlearn "
+                        "run) whose guesses speculative decoding verifies; needs "
+                        "--engine_set speculative_tokens=K (outputs stay the model's)")
     p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
                    help="load a LoRA adapter under NAME (repeatable); PATH: a jaxlearn LoRA "
                         "run dir (its adapters; the base weights are --model's)")
@@ -271,12 +275,45 @@ def engine_text(engine_cfg: Any) -> str:
 
 def load_model(path: str, engine_cfg: Any, *, experiment: Optional[str] = None,
                overrides: Sequence[str] = (), dtype: Optional[str] = None,
-               param_dtype: Optional[str] = None) -> Any:
+               param_dtype: Optional[str] = None, draft: Optional[str] = None) -> Any:
     """An `Engine` with `engine_cfg` for PATH (see module docstring). `dtype` (compute) and
     `param_dtype` (weight storage) apply to HF / GGUF models; a jaxlearn run's dtypes are
-    its config's (`--set model...`)."""
-    from jaxlearn.cli.common import UsageError, open_model_flag
+    its config's (`--set model...`). draft: the PATH of a draft model for speculative
+    decoding (`--draft_model`), loaded the same way (no overrides), which must share the
+    model's tokenizer."""
+    from jaxlearn.cli.common import UsageError
     from jaxlearn.inference import Engine
+    from jaxlearn.text.protocol import as_tokenizer, vocabulary_mismatch
+
+    model_cfg, params, tokenizer, source = _model_parts(
+        path, engine_cfg, "--model", experiment=experiment, overrides=overrides, dtype=dtype,
+        param_dtype=param_dtype, restore=engine_cfg.mesh_shape is None)
+    extra: dict[str, Any] = {}
+    if draft is not None:
+        dcfg, dparams, dtok, _ = _model_parts(draft, engine_cfg, "--draft_model", dtype=dtype,
+                                              param_dtype=param_dtype)
+        why = vocabulary_mismatch(as_tokenizer(tokenizer), as_tokenizer(dtok))
+        if why is not None:
+            raise UsageError(f"--draft_model {draft}: its tokenizer differs from --model "
+                             f"{path}'s ({why}); a draft model must share it")
+        extra = dict(draft_model_cfg=dcfg, draft_params=dparams)
+    if params is None:  # A jaxlearn run restored into the engine's mesh.
+        if draft is not None:
+            raise UsageError(f"--draft_model: speculative decoding serves on one device, got "
+                             f"mesh_shape={engine_cfg.mesh_shape}")
+        return Engine.from_checkpoint(source.root, model_cfg, tokenizer, step=source.step,
+                                      engine_cfg=engine_cfg)
+    return engine_cfg.instantiate(model_cfg=model_cfg, params=params, tokenizer=tokenizer,
+                                  **extra)
+
+
+def _model_parts(path: str, engine_cfg: Any, flag: str, *, experiment: Optional[str] = None,
+                 overrides: Sequence[str] = (), dtype: Optional[str] = None,
+                 param_dtype: Optional[str] = None, restore: bool = True) -> tuple:
+    """(model config, params, tokenizer, run source) of the model at PATH (`flag` names it
+    in errors); a jaxlearn run's params only with `restore` (else None: see load_model)."""
+    from jaxlearn.cli.common import UsageError, open_model_flag
+    from jaxlearn.inference.engine_setup import restore_params
     from jaxlearn.inference.weight_layout import serving_stack
     from jaxlearn.interop import InteropError
 
@@ -285,16 +322,17 @@ def load_model(path: str, engine_cfg: Any, *, experiment: Optional[str] = None,
         if param_dtype is not None:
             raise UsageError(f"--param_dtype: applies to HF / GGUF models; {path} is a "
                              f"jaxlearn run (its params keep their checkpoint dtype)")
-        print(f"jaxlearn: model config from {where}", file=sys.stderr)
+        print(f"jaxlearn: {flag.strip('-').replace('_', ' ')} config from {where}",
+              file=sys.stderr)
         try:
             tokenizer = source.text_tokenizer()
-            root = source.root
-            if root is None:
-                raise UsageError(f"--model {path}: a jaxlearn run without checkpoint steps")
+            if source.root is None:
+                raise UsageError(f"{flag} {path}: a jaxlearn run without checkpoint steps")
         except InteropError as e:
             raise UsageError(str(e)) from None
-        return Engine.from_checkpoint(root, source.model_config(), tokenizer,
-                                      step=source.step, engine_cfg=engine_cfg)
+        cfg = source.model_config()
+        params = restore_params(source.root, cfg, step=source.step)[0] if restore else None
+        return cfg, params, tokenizer, source
     try:
         opts = {k: v for k, v in (("dtype", dtype), ("param_dtype", param_dtype)) if v}
         stack = serving_stack(engine_cfg.weight_layout, dtype=dtype, param_dtype=param_dtype,
@@ -303,10 +341,9 @@ def load_model(path: str, engine_cfg: Any, *, experiment: Optional[str] = None,
     except InteropError as e:
         raise UsageError(str(e)) from None
     if loaded.tokenizer is None:
-        raise UsageError(f"--model {path}: the checkpoint has no tokenizer")
+        raise UsageError(f"{flag} {path}: the checkpoint has no tokenizer")
     # The LoadedModel is its own tokenizer bundle (tokenizer, EOS ids, chat template).
-    return engine_cfg.instantiate(model_cfg=loaded.config, params=loaded.params,
-                                  tokenizer=loaded)
+    return loaded.config, loaded.params, loaded, source
 
 
 def print_config(args: argparse.Namespace, engine_cfg: Any) -> int:
@@ -336,7 +373,7 @@ def _engine(args: argparse.Namespace, engine_cfg: Any) -> Any:
     try:
         engine = load_model(args.model, engine_cfg, experiment=args.experiment,
                             overrides=args.overrides, dtype=args.dtype,
-                            param_dtype=args.param_dtype)
+                            param_dtype=args.param_dtype, draft=args.draft_model)
     except (ValueError, RequestError, OSError) as e:
         raise UsageError(f"--model {args.model}: {e}") from None
     sys.stderr.write(engine_text(engine.config))  # The one block of serving settings.
@@ -347,6 +384,10 @@ def _engine(args: argparse.Namespace, engine_cfg: Any) -> Any:
           f"{r.cache_bytes() / 2**20:.0f} MiB"
           f"{'; no tokenizer: token ids only' if engine.tokenizer is None else ''})",
           file=sys.stderr)
+    if engine.scheduler.draft is not None:
+        print(f"jaxlearn: draft model {args.draft_model} proposes "
+              f"{engine.config.speculative_tokens} tokens per verification (KV pool "
+              f"{engine.scheduler.draft.runner.cache_bytes() / 2**20:.0f} MiB)", file=sys.stderr)
     return engine
 
 

@@ -8,6 +8,7 @@ between files.
 from jaxlearn.layers.attention import Attention, make_mask
 from jaxlearn.layers.causal_lm import CausalLM, cross_entropy
 from jaxlearn.layers.composition import (
+    first_layers,
     fuse_projection_params,
     fuse_projections,
     merge_lora,
@@ -65,6 +66,7 @@ __all__ = [
     "gemma3_config",
     "stack_config",
     "fuse_projection_params",
+    "first_layers",
     "fuse_projections",
     "merge_lora",
     "older_param_path",

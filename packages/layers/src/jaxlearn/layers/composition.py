@@ -13,6 +13,7 @@ visit) and returns a new config; the input is not modified.
     cfg, params = fuse_projections(cfg, params)              # serving: fused QKV / gate
     cfg = use_lora(cfg, rank=8, alpha=16)                    # LoraLinear q/k/v/o, wi/wo
     cfg, params = merge_lora(cfg, params)                    # fold them in: a plain model
+    cfg, params = first_layers(cfg, params, 8)               # early-exit draft: 8 layers
 """
 
 from __future__ import annotations
@@ -217,3 +218,42 @@ def _folded(w: jax.Array, a: jax.Array, b: jax.Array, scale: float) -> jax.Array
     b2 = b.reshape(*lead, rank, -1).astype(jnp.float32)
     delta = jnp.matmul(a2, b2, precision=jax.lax.Precision.HIGHEST).reshape(w.shape)
     return (w.astype(jnp.float32) + scale * delta).astype(w.dtype)
+
+
+def first_layers(cfg: Any, params: Any, n: int) -> tuple[Any, Any]:
+    """(config, params) of the model cut after its first `n` layers: the same embedding,
+    layers 0..n-1, then what follows the stack (output norm, head), weights shared (the
+    arrays are sliced, not copied, where the stack is unstacked). An early-exit draft for
+    speculative decoding (self-speculation, as LayerSkip's). The model must have one
+    `ScanStack` (params stacked [layers, ...]) or `LoopStack` (params layer0, layer1, ...).
+    ValueError names the stack's path when it is neither, or n is not in [1, layers]."""
+    found: list[tuple[str, Any]] = []
+
+    def cut(old: Any, path: str) -> Any:
+        total = old.num_layers if old.num_layers is not None else len(old.layers)
+        if not issubclass(old.klass, (ScanStack, LoopStack)) or not 0 < n <= total:
+            raise ValueError(f"first_layers: {path} is a {old.klass.__name__} of {total} "
+                             f"layers; n={n} must be in [1, {total}] of a ScanStack or LoopStack")
+        found.append((path, old.klass))
+        if issubclass(old.klass, ScanStack):
+            return old.clone(num_layers=n)
+        return old.clone(num_layers=n, layers=None if old.layers is None else old.layers[:n])
+
+    new_cfg = replace_config(cfg, BaseStack, cut, carry_over=False)
+    if len(found) != 1:
+        raise ValueError(f"first_layers: the model has {len(found)} layer stacks "
+                         f"({', '.join(p for p, _ in found) or 'none'}); one is needed")
+    path, klass = found[0]
+    keys = path.split(".")
+    new_params = dict(params)
+    node = new_params
+    for key in keys[:-1]:
+        node[key] = dict(node[key])
+        node = node[key]
+    stack = node[keys[-1]]
+    if issubclass(klass, ScanStack):
+        node[keys[-1]] = {**stack, "layer": jax.tree.map(lambda x: x[:n], stack["layer"])}
+    else:
+        node[keys[-1]] = {k: v for k, v in stack.items()
+                          if not (k.startswith("layer") and int(k[5:]) >= n)}
+    return new_cfg, new_params

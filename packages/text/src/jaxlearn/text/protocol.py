@@ -104,3 +104,23 @@ def chat_prompt(
 
 
 __all__ = ["Tokenizer", "as_tokenizer", "chat_prompt"]
+
+
+# Text a shared vocabulary encodes alike: words, digits, punctuation, code, non-ASCII.
+_PROBE = ("The quick brown fox jumps over the lazy dog. 0123456789 !?,;:'\"()[]{} "
+          "def f(x):\n    return x ** 2  # café, naïve, 東京, Привет")
+
+
+def vocabulary_mismatch(a: Any, b: Any) -> Optional[str]:
+    """Why tokenizers a and b (`Tokenizer`s) do not share a vocabulary, or None: another
+    vocabulary size, BOS / EOS id, encoding of a probe text, or text of one of every 97
+    ids. (A draft model's proposals are ids the served model reads.)"""
+    for what in ("vocab_size", "bos_id", "eos_id"):
+        if getattr(a, what) != getattr(b, what):
+            return f"{what} {getattr(a, what)} != {getattr(b, what)}"
+    if a.encode(_PROBE) != b.encode(_PROBE):
+        return "the same text encodes to other ids"
+    for i in range(0, a.vocab_size, 97):
+        if a.decode([i]) != b.decode([i]):
+            return f"id {i} is {a.decode([i])!r} in one and {b.decode([i])!r} in the other"
+    return None
