@@ -117,7 +117,8 @@ def scheduler_metrics(m: Metrics, sched: Any) -> None:
     m.describe("step_seconds", "Duration of one scheduler step.")
     m.describe("step_part_seconds_total",
                "Scheduler step time by part: prefill / decode calls (device work and the "
-               "copy of their results) and host (scheduling, detokenization, sinks).")
+               "copy of their results), a draft model's proposals (draft) and host "
+               "(scheduling, detokenization, sinks).")
     m.describe("decode_calls_total",
                "Decode calls, by fused steps per call (\"verify\": speculative).")
     m.describe("speculative_draft_tokens_total", "Draft tokens verified.")

@@ -256,8 +256,9 @@ class Scheduler:
     def step(self) -> bool:
         """One scheduling round; returns whether it did anything. Its time is split in
         `step_part_seconds_total` by part: "prefill" and "decode" (the runner's calls,
-        device work and the copy of their results to the host) and "host" (the rest:
-        admission, pages, sampling arrays, detokenization, stops, sinks)."""
+        device work and the copy of their results to the host), "draft" (a draft model's
+        proposals) and "host" (the rest: admission, pages, sampling arrays,
+        detokenization, stops, sinks)."""
         with self.step_lock:
             t0 = time.monotonic()
             self._device_s = 0.0
