@@ -38,6 +38,11 @@ or a jaxlearn LoRA run, read for the served base model by
 `jaxlearn.interop.load_lora_adapter`. `--max_loras` (default: the number of --lora
 adapters) and `--max_lora_rank` (default: the largest of their ranks) size the banks;
 `--allow_runtime_lora` adds the load / unload routes (`jaxlearn.serve.server`).
+
+`--draft_model PATH` (with `--engine_set speculative_tokens=K`) loads a second model the
+same way, whose tokenizer must equal --model's (`text.protocol.vocabulary_mismatch`), as
+the draft speculative decoding verifies (`jaxlearn.inference.draft`); outputs stay
+--model's.
 """
 
 from __future__ import annotations
