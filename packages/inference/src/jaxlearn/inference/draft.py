@@ -32,6 +32,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from jaxlearn.inference import programs
 from jaxlearn.inference.request import Request, slot_of
 from jaxlearn.inference.runner import ModelRunner, next_pow2
 
@@ -114,8 +115,6 @@ class DraftModel:
     def calls(self, max_rows: int) -> list[Any]:
         """The (program, inputs, static) of every draft program a proposal for up to
         max_rows rows can run (`programs.warmup`)."""
-        from jaxlearn.inference import programs
-
         rows_all = [1 << i for i in range(next_pow2(max_rows).bit_length())]
         out = [programs.prefill_call(self.runner, rows, b, False)
                for rows in rows_all for b in self.buckets]
