@@ -221,39 +221,30 @@ def _folded(w: jax.Array, a: jax.Array, b: jax.Array, scale: float) -> jax.Array
 
 
 def first_layers(cfg: Any, params: Any, n: int) -> tuple[Any, Any]:
-    """(config, params) of the model cut after its first `n` layers: the same embedding,
-    layers 0..n-1, then what follows the stack (output norm, head), weights shared (the
-    arrays are sliced, not copied, where the stack is unstacked). An early-exit draft for
-    speculative decoding (self-speculation, as LayerSkip's). The model must have one
-    `ScanStack` (params stacked [layers, ...]) or `LoopStack` (params layer0, layer1, ...).
-    ValueError names the stack's path when it is neither, or n is not in [1, layers]."""
-    found: list[tuple[str, Any]] = []
+    """(config, params) of the model cut after its first `n` layers, then its output norm
+    and head (weights shared): an early-exit draft for speculative decoding, as
+    LayerSkip's. One `ScanStack` or `LoopStack` in the model; ValueError names the stack
+    when it is neither or n is not in [1, layers]."""
+    found: list[tuple[str, bool]] = []
 
     def cut(old: Any, path: str) -> Any:
         total = old.num_layers if old.num_layers is not None else len(old.layers)
         if not issubclass(old.klass, (ScanStack, LoopStack)) or not 0 < n <= total:
             raise ValueError(f"first_layers: {path} is a {old.klass.__name__} of {total} "
                              f"layers; n={n} must be in [1, {total}] of a ScanStack or LoopStack")
-        found.append((path, old.klass))
-        if issubclass(old.klass, ScanStack):
-            return old.clone(num_layers=n)
-        return old.clone(num_layers=n, layers=None if old.layers is None else old.layers[:n])
+        found.append((path, issubclass(old.klass, ScanStack)))
+        return old.clone(num_layers=n, **({} if found[-1][1] else
+                                           {"layers": old.layers and old.layers[:n]}))
 
     new_cfg = replace_config(cfg, BaseStack, cut, carry_over=False)
     if len(found) != 1:
-        raise ValueError(f"first_layers: the model has {len(found)} layer stacks "
-                         f"({', '.join(p for p, _ in found) or 'none'}); one is needed")
-    path, klass = found[0]
-    keys = path.split(".")
-    new_params = dict(params)
-    node = new_params
-    for key in keys[:-1]:
-        node[key] = dict(node[key])
-        node = node[key]
-    stack = node[keys[-1]]
-    if issubclass(klass, ScanStack):
-        node[keys[-1]] = {**stack, "layer": jax.tree.map(lambda x: x[:n], stack["layer"])}
-    else:
-        node[keys[-1]] = {k: v for k, v in stack.items()
-                          if not (k.startswith("layer") and int(k[5:]) >= n)}
+        raise ValueError(f"first_layers: {len(found)} layer stacks in the model; one is needed")
+    (path, scan), = found
+    *outer, last = path.split(".")
+    new_params = node = dict(params)
+    for key in outer:
+        node[key] = node = dict(node[key])
+    stack = node[last]
+    node[last] = ({**stack, "layer": jax.tree.map(lambda x: x[:n], stack["layer"])} if scan
+                  else {k: v for k, v in stack.items() if int(k[5:]) < n})
     return new_cfg, new_params
