@@ -46,7 +46,9 @@ def _backends(dtype: str) -> list[str]:
 def test_backend_choice_follows_the_vendor_and_the_override(monkeypatch) -> None:
     monkeypatch.delenv("JAXLEARN_PACKED_GEMM", raising=False)
     assert mkl.backend_for("float32") == "onemkl"
-    assert mkl.backend_for("bfloat16") == ("onemkl" if mkl.host_is_intel() else "avx512")
+    for dtype in ("bfloat16", "int8"):
+        intel_without_amx = mkl.host_is_intel() and not mkl.amx_runs(dtype)
+        assert mkl.backend_for(dtype) == ("onemkl" if intel_without_amx else "avx512")
     monkeypatch.setenv("JAXLEARN_PACKED_GEMM", "avx512")
     assert mkl.backend_for("int8") == "avx512"
     monkeypatch.setenv("JAXLEARN_PACKED_GEMM", "blas")
@@ -81,6 +83,38 @@ def test_matches_numpy(m: int, k: int, n: int, parts: int, bf16: bool, seed: int
     # f32 accumulation of exact products (bf16 x bf16 is exact in f32), another order.
     tol = 1e-5 * (np.abs(np.asarray(x, np.float32)) @ np.abs(np.asarray(w, np.float32)) + 1)
     assert np.all(np.abs(y - ref) <= tol)
+    owner.close()
+
+
+@pytest.mark.parametrize("m", [1, 15, 16, 17, 33, 70])
+@pytest.mark.parametrize("k,n", [(64, 40), (128, 64), (192, 300)])
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_panels_with_whole_tile_steps_match_the_reference(m: int, k: int, n: int,
+                                                          dtype: str) -> None:
+    """The shapes the AMX tiles take where the CPU has them (`mkl.amx_runs`): k a
+    multiple of 64, row blocks of 16 and 32 with tails, a last panel with fewer than 32
+    columns. bf16 against numpy; int8 equal to `int8_matmul` bit for bit. Where there are
+    no tiles the same shapes run the AVX-512 blocks."""
+    if not mkl.avx512_runs(dtype):
+        pytest.skip(f"the avx512 backend does not run {dtype} on this CPU")
+    rng = np.random.default_rng(m * 1000 + k + n)
+    owner = PackedWeights(backend="avx512")
+    if dtype == "int8":
+        w8 = quantize_int8(jnp.asarray(rng.standard_normal((k, n)), jnp.float32), (0,))
+        x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+        wid = owner.pack(np.asarray(w8.q), scale=np.asarray(w8.scale).reshape(n))
+        mm = jax.jit(functools.partial(packed_matmul, int8=True), static_argnums=2)
+        ref = jax.jit(int8_matmul)(x, w8.q, w8.scale.reshape(n))
+        np.testing.assert_array_equal(np.asarray(mm(x, jnp.int32(wid), n)), np.asarray(ref))
+    else:
+        w = np.asarray(rng.standard_normal((k, n)), jnp.bfloat16)
+        xb = np.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+        wid = owner.pack(w)
+        y = np.asarray(jax.jit(packed_matmul, static_argnums=2)(jnp.asarray(xb),
+                                                                jnp.int32(wid), n))
+        x32, w32 = np.asarray(xb, np.float32), np.asarray(w, np.float32)
+        tol = 1e-5 * (np.abs(x32) @ np.abs(w32) + 1)
+        assert np.all(np.abs(y - _reference(x32, w32)) <= tol)
     owner.close()
 
 

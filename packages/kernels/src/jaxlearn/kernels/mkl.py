@@ -18,8 +18,8 @@ from typing import Optional
 
 from jaxlearn.kernels.native import NativeLibrary
 
-__all__ = ["BACKENDS", "PACKED_INT8_TARGET", "PACKED_TARGET", "backend_for", "host_has_bf16",
-           "host_has_int8", "host_is_intel", "library", "unavailable_reason"]
+__all__ = ["BACKENDS", "PACKED_INT8_TARGET", "PACKED_TARGET", "amx_runs", "backend_for",
+           "host_has_bf16", "host_has_int8", "host_is_intel", "library", "unavailable_reason"]
 
 _SOURCE = Path(__file__).parent / "csrc" / "mkl_gemm.cc"
 PACKED_TARGET = "jaxlearn_packed_matmul"
@@ -64,20 +64,25 @@ def host_is_intel() -> bool:
 def backend_for(dtype: str) -> str:
     """The backend that packs a weight of `dtype` ("float32", "bfloat16", "int8") here.
 
-    oneMKL on Intel CPUs and for float32 everywhere; on other x86 CPUs bf16 and int8
-    weights take the AVX-512 kernels, because oneMKL's bf16 and int8 GEMMs run a slow
-    generic path there (measured on a 2-core AMD EPYC, Zen 4, AVX512_BF16 / VNNI: a
-    SmolLM2-135M decode step with oneMKL's packed bf16 68 ms at one row against 46 ms
-    with XLA's bf16 dot, and int8 73 ms against 16 ms). `JAXLEARN_PACKED_GEMM=onemkl` or
-    `=avx512` forces one (for comparisons); ValueError (one line) for another value."""
+    oneMKL for float32 everywhere and on Intel CPUs, except where the CPU has AMX tiles
+    for the dtype (`amx_runs`): oneMKL's packed bf16 GEMM does not use them there (430-670
+    GFLOP/s at 256-288 rows on a 2-vCPU Emerald Rapids Xeon, where the tile kernel reaches
+    700-1400; `packed_gemm`'s doc). On other x86 CPUs bf16 and int8 weights take the AVX-512
+    kernels, because oneMKL's bf16 and int8 GEMMs run a slow generic path there (measured
+    on a 2-core AMD EPYC, Zen 4, AVX512_BF16 / VNNI: a SmolLM2-135M decode step with
+    oneMKL's packed bf16 68 ms at one row against 46 ms with XLA's bf16 dot, and int8
+    73 ms against 16 ms). `JAXLEARN_PACKED_GEMM=onemkl` or `=avx512` forces one (for
+    comparisons); ValueError (one line) for another value."""
     forced = os.environ.get("JAXLEARN_PACKED_GEMM", "")
     if forced:
         if forced not in BACKENDS:
             raise ValueError(f"JAXLEARN_PACKED_GEMM={forced!r}: must be one of "
                              f"{', '.join(BACKENDS)}")
         return forced
-    if dtype == "float32" or host_is_intel():
+    if dtype == "float32":
         return "onemkl"
+    if host_is_intel():
+        return "avx512" if amx_runs(dtype) else "onemkl"
     return "avx512"
 
 
@@ -87,6 +92,15 @@ def avx512_runs(dtype: str) -> bool:
     lib = library()
     return lib is not None and dtype in ("bfloat16", "int8") and bool(
         lib.jl_avx512_ok(_DTYPE_CODES[dtype]))
+
+
+def amx_runs(dtype: str) -> bool:
+    """Whether the avx512 backend's `dtype` ("bfloat16", "int8") matmuls run AMX tiles here
+    (`csrc/amx_gemm.h`: a CPU with AMX-BF16 / AMX-INT8 whose kernel grants the tile state;
+    weights whose k is a multiple of 32 / 64)."""
+    lib = library()
+    return lib is not None and dtype in ("bfloat16", "int8") and bool(
+        lib.jl_amx_ok(_DTYPE_CODES[dtype]))
 
 
 def backend_code(backend: str) -> int:
@@ -126,6 +140,8 @@ def _prepare(lib: ctypes.CDLL) -> None:
     lib.jl_pack.restype = ctypes.c_int
     lib.jl_avx512_ok.argtypes = [ctypes.c_int]
     lib.jl_avx512_ok.restype = ctypes.c_int
+    lib.jl_amx_ok.argtypes = [ctypes.c_int]
+    lib.jl_amx_ok.restype = ctypes.c_int
     lib.jl_free.argtypes = [ctypes.c_int]
     lib.jl_bytes.argtypes = [ctypes.c_int]
     lib.jl_bytes.restype = ctypes.c_int64

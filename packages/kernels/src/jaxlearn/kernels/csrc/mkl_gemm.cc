@@ -39,6 +39,7 @@
 #include <string>
 #include <vector>
 
+#include "amx_gemm.h"
 #include "avx512_gemm.h"
 #include "pool_for.h"
 #include "xla/ffi/api/ffi.h"
@@ -185,8 +186,13 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<
   if (w->backend == kAvx512) {
     const auto* xb = static_cast<const uint16_t*>(xd);
     const auto* wb = static_cast<const uint16_t*>(w->parts[0].buf);
+    const bool amx = jaxlearn::amx::AmxReady(false) && jaxlearn::amx::AmxFits(w->k, false);
     RunPanels(pool, *w, [&](int64_t p0, int64_t p1) {
-      jaxlearn::avx512::Bf16Panels(xb, m, w->k, w->n, wb, p0, p1, yd);
+      if (amx) {
+        jaxlearn::amx::Bf16Panels(xb, m, w->k, w->n, wb, p0, p1, yd);
+      } else {
+        jaxlearn::avx512::Bf16Panels(xb, m, w->k, w->n, wb, p0, p1, yd);
+      }
     });
     return ffi::Error::Success();
   }
@@ -222,9 +228,15 @@ ffi::Error PackedInt8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> xq,
   float* yd = y->typed_data();
   if (w->backend == kAvx512) {
     const auto* wq = static_cast<const int8_t*>(w->parts[0].buf);
+    const bool amx = jaxlearn::amx::AmxReady(true) && jaxlearn::amx::AmxFits(w->k, true);
     RunPanels(pool, *w, [&](int64_t p0, int64_t p1) {
-      jaxlearn::avx512::Int8Panels(xd, sd, m, w->k, w->n, wq, w->col_off.data(),
-                                   w->scale.data(), p0, p1, yd);
+      if (amx) {
+        jaxlearn::amx::Int8Panels(xd, sd, m, w->k, w->n, wq, w->col_off.data(),
+                                  w->scale.data(), p0, p1, yd);
+      } else {
+        jaxlearn::avx512::Int8Panels(xd, sd, m, w->k, w->n, wq, w->col_off.data(),
+                                     w->scale.data(), p0, p1, yd);
+      }
     });
     return ffi::Error::Success();
   }
@@ -366,6 +378,12 @@ int jl_pack(const void* w, int64_t k, int64_t n, int dtype, int parts, const flo
 int jl_avx512_ok(int dtype) {
   namespace a5 = jaxlearn::avx512;
   return (dtype == kBf16 && a5::HostHasBf16()) || (dtype == kInt8 && a5::HostHasVnni());
+}
+
+// Whether matmuls of dtype (kBf16, kInt8) on the avx512 backend's panels run AMX tiles
+// here (amx_gemm.h; for weights whose k fills whole tile steps).
+int jl_amx_ok(int dtype) {
+  return (dtype == kBf16 || dtype == kInt8) && jaxlearn::amx::AmxReady(dtype == kInt8);
 }
 
 // Frees weight `id` (no program may be running with it).
