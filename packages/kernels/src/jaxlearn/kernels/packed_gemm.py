@@ -1,5 +1,5 @@
 """Prepacked-weight matmul on XLA:CPU behind an XLA FFI call: oneMKL's packed GEMM, or
-the library's own AVX-512 BF16 / VNNI kernels for bf16 and int8 weights on non-Intel CPUs.
+the library's own AVX-512 BF16 / VNNI and AMX kernels for bf16 and int8 weights.
 
     weights = PackedWeights()                    # owns the packed copies
     wid = weights.pack(w)                        # w [K, N] float32 or bfloat16 (numpy / jax)
@@ -26,10 +26,13 @@ included). In a whole 32-row decode step XLA's row quantization, one core at a t
 takes back what the calls save (`packages/inference/README.md`).
 
 Backends (`kernels.mkl.backend_for`, one per weight; `PackedWeights(backend=)` or
-`JAXLEARN_PACKED_GEMM` to force one): oneMKL on Intel CPUs and for f32 weights; on other
-x86 CPUs bf16 and int8 weights go to `csrc/avx512_gemm.h` (VDPBF16PS / VPDPBUSD on
-32-column panels, rows in register blocks of 8), because oneMKL's bf16 and int8 GEMMs
-take a slow generic path there. Measured on a 2-core AMD EPYC (Zen 4: AVX512_BF16,
+`JAXLEARN_PACKED_GEMM` to force one): oneMKL for f32 weights and on Intel CPUs without
+AMX; on other x86 CPUs bf16 and int8 weights go to `csrc/avx512_gemm.h` (VDPBF16PS /
+VPDPBUSD on 32-column panels, rows in register blocks of 8), because oneMKL's bf16 and
+int8 GEMMs take a slow generic path there. On CPUs with AMX tiles (`mkl.amx_runs`) the
+same panels are read by `csrc/amx_gemm.h` (TDPBF16PS / TDPBUSD, 32 x 32 blocks of four
+accumulator tiles) for weights whose K fills whole 64-byte steps, because oneMKL's packed
+bf16 GEMM does not reach the tiles there (kernels README). Measured on a 2-core AMD EPYC (Zen 4: AVX512_BF16,
 AVX512_VNNI, no AMX), SmolLM2-135M decode step (`tools/bench/jl_serve_step.py`) at 1 /
 8 / 32 rows: oneMKL bf16 68 / 70 / 128 ms, XLA's bf16 dot 46 / 44 / 70, the AVX-512
 kernels 10.3 / 15.6 / 34.5; int8 oneMKL 73 / - / 288, XLA's int8 dot 16.3 / - / 63,

@@ -51,6 +51,12 @@ inline bool AmxReady(bool int8) {
 }
 
 // One K step is 64 bytes of a row: 32 bf16 or 64 int8 values.
+// Tile loads are not followed by the hardware prefetchers the way vector loads are: at 1-8
+// rows, where a call streams its weight from memory, B tiles read 0.85-0.9x as fast as
+// oneMKL's AVX-512 loads without the prefetches in Accumulate, 1.1x with them (the head,
+// 576 x 49152 bf16). The panels of a weight are one contiguous stream.
+constexpr int64_t kPrefetch = 8192;
+
 inline bool AmxFits(int64_t k, bool int8) { return k % (int8 ? 64 : 32) == 0; }
 
 // LDTILECFG's 64-byte operand (palette 1).
@@ -79,7 +85,7 @@ __attribute__((target("amx-tile"))) inline void Configure(int top, int bottom) {
 // bytes, K of `kbytes` bytes) times one panel (row stride 128 bytes per K step of 4 bytes)
 // -> tmp [32][32] (f32 or int32). The tiles must be configured for (top, bottom).
 template <bool kInt8, bool kBottom>
-__attribute__((target("amx-tile,amx-bf16,amx-int8"))) void Accumulate(
+__attribute__((target("amx-tile,amx-bf16,amx-int8,sse"))) void Accumulate(
     const uint8_t* x, int64_t ldx, int64_t kbytes, const uint8_t* panel, void* tmp) {
   _tile_zero(0);
   _tile_zero(1);
@@ -92,6 +98,9 @@ __attribute__((target("amx-tile,amx-bf16,amx-int8"))) void Accumulate(
     // A K step of 64 bytes is 16 panel rows of 2 * kPanel * 2 bytes (bf16 pairs, int8
     // quads: 128 bytes each).
     const uint8_t* b = panel + kb * a5::kPanel;
+    for (int j = 0; j < 32; ++j) {  // The weight's stream, kPrefetch bytes ahead.
+      _mm_prefetch(reinterpret_cast<const char*>(b + kPrefetch + 64 * j), _MM_HINT_T0);
+    }
     _tile_loadd(6, b, 4 * a5::kPanel);
     _tile_loadd(7, b + 64, 4 * a5::kPanel);
     _tile_loadd(4, x + kb, ldx);
