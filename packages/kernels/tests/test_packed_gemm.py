@@ -49,6 +49,10 @@ def test_backend_choice_follows_the_vendor_and_the_override(monkeypatch) -> None
     for dtype in ("bfloat16", "int8"):
         intel_without_amx = mkl.host_is_intel() and not mkl.amx_runs(dtype)
         assert mkl.backend_for(dtype) == ("onemkl" if intel_without_amx else "avx512")
+        assert mkl.backend_for(dtype, k=128) == mkl.backend_for(dtype)
+        # A k the tiles cannot step through stays on oneMKL on Intel.
+        odd = "onemkl" if mkl.host_is_intel() else "avx512"
+        assert mkl.backend_for(dtype, k=96 + 16) == odd
     monkeypatch.setenv("JAXLEARN_PACKED_GEMM", "avx512")
     assert mkl.backend_for("int8") == "avx512"
     monkeypatch.setenv("JAXLEARN_PACKED_GEMM", "blas")

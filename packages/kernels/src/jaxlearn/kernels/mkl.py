@@ -61,18 +61,20 @@ def host_is_intel() -> bool:
         return False
 
 
-def backend_for(dtype: str) -> str:
-    """The backend that packs a weight of `dtype` ("float32", "bfloat16", "int8") here.
+def backend_for(dtype: str, k: Optional[int] = None) -> str:
+    """The backend that packs a weight of `dtype` ("float32", "bfloat16", "int8") with
+    input dimension `k` (None: any) here.
 
-    oneMKL for float32 everywhere and on Intel CPUs, except where the CPU has AMX tiles
-    for the dtype (`amx_runs`): oneMKL's packed bf16 GEMM does not use them there (430-670
-    GFLOP/s at 256-288 rows on a 2-vCPU Emerald Rapids Xeon, where the tile kernel reaches
-    700-1400; `packed_gemm`'s doc). On other x86 CPUs bf16 and int8 weights take the AVX-512
-    kernels, because oneMKL's bf16 and int8 GEMMs run a slow generic path there (measured
-    on a 2-core AMD EPYC, Zen 4, AVX512_BF16 / VNNI: a SmolLM2-135M decode step with
-    oneMKL's packed bf16 68 ms at one row against 46 ms with XLA's bf16 dot, and int8
-    73 ms against 16 ms). `JAXLEARN_PACKED_GEMM=onemkl` or `=avx512` forces one (for
-    comparisons); ValueError (one line) for another value."""
+    oneMKL for float32 everywhere and on Intel CPUs, except where the CPU has AMX tiles for
+    the dtype (`amx_runs`) and k fills whole tile steps (a multiple of 32 for bf16, 64 for
+    int8; other weights would run the AVX-512 blocks, slower than oneMKL on Intel): oneMKL's
+    packed bf16 GEMM does not use the tiles (430-670 GFLOP/s at 256-288 rows on a 2-vCPU
+    Emerald Rapids Xeon, where the tile kernel reaches 700-1400; kernels README). On other
+    x86 CPUs bf16 and int8 weights take the AVX-512 kernels, because oneMKL's bf16 and int8
+    GEMMs run a slow generic path there (measured on a 2-core AMD EPYC, Zen 4, AVX512_BF16 /
+    VNNI: a SmolLM2-135M decode step with oneMKL's packed bf16 68 ms at one row against 46
+    ms with XLA's bf16 dot, and int8 73 ms against 16 ms). `JAXLEARN_PACKED_GEMM=onemkl` or
+    `=avx512` forces one (for comparisons); ValueError (one line) for another value."""
     forced = os.environ.get("JAXLEARN_PACKED_GEMM", "")
     if forced:
         if forced not in BACKENDS:
@@ -82,7 +84,9 @@ def backend_for(dtype: str) -> str:
     if dtype == "float32":
         return "onemkl"
     if host_is_intel():
-        return "avx512" if amx_runs(dtype) else "onemkl"
+        step = 64 if dtype == "int8" else 32
+        tiles = amx_runs(dtype) and (k is None or k % step == 0)
+        return "avx512" if tiles else "onemkl"
     return "avx512"
 
 

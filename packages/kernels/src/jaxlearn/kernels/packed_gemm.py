@@ -26,20 +26,20 @@ included). In a whole 32-row decode step XLA's row quantization, one core at a t
 takes back what the calls save (`packages/inference/README.md`).
 
 Backends (`kernels.mkl.backend_for`, one per weight; `PackedWeights(backend=)` or
-`JAXLEARN_PACKED_GEMM` to force one): oneMKL for f32 weights and on Intel CPUs without
-AMX; on other x86 CPUs bf16 and int8 weights go to `csrc/avx512_gemm.h` (VDPBF16PS /
-VPDPBUSD on 32-column panels, rows in register blocks of 8), because oneMKL's bf16 and
-int8 GEMMs take a slow generic path there. On CPUs with AMX tiles (`mkl.amx_runs`) the
-same panels are read by `csrc/amx_gemm.h` (TDPBF16PS / TDPBUSD, 32 x 32 blocks of four
-accumulator tiles) for weights whose K fills whole 64-byte steps, because oneMKL's packed
-bf16 GEMM does not reach the tiles there (kernels README). Measured on a 2-core AMD EPYC (Zen 4: AVX512_BF16,
-AVX512_VNNI, no AMX), SmolLM2-135M decode step (`tools/bench/jl_serve_step.py`) at 1 /
-8 / 32 rows: oneMKL bf16 68 / 70 / 128 ms, XLA's bf16 dot 46 / 44 / 70, the AVX-512
-kernels 10.3 / 15.6 / 34.5; int8 oneMKL 73 / - / 288, XLA's int8 dot 16.3 / - / 63,
-AVX-512 7.4 / 15.1 / 27.6. Single calls (`[32, 576] @ [576, 49152]`): 281 GFLOP/s bf16,
-381 int8; 256 rows of the MLP shapes 358-372 bf16, 457-466 int8; one row of the head
-streams 34 GB/s. The int8 results equal oneMKL's bit for bit (the same int32 sums and
-scaling); bf16 results differ from oneMKL's in the summation order only.
+`JAXLEARN_PACKED_GEMM` to force one): oneMKL for f32 weights and on Intel CPUs without AMX;
+on other x86 CPUs bf16 and int8 weights go to `csrc/avx512_gemm.h` (VDPBF16PS / VPDPBUSD on
+32-column panels, rows in register blocks of 8), because oneMKL's bf16 and int8 GEMMs take a
+slow generic path there. On CPUs with AMX tiles (`mkl.amx_runs`) the same panels are read by
+`csrc/amx_gemm.h` (TDPBF16PS / TDPBUSD, 32 x 32 blocks of four accumulator tiles) for
+weights whose K fills whole 64-byte steps, because oneMKL's packed bf16 GEMM does not reach
+the tiles there (kernels README). Measured on a 2-core AMD EPYC (Zen 4: AVX512_BF16,
+AVX512_VNNI, no AMX), SmolLM2-135M decode step (`tools/bench/jl_serve_step.py`) at 1 / 8 /
+32 rows: oneMKL bf16 68 / 70 / 128 ms, XLA's bf16 dot 46 / 44 / 70, the AVX-512 kernels 10.3
+/ 15.6 / 34.5; int8 oneMKL 73 / - / 288, XLA's int8 dot 16.3 / - / 63, AVX-512 7.4 / 15.1 /
+27.6. Single calls (`[32, 576] @ [576, 49152]`): 281 GFLOP/s bf16, 381 int8; 256 rows of the
+MLP shapes 358-372 bf16, 457-466 int8; one row of the head streams 34 GB/s. The int8 results
+equal oneMKL's bit for bit (the same int32 sums and scaling); bf16 results differ from
+oneMKL's in the summation order only.
 
 How:
 - The C++ source (`csrc/mkl_gemm.cc`, built and opened by `kernels.mkl`) is compiled on
@@ -142,7 +142,7 @@ class PackedWeights:
             raise ValueError(f"PackedWeights.pack: scale is for int8 weights, not {a.dtype}")
         parts = self._parts or max(1, min(_threads(), n // 64))
         dtype = str(jnp.dtype(a.dtype))
-        backend = self._backend or mkl.backend_for(dtype)
+        backend = self._backend or mkl.backend_for(dtype, k)
         if backend == "avx512" and not mkl.avx512_runs(dtype):
             raise ValueError(f"PackedWeights.pack: the avx512 backend cannot pack a {dtype} "
                              f"weight on this CPU (bfloat16 needs AVX512_BF16, int8 "
