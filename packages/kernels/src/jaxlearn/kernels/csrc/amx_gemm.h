@@ -99,6 +99,14 @@ __attribute__((target("amx-tile,amx-bf16,amx-int8,sse"))) void Accumulate(
     _tile_zero(3);
   }
   const uint8_t* x1 = x + 16 * ldx;
+  // C tile += A tile . B tile: TDPBUSD (u8 x s8 -> int32) or TDPBF16PS (bf16 -> f32). A
+  // macro, since the intrinsics paste their tile numbers into the instruction text.
+#define JL_TILE_DOT(C, A, B) \
+  if constexpr (kInt8) {     \
+    _tile_dpbusd(C, A, B);   \
+  } else {                   \
+    _tile_dpbf16ps(C, A, B); \
+  }
   for (int64_t kb = 0; kb < kbytes; kb += 64) {
     // A K step of 64 bytes is 16 panel rows of 2 * kPanel * 2 bytes (bf16 pairs, int8
     // quads: 128 bytes each).
@@ -109,24 +117,15 @@ __attribute__((target("amx-tile,amx-bf16,amx-int8,sse"))) void Accumulate(
     _tile_loadd(6, b, 4 * a5::kPanel);
     _tile_loadd(7, b + 64, 4 * a5::kPanel);
     _tile_loadd(4, x + kb, ldx);
-    if constexpr (kInt8) {
-      _tile_dpbusd(0, 4, 6);
-      _tile_dpbusd(1, 4, 7);
-    } else {
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-    }
+    JL_TILE_DOT(0, 4, 6)
+    JL_TILE_DOT(1, 4, 7)
     if constexpr (kBottom) {
       _tile_loadd(5, x1 + kb, ldx);
-      if constexpr (kInt8) {
-        _tile_dpbusd(2, 5, 6);
-        _tile_dpbusd(3, 5, 7);
-      } else {
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-      }
+      JL_TILE_DOT(2, 5, 6)
+      JL_TILE_DOT(3, 5, 7)
     }
   }
+#undef JL_TILE_DOT
   auto* t = static_cast<uint8_t*>(tmp);
   _tile_stored(0, t, 128);
   _tile_stored(1, t + 64, 128);
@@ -177,23 +176,15 @@ inline void Bf16Panels(const uint16_t* x, int64_t m, int64_t k, int64_t n, const
                 });
 }
 
-// int8: y = f32(xq @ q + off) * sx * s for panels [p0, p1), the AVX512_VNNI kernel's
-// scaling (avx512_gemm.h), so both give the same floats.
+// int8: y = f32(xq @ q + off) * sx * s for panels [p0, p1), with the AVX512_VNNI
+// kernel's scaling (`avx512::StoreInt8Row`), so both give the same floats.
 __attribute__((target("avx512f,avx512bw"))) inline void Int8Finish(
     const int32_t (*acc)[32], int rows, const int32_t* off, const float* sx, const float* s,
     float* y, int64_t ldy, int64_t cols) {
-  const __mmask16 m0 = a5::Mask0(cols), m1 = a5::Mask1(cols);
-  const __m512i off0 = _mm512_maskz_loadu_epi32(m0, off);
-  const __m512i off1 = _mm512_maskz_loadu_epi32(m1, off + 16);
-  const __m512 s0 = _mm512_maskz_loadu_ps(m0, s);
-  const __m512 s1 = _mm512_maskz_loadu_ps(m1, s + 16);
+  const a5::Int8Scale c = a5::LoadInt8Scale(off, s, cols);
   for (int r = 0; r < rows; ++r) {
-    const __m512 rs = _mm512_set1_ps(sx[r]);
-    const __m512i a0 = _mm512_load_si512(acc[r]), a1 = _mm512_load_si512(acc[r] + 16);
-    const __m512 v0 = _mm512_cvtepi32_ps(_mm512_add_epi32(a0, off0));
-    const __m512 v1 = _mm512_cvtepi32_ps(_mm512_add_epi32(a1, off1));
-    _mm512_mask_storeu_ps(y + r * ldy, m0, _mm512_mul_ps(_mm512_mul_ps(v0, rs), s0));
-    _mm512_mask_storeu_ps(y + r * ldy + 16, m1, _mm512_mul_ps(_mm512_mul_ps(v1, rs), s1));
+    a5::StoreInt8Row(c, _mm512_load_si512(acc[r]), _mm512_load_si512(acc[r] + 16), sx[r],
+                     y + r * ldy);
   }
 }
 

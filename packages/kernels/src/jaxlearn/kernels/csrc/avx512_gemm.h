@@ -107,6 +107,35 @@ inline int Load32(const void* p) {
   return v;
 }
 
+// The int8 result scaling of one panel, which both int8 kernels (these and amx_gemm.h)
+// apply, so they give the same floats: y = f32(acc + off) * sx * s, `cols` valid columns.
+struct Int8Scale {
+  __mmask16 m0, m1;
+  __m512i off0, off1;
+  __m512 s0, s1;
+};
+__attribute__((target("avx512f,avx512bw"))) inline Int8Scale LoadInt8Scale(
+    const int32_t* off, const float* s, int64_t cols) {
+  Int8Scale c;
+  c.m0 = Mask0(cols);
+  c.m1 = Mask1(cols);
+  c.off0 = _mm512_maskz_loadu_epi32(c.m0, off);
+  c.off1 = _mm512_maskz_loadu_epi32(c.m1, off + 16);
+  c.s0 = _mm512_maskz_loadu_ps(c.m0, s);
+  c.s1 = _mm512_maskz_loadu_ps(c.m1, s + 16);
+  return c;
+}
+// One row's int32 sums of the panel's columns 0-15 (a0) and 16-31 (a1), row scale sx.
+__attribute__((target("avx512f,avx512bw"))) inline void StoreInt8Row(const Int8Scale& c,
+                                                                     __m512i a0, __m512i a1,
+                                                                     float sx, float* y) {
+  const __m512 rs = _mm512_set1_ps(sx);
+  const __m512 v0 = _mm512_cvtepi32_ps(_mm512_add_epi32(a0, c.off0));
+  const __m512 v1 = _mm512_cvtepi32_ps(_mm512_add_epi32(a1, c.off1));
+  _mm512_mask_storeu_ps(y, c.m0, _mm512_mul_ps(_mm512_mul_ps(v0, rs), c.s0));
+  _mm512_mask_storeu_ps(y + 16, c.m1, _mm512_mul_ps(_mm512_mul_ps(v1, rs), c.s1));
+}
+
 // R rows of x (stride ldx) times one bf16 panel -> y (stride ldy), `cols` valid columns.
 template <int R>
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void Bf16Block(
@@ -162,18 +191,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void Int8Block(
   for (int64_t st = 0; st < full; ++st) JL_INT8_STEP(Load32(xq + r * ldx + 4 * st))
   if (k % 4) JL_INT8_STEP(static_cast<int>(Group<uint8_t, 4>(xq + r * ldx, 4 * full, k)))
 #undef JL_INT8_STEP
-  const __mmask16 m0 = Mask0(cols), m1 = Mask1(cols);
-  const __m512i off0 = _mm512_maskz_loadu_epi32(m0, off);
-  const __m512i off1 = _mm512_maskz_loadu_epi32(m1, off + 16);
-  const __m512 s0 = _mm512_maskz_loadu_ps(m0, s);
-  const __m512 s1 = _mm512_maskz_loadu_ps(m1, s + 16);
-  for (int r = 0; r < R; ++r) {
-    const __m512 rs = _mm512_set1_ps(sx[r]);
-    const __m512 v0 = _mm512_cvtepi32_ps(_mm512_add_epi32(acc[r][0], off0));
-    const __m512 v1 = _mm512_cvtepi32_ps(_mm512_add_epi32(acc[r][1], off1));
-    _mm512_mask_storeu_ps(y + r * ldy, m0, _mm512_mul_ps(_mm512_mul_ps(v0, rs), s0));
-    _mm512_mask_storeu_ps(y + r * ldy + 16, m1, _mm512_mul_ps(_mm512_mul_ps(v1, rs), s1));
-  }
+  const Int8Scale c = LoadInt8Scale(off, s, cols);
+  for (int r = 0; r < R; ++r) StoreInt8Row(c, acc[r][0], acc[r][1], sx[r], y + r * ldy);
 }
 
 // Bf16Block / Int8Block for `rows` (1..R) rows: the block of that height.
