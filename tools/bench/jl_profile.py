@@ -30,6 +30,8 @@ from common import emit, model_cfg, rnd
 def category(name: str, hlo_line: str) -> str:
     if "ynn_fusion" in name or "__ynn" in hlo_line:
         return "dot (ynn)"
+    if "ffi_call" in name or "custom-call" in hlo_line:
+        return "ffi call"
     if " dot(" in hlo_line or "dot" in name:
         return "dot (other)"
     for key in ("scatter", "copy", "transpose", "gather", "reduce", "convert", "select",
@@ -72,6 +74,18 @@ def trace_op_ms(call: Callable[[], Any], top: int = 8) -> dict[str, Any]:
                 categories={k: round(v, 1) for k, v in ranked},
                 top=[[n, round(v, 1)]
                      for n, v in sorted(per_op.items(), key=lambda x: -x[1])[:top]])
+
+
+def concurrency(intervals: list[tuple[float, float]]) -> tuple[float, float]:
+    """(time covered by at least one, by at least two) of [start, end) intervals."""
+    edges = sorted([(a, 1) for a, _ in intervals] + [(b, -1) for _, b in intervals])
+    one = two = 0.0
+    depth, last = 0, 0.0
+    for t, d in edges:
+        one += (t - last) if depth >= 1 else 0.0
+        two += (t - last) if depth >= 2 else 0.0
+        depth, last = depth + d, t
+    return one, two
 
 
 def build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
@@ -129,6 +143,7 @@ def main() -> None:
     per_op: dict[str, float] = defaultdict(float)
     count: dict[str, int] = defaultdict(int)
     step_us = 0.0
+    spans: list[tuple[float, float]] = []
     for e in events:
         if e.get("ph") != "X":
             continue
@@ -136,6 +151,7 @@ def main() -> None:
         if name in lines:
             per_op[name] += dur
             count[name] += 1
+            spans.append((float(e["ts"]), float(e["ts"]) + dur))
         elif re.match(r"jit_?_step|.*train_step", name):
             step_us = max(step_us, dur)
     total = sum(per_op.values()) / args.steps / 1e3
@@ -144,6 +160,9 @@ def main() -> None:
         cats[category(name, lines.get(name, ""))] += us / args.steps / 1e3
     print(f"ops traced: {len(per_op)}, op time per step {total:.1f} ms "
           f"(thread-summed; 2 threads run ops concurrently)")
+    busy, both = (x / args.steps / 1e3 for x in concurrency(spans))
+    print(f"step {step_us / 1e3:.1f} ms (longest traced); ops run {busy:.1f} ms per step, "
+          f"two ops at once {both:.1f} ms")
     for k, v in sorted(cats.items(), key=lambda kv: -kv[1]):
         print(f"  {k:14s} {v:8.1f} ms  {v / max(total, 1e-9):5.1%}")
     print(f"top {args.top} ops (ms per step, output shape):")
@@ -153,7 +172,8 @@ def main() -> None:
               f"{(meta.group(1) if meta else '')[-60:]}")
     emit(bench="profile", framework="jaxlearn", model=args.config or args.model, dtype=args.dtype,
          overrides=list(args.set), compiled_flops=float(cost.get("flops", 0.0)),
-         op_ms_per_step=rnd(total), categories={k: rnd(v) for k, v in cats.items()},
+         op_ms_per_step=rnd(total), ops_busy_ms=rnd(busy), two_ops_ms=rnd(both),
+         categories={k: rnd(v) for k, v in cats.items()},
          top=[[n, rnd(us / args.steps / 1e3)] for n, us in
               sorted(per_op.items(), key=lambda kv: -kv[1])[: args.top]])
 

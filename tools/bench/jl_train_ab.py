@@ -88,8 +88,13 @@ def main() -> None:
                         cpu_util=rnd(med(run["util"]), 3), temp_bytes=run["temp_bytes"],
                         argument_bytes=run["argument_bytes"],
                         compiled_flops=run["flops"], loss_last=rnd(run["loss"], 5)))
+        # Each round's own ratio (the two steps of a round ran back to back): robust to
+        # load that comes and goes over a run, where the ratio of medians is not.
+        paired = [a / b for a, b in zip(runs[0]["wall"], run["wall"])]
+        out[-1]["paired_wall_ratios"] = [rnd(x, 3) for x in paired]
         log(f"{run['name']}: {w:.3f} s/step wall, {cs:.3f} cpu s; speed-up vs "
-            f"{runs[0]['name']}: wall {base_wall / w:.3f}x, cpu {base_cpu / cs:.3f}x")
+            f"{runs[0]['name']}: wall {base_wall / w:.3f}x, cpu {base_cpu / cs:.3f}x; "
+            f"per round {' '.join(f'{x:.2f}' for x in paired)} (median {med(paired):.3f}x)")
     emit(bench="train_ab", framework="jaxlearn", version=jax.__version__,
          model=args.config or args.model,
          dtype=args.dtype, stack=args.stack, layers=None if args.config else c["layers"],

@@ -12,6 +12,7 @@ from jaxlearn.config import visit
 from jaxlearn.inference.quantize import quantize
 from jaxlearn.inference.weight_layout import apply_weight_layout, serving_stack, store_weights
 from jaxlearn.kernels import Int8Weight, PackedTable
+from jaxlearn.layers import SgemmDot, use_dot
 from jaxlearn.kernels.packed_gemm import host_has_bf16, host_has_int8, unavailable_reason
 
 PROMPT = [3, 17, 42, 9, 28, 5, 61, 12]
@@ -143,6 +144,21 @@ def test_packed_weights_serve_the_same_logits_and_tokens(stack, tied, dtype):
         want = [r.tokens for r in base.generate(rows, max_new_tokens=12, ignore_eos=True)]
         got_tokens = [r.tokens for r in packed.generate(rows, max_new_tokens=12, ignore_eos=True)]
         assert got_tokens == want
+
+
+@pytest.mark.skipif(unavailable_reason() is not None, reason="no packed GEMM here")
+def test_a_run_trained_on_sgemm_dots_serves_packed():
+    """A fine-tuning run's config names SgemmDot on every dense layer and the tied head
+    (the CPU rule's `onemkl_dots`); serving drops it, so the weights are packed as for the
+    plain config, with the same logits."""
+    cfg = _untied_or_tied(tiny_config("scan"), tied=True)
+    params = tiny_params(cfg, seed=1)
+    trained = use_dot(cfg, SgemmDot.default_config())
+    plain, packed = _engine(cfg, params, "packed"), _engine(trained, params, "packed")
+    assert _packed_linears(packed.runner.params) == _packed_linears(plain.runner.params)
+    assert isinstance(packed.runner.params["decoder"]["emb"]["weight"], PackedTable)
+    np.testing.assert_array_equal(np.asarray(packed.logits([PROMPT])),
+                                  np.asarray(plain.logits([PROMPT])))
 
 
 @pytest.mark.skipif(unavailable_reason() is not None, reason="no packed GEMM here")

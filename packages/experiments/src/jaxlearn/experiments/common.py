@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional
 
 from jaxlearn.checkpoint import Checkpointer
+from jaxlearn.layers.dense import SgemmDot
 from jaxlearn.mesh import (
     AxisRulesModifier,
     ChainModifier,
@@ -90,6 +91,14 @@ def chunked_loss(tokens: int) -> Any:
     """A modifier that computes the LM head and cross entropy `tokens` (global) tokens at a
     time (`jaxlearn.kernels.chunked_loss`): the f32 logits of the whole batch never exist."""
     return SetFieldsModifier.default_config().set(fields={"model.loss_chunk_tokens": tokens})
+
+
+def onemkl_dots() -> Any:
+    """A modifier that runs every dense layer's f32 dots on oneMKL's sgemm (`SgemmDot`,
+    backend "auto": where `kernels.sgemm.sgemm_runs()`, XLA's dots elsewhere), the LM head's
+    in the chunked loss too. For CPU rules; on an accelerator it would fall back."""
+    return SetMatchingModifier.default_config().set(
+        target=r"model\..*", field="dot", value=SgemmDot.default_config())
 
 
 def moe_capacity(factor: float) -> Any:

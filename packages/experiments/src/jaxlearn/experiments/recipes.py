@@ -18,6 +18,7 @@ from jaxlearn.experiments.common import (
     chain,
     context_parallel_mesh_rules,
     large_model_mesh_rules,
+    onemkl_dots,
     small_model_mesh_rules,
     trainer_config,
 )
@@ -254,7 +255,8 @@ def finetune_mesh_rules(cpu_seq_len: Optional[int] = 128) -> tuple[tuple[str, An
     accelerators. On CPU (a laptop or a server): float32 (XLA:CPU's bf16 matmuls are
     slower), 128-token rows, and remat per layer only where the step would not fit half the
     host's memory without it (`RematToFitModifier`); where it fits, no remat and the layer
-    scan unrolled (SmolLM2-135M, 8 x 128 tokens: ~3.0 GB estimated, 1.29x faster steps).
+    scan unrolled (SmolLM2-135M, 8 x 128 tokens: ~3.0 GB estimated, 1.29x faster steps);
+    f32 dense dots on oneMKL where that is faster (`onemkl_dots`: Intel CPUs, one device).
     With a BPE tokenizer the bundled chat rows are at most 98 tokens. On CPU each batch is
     cut to its longest row in multiples of 32 tokens. `cpu_seq_len` None: the recipe's own
     seq_len on CPU too."""
@@ -266,7 +268,7 @@ def finetune_mesh_rules(cpu_seq_len: Optional[int] = 128) -> tuple[tuple[str, An
         cpu["input.seq_len"] = cpu_seq_len
     laptop = SetFieldsModifier.default_config().set(fields=cpu)
     to_fit = RematToFitModifier.default_config().set(target=LAYER_PATH, stack=STACK_PATH)
-    return tuple((pattern, chain(rule, laptop, to_fit) if pattern.startswith("cpu")
+    return tuple((pattern, chain(rule, laptop, to_fit, onemkl_dots()) if pattern.startswith("cpu")
                   else chain(rule, bf16)) for pattern, rule in large_model_mesh_rules())
 
 

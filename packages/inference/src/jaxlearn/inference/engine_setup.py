@@ -97,12 +97,14 @@ def fuse_chosen(cfg: Any, model_cfg: Any, params: Any) -> bool:
 
 def serving_model(cfg: Any, model_cfg: Any, params: Any) -> ServingModel:
     """The config swaps an `Engine.Config` asks for, in order: layer scans rolled (every
-    program compiles one layer body), LoRA adapter banks (`max_loras`), fused projections,
-    int8 (`quantize`), the weights' stored layout (`weight_layout`) and the paged
-    attention kernel (`attention_kernel`)."""
+    program compiles one layer body) and training-only `SgemmDot`s dropped, LoRA adapter
+    banks (`max_loras`), fused projections, int8 (`quantize`), the weights' stored layout
+    (`weight_layout`) and the paged attention kernel (`attention_kernel`)."""
     if getattr(model_cfg, "name", None) is REQUIRED:
         model_cfg = model_cfg.clone(name="model")
-    model_cfg = layers.set_unroll(model_cfg, 1)
+    # A training run's config may name SgemmDot (where its f32 dots ran); serving's own
+    # layouts below take layers with the default dot.
+    model_cfg = layers.drop_sgemm_dots(layers.set_unroll(model_cfg, 1))
     base = model_cfg
     if cfg.max_loras:  # Adapter banks: max_loras slots + slot 0 (no adapter).
         model_cfg, params = layers.use_multi_lora(

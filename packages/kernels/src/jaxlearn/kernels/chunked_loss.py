@@ -13,13 +13,15 @@ chunk at a time: logits [batch, chunk, vocab] (f32 accumulation), logsumexp, lab
 entropy): dlogits = w_t ((1 + 2 z lse_t) softmax_t - onehot_t), dx_chunk = dlogits @ wᵀ,
 dW += x_chunkᵀ dlogits (f32). The custom VJP's backward only scales dx and dW by the
 loss cotangent, so no logits are recomputed: FLOPs equal the plain head + loss. Without
-differentiation (eval) the scan computes the loss terms only.
+differentiation (eval) the scan computes the loss terms only. `gemm` (2-D
+`gemm(a, b, trans_a=, trans_b=) -> op(a) @ op(b)`, e.g. `kernels.sgemm.sgemm`) runs the
+three head dots instead of XLA's (f32 only).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -41,13 +43,33 @@ def chunk_length(seq: int, batch: int, chunk_tokens: int) -> int:
     return best
 
 
+Gemm = Optional[Callable[..., Array]]
+
+
+def _logits(xc: Array, wc: Array, gemm: Gemm) -> Array:
+    """xc [b, c, dim] @ wc [dim, vocab] -> [b, c, vocab] f32."""
+    if gemm is not None:
+        return gemm(xc.reshape(-1, xc.shape[-1]), wc).reshape(*xc.shape[:2], -1)
+    return lax.dot_general(xc, wc, (((2,), (0,)), ((), ())), preferred_element_type=_F32)
+
+
+def _grads(xc: Array, wc: Array, dl: Array, gemm: Gemm) -> tuple[Array, Array]:
+    """dl [b, c, vocab] -> (dxc = dl @ wcᵀ [b, c, dim], dwc = xcᵀ dl [dim, vocab]), f32."""
+    if gemm is not None:
+        dl2 = dl.reshape(-1, dl.shape[-1])
+        dxc = gemm(dl2, wc, trans_b=True).reshape(*xc.shape)
+        return dxc, gemm(xc.reshape(-1, xc.shape[-1]), dl2, trans_a=True)
+    dxc = lax.dot_general(dl, wc, (((2,), (1,)), ((), ())), preferred_element_type=_F32)
+    return dxc, jnp.einsum("zbck,zbcm->km", xc[None], dl[None], preferred_element_type=_F32)
+
+
 def _chunk_terms(
-    xc: Array, wc: Array, labels: Array, cap: Optional[float]
+    xc: Array, wc: Array, labels: Array, cap: Optional[float], gemm: Gemm = None
 ) -> tuple[Array, Array, Array, Array, Array, Optional[Array]]:
     """One chunk: xc [b, c, dim], wc [dim, vocab], labels [b, c] -> (ce [b, c],
     lse [b, c], correct [b, c], logits [b, c, vocab] (capped), onehot mask [b, c, vocab],
     tanh [b, c, vocab] or None when uncapped)."""
-    logits = lax.dot_general(xc, wc, (((2,), (0,)), ((), ())), preferred_element_type=_F32)
+    logits = _logits(xc, wc, gemm)
     t = None
     if cap is not None:
         t = jnp.tanh(logits / cap)
@@ -81,12 +103,12 @@ def _sums(ce: Array, lse: Array, correct: Array, w: Array, z: float) -> Array:
 
 
 def _value_only(x: Array, w: Array, labels: Array, weights: Array, cfg: tuple) -> Array:
-    c, z, cap = cfg
+    c, z, cap, gemm = cfg
     wc = w.astype(x.dtype)
 
     def body(acc: Array, xs: tuple[Array, Array, Array]) -> tuple[Array, None]:
         xc, lc, vc = xs
-        ce, lse, correct, *_ = _chunk_terms(xc, wc, lc, cap)
+        ce, lse, correct, *_ = _chunk_terms(xc, wc, lc, cap, gemm)
         return acc + _sums(ce, lse, correct, vc, z), None
 
     xs = (_to_chunks(x, c), _to_chunks(labels, c), _to_chunks(weights, c))
@@ -99,21 +121,21 @@ def _fused(x: Array, w: Array, labels: Array, weights: Array, cfg: tuple) -> Arr
 
 
 def _fused_fwd(x: Array, w: Array, labels: Array, weights: Array, cfg: tuple) -> tuple[Array, Any]:
-    c, z, cap = cfg
+    c, z, cap, gemm = cfg
     wc = w.astype(x.dtype)
 
     def body(carry: tuple[Array, Array], xs: tuple[Array, Array, Array]) -> tuple[Any, Array]:
         acc, dw = carry
         xc, lc, vc = xs
-        ce, lse, correct, logits, onehot, t = _chunk_terms(xc, wc, lc, cap)
+        ce, lse, correct, logits, onehot, t = _chunk_terms(xc, wc, lc, cap, gemm)
         p = jnp.exp(logits - lse[..., None])
         scale = vc * (1.0 + 2.0 * z * lse) if z else vc
         dl = scale[..., None] * p - jnp.where(onehot, vc[..., None], 0.0)
         if t is not None:
             dl = dl * (1.0 - jnp.square(t))
         dl = dl.astype(x.dtype)
-        dxc = lax.dot_general(dl, wc, (((2,), (1,)), ((), ())), preferred_element_type=_F32)
-        dw = dw + jnp.einsum("zbck,zbcm->km", xc[None], dl[None], preferred_element_type=_F32)
+        dxc, dwc = _grads(xc, wc, dl, gemm)
+        dw = dw + dwc
         return (acc + _sums(ce, lse, correct, vc, z), dw), dxc.astype(x.dtype)
 
     xs = (_to_chunks(x, c), _to_chunks(labels, c), _to_chunks(weights, c))
@@ -144,12 +166,14 @@ def head_cross_entropy(
     z_loss_weight: float = 0.0,
     soft_cap: Optional[float] = None,
     chunk_tokens: int = 1024,
+    gemm: Gemm = None,
 ) -> dict[str, Array]:
     """x [batch, seq, dim] (compute dtype), w [dim, vocab] (cast to x.dtype; its gradient
     comes back in w's dtype), labels [batch, seq] int (negative: weight them out),
     weights [batch, seq] -> weighted sums {"total", "cross_entropy", "lse_squared",
     "correct"} (f32 scalars). total = cross_entropy + z_loss_weight * lse_squared is the
-    only differentiable output (d/dx, d/dw); the others carry no gradient."""
+    only differentiable output (d/dx, d/dw); the others carry no gradient. `gemm`: the
+    head's dots on that 2-D GEMM instead of XLA's, for f32 x and w (module doc)."""
     if x.ndim != 3 or w.ndim != 2 or x.shape[-1] != w.shape[0]:
         raise ValueError(f"head_cross_entropy: x {x.shape} must be [batch, seq, {w.shape[0]}]")
     if labels.shape != x.shape[:2] or weights.shape != x.shape[:2]:
@@ -158,7 +182,9 @@ def head_cross_entropy(
             f"{x.shape[:2]}"
         )
     c = chunk_length(x.shape[1], x.shape[0], chunk_tokens)
-    cfg = (c, float(z_loss_weight), None if soft_cap is None else float(soft_cap))
+    if gemm is not None and (x.dtype != _F32 or w.dtype != _F32):
+        gemm = None  # The GEMM takes f32 operands; other dtypes stay on XLA's dots.
+    cfg = (c, float(z_loss_weight), None if soft_cap is None else float(soft_cap), gemm)
     sums = _fused(x, w, labels.astype(jnp.int32), weights.astype(_F32), cfg)
     metrics = lax.stop_gradient(sums)
     return {

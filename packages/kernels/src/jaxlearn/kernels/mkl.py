@@ -18,12 +18,14 @@ from typing import Optional
 
 from jaxlearn.kernels.native import NativeLibrary
 
-__all__ = ["BACKENDS", "PACKED_INT8_TARGET", "PACKED_TARGET", "amx_runs", "backend_for",
-           "host_has_bf16", "host_has_int8", "host_is_intel", "library", "unavailable_reason"]
+__all__ = ["BACKENDS", "PACKED_INT8_TARGET", "PACKED_TARGET", "SGEMM_TARGET", "amx_runs",
+           "backend_for", "host_has_bf16", "host_has_int8", "host_is_intel", "host_threads",
+           "library", "unavailable_reason"]
 
 _SOURCE = Path(__file__).parent / "csrc" / "mkl_gemm.cc"
 PACKED_TARGET = "jaxlearn_packed_matmul"
 PACKED_INT8_TARGET = "jaxlearn_packed_int8_matmul"
+SGEMM_TARGET = "jaxlearn_sgemm"
 # Packed-GEMM backends: oneMKL's packed GEMMs, or the library's own AVX-512 BF16 / VNNI
 # kernels (`csrc/avx512_gemm.h`, bf16 and int8 weights only).
 BACKENDS = ("onemkl", "avx512")
@@ -107,6 +109,14 @@ def amx_runs(dtype: str) -> bool:
         lib.jl_amx_ok(_DTYPE_CODES[dtype]))
 
 
+def host_threads() -> int:
+    """The CPUs this process may run on: the number of blocks a call splits its work into."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
 def backend_code(backend: str) -> int:
     return _BACKEND_CODES[backend]
 
@@ -153,7 +163,8 @@ def _prepare(lib: ctypes.CDLL) -> None:
 
 _LIBRARY = NativeLibrary(_SOURCE, flags=("-O3", "-march=native"), libs=("-ldl", "-lpthread"),
                          targets={PACKED_TARGET: "JlPackedMatmul",
-                                  PACKED_INT8_TARGET: "JlPackedInt8Matmul"}, check=_check,
+                                  PACKED_INT8_TARGET: "JlPackedInt8Matmul",
+                                  SGEMM_TARGET: "JlSgemm"}, check=_check,
                          prepare=_prepare)
 
 

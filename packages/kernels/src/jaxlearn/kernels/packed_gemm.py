@@ -68,7 +68,6 @@ freed id fails with an error naming it.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any, Optional
 
 import jax
@@ -89,13 +88,6 @@ _DTYPES = {np.dtype(np.float32): 0, np.dtype(jnp.bfloat16): 1, np.dtype(np.int8)
 def unavailable_reason() -> Optional[str]:
     """None when `packed_matmul` runs here, else why not (one line)."""
     return mkl.unavailable_reason()
-
-
-def _threads() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # pragma: no cover - not Linux
-        return max(1, os.cpu_count() or 1)
 
 
 class PackedWeights:
@@ -140,7 +132,7 @@ class PackedWeights:
                                  f"{None if s is None else list(s.shape)}")
         elif scale is not None:
             raise ValueError(f"PackedWeights.pack: scale is for int8 weights, not {a.dtype}")
-        parts = self._parts or max(1, min(_threads(), n // 64))
+        parts = self._parts or max(1, min(mkl.host_threads(), n // 64))
         dtype = str(jnp.dtype(a.dtype))
         backend = self._backend or mkl.backend_for(dtype, k)
         if backend == "avx512" and not mkl.avx512_runs(dtype):

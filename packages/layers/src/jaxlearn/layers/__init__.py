@@ -8,6 +8,7 @@ between files.
 from jaxlearn.layers.attention import Attention, make_mask
 from jaxlearn.layers.causal_lm import CausalLM, cross_entropy
 from jaxlearn.layers.composition import (
+    drop_sgemm_dots,
     first_layers,
     fuse_projection_params,
     fuse_projections,
@@ -21,7 +22,7 @@ from jaxlearn.layers.composition import (
     use_moe,
 )
 from jaxlearn.layers.decoder import Decoder
-from jaxlearn.layers.dense import DotGeneral, Linear, dense, einsum, matmul
+from jaxlearn.layers.dense import DotGeneral, Linear, SgemmDot, dense, einsum, matmul
 from jaxlearn.layers.embedding import Embedding
 from jaxlearn.layers.ffn import ACTIVATIONS, FeedForward, get_activation
 from jaxlearn.layers.gemma import gemma2_config, gemma3_config, gemma_config
@@ -65,6 +66,7 @@ __all__ = [
     "gemma2_config",
     "gemma3_config",
     "stack_config",
+    "drop_sgemm_dots",
     "fuse_projection_params",
     "first_layers",
     "fuse_projections",
@@ -105,6 +107,7 @@ __all__ = [
     "LayerNorm",
     "Int8Linear",
     "Linear",
+    "SgemmDot",
     "LinearFrequencyScaling",
     "Llama3FrequencyScaling",
     "LoopStack",

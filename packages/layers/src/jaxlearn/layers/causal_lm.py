@@ -87,7 +87,7 @@ class CausalLM(Module):
         ids, pos, seg = (input_batch.get(k) for k in ("input_ids", "positions", "segment_ids"))
         head = self.decoder.head_weight() if self.config.loss_chunk_tokens else None
         if head is not None:
-            w, dtype = head
+            w, dtype, gemm = head
             sums = head_cross_entropy(
                 self.decoder.hidden(ids, pos, seg).astype(dtype),
                 w,
@@ -96,6 +96,7 @@ class CausalLM(Module):
                 z_loss_weight=self.config.z_loss_weight,
                 soft_cap=self.decoder.config.logits_soft_cap,
                 chunk_tokens=self.config.loss_chunk_tokens,
+                gemm=gemm,
             )
             # The differentiable total carries the cross entropy and z-loss gradients.
             extra = sums["total"] - lax.stop_gradient(sums["total"])

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 
 from jaxlearn.config import REQUIRED, InstantiableConfig
 from jaxlearn.kernels import PackedTable
-from jaxlearn.layers.dense import Linear
+from jaxlearn.layers.dense import Linear, SgemmDot, maybe_dot
 from jaxlearn.layers.embedding import Embedding
 from jaxlearn.layers.norm import RMSNorm
 from jaxlearn.layers.transformer import ScanStack
@@ -79,17 +79,22 @@ class Decoder(Module):
         x = self.transformer(self.emb(input_ids), positions, segment_ids)
         return self.output_norm(x)
 
-    def head_weight(self) -> Optional[tuple[Array, Any]]:
-        """(weight [dim, vocab], compute dtype) when the head is a plain matmul (a bias-free
-        `Linear` or the tied `Embedding`, default dot); else None (e.g. LoRA, int8, packed)."""
+    def head_weight(self) -> Optional[tuple[Array, Any, Optional[Callable[..., Array]]]]:
+        """(weight [dim, vocab], compute dtype, the 2-D GEMM its dot runs on or None for
+        XLA's) when the head is a plain matmul (a bias-free `Linear` or the tied `Embedding`,
+        default dot or `SgemmDot`); else None (e.g. LoRA, int8, packed)."""
         name = "emb" if self.config.lm_head is None else "lm_head"
         head = getattr(self, name)
-        if type(head) not in (Linear, Embedding) or head.config.dot is not None:
+        if type(head) not in (Linear, Embedding):
+            return None
+        dot = maybe_dot(head.config.dot)
+        if not (dot is None or isinstance(dot, SgemmDot)):
             return None
         p = self.parameters[name]  # A child's params, read from this module's subtree.
         if set(p) != {"weight"} or isinstance(p["weight"], PackedTable):
             return None
-        return (p["weight"].T if name == "emb" else p["weight"]), head.dtype
+        gemm = None if dot is None else dot.gemm(head.dtype)
+        return (p["weight"].T if name == "emb" else p["weight"]), head.dtype, gemm
 
     def init_states(self, batch_size: int, max_len: int) -> Any:
         """Empty per-layer KV caches for `batch_size` sequences of up to `max_len` tokens."""

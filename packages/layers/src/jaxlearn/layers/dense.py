@@ -12,6 +12,11 @@ CPU lessons built in:
 - a one-row bf16 GEMV is padded to two rows (`kernels.matmul.pad_single_row`), which XLA
   would upcast to f32 together with the whole weight.
 
+`SgemmDot` runs f32 dots (forward and backward) on oneMKL's sgemm where that is faster
+than XLA:CPU's own (Intel CPUs, one-device programs: `kernels.sgemm`); the fine-tuning
+recipes' CPU rule injects it (`use_dot`), and it falls back to the default matmul anywhere
+else, so a config that names it runs on every host.
+
 The serving weight forms (int8, stored [out, in]) are `Linear` variants chosen by config
 (`serving.py`: `Int8Linear`, `TransposedLinear`), not weight types `dense` dispatches on.
 """
@@ -19,16 +24,19 @@ The serving weight forms (int8, stored [out, in]) are `Linear` variants chosen b
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import jax
+import jax.numpy as jnp
 
 from jaxlearn.config import REQUIRED, Configurable
+from jaxlearn.kernels import sgemm as sgemm_lib
 from jaxlearn.kernels.matmul import einsum, matmul, matmul_nt, pad_single_row
 from jaxlearn.module import FanAxes, Module, ParameterSpec, zeros
 
 __all__ = [
-    "DotGeneral", "Linear", "dense", "dims", "einsum", "matmul", "matmul_nt", "maybe_dot"
+    "DotGeneral", "Linear", "SgemmDot", "dense", "dims", "einsum", "matmul", "matmul_nt",
+    "maybe_dot",
 ]
 
 
@@ -47,6 +55,38 @@ class DotGeneral(Configurable):
         pass
 
     def __call__(self, x: jax.Array, w: jax.Array) -> jax.Array:
+        return matmul(x, w)
+
+
+class SgemmDot(DotGeneral):
+    """f32 dots on oneMKL's `cblas_sgemm`, the backward's dx and dW too
+    (`kernels.sgemm.sgemm_matmul`); other dtypes take the default `matmul`.
+
+    `backend`: "auto" runs oneMKL where `kernels.sgemm.sgemm_runs()` (an Intel CPU with the
+    `mkl` wheel, one device) and XLA's dot elsewhere; "onemkl" always (an error where it
+    cannot run); "xla" never (the default matmul, for A/B runs)."""
+
+    class Config(DotGeneral.Config):
+        backend: str = "auto"
+
+    def __init__(self, cfg: "SgemmDot.Config", **kwargs: Any):
+        super().__init__(cfg, **kwargs)
+        if self.config.backend not in ("auto", "onemkl", "xla"):
+            raise ValueError(f"SgemmDot.backend: {self.config.backend!r} is not one of "
+                             f"'auto', 'onemkl', 'xla'")
+
+    def gemm(self, dtype: Any) -> Optional[Callable[..., jax.Array]]:
+        """`kernels.sgemm.sgemm` (op(a) @ op(b), 2-D) when this dot runs oneMKL for operands
+        of `dtype`, else None (XLA's dots): for callers that need the transposed forms too,
+        the chunked LM-head loss."""
+        b = self.config.backend
+        if jnp.dtype(dtype) != jnp.float32 or b == "xla":
+            return None
+        return sgemm_lib.sgemm if b == "onemkl" or sgemm_lib.sgemm_runs() else None
+
+    def __call__(self, x: jax.Array, w: jax.Array) -> jax.Array:
+        if x.dtype == w.dtype and self.gemm(x.dtype) is not None:
+            return sgemm_lib.sgemm_matmul(x, w)
         return matmul(x, w)
 
 
@@ -112,7 +152,7 @@ class Linear(Module):
         output_dim: Union[int, tuple[int, ...]] = REQUIRED
         use_bias: bool = False
         weight_axes: tuple[Optional[str], ...] = ("embed", "mlp")
-        # Injectable dot (int8/fp8); None = the bf16-friendly custom-VJP matmul.
+        # Injectable dot (int8/fp8, SgemmDot); None = the bf16-friendly custom-VJP matmul.
         dot: Optional[DotGeneral.Config] = None
 
     def __init__(self, cfg: "Linear.Config", *, parent: Optional[Module] = None):

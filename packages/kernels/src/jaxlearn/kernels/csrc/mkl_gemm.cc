@@ -1,4 +1,5 @@
-// Prepacked-weight matmul for XLA:CPU through the XLA FFI, on oneMKL's packed GEMM API
+// oneMKL GEMMs for XLA:CPU through the XLA FFI. First, a prepacked-weight matmul on oneMKL's
+// packed GEMM API
 // (cblas_sgemm_pack / _compute, cblas_gemm_bf16bf16f32_pack / _compute,
 // cblas_gemm_s8u8s32_pack / _compute), or for bf16 and int8 weights on the AVX-512 BF16 /
 // VNNI kernels of avx512_gemm.h (backend kAvx512: hosts where oneMKL's are slow).
@@ -19,6 +20,13 @@
 // GEMM takes; the 128 * colsum(q) that adds is removed through its row offset, exactly,
 // in int32. Integer sums do not depend on the order, so a row's result is the same in a
 // call of any number of rows, and equal to `int8_matmul`'s.
+//
+// Second, a plain f32 GEMM (cblas_sgemm) with either operand transposed, for dots whose
+// operands change every call (a training step's forward and backward dots, `kernels.sgemm`):
+//
+//   c[M, N] f32 = op(a) @ op(b),   op(t) = t or t^T (attributes trans_a, trans_b)
+//
+// split into `parts` row or column blocks (the longer side of c) on the pool.
 //
 // MKL is opened at run time (jl_init) and runs sequentially; the column blocks run on
 // XLA's intra-op thread pool (`PoolFor`, pool_for.h). Packed blocks are mapped pages of
@@ -48,7 +56,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kRowMajor = 101, kNoTrans = 111, kPacked = 151, kBMatrix = 162;
+constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112, kPacked = 151, kBMatrix = 162;
 constexpr int kRowOffset = 171;  // oc[N]: one offset per column of C.
 constexpr int kF32 = 0, kBf16 = 1, kInt8 = 2;
 constexpr int kMklBackend = 0, kAvx512 = 1;
@@ -66,6 +74,8 @@ using BPackFn = void (*)(int, int, int, MklInt, MklInt, MklInt, const uint16_t*,
                          uint16_t*);
 using BComputeFn = void (*)(int, MklInt, MklInt, MklInt, MklInt, MklInt, float, const uint16_t*,
                             MklInt, const uint16_t*, MklInt, float, float*, MklInt);
+using SgemmFn = void (*)(int, int, int, MklInt, MklInt, MklInt, float, const float*, MklInt,
+                        const float*, MklInt, float, float*, MklInt);
 using IPackFn = void (*)(int, int, int, MklInt, MklInt, MklInt, const void*, MklInt, void*);
 using IComputeFn = void (*)(int, MklInt, MklInt, int, MklInt, MklInt, MklInt, float, const void*,
                             MklInt, int8_t, const void*, MklInt, int8_t, float, int32_t*, MklInt,
@@ -80,6 +90,7 @@ struct Mkl {
   PackSizeFn i_size = nullptr;
   IPackFn i_pack = nullptr;
   IComputeFn i_compute = nullptr;
+  SgemmFn sgemm = nullptr;
 };
 Mkl mkl;
 
@@ -245,7 +256,74 @@ ffi::Error PackedInt8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> xq,
   return ffi::Error::Success();
 }
 
+ffi::Future Failed(ffi::Error error) {
+  ffi::Promise promise;
+  promise.SetError(std::move(error));
+  return ffi::Future(promise);
+}
+
+// Asynchronous: the blocks are pool tasks and the call returns at once, so XLA's executor
+// goes on with the program's other ready ops (norms, activations, the optimizer's
+// elementwise work) while the GEMM runs; a synchronous call would hold the executor and
+// leave a core idle after it, when the next ops run on one thread.
+ffi::Future SgemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b,
+                      ffi::ResultBuffer<ffi::F32> c, bool trans_a, bool trans_b,
+                      int32_t parts) {
+  auto ad = a.dimensions(), bd = b.dimensions();
+  if (ad.size() != 2 || bd.size() != 2) {
+    return Failed(ffi::Error::InvalidArgument("jl_sgemm: a and b must be 2-D"));
+  }
+  const int64_t m = trans_a ? ad[1] : ad[0], k = trans_a ? ad[0] : ad[1];
+  const int64_t n = trans_b ? bd[0] : bd[1], kb = trans_b ? bd[1] : bd[0];
+  if (k != kb || m > INT32_MAX || n > INT32_MAX || k > INT32_MAX) {
+    return Failed(ffi::Error::InvalidArgument(
+        "jl_sgemm: op(a) is [" + std::to_string(m) + ", " + std::to_string(k) +
+        "] but op(b) has " + std::to_string(kb) + " rows"));
+  }
+  float* cd = c->typed_data();
+  ffi::Promise done;
+  ffi::Future future(done);
+  if (m == 0 || n == 0 || k == 0) {
+    std::fill(cd, cd + m * n, 0.0f);
+    done.SetAvailable();
+    return future;
+  }
+  const float *a0 = a.typed_data(), *b0 = b.typed_data();
+  const MklInt lda = static_cast<MklInt>(ad[1]), ldb = static_cast<MklInt>(bd[1]);
+  const int ta = trans_a ? kTrans : kNoTrans, tb = trans_b ? kTrans : kNoTrans;
+  // Blocks of the longer side of c, in multiples of 16 (one AVX-512 register of floats).
+  const bool by_rows = m >= n;
+  const int64_t side = by_rows ? m : n, p = std::max<int32_t>(parts, 1);
+  const int64_t per = ((side + p - 1) / p + 15) / 16 * 16;
+  const int64_t blocks = (side + per - 1) / per;
+  ffi::CountDownPromise left(done, blocks);
+  for (int64_t i = 0; i < blocks; ++i) {
+    pool.Schedule([=]() mutable {
+      const int64_t s0 = i * per, len = std::min(per, side - s0);
+      if (by_rows) {  // Rows s0.. of op(a) and of c.
+        const float* as = trans_a ? a0 + s0 : a0 + s0 * lda;
+        mkl.sgemm(kRowMajor, ta, tb, len, n, k, 1.0f, as, lda, b0, ldb, 0.0f, cd + s0 * n, n);
+      } else {  // Columns s0.. of op(b) and of c.
+        const float* bs = trans_b ? b0 + s0 * ldb : b0 + s0;
+        mkl.sgemm(kRowMajor, ta, tb, m, len, k, 1.0f, a0, lda, bs, ldb, 0.0f, cd + s0, n);
+      }
+      left.CountDown();
+    });
+  }
+  return future;
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JlSgemm, SgemmImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<bool>("trans_a")
+                                  .Attr<bool>("trans_b")
+                                  .Attr<int32_t>("parts"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JlPackedMatmul, PackedMatmulImpl,
                               ffi::Ffi::Bind()
@@ -289,7 +367,8 @@ int jl_init(const char* path, char* err, int err_len) {
   m.i_size = reinterpret_cast<PackSizeFn>(dlsym(lib, "cblas_gemm_s8u8s32_pack_get_size"));
   m.i_pack = reinterpret_cast<IPackFn>(dlsym(lib, "cblas_gemm_s8u8s32_pack"));
   m.i_compute = reinterpret_cast<IComputeFn>(dlsym(lib, "cblas_gemm_s8u8s32_compute"));
-  if (!m.s_size || !m.s_pack || !m.s_compute || !m.b_size || !m.b_pack || !m.b_compute ||
+  m.sgemm = reinterpret_cast<SgemmFn>(dlsym(lib, "cblas_sgemm"));
+  if (!m.sgemm || !m.s_size || !m.s_pack || !m.s_compute || !m.b_size || !m.b_pack || !m.b_compute ||
       !m.i_size || !m.i_pack || !m.i_compute) {
     return fail("the MKL library lacks the packed GEMM functions");
   }

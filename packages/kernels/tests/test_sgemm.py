@@ -1,0 +1,94 @@
+"""oneMKL's f32 GEMM through the FFI (`kernels.sgemm`) against numpy in f64: every
+transpose form, row and column splits, odd sizes, an empty depth; `sgemm_matmul`'s
+gradients against XLA's autodiff of `jnp.dot`; wrong inputs fail naming the shapes."""
+
+from __future__ import annotations
+
+import platform
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxlearn.kernels.sgemm import sgemm, sgemm_matmul, sgemm_runs, unavailable_reason
+
+pytestmark = pytest.mark.skipif(
+    jax.default_backend() != "cpu" or platform.machine() not in ("x86_64", "AMD64"),
+    reason="oneMKL's sgemm runs on x86-64 CPU backends only")
+
+
+def test_runs_on_this_cpu() -> None:
+    # The `mkl` requirement and a C++ compiler are there: a failed build must not hide.
+    assert unavailable_reason() is None
+
+
+def test_not_chosen_with_several_devices() -> None:
+    # The tests run with 8 CPU devices: the FFI call is opaque to SPMD partitioning, so
+    # `SgemmDot`'s "auto" must not pick it here, whatever the CPU.
+    assert jax.device_count() > 1 and not sgemm_runs()
+
+
+def _operands(rng: np.random.Generator, m: int, k: int, n: int, ta: bool, tb: bool
+              ) -> tuple[np.ndarray, np.ndarray]:
+    a = rng.standard_normal((k, m) if ta else (m, k)).astype(np.float32)
+    b = rng.standard_normal((n, k) if tb else (k, n)).astype(np.float32)
+    return a, b
+
+
+def _reference(a: np.ndarray, b: np.ndarray, ta: bool, tb: bool) -> np.ndarray:
+    return (a.T if ta else a).astype(np.float64) @ (b.T if tb else b).astype(np.float64)
+
+
+@settings(max_examples=25, deadline=None)
+@given(m=st.integers(1, 70), k=st.integers(1, 40), n=st.integers(1, 70),
+       ta=st.booleans(), tb=st.booleans(), seed=st.integers(0, 2**16))
+def test_every_transpose_form_matches_numpy(m: int, k: int, n: int, ta: bool, tb: bool,
+                                            seed: int) -> None:
+    # m >= n splits c's rows over the pool, m < n its columns: both, with tails.
+    a, b = _operands(np.random.default_rng(seed), m, k, n, ta, tb)
+    c = jax.jit(lambda x, y: sgemm(x, y, trans_a=ta, trans_b=tb))(a, b)
+    assert c.shape == (m, n) and c.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(c), _reference(a, b, ta, tb), rtol=1e-5, atol=1e-4)
+
+
+def test_larger_blocks_and_an_empty_depth() -> None:
+    rng = np.random.default_rng(0)
+    for m, k, n in ((300, 96, 40), (33, 128, 257)):
+        a, b = _operands(rng, m, k, n, False, True)
+        np.testing.assert_allclose(np.asarray(sgemm(jnp.asarray(a), jnp.asarray(b),
+                                                    trans_b=True)),
+                                   _reference(a, b, False, True), rtol=1e-5, atol=1e-3)
+    empty = sgemm(jnp.zeros((3, 0)), jnp.zeros((0, 5)))
+    np.testing.assert_array_equal(np.asarray(empty), np.zeros((3, 5), np.float32))
+
+
+def test_matmul_gradients_match_xla_autodiff() -> None:
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((37, 24)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((24, 19)), jnp.float32)
+    t = jnp.asarray(rng.standard_normal((37, 19)), jnp.float32)
+
+    def loss(dot, x, w):  # A non-trivial cotangent: d loss / d y = t * cos(y).
+        return jnp.sum(jnp.sin(dot(x, w)) * t)
+
+    got = jax.jit(jax.value_and_grad(lambda x, w: loss(sgemm_matmul, x, w), (0, 1)))(x, w)
+    ref = jax.value_and_grad(
+        lambda x, w: loss(lambda a, b: jnp.dot(a, b, precision="highest"), x, w), (0, 1))(x, w)
+    np.testing.assert_allclose(float(got[0]), float(ref[0]), rtol=1e-5)
+    for g, r in zip(got[1], ref[1]):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("a_shape,b_shape,kw,match", [
+    ((4, 3), (5, 2), {}, r"op\(a\) is \[4, 3\] but op\(b\) is \[5, 2\]"),
+    ((4, 3), (2, 5), {"trans_b": True}, r"op\(a\) is \[4, 3\] but op\(b\) is \[5, 2\]"),
+    ((2, 4, 3), (3, 2), {}, r"2-D float32, got float32\[2, 4, 3\]"),
+])
+def test_bad_operands_name_the_shapes(a_shape, b_shape, kw, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        sgemm(jnp.zeros(a_shape), jnp.zeros(b_shape), **kw)
+    with pytest.raises(ValueError, match=r"2-D float32, got bfloat16\[4, 3\]"):
+        sgemm(jnp.zeros((4, 3), jnp.bfloat16), jnp.zeros((3, 2)))
