@@ -8,7 +8,10 @@ copies, scatters, ...), joined with the compiled HLO for each op's output shape.
 (the second form profiles a recipe's own step: the flat config `jaxlearn config` prints, its
 parameters from `init_from`, on the first batch `lora_bench.py data` saved).
 
-Prints a table and emits one BENCH_RESULT line with the per-category milliseconds per step.
+Prints a table and emits one BENCH_RESULT line with the per-category milliseconds per step
+and how long ops ran, and two at once (XLA:CPU runs independent ops concurrently; a
+synchronous FFI call that holds its thread shows up as less overlap). An asynchronous FFI
+call's op time is only its launch: its work runs in pool tasks the trace does not name.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ from jaxlearn.config import visit
 from jaxlearn.inference.quantize import quantize
 from jaxlearn.inference.weight_layout import apply_weight_layout, serving_stack, store_weights
 from jaxlearn.kernels import Int8Weight, PackedTable
-from jaxlearn.layers import SgemmDot, use_dot
 from jaxlearn.kernels.packed_gemm import host_has_bf16, host_has_int8, unavailable_reason
+from jaxlearn.layers import SgemmDot, use_dot
 
 PROMPT = [3, 17, 42, 9, 28, 5, 61, 12]
 

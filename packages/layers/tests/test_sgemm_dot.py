@@ -12,14 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxlearn.config import ConfigBase, visit
 from jaxlearn.kernels import mkl
 from jaxlearn.kernels.chunked_loss import head_cross_entropy
 from jaxlearn.kernels.sgemm import sgemm
 from jaxlearn.layers import llama_config
-from jaxlearn.config import ConfigBase, visit
 from jaxlearn.layers.composition import drop_sgemm_dots, use_dot
-from jaxlearn.layers.quantized import Int8Dot
 from jaxlearn.layers.dense import SgemmDot
+from jaxlearn.layers.quantized import Int8Dot
 from jaxlearn.module import functional
 
 pytestmark = pytest.mark.skipif(
