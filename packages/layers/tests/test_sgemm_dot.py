@@ -17,7 +17,7 @@ from jaxlearn.kernels import mkl
 from jaxlearn.kernels.chunked_loss import head_cross_entropy
 from jaxlearn.kernels.sgemm import sgemm
 from jaxlearn.layers import llama_config
-from jaxlearn.layers.composition import drop_sgemm_dots, use_dot
+from jaxlearn.layers.composition import drop_sgemm_dots, use_dot, use_moe
 from jaxlearn.layers.dense import SgemmDot
 from jaxlearn.layers.quantized import Int8Dot
 from jaxlearn.module import functional
@@ -39,10 +39,12 @@ def _batch():
             "target_weights": jnp.asarray(weights, jnp.float32)}
 
 
-def _model(dot, *, chunk, tie, dtype=None):
+def _model(dot, *, chunk, tie, dtype=None, moe=False):
     cfg = llama_config(V, D, 2, 4, 2, 24, rope_theta=100.0, z_loss_weight=1e-2, dtype=dtype,
                        tie_embeddings=tie)
     cfg.loss_chunk_tokens = chunk
+    if moe:
+        cfg = use_moe(cfg, num_experts=4, top_k=2)
     return use_dot(cfg, dot).instantiate()
 
 
@@ -55,14 +57,19 @@ def _loss_and_grads(model, params, batch):
     return fn(params), fn.lower(params).as_text()
 
 
-@pytest.mark.parametrize("chunk", [8, None])
-@pytest.mark.parametrize("tie", [False, True])
-def test_model_on_sgemm_equals_xla_dots(chunk, tie):
+@pytest.mark.parametrize("chunk,tie,moe", [(8, False, False), (8, True, False),
+                                           (None, False, False), (None, True, False),
+                                           (8, True, True)])
+def test_model_on_sgemm_equals_xla_dots(chunk, tie, moe):
+    # An MoE layer keeps its grouped expert matmuls (ragged_dot) under SgemmDot.
     batch = _batch()
-    ref_model = _model(None, chunk=chunk, tie=tie)
+    ref_model = _model(None, chunk=chunk, tie=tie, moe=moe)
     params = ref_model.initialize_parameters_recursively(jax.random.key(0))
     ((rloss, rm), rg), ref_text = _loss_and_grads(ref_model, params, batch)
-    ((loss, m), g), text = _loss_and_grads(_model(ONEMKL, chunk=chunk, tie=tie), params, batch)
+    ((loss, m), g), text = _loss_and_grads(_model(ONEMKL, chunk=chunk, tie=tie, moe=moe),
+                                           params, batch)
+    # The experts keep their path (ragged_dot lowers to a loop on CPU), not a dense one.
+    assert text.count("stablehlo.while") == ref_text.count("stablehlo.while")
     assert mkl.SGEMM_TARGET in text and mkl.SGEMM_TARGET not in ref_text
     for k in ("loss", "cross_entropy", "z_loss", "accuracy", "num_tokens"):
         np.testing.assert_allclose(m[k], rm[k], rtol=1e-5, err_msg=k)

@@ -4,7 +4,7 @@ per-output-channel scales, and activations quantized per row by the matmul
 
 `quantize(model_cfg, params, "int8")` returns (config, params) with every plain `Linear`
 (the LM head and the attention / feed-forward projections, which are Linear children)
-swapped for an `Int8Linear` (`jaxlearn.layers.serving`) and its `weight` converted to
+swapped for an `Int8Linear` (`serving_layers`) and its `weight` converted to
 int8 values + float32 per-output-channel scales (`weight`, `scale`; computed once here),
 and the embedding table, when it is tied as the output head, held as a
 `jaxlearn.kernels.Int8Weight` (its per-row scales serve the lookup too). Left as they
@@ -21,8 +21,9 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from jaxlearn.config import replace_config
+from jaxlearn.inference.serving_layers import Int8Linear
 from jaxlearn.kernels import Int8Weight, quantize_int8
-from jaxlearn.layers import Decoder, Embedding, Int8Linear, Linear, LoraLinear
+from jaxlearn.layers import Decoder, Embedding, Linear, LoraLinear
 from jaxlearn.module import Module
 
 QUANTIZE_MODES = ("int8",)

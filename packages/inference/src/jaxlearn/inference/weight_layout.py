@@ -28,7 +28,7 @@ reads the same weight 1.0-1.5x faster stored `[out, in]`; f32 dots are faster `[
   projections stay as `quantize` leaves them (float, XLA's dot).
 
 Stored `[out, in]` means a config swap: every plain Linear (`quantize.is_plain_linear`:
-the LM head and the attention / FFN projections) becomes a `layers.TransposedLinear`
+the LM head and the attention / FFN projections) becomes a `serving_layers.TransposedLinear`
 whose `weight_t [*lead, prod(out), prod(in)]` is contracted on its stored layout
 (`kernels.matmul_nt`). A tied embedding table is `[vocab, dim]` already and stays. The
 copy is made once, when the engine is built; the engine's params then hold the
@@ -53,9 +53,10 @@ from jaxlearn.inference.quantize import (
     swap_linears,
     tied_head,
 )
+from jaxlearn.inference.serving_layers import PackedLinear, TransposedLinear
 from jaxlearn.kernels import PackedTable, PackedWeights, quantize_int8, transpose_weight
 from jaxlearn.kernels.packed_gemm import host_has_bf16, host_has_int8, unavailable_reason
-from jaxlearn.layers import LoraAdapter, PackedLinear, TransposedLinear
+from jaxlearn.layers import LoraAdapter
 from jaxlearn.layers.lora import LoraFields
 from jaxlearn.module import Module
 

@@ -50,7 +50,6 @@ from jaxlearn.layers.rope import (
     scaling_config,
     scaling_dict,
 )
-from jaxlearn.layers.serving import Int8Linear, PackedLinear, TransposedLinear
 from jaxlearn.layers.transformer import (
     ACTIVATION_NAMES,
     BaseStack,
@@ -105,7 +104,6 @@ __all__ = [
     "scaling_dict",
     "phi3_config",
     "LayerNorm",
-    "Int8Linear",
     "Linear",
     "SgemmDot",
     "LinearFrequencyScaling",
@@ -115,8 +113,6 @@ __all__ = [
     "RotaryEmbedding",
     "ScanStack",
     "TransformerLayer",
-    "PackedLinear",
-    "TransposedLinear",
     "cross_entropy",
     "dense",
     "einsum",

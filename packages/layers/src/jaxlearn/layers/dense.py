@@ -17,8 +17,9 @@ than XLA:CPU's own (Intel CPUs, one-device programs: `kernels.sgemm`); the fine-
 recipes' CPU rule injects it (`use_dot`), and it falls back to the default matmul anywhere
 else, so a config that names it runs on every host.
 
-The serving weight forms (int8, stored [out, in]) are `Linear` variants chosen by config
-(`serving.py`: `Int8Linear`, `TransposedLinear`), not weight types `dense` dispatches on.
+The serving weight forms (int8, stored [out, in], packed) are `Linear` variants the
+inference engine swaps in by config (`inference.serving_layers`), not weight types `dense`
+dispatches on.
 """
 
 from __future__ import annotations

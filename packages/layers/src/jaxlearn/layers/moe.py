@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxlearn.config import REQUIRED
-from jaxlearn.layers.dense import DotGeneral, einsum, maybe_dot
+from jaxlearn.layers.dense import DotGeneral, SgemmDot, einsum, maybe_dot
 from jaxlearn.layers.ffn import ACTIVATIONS, get_activation
 from jaxlearn.module import FanAxes, Module, ParameterSpec, with_logical_constraint
 
@@ -114,7 +114,10 @@ class MixtureOfExperts(Module):
             raise bad("capacity_factor", "must be > 0, or None for dropless")
         if c.dropless_method not in ("ragged_dot", "dense"):
             raise bad("dropless_method", "must be 'ragged_dot' or 'dense'")
-        self._dot = maybe_dot(c.dot)
+        # SgemmDot computes the default product on 2-D dense dots; the experts' grouped
+        # matmuls keep XLA's (ragged_dot / the custom-VJP einsum).
+        dot = maybe_dot(c.dot)
+        self._dot = None if isinstance(dot, SgemmDot) else dot
 
     # ---- parameters -----------------------------------------------------------------------
 

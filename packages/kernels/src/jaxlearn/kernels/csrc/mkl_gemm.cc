@@ -26,10 +26,11 @@
 //
 //   c[M, N] f32 = op(a) @ op(b),   op(t) = t or t^T (attributes trans_a, trans_b)
 //
-// split into `parts` row or column blocks (the longer side of c) on the pool.
+// split into `parts` row or column blocks (the longer side of c), each a task on the pool;
+// the handler returns an FFI future at once (asynchronous: see SgemmImpl).
 //
-// MKL is opened at run time (jl_init) and runs sequentially; the column blocks run on
-// XLA's intra-op thread pool (`PoolFor`, pool_for.h). Packed blocks are mapped pages of
+// MKL is opened at run time (jl_init) and runs sequentially; the packed GEMMs' column
+// blocks run on XLA's intra-op thread pool (`PoolFor`, pool_for.h). Packed blocks are mapped pages of
 // their own (mmap), never the malloc heap: with the heap tuning of tools/malloc_env.sh
 // (no mmap by malloc) the weights of a model sat inside the brk heap, and XLA's f32 dots
 // of the same process ran 1.5x slower while they were held.
@@ -368,9 +369,9 @@ int jl_init(const char* path, char* err, int err_len) {
   m.i_pack = reinterpret_cast<IPackFn>(dlsym(lib, "cblas_gemm_s8u8s32_pack"));
   m.i_compute = reinterpret_cast<IComputeFn>(dlsym(lib, "cblas_gemm_s8u8s32_compute"));
   m.sgemm = reinterpret_cast<SgemmFn>(dlsym(lib, "cblas_sgemm"));
-  if (!m.sgemm || !m.s_size || !m.s_pack || !m.s_compute || !m.b_size || !m.b_pack || !m.b_compute ||
-      !m.i_size || !m.i_pack || !m.i_compute) {
-    return fail("the MKL library lacks the packed GEMM functions");
+  if (!m.sgemm || !m.s_size || !m.s_pack || !m.s_compute || !m.b_size || !m.b_pack ||
+      !m.b_compute || !m.i_size || !m.i_pack || !m.i_compute) {
+    return fail("the MKL library lacks the (packed) GEMM functions");
   }
   mkl = m;
   return 0;

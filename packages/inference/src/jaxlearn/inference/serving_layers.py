@@ -1,5 +1,5 @@
-"""Serving variants of `Linear`, chosen by config (the inference engine swaps them in and
-converts the params, `jaxlearn.inference.quantize` / `weight_layout`):
+"""Serving variants of `Linear`, chosen by config (the engine swaps them in and converts
+the params, `quantize` / `weight_layout`):
 
 - `Int8Linear`: int8 weights, `weight [*in, *out]` with float32 `scale [1 x in, *out]`
   per output channel (`kernels.quantize_int8`), optional `bias`; `kernels.int8_matmul`
