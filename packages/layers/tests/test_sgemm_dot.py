@@ -17,7 +17,7 @@ from jaxlearn.kernels import mkl
 from jaxlearn.kernels.chunked_loss import head_cross_entropy
 from jaxlearn.kernels.sgemm import sgemm
 from jaxlearn.layers import llama_config
-from jaxlearn.layers.composition import drop_sgemm_dots, use_dot, use_moe
+from jaxlearn.layers.composition import use_dot, use_moe
 from jaxlearn.layers.dense import SgemmDot
 from jaxlearn.layers.quantized import Int8Dot
 from jaxlearn.module import functional
@@ -113,7 +113,7 @@ def test_serving_drops_sgemm_dots_only():
     cfg = use_dot(_model(None, chunk=8, tie=True).config, ONEMKL)
     cfg.decoder.transformer.layer.feed_forward.wo.dot = Int8Dot.default_config()
     dots = []
-    visit(drop_sgemm_dots(cfg), lambda path, c: dots.append((path, c.dot))
+    visit(use_dot(cfg, None, of=SgemmDot), lambda path, c: dots.append((path, c.dot))
           if isinstance(c, ConfigBase) and "dot" in c and "klass" in c else None)
     kept = {p: d.klass for p, d in dots if d is not None}
     assert kept == {"decoder.transformer.layer.feed_forward.wo": Int8Dot} and len(dots) > 5

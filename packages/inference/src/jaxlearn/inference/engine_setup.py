@@ -104,7 +104,7 @@ def serving_model(cfg: Any, model_cfg: Any, params: Any) -> ServingModel:
         model_cfg = model_cfg.clone(name="model")
     # A training run's config may name SgemmDot (where its f32 dots ran); serving's own
     # layouts below take layers with the default dot.
-    model_cfg = layers.drop_sgemm_dots(layers.set_unroll(model_cfg, 1))
+    model_cfg = layers.use_dot(layers.set_unroll(model_cfg, 1), None, of=layers.SgemmDot)
     base = model_cfg
     if cfg.max_loras:  # Adapter banks: max_loras slots + slot 0 (no adapter).
         model_cfg, params = layers.use_multi_lora(

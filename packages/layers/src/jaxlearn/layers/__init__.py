@@ -8,7 +8,6 @@ between files.
 from jaxlearn.layers.attention import Attention, make_mask
 from jaxlearn.layers.causal_lm import CausalLM, cross_entropy
 from jaxlearn.layers.composition import (
-    drop_sgemm_dots,
     first_layers,
     fuse_projection_params,
     fuse_projections,
@@ -65,7 +64,6 @@ __all__ = [
     "gemma2_config",
     "gemma3_config",
     "stack_config",
-    "drop_sgemm_dots",
     "fuse_projection_params",
     "first_layers",
     "fuse_projections",

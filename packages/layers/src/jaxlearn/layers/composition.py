@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from jaxlearn.config import ConfigBase, replace_config, visit
 from jaxlearn.layers.attention import Attention
-from jaxlearn.layers.dense import Linear, SgemmDot
+from jaxlearn.layers.dense import Linear
 from jaxlearn.layers.ffn import FeedForward
 from jaxlearn.layers.lora import DEFAULT_TARGETS, LoraLinear, check_lora_settings
 from jaxlearn.layers.moe import MixtureOfExperts
@@ -77,29 +77,17 @@ def set_norm(cfg: Any, norm: ConfigBase) -> Any:
     )
 
 
-def use_dot(cfg: Any, dot: Optional[ConfigBase]) -> Any:
+def use_dot(cfg: Any, dot: Optional[ConfigBase], *, of: Optional[type] = None) -> Any:
     """Every dense layer (attention projections, FFN/expert matmuls, LM head) uses `dot`,
-    e.g. Int8Dot / Fp8Dot configs; None restores the default bf16-friendly matmul."""
+    e.g. Int8Dot / Fp8Dot configs; None restores the default bf16-friendly matmul. `of`:
+    only the layers whose dot is of that class (serving: `use_dot(cfg, None, of=SgemmDot)`,
+    since `SgemmDot` only chooses where a training step's f32 dots run)."""
     new = cfg.clone()
 
     def enter(path: str, value: Any) -> None:
-        if isinstance(value, ConfigBase) and "dot" in value and "klass" in value:
+        if isinstance(value, ConfigBase) and "dot" in value and "klass" in value and (
+                of is None or (value.dot is not None and value.dot.klass is of)):
             value.dot = dot
-
-    visit(new, enter)
-    return new
-
-
-def drop_sgemm_dots(cfg: Any) -> Any:
-    """`cfg` with every `SgemmDot` back to the default dot: it only chooses where a
-    training step's f32 dots run, and serving picks its own matmuls (packed, int8 and
-    transposed weights take layers with the default dot)."""
-    new = cfg.clone()
-
-    def enter(path: str, value: Any) -> None:
-        if isinstance(value, ConfigBase) and "dot" in value and "klass" in value and \
-                value.dot is not None and value.dot.klass is SgemmDot:
-            value.dot = None
 
     visit(new, enter)
     return new
