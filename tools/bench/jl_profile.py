@@ -44,6 +44,18 @@ def category(name: str, hlo_line: str) -> str:
     return "other fusion"
 
 
+def phase(hlo_line: str) -> str:
+    """The part of a train step an op belongs to, from its JAX op_name: forward (`jvp`),
+    backward (`transpose(jvp`), the update inside the non-finite guard's `cond`, or other."""
+    m = re.search(r'op_name="([^"]*)"', hlo_line)
+    name = m.group(1) if m else ""
+    if "transpose(jvp" in name:
+        return "backward"
+    if "jvp(" in name:
+        return "forward"
+    return "update (cond)" if "/cond/" in name else "other"
+
+
 def trace_events(call: Callable[[], Any]) -> list[dict[str, Any]]:
     """The Perfetto trace events of one `call()` under the JAX profiler."""
     import jax
@@ -119,6 +131,7 @@ def main() -> None:
                    help="trainer config override PATH=VALUE (repeatable)")
     p.add_argument("--config", help="a flat trainer config (`jaxlearn config` output)")
     p.add_argument("--batches", help="with --config: an .npz of stacked batches")
+    p.add_argument("--dump_hlo", help="write the compiled step's HLO text to this file")
     args = p.parse_args()
     import jax
 
@@ -129,6 +142,9 @@ def main() -> None:
     cost = step.cost_analysis()
     cost = (cost[0] if isinstance(cost, list) else cost) or {}
     hlo = step.as_text()
+    if args.dump_hlo:
+        with open(args.dump_hlo, "w") as f:
+            f.write(hlo)
     shapes = {m.group(1): m.group(2) for m in re.finditer(r"%([\w.\-]+) = (\S+) ", hlo)}
     lines = {m.group(1): m.group(0) for m in re.finditer(r"%([\w.\-]+) = [^\n]*", hlo)}
     with jax.set_mesh(trainer.mesh):
@@ -168,6 +184,11 @@ def main() -> None:
           f"two ops at once {both:.1f} ms")
     for k, v in sorted(cats.items(), key=lambda kv: -kv[1]):
         print(f"  {k:14s} {v:8.1f} ms  {v / max(total, 1e-9):5.1%}")
+    phases: dict[str, float] = defaultdict(float)
+    for name, us in per_op.items():
+        phases[phase(lines.get(name, ""))] += us / args.steps / 1e3
+    print("by phase: " + ", ".join(f"{k} {v:.1f} ms" for k, v in
+                                   sorted(phases.items(), key=lambda kv: -kv[1])))
     print(f"top {args.top} ops (ms per step, output shape):")
     for name, us in sorted(per_op.items(), key=lambda kv: -kv[1])[: args.top]:
         meta = re.search(r'op_name="([^"]*)"', lines.get(name, ""))
@@ -177,6 +198,7 @@ def main() -> None:
          overrides=list(args.set), compiled_flops=float(cost.get("flops", 0.0)),
          op_ms_per_step=rnd(total), ops_busy_ms=rnd(busy), two_ops_ms=rnd(both),
          categories={k: rnd(v) for k, v in cats.items()},
+         phases={k: rnd(v) for k, v in phases.items()},
          top=[[n, rnd(us / args.steps / 1e3)] for n, us in
               sorted(per_op.items(), key=lambda kv: -kv[1])[: args.top]])
 

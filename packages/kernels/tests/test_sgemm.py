@@ -13,7 +13,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxlearn.kernels.sgemm import sgemm, sgemm_matmul, sgemm_runs, unavailable_reason
+from jaxlearn.kernels.sgemm import (
+    sgemm,
+    sgemm_matmul,
+    sgemm_matmul_nt,
+    sgemm_runs,
+    unavailable_reason,
+)
 
 pytestmark = pytest.mark.skipif(
     jax.default_backend() != "cpu" or platform.machine() not in ("x86_64", "AMD64"),
@@ -65,18 +71,23 @@ def test_larger_blocks_and_an_empty_depth() -> None:
     np.testing.assert_array_equal(np.asarray(empty), np.zeros((3, 5), np.float32))
 
 
-def test_matmul_gradients_match_xla_autodiff() -> None:
+@pytest.mark.parametrize("nt", [False, True])
+def test_matmul_gradients_match_xla_autodiff(nt: bool) -> None:
+    """`sgemm_matmul` (w [in, out]) and `sgemm_matmul_nt` (w [out, in], used as w^T)."""
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.standard_normal((37, 24)), jnp.float32)
-    w = jnp.asarray(rng.standard_normal((24, 19)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((19, 24) if nt else (24, 19)), jnp.float32)
     t = jnp.asarray(rng.standard_normal((37, 19)), jnp.float32)
+    ours = sgemm_matmul_nt if nt else sgemm_matmul
 
     def loss(dot, x, w):  # A non-trivial cotangent: d loss / d y = t * cos(y).
         return jnp.sum(jnp.sin(dot(x, w)) * t)
 
-    got = jax.jit(jax.value_and_grad(lambda x, w: loss(sgemm_matmul, x, w), (0, 1)))(x, w)
-    ref = jax.value_and_grad(
-        lambda x, w: loss(lambda a, b: jnp.dot(a, b, precision="highest"), x, w), (0, 1))(x, w)
+    def xla(a, b):
+        return jnp.dot(a, b.T if nt else b, precision="highest")
+
+    got = jax.jit(jax.value_and_grad(lambda x, w: loss(ours, x, w), (0, 1)))(x, w)
+    ref = jax.value_and_grad(lambda x, w: loss(xla, x, w), (0, 1))(x, w)
     np.testing.assert_allclose(float(got[0]), float(ref[0]), rtol=1e-5)
     for g, r in zip(got[1], ref[1]):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-4)

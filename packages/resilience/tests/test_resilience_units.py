@@ -329,3 +329,30 @@ def test_elastic_restart_splits_rows_not_examples(tmp_path):
     assert again.per_device_microbatch == 1
     with pytest.raises(ElasticError, match=r"input.batch_rows\(\)=8 cannot be split over 3"):
         adapt_to_devices(_elastic_cfg(tmp_path, _PromptInput()), devices[:3])
+
+
+# ---- non-finite step flags --------------------------------------------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from jaxlearn.resilience import nonfinite  # noqa: E402
+
+_STEP_FLAGS = jax.jit(nonfinite.step_flags)
+
+
+@settings(max_examples=40, deadline=None)
+@given(leaf=st.integers(0, 2), pos=st.integers(0, 10**6),
+       value=st.sampled_from([np.inf, -np.inf, np.nan, 3e38, -3e38, 1e-45, 0.0]),
+       dtype=st.sampled_from([np.float32, jax.numpy.bfloat16]))
+def test_step_flags_match_numpy_isfinite(leaf, pos, value, dtype):
+    """A leaf is flagged iff one of its elements is Inf or NaN: the largest finite values
+    (whose squares overflow) and denormals are not."""
+    rng = np.random.default_rng(pos)
+    grads = [rng.standard_normal(shape).astype(dtype) for shape in ((3, 5), (7,), (2, 3, 4))]
+    flat = grads[leaf].reshape(-1)
+    flat[pos % flat.size] = value
+    loss = np.float32(value if leaf == 0 and pos % 7 == 0 else 1.0)
+    want = [np.isfinite(loss)] + [bool(np.all(np.isfinite(g.astype(np.float32))))
+                                  for g in grads]
+    np.testing.assert_array_equal(np.asarray(_STEP_FLAGS(loss, grads)), want)

@@ -5,6 +5,7 @@ step on Intel CPUs, where oneMKL's f32 GEMM is faster than XLA:CPU's (YNNPACK) d
 
     sgemm(a, b, trans_a=False, trans_b=False) -> op(a) @ op(b)   a, b f32 2-D -> f32 2-D
     sgemm_matmul(x [tokens, in], w [in, out]) -> [tokens, out]   (f32, custom VJP)
+    sgemm_matmul_nt(x [tokens, in], w [out, in]) -> x @ w^T      (a tied LM head's table)
 
 Each call splits c into row or column blocks (the longer side, `_BLOCKS_PER_CPU` per CPU)
 that run as tasks on XLA's intra-op pool, oneMKL sequential inside each; the call is
@@ -23,7 +24,7 @@ import numpy as np
 
 from jaxlearn.kernels import mkl
 
-__all__ = ["sgemm", "sgemm_matmul", "sgemm_runs", "unavailable_reason"]
+__all__ = ["sgemm", "sgemm_matmul", "sgemm_matmul_nt", "sgemm_runs", "unavailable_reason"]
 
 _F32 = jnp.float32
 # Blocks per CPU: finer than one each, so that a block waiting for a core busy with
@@ -84,3 +85,24 @@ def _bwd(res: tuple[jax.Array, jax.Array], g: jax.Array) -> tuple[jax.Array, jax
 
 
 sgemm_matmul.defvjp(_fwd, _bwd)
+
+
+@jax.custom_vjp
+def sgemm_matmul_nt(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [tokens, in] @ w [out, in]^T -> [tokens, out] on w as stored (a tied embedding
+    table as the LM head), f32, forward and backward on oneMKL: no transposed copy of w
+    forward, nor of its gradient backward."""
+    return sgemm(x, w, trans_b=True)
+
+
+def _fwd_nt(x: jax.Array, w: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    return sgemm(x, w, trans_b=True), (x, w)
+
+
+def _bwd_nt(res: tuple[jax.Array, jax.Array], g: jax.Array) -> tuple[jax.Array, jax.Array]:
+    x, w = res
+    g = g.astype(_F32)
+    return sgemm(g, w), sgemm(g, x, trans_a=True)  # dx = g w, dw = g^T x
+
+
+sgemm_matmul_nt.defvjp(_fwd_nt, _bwd_nt)

@@ -58,6 +58,10 @@ class DotGeneral(Configurable):
     def __call__(self, x: jax.Array, w: jax.Array) -> jax.Array:
         return matmul(x, w)
 
+    def nt(self, x: jax.Array, w: jax.Array) -> jax.Array:
+        """x [tokens, in] @ w [out, in]^T (a tied LM head on its table as stored)."""
+        return self(x, w.T)
+
 
 class SgemmDot(DotGeneral):
     """f32 dots on oneMKL's `cblas_sgemm`, the backward's dx and dW too
@@ -89,6 +93,11 @@ class SgemmDot(DotGeneral):
         if x.dtype == w.dtype and self.gemm(x.dtype) is not None:
             return sgemm_lib.sgemm_matmul(x, w)
         return matmul(x, w)
+
+    def nt(self, x: jax.Array, w: jax.Array) -> jax.Array:
+        if x.dtype == w.dtype and self.gemm(x.dtype) is not None:
+            return sgemm_lib.sgemm_matmul_nt(x, w)
+        return matmul_nt(x, w)
 
 
 def dense(

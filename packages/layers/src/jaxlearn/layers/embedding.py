@@ -10,7 +10,8 @@ import jax.numpy as jnp
 
 from jaxlearn.config import REQUIRED
 from jaxlearn.kernels import Int8Weight, PackedTable, int8_matmul, packed_matmul, table_rows
-from jaxlearn.layers.dense import DotGeneral, dense, matmul_nt, maybe_dot
+from jaxlearn.kernels.matmul import pad_single_row
+from jaxlearn.layers.dense import DotGeneral, matmul_nt, maybe_dot
 from jaxlearn.module import FanAxes, Module, Normal, ParameterSpec, with_logical_constraint
 
 
@@ -57,8 +58,10 @@ class Embedding(Module):
     def attend(self, x: jax.Array, *, out_dtype: Any = jnp.float32) -> jax.Array:
         """x [batch, seq, embed] -> logits [batch, seq, vocab] (f32 by default)."""
         w = self.parameters["weight"]
-        if self._dot is not None:
-            return dense(x.astype(self.dtype), w.T, dot=self._dot, out_dtype=out_dtype)
+        if self._dot is not None:  # The table as stored: no transposed copy of it.
+            x2d = x.reshape(-1, x.shape[-1]).astype(self.dtype)
+            y = self._dot.nt(pad_single_row(x2d), w.astype(x2d.dtype))[: x2d.shape[0]]
+            return y.astype(out_dtype).reshape(*x.shape[:-1], w.shape[0])
         if not isinstance(w, (Int8Weight, PackedTable)):
             return matmul_nt(x.astype(self.dtype), w, out_dtype=out_dtype)
         x2d = x.reshape(-1, x.shape[-1])  # Serving: an int8 (XLA) or oneMKL packed head.

@@ -36,9 +36,14 @@ def leaf_paths(tree: Any, is_leaf: Any = None) -> list[str]:
 
 
 def step_flags(loss: jax.Array, grads: Any) -> jax.Array:
-    """bool[1 + num_leaves]: [loss finite, grad leaf 0 finite, ...] (traced)."""
+    """bool[1 + num_leaves]: [loss finite, grad leaf 0 finite, ...] (traced).
+
+    A leaf is finite iff `sum(g * 0)` is: 0 * finite is 0 and 0 * Inf or NaN is NaN, and
+    XLA does not fold a float product with 0. One vectorized sum per leaf; `all(isfinite)`
+    lowers on CPU to a single-threaded predicate reduce-window, 3x slower on a 26M-element
+    leaf."""
     flags = [jnp.all(jnp.isfinite(loss))]
-    flags += [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]
+    flags += [jnp.isfinite(jnp.sum(g * 0)) for g in jax.tree.leaves(grads)]
     return jnp.stack(flags)
 
 
