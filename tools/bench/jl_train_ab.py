@@ -10,6 +10,9 @@ times do not. Each variant is a list of trainer config overrides (`--set` syntax
 Emits, per variant: median wall and process-CPU s/step, ratios to the first variant,
 compiled temp and argument (state + batch) bytes and FLOPs, the loss after the last step
 (the variants train the same model from the same state, so it should agree to rounding).
+`--patch NAME:MOD.ATTR=MOD2.ATTR2` replaces an attribute (a function, a method) with
+another while variant NAME is built and compiled, so code changes A/B in one process
+too (e.g. the previous form of a function, kept in a module on PYTHONPATH).
 `--seq` / `--batch` override the model's sequence length and batch. `--config FLAT
 --batches NPZ` A/Bs a recipe's own step instead (the flat config `jaxlearn config` prints,
 its `init_from` weights, the first batch `lora_bench.py data` saved).
@@ -18,11 +21,70 @@ its `init_from` weights, the first batch `lora_bench.py data` saved).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import time
-from typing import Any
+from typing import Any, Iterator
 
 from common import Timer, emit, log, med, model_cfg, rnd
 from jl_train import build_trainer, random_batch, recipe_trainer
+
+
+def resolve(path: str) -> tuple[Any, str]:
+    """(owner, attribute) of "pkg.mod.Attr.attr" (the longest importable module prefix)."""
+    parts = path.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        try:
+            owner = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attr in parts[i:-1]:
+            owner = getattr(owner, attr)
+        return owner, parts[-1]
+    raise ValueError(f"--patch: no module in {path!r}")
+
+
+@contextlib.contextmanager
+def patched(specs: list[str]) -> Iterator[None]:
+    """Each "MOD.ATTR=MOD2.ATTR2" set while inside, restored after."""
+    saved = []
+    for spec in specs:
+        target, _, source = spec.partition("=")
+        owner, attr = resolve(target)
+        src_owner, src_attr = resolve(source)
+        saved.append((owner, attr, getattr(owner, attr)))
+        setattr(owner, attr, getattr(src_owner, src_attr))
+    try:
+        yield
+    finally:
+        for owner, attr, value in reversed(saved):
+            setattr(owner, attr, value)
+
+
+def build_variant(args: argparse.Namespace, c: dict[str, Any], name: str,
+                  overrides: tuple[str, ...]) -> dict[str, Any]:
+    """A variant's trainer, batch, compiled step and initial state."""
+    import jax
+
+    if args.config:
+        tr, host_batch = recipe_trainer(args.config, args.batches, overrides)
+    else:
+        tr = build_trainer(c, dtype=args.dtype, stack=args.stack, remat=None,
+                           nonfinite="skip", moe_method="ragged_dot", overrides=overrides)
+        host_batch = random_batch(c)
+    batch = tr.global_batch(host_batch)
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), batch)
+    with jax.set_mesh(tr.mesh), tr._logical():
+        compiled = tr.compile_train_step(abstract)
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    mem = compiled.memory_analysis()
+    return dict(name=name, overrides=list(overrides), trainer=tr, batch=batch,
+                fn=compiled, state=tr.init_state(), wall=[], cpu=[], util=[],
+                temp_bytes=int(getattr(mem, "temp_size_in_bytes", 0) or 0),
+                argument_bytes=int(getattr(mem, "argument_size_in_bytes", 0) or 0),
+                flops=float(cost.get("flops", 0.0)) if cost else None)
 
 
 def main() -> None:
@@ -38,6 +100,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--tag", default="")
+    p.add_argument("--patch", action="append", default=[],
+                   help="NAME:MOD.ATTR=MOD2.ATTR2 while variant NAME is built (repeatable)")
     p.add_argument("--config", help="a flat trainer config (`jaxlearn config` output)")
     p.add_argument("--batches", help="with --config: an .npz of stacked batches")
     args = p.parse_args()
@@ -49,25 +113,8 @@ def main() -> None:
     for spec in args.variant:
         name, _, rest = spec.partition("=")
         overrides = tuple(o for o in rest.split(";") if o)
-        if args.config:
-            tr, host_batch = recipe_trainer(args.config, args.batches, overrides)
-        else:
-            tr = build_trainer(c, dtype=args.dtype, stack=args.stack, remat=None,
-                               nonfinite="skip", moe_method="ragged_dot", overrides=overrides)
-            host_batch = random_batch(c)
-        batch = tr.global_batch(host_batch)
-        abstract = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), batch)
-        with jax.set_mesh(tr.mesh), tr._logical():
-            compiled = tr.compile_train_step(abstract)
-        cost = compiled.cost_analysis()
-        cost = cost[0] if isinstance(cost, list) else cost
-        mem = compiled.memory_analysis()
-        runs.append(dict(name=name, overrides=list(overrides), trainer=tr, batch=batch,
-                         fn=compiled, state=tr.init_state(), wall=[], cpu=[], util=[],
-                         temp_bytes=int(getattr(mem, "temp_size_in_bytes", 0) or 0),
-                         argument_bytes=int(getattr(mem, "argument_size_in_bytes", 0) or 0),
-                         flops=float(cost.get("flops", 0.0)) if cost else None))
+        with patched([p.partition(":")[2] for p in args.patch if p.startswith(name + ":")]):
+            runs.append(build_variant(args, c, name, overrides))
     for r in range(args.warmup + args.rounds):
         order = runs if r % 2 == 0 else runs[::-1]
         for run in order:
@@ -98,7 +145,8 @@ def main() -> None:
     emit(bench="train_ab", framework="jaxlearn", version=jax.__version__,
          model=args.config or args.model,
          dtype=args.dtype, stack=args.stack, layers=None if args.config else c["layers"],
-         batch=int(host_batch["input_ids"].shape[0]), seq=int(host_batch["input_ids"].shape[1]),
+         batch=int(runs[0]["batch"]["input_ids"].shape[0]),
+         seq=int(runs[0]["batch"]["input_ids"].shape[1]),
          rounds=args.rounds, variants=out, tag=args.tag, wall_time=time.time())
 
 

@@ -99,3 +99,32 @@ def test_rope_keeps_dtype():
     rope = RotaryEmbedding.default_config().instantiate()
     x = jnp.ones((1, 2, 1, 8), jnp.bfloat16)
     assert rope(x, jnp.zeros((1, 2), jnp.int32)).dtype == jnp.bfloat16
+
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's fusion decisions")
+def test_tables_are_computed_once_per_program():
+    """q and k of four layers, forward and backward: one cos and one sin in the compiled
+    program (XLA:CPU would otherwise fuse them into, and recompute them in, every
+    consumer), with the gradients of a plain jnp rotation."""
+    rope = RotaryEmbedding.default_config().set(theta=100.0).instantiate()
+    positions = jnp.asarray(np.array([[0, 1, 2, 3, 4], [7, 3, 0, 11, 2]]))
+    keys = jax.random.split(jax.random.key(0), 3)
+    q, k = jax.random.normal(keys[0], (2, 5, 3, 8)), jax.random.normal(keys[1], (2, 5, 1, 8))
+    t = jax.random.normal(keys[2], (2, 5, 3, 8))
+
+    def plain(x, pos):
+        a = pos[..., None, None].astype(jnp.float32) * 100.0 ** (-jnp.arange(4) / 4.0)
+        x1, x2 = x[..., :4], x[..., 4:]
+        return jnp.concatenate([x1 * jnp.cos(a) - x2 * jnp.sin(a),
+                                x2 * jnp.cos(a) + x1 * jnp.sin(a)], axis=-1)
+
+    def loss(q, k, rot):
+        return sum(jnp.sum(rot(q * i, positions) * rot(k, positions) * t) for i in range(1, 5))
+
+    grad = jax.jit(jax.grad(lambda q, k: loss(q, k, rope), (0, 1)))
+    text = grad.lower(q, k).compile().as_text()
+    assert (text.count(" cosine("), text.count(" sine(")) == (1, 1)
+    want = jax.grad(lambda q, k: loss(q, k, plain), (0, 1))(q, k)
+    for g, w in zip(grad(q, k), want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
