@@ -189,6 +189,13 @@ def main() -> None:
         phases[phase(lines.get(name, ""))] += us / args.steps / 1e3
     print("by phase: " + ", ".join(f"{k} {v:.1f} ms" for k, v in
                                    sorted(phases.items(), key=lambda kv: -kv[1])))
+    kinds: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for name, us in per_op.items():
+        kinds[re.sub(r"(\.\d+)+$", "", name)][0] += us / args.steps / 1e3
+        kinds[re.sub(r"(\.\d+)+$", "", name)][1] += count[name] / args.steps
+    ranked_kinds = sorted(kinds.items(), key=lambda kv: -kv[1][0])[:12]
+    print("by op kind (ms per step, ops per step): "
+          + ", ".join(f"{k} {v[0]:.1f}/{v[1]:.0f}" for k, v in ranked_kinds))
     print(f"top {args.top} ops (ms per step, output shape):")
     for name, us in sorted(per_op.items(), key=lambda kv: -kv[1])[: args.top]:
         meta = re.search(r'op_name="([^"]*)"', lines.get(name, ""))

@@ -17,7 +17,7 @@ from jaxlearn.kernels import mkl
 from jaxlearn.kernels.chunked_loss import head_cross_entropy
 from jaxlearn.kernels.sgemm import sgemm
 from jaxlearn.layers import llama_config
-from jaxlearn.layers.composition import use_dot, use_moe
+from jaxlearn.layers.composition import use_dot, use_lora, use_moe
 from jaxlearn.layers.dense import SgemmDot
 from jaxlearn.layers.quantized import Int8Dot
 from jaxlearn.module import functional
@@ -75,6 +75,28 @@ def test_model_on_sgemm_equals_xla_dots(chunk, tie, moe):
         assert f"tensor<{V}x{D}xf32>) -> tensor<{D}x{V}xf32>" not in text
     for k in ("loss", "cross_entropy", "z_loss", "accuracy", "num_tokens"):
         np.testing.assert_allclose(m[k], rm[k], rtol=1e-5, err_msg=k)
+    np.testing.assert_allclose(loss, rloss, rtol=1e-5)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g), jax.tree.leaves(rg)):
+        scale = float(jnp.abs(b).max()) + 1e-12
+        np.testing.assert_allclose(a, b, atol=1e-4 * scale, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("dot,adapter_dot", [(ONEMKL, True), (Int8Dot.default_config(), False)])
+def test_lora_adapters_run_on_their_linears_exact_dot(dot, adapter_dot):
+    # A rank-3 adapter's matmuls ([24, 16] @ [16, 3], [24, 3] @ [3, out]) on oneMKL, with
+    # the adapters' gradients of XLA's dots; a quantizing dot stays on the base weight.
+    cfg = use_lora(llama_config(V, D, 2, 4, 2, 24, rope_theta=100.0), rank=3)
+    ref_model, model = cfg.instantiate(), use_dot(cfg.clone(), dot).instantiate()
+    adapter = model.decoder.transformer.layer.self_attention.q_proj.adapter
+    assert (adapter._dot is not None) == adapter_dot
+    if not adapter_dot:
+        return
+    params = ref_model.initialize_parameters_recursively(jax.random.key(0))
+    params = jax.tree.map(lambda x: x + 0.01, params)  # lora_b starts at zero.
+    batch = _batch()
+    (rloss, _), rg = _loss_and_grads(ref_model, params, batch)[0]
+    ((loss, _), g), text = _loss_and_grads(model, params, batch)
+    assert "tensor<24x16xf32>, tensor<16x3xf32>) -> tensor<24x3xf32>" in text
     np.testing.assert_allclose(loss, rloss, rtol=1e-5)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g), jax.tree.leaves(rg)):
         scale = float(jnp.abs(b).max()) + 1e-12

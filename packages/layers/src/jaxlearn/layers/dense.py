@@ -49,8 +49,13 @@ class DotGeneral(Configurable):
     """Base of injectable dots (int8/fp8 subclasses live in quantized.py).
 
     `__call__(x2d [tokens, in], w2d [in, out]) -> [tokens, out]`. Both operands arrive in
-    the compute dtype. This base is the default: the custom-VJP `matmul`.
+    the compute dtype. This base is the default: the custom-VJP `matmul`. `exact`: the
+    product of the operands as given (another implementation of the same dot), not a
+    simulation of lower precision as the quantizing dots are; a LoRA adapter runs on its
+    Linear's dot only when it is exact.
     """
+
+    exact = True
 
     class Config(Configurable.Config):
         pass

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxlearn.config import REQUIRED, ConfigBase
-from jaxlearn.layers.dense import Linear, dims, matmul
+from jaxlearn.layers.dense import DotGeneral, Linear, dims, matmul, maybe_dot
 from jaxlearn.module import FanAxes, Module, ParameterSpec, VarianceScaling, fold_in_name, zeros
 
 # Learner `trainable` regex (over "/"-joined param paths) selecting every adapter.
@@ -68,11 +68,15 @@ class LoraAdapter(Module):
         rank: int = 8
         alpha: float = 16.0
         dropout: float = 0.0
+        # The dot of both matmuls (None: the default `matmul`); `LoraLinear` passes its own
+        # when that is exact (`DotGeneral.exact`: e.g. `SgemmDot`, not a quantizing dot).
+        dot: Optional[DotGeneral.Config] = None
 
     def __init__(self, cfg: "LoraAdapter.Config", *, parent: Optional[Module] = None):
         super().__init__(cfg, parent=parent)
         c = self.config
         check_lora_settings(self.path(), c.rank, c.alpha, c.dropout)
+        self._dot = maybe_dot(c.dot)
 
     @property
     def scale(self) -> float:
@@ -104,8 +108,13 @@ class LoraAdapter(Module):
                                         x.shape)
             x = jnp.where(keep, x / (1.0 - c.dropout), 0).astype(x.dtype)
         p = self.parameters
-        h = matmul(x, p["lora_a"].reshape(k, c.rank))  # [tokens, rank]
-        y = self.scale * matmul(h, p["lora_b"].reshape(c.rank, n), jnp.float32)
+        a, b = p["lora_a"].reshape(k, c.rank), p["lora_b"].reshape(c.rank, n)
+        if self._dot is None:
+            h = matmul(x, a)  # [tokens, rank]
+            y = self.scale * matmul(h, b, jnp.float32)
+        else:  # E.g. oneMKL's sgemm: XLA:CPU's dots are slow at rank-wide shapes.
+            h = self._dot(x, a.astype(x.dtype))
+            y = self.scale * self._dot(h, b.astype(h.dtype)).astype(jnp.float32)
         return y.reshape(*lead, *outs)
 
 
@@ -120,7 +129,8 @@ class LoraLinear(Linear):
         c = self.config
         self._add_child("adapter", LoraAdapter.default_config().set(
             input_dim=c.input_dim, output_dim=c.output_dim, weight_axes=tuple(c.weight_axes),
-            rank=c.lora_rank, alpha=c.lora_alpha, dropout=c.lora_dropout))
+            rank=c.lora_rank, alpha=c.lora_alpha, dropout=c.lora_dropout,
+            dot=c.dot if c.dot is not None and c.dot.klass.exact else None))
 
     def _params(self) -> Any:
         return {k: v if isinstance(v, dict) else jax.lax.stop_gradient(v)

@@ -49,6 +49,8 @@ class Int8Dot(DotGeneral):
     """int8 x int8 -> int32 dot with per-channel symmetric scales and a straight-through
     gradient (AQT). `bits` (2..8) narrows the integer range, e.g. 4 for int4-in-int8."""
 
+    exact = False
+
     class Config(DotGeneral.Config):
         bits: int = 8
 
@@ -71,6 +73,8 @@ class Fp8Dot(DotGeneral):
     amax_history_length: steps of amax kept for delayed scaling.
     margin: the scale is multiplied by 2**margin (headroom against overflow).
     """
+
+    exact = False
 
     class Config(DotGeneral.Config):
         scaling: str = "current"
