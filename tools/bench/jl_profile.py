@@ -201,7 +201,8 @@ def main() -> None:
         meta = re.search(r'op_name="([^"]*)"', lines.get(name, ""))
         print(f"  {us / args.steps / 1e3:8.2f}  {name:34s} {shapes.get(name, '')[:40]:40s} "
               f"{(meta.group(1) if meta else '')[-60:]}")
-    emit(bench="profile", framework="jaxlearn", model=args.config or args.model, dtype=args.dtype,
+    emit(bench="profile", framework="jaxlearn", model=args.config or args.model,
+         dtype=None if args.config else args.dtype,
          overrides=list(args.set), compiled_flops=float(cost.get("flops", 0.0)),
          op_ms_per_step=rnd(total), ops_busy_ms=rnd(busy), two_ops_ms=rnd(both),
          categories={k: rnd(v) for k, v in cats.items()},

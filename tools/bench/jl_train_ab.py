@@ -144,7 +144,8 @@ def main() -> None:
             f"per round {' '.join(f'{x:.2f}' for x in paired)} (median {med(paired):.3f}x)")
     emit(bench="train_ab", framework="jaxlearn", version=jax.__version__,
          model=args.config or args.model,
-         dtype=args.dtype, stack=args.stack, layers=None if args.config else c["layers"],
+         dtype=None if args.config else args.dtype,  # A recipe's: its config's.
+         stack=args.stack, layers=None if args.config else c["layers"],
          batch=int(runs[0]["batch"]["input_ids"].shape[0]),
          seq=int(runs[0]["batch"]["input_ids"].shape[1]),
          rounds=args.rounds, variants=out, tag=args.tag, wall_time=time.time())
