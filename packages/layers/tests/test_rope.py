@@ -101,7 +101,6 @@ def test_rope_keeps_dtype():
     assert rope(x, jnp.zeros((1, 2), jnp.int32)).dtype == jnp.bfloat16
 
 
-
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's fusion decisions")
 def test_tables_are_computed_once_per_program():
     """q and k of four layers, forward and backward: one cos and one sin in the compiled

@@ -215,8 +215,8 @@ def _computed_once(cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array
     recomputed for every head, in every layer, forward and backward (XLA CSEs the layers'
     identical tables into one). An optimization barrier keeps them apart on GPU and TPU;
     XLA:CPU expands barriers before it fuses, so there a product with the identity (exact:
-    products with 1 and sums of zeros) is the fence: XLA:CPU fuses no elementwise producer
-    into a dot's consumers. SmolLM2-135M f32 step: the trig in 120 loop fusions, ~0.3 s of
+    products with 1 and sums of zeros) is the fence: XLA:CPU fuses no elementwise op
+    through a dot. SmolLM2-135M f32 step: the trig in 120 loop fusions, ~0.3 s of
     op time per step, before the fence. A one-token step (decode) has nothing to save."""
     cos, sin = jax.lax.optimization_barrier((cos, sin))
     if jax.default_backend() != "cpu" or cos.shape[1] == 1:
