@@ -22,43 +22,22 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
+import pkgutil
 import time
-from typing import Any, Iterator
+from typing import Any
+from unittest import mock
 
 from common import Timer, emit, log, med, model_cfg, rnd
 from jl_train import build_trainer, random_batch, recipe_trainer
 
 
-def resolve(path: str) -> tuple[Any, str]:
-    """(owner, attribute) of "pkg.mod.Attr.attr" (the longest importable module prefix)."""
-    parts = path.split(".")
-    for i in range(len(parts) - 1, 0, -1):
-        try:
-            owner = importlib.import_module(".".join(parts[:i]))
-        except ImportError:
-            continue
-        for attr in parts[i:-1]:
-            owner = getattr(owner, attr)
-        return owner, parts[-1]
-    raise ValueError(f"--patch: no module in {path!r}")
-
-
-@contextlib.contextmanager
-def patched(specs: list[str]) -> Iterator[None]:
-    """Each "MOD.ATTR=MOD2.ATTR2" set while inside, restored after."""
-    saved = []
+def patched(specs: list[str]) -> contextlib.ExitStack:
+    """Each "MOD.ATTR=MOD2.ATTR2" set while inside (`unittest.mock.patch`), restored after."""
+    stack = contextlib.ExitStack()
     for spec in specs:
         target, _, source = spec.partition("=")
-        owner, attr = resolve(target)
-        src_owner, src_attr = resolve(source)
-        saved.append((owner, attr, getattr(owner, attr)))
-        setattr(owner, attr, getattr(src_owner, src_attr))
-    try:
-        yield
-    finally:
-        for owner, attr, value in reversed(saved):
-            setattr(owner, attr, value)
+        stack.enter_context(mock.patch(target, pkgutil.resolve_name(source)))
+    return stack
 
 
 def build_variant(args: argparse.Namespace, c: dict[str, Any], name: str,
