@@ -71,20 +71,38 @@ def test_larger_blocks_and_an_empty_depth() -> None:
     np.testing.assert_array_equal(np.asarray(empty), np.zeros((3, 5), np.float32))
 
 
-@pytest.mark.parametrize("nt", [False, True])
-def test_matmul_gradients_match_xla_autodiff(nt: bool) -> None:
-    """`sgemm_matmul` (w [in, out]) and `sgemm_matmul_nt` (w [out, in], used as w^T)."""
+@settings(max_examples=15, deadline=None)
+@given(batch=st.integers(1, 11), m=st.integers(1, 40), k=st.integers(1, 24),
+       n=st.integers(1, 40), ta=st.booleans(), tb=st.booleans(), seed=st.integers(0, 2**16))
+def test_batched_operands_match_numpy_per_entry(batch: int, m: int, k: int, n: int, ta: bool,
+                                                tb: bool, seed: int) -> None:
+    # [batch, ...] operands: one GEMM per entry, the entries split over the pool (more
+    # entries than the call's parts, and fewer).
+    rng = np.random.default_rng(seed)
+    pairs = [_operands(rng, m, k, n, ta, tb) for _ in range(batch)]
+    a, b = np.stack([p[0] for p in pairs]), np.stack([p[1] for p in pairs])
+    c = jax.jit(lambda x, y: sgemm(x, y, trans_a=ta, trans_b=tb))(a, b)
+    assert c.shape == (batch, m, n)
+    for i, (ai, bi) in enumerate(pairs):
+        np.testing.assert_allclose(np.asarray(c[i]), _reference(ai, bi, ta, tb), rtol=1e-5,
+                                   atol=1e-4, err_msg=f"entry {i}")
+
+
+@pytest.mark.parametrize("nt,batch", [(False, ()), (True, ()), (False, (5,)), (True, (5,))])
+def test_matmul_gradients_match_xla_autodiff(nt: bool, batch: tuple[int, ...]) -> None:
+    """`sgemm_matmul` (w [in, out]) and `sgemm_matmul_nt` (w [out, in], used as w^T), 2-D
+    and batched ([5, ...]: attention's products)."""
     rng = np.random.default_rng(1)
-    x = jnp.asarray(rng.standard_normal((37, 24)), jnp.float32)
-    w = jnp.asarray(rng.standard_normal((19, 24) if nt else (24, 19)), jnp.float32)
-    t = jnp.asarray(rng.standard_normal((37, 19)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((*batch, 37, 24)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((*batch, *((19, 24) if nt else (24, 19)))), jnp.float32)
+    t = jnp.asarray(rng.standard_normal((*batch, 37, 19)), jnp.float32)
     ours = sgemm_matmul_nt if nt else sgemm_matmul
 
     def loss(dot, x, w):  # A non-trivial cotangent: d loss / d y = t * cos(y).
         return jnp.sum(jnp.sin(dot(x, w)) * t)
 
     def xla(a, b):
-        return jnp.dot(a, b.T if nt else b, precision="highest")
+        return jnp.matmul(a, jnp.swapaxes(b, -1, -2) if nt else b, precision="highest")
 
     got = jax.jit(jax.value_and_grad(lambda x, w: loss(ours, x, w), (0, 1)))(x, w)
     ref = jax.value_and_grad(lambda x, w: loss(xla, x, w), (0, 1))(x, w)
@@ -96,10 +114,12 @@ def test_matmul_gradients_match_xla_autodiff(nt: bool) -> None:
 @pytest.mark.parametrize("a_shape,b_shape,kw,match", [
     ((4, 3), (5, 2), {}, r"op\(a\) is \[4, 3\] but op\(b\) is \[5, 2\]"),
     ((4, 3), (2, 5), {"trans_b": True}, r"op\(a\) is \[4, 3\] but op\(b\) is \[5, 2\]"),
-    ((2, 4, 3), (3, 2), {}, r"2-D float32, got float32\[2, 4, 3\]"),
+    ((2, 4, 3), (3, 2), {}, r"both 3-D with one batch, got float32\[2, 4, 3\]"),
+    ((2, 4, 3), (3, 3, 2), {}, r"both 3-D with one batch, got float32\[2, 4, 3\] and "),
+    ((2, 2, 4, 3), (2, 2, 3, 2), {}, r"float32\[2, 2, 4, 3\]"),
 ])
 def test_bad_operands_name_the_shapes(a_shape, b_shape, kw, match) -> None:
     with pytest.raises(ValueError, match=match):
         sgemm(jnp.zeros(a_shape), jnp.zeros(b_shape), **kw)
-    with pytest.raises(ValueError, match=r"2-D float32, got bfloat16\[4, 3\]"):
+    with pytest.raises(ValueError, match=r"one batch, got bfloat16\[4, 3\]"):
         sgemm(jnp.zeros((4, 3), jnp.bfloat16), jnp.zeros((3, 2)))

@@ -71,6 +71,8 @@ def test_model_on_sgemm_equals_xla_dots(chunk, tie, moe):
     # The experts keep their path (ragged_dot lowers to a loop on CPU), not a dense one.
     assert text.count("stablehlo.while") == ref_text.count("stablehlo.while")
     assert mkl.SGEMM_TARGET in text and mkl.SGEMM_TARGET not in ref_text
+    # Attention's q.k per (batch, kv head): [2 x 2, 2 heads x 12, 4] @ [4, 12, 4]^T.
+    assert "tensor<4x24x4xf32>, tensor<4x12x4xf32>) -> tensor<4x24x12xf32>" in text
     if tie and chunk is None:  # The head reads the table as stored (trans_b), no copy.
         assert f"tensor<{V}x{D}xf32>) -> tensor<{D}x{V}xf32>" not in text
     for k in ("loss", "cross_entropy", "z_loss", "accuracy", "num_tokens"):

@@ -3,13 +3,17 @@ matmul whose forward and backward dots all run there: the dense dots of an f32 t
 step on Intel CPUs, where oneMKL's f32 GEMM is faster than XLA:CPU's (YNNPACK) dots
 (`tools/bench/README.md`, f32 training).
 
-    sgemm(a, b, trans_a=False, trans_b=False) -> op(a) @ op(b)   a, b f32 2-D -> f32 2-D
+    sgemm(a, b, trans_a=False, trans_b=False) -> op(a) @ op(b)   a, b f32 2-D (or 3-D)
     sgemm_matmul(x [tokens, in], w [in, out]) -> [tokens, out]   (f32, custom VJP)
     sgemm_matmul_nt(x [tokens, in], w [out, in]) -> x @ w^T      (a tied LM head's table)
 
-Each call splits c into row or column blocks (the longer side, `_BLOCKS_PER_CPU` per CPU)
-that run as tasks on XLA's intra-op pool, oneMKL sequential inside each; the call is
-asynchronous (an FFI future), so XLA runs the program's other ready ops meanwhile. The
+The two matmuls take 3-D operands too ([batch, ...], one GEMM per batch entry: attention's
+products per (batch, kv head)).
+
+Each call splits c into row or column blocks (the longer side, `_BLOCKS_PER_CPU` per CPU;
+batched: ranges of the batch) that run as tasks on XLA's intra-op pool, oneMKL sequential
+inside each; the call is asynchronous (an FFI future), so XLA runs the program's other
+ready ops meanwhile. The
 FFI call is opaque to XLA's SPMD partitioner, which gathers sharded operands around it:
 it is meant for one-device programs (the CPU mesh rule), not for sharded ones.
 """
@@ -49,20 +53,22 @@ def sgemm_runs() -> bool:
 
 def sgemm(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = False
           ) -> jax.Array:
-    """op(a) [m, k] @ op(b) [k, n] -> [m, n] f32 on oneMKL, op = transpose when asked.
+    """op(a) [m, k] @ op(b) [k, n] -> [m, n] f32 on oneMKL, op = transpose when asked (of
+    the last two dims: 3-D operands [batch, ...] with the same batch give [batch, m, n]).
 
-    Raises ValueError naming the shapes when they do not chain or are not 2-D f32, and
-    RuntimeError (one line) when oneMKL cannot run here."""
-    if a.ndim != 2 or b.ndim != 2 or a.dtype != _F32 or b.dtype != _F32:
-        raise ValueError(f"sgemm: a and b must be 2-D float32, got {a.dtype}{list(a.shape)} "
-                         f"and {b.dtype}{list(b.shape)}")
-    m, k = (a.shape[1], a.shape[0]) if trans_a else a.shape
-    kb, n = (b.shape[1], b.shape[0]) if trans_b else b.shape
+    Raises ValueError naming the shapes when they do not chain or are not 2-D / 3-D f32,
+    and RuntimeError (one line) when oneMKL cannot run here."""
+    if (a.ndim not in (2, 3) or b.ndim != a.ndim or a.dtype != _F32 or b.dtype != _F32
+            or a.shape[:-2] != b.shape[:-2]):
+        raise ValueError(f"sgemm: a and b must be float32, both 2-D or both 3-D with one "
+                         f"batch, got {a.dtype}{list(a.shape)} and {b.dtype}{list(b.shape)}")
+    m, k = (a.shape[-1], a.shape[-2]) if trans_a else a.shape[-2:]
+    kb, n = (b.shape[-1], b.shape[-2]) if trans_b else b.shape[-2:]
     if k != kb:
         raise ValueError(f"sgemm: op(a) is [{m}, {k}] but op(b) is [{kb}, {n}]")
     if mkl.library() is None:
         raise RuntimeError(f"sgemm: oneMKL does not run here: {mkl.unavailable_reason()}")
-    out = jax.ShapeDtypeStruct((m, n), _F32)
+    out = jax.ShapeDtypeStruct((*a.shape[:-2], m, n), _F32)
     return jax.ffi.ffi_call(mkl.SGEMM_TARGET, out)(
         a, b, trans_a=bool(trans_a), trans_b=bool(trans_b),
         parts=np.int32(_BLOCKS_PER_CPU * mkl.host_threads()))

@@ -9,6 +9,7 @@ only, so packed sequences restart positions while the causal mask stays per toke
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import jax
@@ -17,7 +18,7 @@ from jax import lax
 
 from jaxlearn.config import REQUIRED, InstantiableConfig
 from jaxlearn.kernels import blockwise_attention, paged, ring_attention, segments_visible
-from jaxlearn.layers.dense import Linear, einsum
+from jaxlearn.layers.dense import DotGeneral, Linear, einsum, maybe_dot
 from jaxlearn.layers.rope import RotaryEmbedding
 from jaxlearn.module import Module, logical_partition_spec, with_logical_constraint
 
@@ -94,6 +95,9 @@ class Attention(Module):
         block_k: int = 512
         blockwise_min_seq: int = 1024
         paged_kernel: str = "xla"  # Over a paged KV cache: `paged.attend_pages(kernel=)`.
+        # The core's f32 products (q.k and p.v per batch and kv head) run on this dot when
+        # it is exact (`SgemmDot`: oneMKL, the CPU rule); None: XLA's einsums.
+        dot: Optional[DotGeneral.Config] = None
         q_proj: Optional[InstantiableConfig] = Linear.default_config()
         k_proj: Optional[InstantiableConfig] = Linear.default_config()
         v_proj: Optional[InstantiableConfig] = Linear.default_config()
@@ -130,6 +134,7 @@ class Attention(Module):
         if c.head_dim is None and c.input_dim % c.num_heads:
             raise ValueError(f"{where}: input_dim {c.input_dim} % num_heads {c.num_heads} != 0")
         self._add_projections()
+        self._dot = maybe_dot(c.dot)
         self._rope = c.rope.instantiate() if c.rope is not None else None
         if c.qk_norm is not None:
             norm = c.qk_norm.clone(input_dim=self.head_dim)
@@ -393,6 +398,8 @@ class Attention(Module):
             ein = lambda spec, a, w, out=None: jnp.einsum(  # noqa: E731
                 spec, a, w, preferred_element_type=jnp.float32
             ).astype(out or a.dtype)
+            if self._dot is not None and self._dot.exact:
+                ein = functools.partial(_batched, self._dot)
         logits = ein("bkgsd,bktd->bkgst", qg, k, jnp.float32) * scale
         if c.logit_soft_cap is not None:
             logits = c.logit_soft_cap * jnp.tanh(logits / c.logit_soft_cap)
@@ -400,6 +407,16 @@ class Attention(Module):
         probs = jax.nn.softmax(logits, axis=-1).astype(q.dtype)
         o = ein("bkgst,bktd->bkgsd", probs, v)
         return o.transpose(0, 3, 1, 2, 4)[:, :s].reshape(b, s, h, d)
+
+
+def _batched(dot: DotGeneral, spec: str, a: jax.Array, w: jax.Array, out: Any = None
+             ) -> jax.Array:
+    """`_core`'s two einsums on `dot.batched`: a [b, kv, g, s, d | t] with w [b, kv, t, d]
+    -> [b, kv, g, s, t | d]."""
+    n = a.shape[0] * a.shape[1]
+    y = dot.batched(a.reshape(n, -1, a.shape[-1]), w.reshape(n, *w.shape[2:]),
+                    nt=spec.startswith("bkgsd"))
+    return y.reshape(*a.shape[:-1], y.shape[-1])
 
 
 def _write(buf: jax.Array, new: jax.Array, time_step: jax.Array) -> jax.Array:

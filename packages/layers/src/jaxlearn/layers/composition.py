@@ -79,8 +79,9 @@ def set_norm(cfg: Any, norm: ConfigBase) -> Any:
 
 def use_dot(cfg: Any, dot: Optional[ConfigBase], *, of: Optional[type] = None) -> Any:
     """Every dense layer (attention projections, FFN/expert matmuls, LM head) uses `dot`,
-    e.g. Int8Dot / Fp8Dot configs; None restores the default bf16-friendly matmul. `of`:
-    only the layers whose dot is of that class (serving: `use_dot(cfg, None, of=SgemmDot)`,
+    e.g. Int8Dot / Fp8Dot configs, and so does every attention core (its f32 products take
+    an exact one: `SgemmDot`); None restores the default bf16-friendly matmul. `of`: only
+    the layers whose dot is of that class (serving: `use_dot(cfg, None, of=SgemmDot)`,
     since `SgemmDot` only chooses where a training step's f32 dots run)."""
     new = cfg.clone()
 

@@ -67,6 +67,11 @@ class DotGeneral(Configurable):
         """x [tokens, in] @ w [out, in]^T (a tied LM head on its table as stored)."""
         return self(x, w.T)
 
+    def batched(self, a: jax.Array, b: jax.Array, nt: bool = False) -> jax.Array:
+        """a [B, m, k] @ b [B, k, n] (nt: b [B, n, k]) -> [B, m, n], f32 (attention's
+        products per batch and kv head); the default: XLA's batched dot."""
+        return jnp.einsum("bmk,bnk->bmn" if nt else "bmk,bkn->bmn", a, b)
+
 
 class SgemmDot(DotGeneral):
     """f32 dots on oneMKL's `cblas_sgemm`, the backward's dx and dW too
@@ -103,6 +108,11 @@ class SgemmDot(DotGeneral):
         if x.dtype == w.dtype and self.gemm(x.dtype) is not None:
             return sgemm_lib.sgemm_matmul_nt(x, w)
         return matmul_nt(x, w)
+
+    def batched(self, a: jax.Array, b: jax.Array, nt: bool = False) -> jax.Array:
+        if a.dtype == b.dtype and self.gemm(a.dtype) is not None:
+            return (sgemm_lib.sgemm_matmul_nt if nt else sgemm_lib.sgemm_matmul)(a, b)
+        return super().batched(a, b, nt)
 
 
 def dense(

@@ -26,7 +26,8 @@
 //
 //   c[M, N] f32 = op(a) @ op(b),   op(t) = t or t^T (attributes trans_a, trans_b)
 //
-// split into `parts` row or column blocks (the longer side of c), each a task on the pool;
+// split into `parts` row or column blocks (the longer side of c), each a task on the pool
+// (rank-3 operands: one such GEMM per leading batch entry, the entries split into parts);
 // the handler returns an FFI future at once (asynchronous: see SgemmImpl).
 //
 // MKL is opened at run time (jl_init) and runs sequentially; the packed GEMMs' column
@@ -263,6 +264,29 @@ ffi::Future Failed(ffi::Error error) {
   return ffi::Future(promise);
 }
 
+// Rank-3 operands ([batch, ...] each, the same batch): one GEMM per batch entry, the
+// entries split into `parts` contiguous ranges, each a pool task (attention's products).
+ffi::Future SgemmBatched(ffi::ThreadPool& pool, const float* a0, const float* b0, float* cd,
+                         int64_t batch, int64_t m, int64_t n, int64_t k, MklInt lda, MklInt ldb,
+                         int ta, int tb, int64_t a_step, int64_t b_step, int32_t parts) {
+  ffi::Promise done;
+  ffi::Future future(done);
+  const int64_t tasks = std::min<int64_t>(std::max<int32_t>(parts, 1), batch);
+  const int64_t per = (batch + tasks - 1) / tasks;
+  const int64_t blocks = (batch + per - 1) / per;
+  ffi::CountDownPromise left(done, blocks);
+  for (int64_t i = 0; i < blocks; ++i) {
+    pool.Schedule([=]() mutable {
+      for (int64_t e = i * per; e < std::min(batch, (i + 1) * per); ++e) {
+        mkl.sgemm(kRowMajor, ta, tb, m, n, k, 1.0f, a0 + e * a_step, lda, b0 + e * b_step, ldb,
+                  0.0f, cd + e * m * n, n);
+      }
+      left.CountDown();
+    });
+  }
+  return future;
+}
+
 // Asynchronous: the blocks are pool tasks and the call returns at once, so XLA's executor
 // goes on with the program's other ready ops (norms, activations, the optimizer's
 // elementwise work) while the GEMM runs; a synchronous call would hold the executor and
@@ -271,27 +295,36 @@ ffi::Future SgemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::Buffer
                       ffi::ResultBuffer<ffi::F32> c, bool trans_a, bool trans_b,
                       int32_t parts) {
   auto ad = a.dimensions(), bd = b.dimensions();
-  if (ad.size() != 2 || bd.size() != 2) {
-    return Failed(ffi::Error::InvalidArgument("jl_sgemm: a and b must be 2-D"));
+  const size_t r = ad.size();
+  if (r < 2 || r > 3 || bd.size() != r || (r == 3 && ad[0] != bd[0])) {
+    return Failed(ffi::Error::InvalidArgument(
+        "jl_sgemm: a and b must be 2-D, or 3-D with the same leading (batch) dimension"));
   }
-  const int64_t m = trans_a ? ad[1] : ad[0], k = trans_a ? ad[0] : ad[1];
-  const int64_t n = trans_b ? bd[0] : bd[1], kb = trans_b ? bd[1] : bd[0];
+  const int64_t batch = r == 3 ? ad[0] : 1, ar = ad[r - 2], ac = ad[r - 1];
+  const int64_t br = bd[r - 2], bc = bd[r - 1];
+  const int64_t m = trans_a ? ac : ar, k = trans_a ? ar : ac;
+  const int64_t n = trans_b ? br : bc, kb = trans_b ? bc : br;
   if (k != kb || m > INT32_MAX || n > INT32_MAX || k > INT32_MAX) {
     return Failed(ffi::Error::InvalidArgument(
         "jl_sgemm: op(a) is [" + std::to_string(m) + ", " + std::to_string(k) +
         "] but op(b) has " + std::to_string(kb) + " rows"));
   }
   float* cd = c->typed_data();
-  ffi::Promise done;
-  ffi::Future future(done);
-  if (m == 0 || n == 0 || k == 0) {
-    std::fill(cd, cd + m * n, 0.0f);
+  if (batch == 0 || m == 0 || n == 0 || k == 0) {
+    std::fill(cd, cd + batch * m * n, 0.0f);
+    ffi::Promise done;
     done.SetAvailable();
-    return future;
+    return ffi::Future(done);
   }
   const float *a0 = a.typed_data(), *b0 = b.typed_data();
-  const MklInt lda = static_cast<MklInt>(ad[1]), ldb = static_cast<MklInt>(bd[1]);
+  const MklInt lda = static_cast<MklInt>(ac), ldb = static_cast<MklInt>(bc);
   const int ta = trans_a ? kTrans : kNoTrans, tb = trans_b ? kTrans : kNoTrans;
+  if (r == 3) {
+    return SgemmBatched(pool, a0, b0, cd, batch, m, n, k, lda, ldb, ta, tb, ar * ac, br * bc,
+                        parts);
+  }
+  ffi::Promise done;
+  ffi::Future future(done);
   // Blocks of the longer side of c, in multiples of 16 (one AVX-512 register of floats).
   const bool by_rows = m >= n;
   const int64_t side = by_rows ? m : n, p = std::max<int32_t>(parts, 1);
