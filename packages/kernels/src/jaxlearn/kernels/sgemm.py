@@ -13,9 +13,9 @@ products per (batch, kv head)).
 Each call splits c into row or column blocks (the longer side, `_BLOCKS_PER_CPU` per CPU;
 batched: ranges of the batch) that run as tasks on XLA's intra-op pool, oneMKL sequential
 inside each; the call is asynchronous (an FFI future), so XLA runs the program's other
-ready ops meanwhile. The
-FFI call is opaque to XLA's SPMD partitioner, which gathers sharded operands around it:
-it is meant for one-device programs (the CPU mesh rule), not for sharded ones.
+ready ops meanwhile. The FFI call is opaque to XLA's SPMD partitioner, which gathers
+sharded operands around it: it is meant for one-device programs (the CPU mesh rule), not
+for sharded ones.
 """
 
 from __future__ import annotations
