@@ -319,7 +319,7 @@ ffi::Future SgemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::Buffer
   const float *a0 = a.typed_data(), *b0 = b.typed_data();
   const MklInt lda = static_cast<MklInt>(ac), ldb = static_cast<MklInt>(bc);
   const int ta = trans_a ? kTrans : kNoTrans, tb = trans_b ? kTrans : kNoTrans;
-  if (r == 3) {
+  if (batch > 1) {  // One entry: the 2-D split below, over its rows or columns.
     return SgemmBatched(pool, a0, b0, cd, batch, m, n, k, lda, ldb, ta, tb, ar * ac, br * bc,
                         parts);
   }
