@@ -1,7 +1,8 @@
 """The chunked LM head + cross entropy (`chunked_loss`) against the plain loss over full
 logits and against numpy: value, metrics and gradients (x, head weight, every param) in
 f32 and bf16, with target_weights, ignored labels, z-loss, a logit soft cap, a tied head,
-and an uneven chunking."""
+an uneven chunking, and compacted chunks (weight-0 tokens skipped) in either weight
+layout."""
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +60,59 @@ def test_value_and_grad_match_plain_f32(z, cap, chunk):
     assert float(fused(x, w)) == pytest.approx(float(rv), rel=1e-5)  # the value-only path
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("cap", [None, 5.0])
+def test_compacted_chunks_match_plain(transposed, cap):
+    """Rows of prompt (weight 0) and answer tokens, one row all weight 0: the compacted,
+    chunk-skipping loss gives the plain loss's value and gradients, in either layout."""
+    x, w, labels, weights = _data(5)
+    weights = weights.at[:, : S // 2].set(0.0).at[1].set(0.0)
+
+    def fused(x, w):
+        return head_cross_entropy(x, w.T if transposed else w, labels, weights, z_loss_weight=1e-2,
+                                  soft_cap=cap, chunk_tokens=4, compact=True,
+                                  transposed=transposed)["total"]
+
+    v, (gx, gw) = jax.value_and_grad(fused, (0, 1))(x, w)
+    rv, (rgx, rgw) = jax.value_and_grad(_plain, (0, 1))(x, w, labels, weights, 1e-2, cap)
+    np.testing.assert_allclose(v, rv, rtol=1e-5)
+    np.testing.assert_allclose(gx, rgx, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(gw, rgw, rtol=1e-4, atol=1e-6)
+    assert float(fused(x, w)) == pytest.approx(float(rv), rel=1e-5)  # the value-only path
+
+
+@pytest.mark.parametrize("compact,grad_chunks,value_chunks", [(False, 6, 6), (True, 2, 2)])
+def test_compaction_skips_the_chunks_of_weight_0_tokens(compact, grad_chunks, value_chunks):
+    """Weights on 3 of each row's 12 tokens (at different places), chunks of 2 x 2 tokens:
+    compacted, only the 2 chunks holding weighted tokens run their dots (counted as they
+    run, 3 per chunk with gradients, 1 without); uncompacted, all 6 do."""
+    x, w, labels, _ = _data(6)
+    weights = np.zeros((B, S), np.float32)
+    weights[0, [1, 5, 11]] = 1.0
+    weights[1, [0, 2, 3]] = 0.5
+    runs = []
+
+    def gemm(a, b, trans_a=False, trans_b=False):
+        jax.debug.callback(lambda: runs.append(1))
+        return jnp.dot(a.T if trans_a else a, b.T if trans_b else b)
+
+    def total(x, w):
+        return head_cross_entropy(x, w, labels, jnp.asarray(weights), chunk_tokens=4,
+                                  gemm=gemm, compact=compact)["total"]
+
+    v, (gx, _) = jax.jit(jax.value_and_grad(total, (0, 1)))(x, w)
+    jax.effects_barrier()
+    assert len(runs) == 3 * grad_chunks
+    runs.clear()
+    jax.block_until_ready(jax.jit(total)(x, w))
+    jax.effects_barrier()
+    assert len(runs) == value_chunks
+    rv, (rgx, _) = jax.value_and_grad(_plain, (0, 1))(x, w, labels, weights, 0.0, None)
+    np.testing.assert_allclose(v, rv, rtol=1e-5)
+    np.testing.assert_allclose(gx, rgx, rtol=1e-4, atol=1e-6)
+    assert not np.any(np.asarray(gx)[weights == 0])  # weight-0 tokens get no gradient
+
+
 def test_metrics_match_numpy():
     x, w, labels, weights = _data(1)
     out = head_cross_entropy(x, w, labels, weights, z_loss_weight=0.1, chunk_tokens=4)
@@ -102,9 +156,9 @@ def test_bad_shapes_are_named():
         head_cross_entropy(x, w, labels[:, :3], weights)
 
 
-def _model_loss(chunk, dtype, **kw):
+def _model_loss(chunk, dtype, compact=False, **kw):
     cfg = llama_config(V, D, 2, 4, 2, 24, rope_theta=100.0, z_loss_weight=1e-2, dtype=dtype, **kw)
-    cfg.loss_chunk_tokens = chunk
+    cfg.loss_chunk_tokens, cfg.loss_compact = chunk, compact
     model = cfg.instantiate()
     params = model.initialize_parameters_recursively(jax.random.key(0))
     _, _, labels, weights = _data(3)
@@ -118,10 +172,10 @@ def _model_loss(chunk, dtype, **kw):
     return jax.value_and_grad(loss, has_aux=True)(params)
 
 
-@pytest.mark.parametrize("tie", [False, True])
+@pytest.mark.parametrize("tie,compact", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("dtype", [None, "bfloat16"])
-def test_causal_lm_chunked_equals_plain(tie, dtype):
-    (loss, m), g = _model_loss(8, dtype, tie_embeddings=tie)
+def test_causal_lm_chunked_equals_plain(tie, compact, dtype):
+    (loss, m), g = _model_loss(8, dtype, compact, tie_embeddings=tie)
     (rloss, rm), rg = _model_loss(None, dtype, tie_embeddings=tie)
     tol = 1e-5 if dtype is None else 2e-3
     for k in ("loss", "cross_entropy", "z_loss", "accuracy", "num_tokens"):
@@ -133,7 +187,8 @@ def test_causal_lm_chunked_equals_plain(tie, dtype):
         np.testing.assert_allclose(a, b, atol=gtol * scale, err_msg=jax.tree_util.keystr(path))
 
 
-def test_sharded_over_batch_and_vocab_equals_unsharded():
+@pytest.mark.parametrize("compact", [False, True])
+def test_sharded_over_batch_and_vocab_equals_unsharded(compact):
     """x sharded over the batch (2 ways), w over the vocab (4 ways) on 8 fake devices."""
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -142,9 +197,8 @@ def test_sharded_over_batch_and_vocab_equals_unsharded():
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
 
     def total(x, w):
-        return head_cross_entropy(x, w, labels, weights, z_loss_weight=1e-2, chunk_tokens=8)[
-            "total"
-        ]
+        return head_cross_entropy(x, w, labels, weights, z_loss_weight=1e-2, chunk_tokens=8,
+                                  compact=compact)["total"]
 
     fn = jax.jit(jax.value_and_grad(total, (0, 1)))
     ref_v, (ref_gx, ref_gw) = fn(x, w)

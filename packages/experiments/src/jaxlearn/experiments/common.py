@@ -87,10 +87,15 @@ FAMILIES = {
 _LOSS_CHUNK_TOKENS = {"tpu": 2**18, "gpu": 2**16, "trn2": 2**18}
 
 
-def chunked_loss(tokens: int) -> Any:
+def chunked_loss(tokens: int, *, compact: bool = False) -> Any:
     """A modifier that computes the LM head and cross entropy `tokens` (global) tokens at a
-    time (`jaxlearn.kernels.chunked_loss`): the f32 logits of the whole batch never exist."""
-    return SetFieldsModifier.default_config().set(fields={"model.loss_chunk_tokens": tokens})
+    time (`jaxlearn.kernels.chunked_loss`): the f32 logits of the whole batch never exist.
+    `compact`: each row's weighted tokens first and the chunks of weight-0 tokens skipped
+    (SFT's prompts and padding cost no head FLOPs); not for sequence-sharded batches."""
+    fields: dict[str, Any] = {"model.loss_chunk_tokens": tokens}
+    if compact:
+        fields["model.loss_compact"] = True
+    return SetFieldsModifier.default_config().set(fields=fields)
 
 
 def onemkl_dots() -> Any:

@@ -16,6 +16,7 @@ from jaxlearn.experiments.common import (
     LAYER_PATH,
     STACK_PATH,
     chain,
+    chunked_loss,
     context_parallel_mesh_rules,
     large_model_mesh_rules,
     onemkl_dots,
@@ -256,10 +257,12 @@ def finetune_mesh_rules(cpu_seq_len: Optional[int] = 128) -> tuple[tuple[str, An
     slower), 128-token rows, and remat per layer only where the step would not fit half the
     host's memory without it (`RematToFitModifier`); where it fits, no remat and the layer
     scan unrolled (SmolLM2-135M, 8 x 128 tokens: ~3.0 GB estimated, 1.29x faster steps);
-    f32 dense dots on oneMKL where that is faster (`onemkl_dots`: Intel CPUs, one device).
-    With a BPE tokenizer the bundled chat rows are at most 98 tokens. On CPU each batch is
-    cut to its longest row in multiples of 32 tokens. `cpu_seq_len` None: the recipe's own
-    seq_len on CPU too."""
+    f32 dense dots on oneMKL where that is faster (`onemkl_dots`: Intel CPUs, one device),
+    and the head + loss in compacted chunks of 128 tokens, so the prompt tokens and the
+    padding (weight 0) cost no head FLOPs (`chunked_loss(compact=True)`). With a BPE
+    tokenizer the bundled chat rows are at most 98 tokens. On CPU each batch is cut to its
+    longest row in multiples of 32 tokens. `cpu_seq_len` None: the recipe's own seq_len on
+    CPU too."""
     bf16 = SetFieldsModifier.default_config().set(fields={"model.dtype": "bfloat16"})
     # Batches cut to their longest row (in multiples of 32 tokens) on CPU: short rows cost
     # what they hold (a compiled step per length, at most seq_len / 32 of them).
@@ -268,7 +271,8 @@ def finetune_mesh_rules(cpu_seq_len: Optional[int] = 128) -> tuple[tuple[str, An
         cpu["input.seq_len"] = cpu_seq_len
     laptop = SetFieldsModifier.default_config().set(fields=cpu)
     to_fit = RematToFitModifier.default_config().set(target=LAYER_PATH, stack=STACK_PATH)
-    return tuple((pattern, chain(rule, laptop, to_fit, onemkl_dots()) if pattern.startswith("cpu")
+    cpu_rules = (laptop, to_fit, onemkl_dots(), chunked_loss(128, compact=True))
+    return tuple((pattern, chain(rule, *cpu_rules) if pattern.startswith("cpu")
                   else chain(rule, bf16)) for pattern, rule in large_model_mesh_rules())
 
 

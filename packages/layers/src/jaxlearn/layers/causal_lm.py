@@ -48,6 +48,9 @@ class CausalLM(Module):
         # Tokens per chunk of the fused LM head + cross entropy (`chunked_loss`): the f32
         # logits of the whole batch are never held. None: the plain loss over full logits.
         loss_chunk_tokens: Optional[int] = None
+        # Chunked loss only: each row's weighted tokens first and the chunks of weight-0
+        # tokens (prompts, padding) skipped, for an unsharded or batch-sharded sequence.
+        loss_compact: bool = False
         # The model family this config is an instance of (`jaxlearn.families.registry`
         # name, e.g. "llama"), recorded by the recipe that built it; None for a model built
         # by hand. Checkpoint export reads it (a config with none is not exported).
@@ -87,7 +90,7 @@ class CausalLM(Module):
         ids, pos, seg = (input_batch.get(k) for k in ("input_ids", "positions", "segment_ids"))
         head = self.decoder.head_weight() if self.config.loss_chunk_tokens else None
         if head is not None:
-            w, dtype, gemm = head
+            w, dtype, gemm, transposed = head
             sums = head_cross_entropy(
                 self.decoder.hidden(ids, pos, seg).astype(dtype),
                 w,
@@ -97,6 +100,8 @@ class CausalLM(Module):
                 soft_cap=self.decoder.config.logits_soft_cap,
                 chunk_tokens=self.config.loss_chunk_tokens,
                 gemm=gemm,
+                transposed=transposed,
+                compact=self.config.loss_compact,
             )
             # The differentiable total carries the cross entropy and z-loss gradients.
             extra = sums["total"] - lax.stop_gradient(sums["total"])

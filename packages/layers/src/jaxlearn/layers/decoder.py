@@ -79,10 +79,11 @@ class Decoder(Module):
         x = self.transformer(self.emb(input_ids), positions, segment_ids)
         return self.output_norm(x)
 
-    def head_weight(self) -> Optional[tuple[Array, Any, Optional[Callable[..., Array]]]]:
-        """(weight [dim, vocab], compute dtype, the 2-D GEMM its dot runs on or None for
-        XLA's) when the head is a plain matmul (a bias-free `Linear` or the tied `Embedding`,
-        default dot or `SgemmDot`); else None (e.g. LoRA, int8, packed)."""
+    def head_weight(self) -> Optional[tuple[Array, Any, Optional[Callable[..., Array]], bool]]:
+        """(weight, compute dtype, the 2-D GEMM its dot runs on or None for XLA's, whether
+        the weight is [vocab, dim] (the tied table) rather than [dim, vocab]) when the head
+        is a plain matmul (a bias-free `Linear` or the tied `Embedding`, default dot or
+        `SgemmDot`); else None (e.g. LoRA, int8, packed)."""
         name = "emb" if self.config.lm_head is None else "lm_head"
         head = getattr(self, name)
         if type(head) not in (Linear, Embedding):
@@ -94,7 +95,7 @@ class Decoder(Module):
         if set(p) != {"weight"} or isinstance(p["weight"], PackedTable):
             return None
         gemm = None if dot is None else dot.gemm(head.dtype)
-        return (p["weight"].T if name == "emb" else p["weight"]), head.dtype, gemm
+        return p["weight"], head.dtype, gemm, name == "emb"
 
     def init_states(self, batch_size: int, max_len: int) -> Any:
         """Empty per-layer KV caches for `batch_size` sequences of up to `max_len` tokens."""
