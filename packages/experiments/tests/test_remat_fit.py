@@ -35,6 +35,16 @@ def test_cpu_rule_drops_remat_and_unrolls_where_the_step_fits():
     assert 2.5e9 < step_bytes_without_remat(cfg) < 4e9
 
 
+def test_estimate_counts_the_loss_buffers_of_one_chunk():
+    """Three f32 [tokens, vocab] loss buffers: of the whole batch (8 x 128 tokens) for the
+    plain loss, of one 128-token chunk for the CPU rule's chunked loss."""
+    cfg = _finetune("cpu-1", 64 << 30)
+    assert cfg.model.loss_chunk_tokens == 128
+    chunked = step_bytes_without_remat(cfg)
+    cfg.model.loss_chunk_tokens = None
+    assert step_bytes_without_remat(cfg) - chunked == 3 * (1024 - 128) * 49152 * 4
+
+
 @pytest.mark.parametrize("memory", [1 << 30, 8 << 30])
 def test_cpu_rule_remats_where_it_does_not_fit(memory):
     # 8 GiB: a budget of 4 GiB < 1.5 x the ~3 GB estimate.

@@ -271,7 +271,7 @@ def finetune_mesh_rules(cpu_seq_len: Optional[int] = 128) -> tuple[tuple[str, An
         cpu["input.seq_len"] = cpu_seq_len
     laptop = SetFieldsModifier.default_config().set(fields=cpu)
     to_fit = RematToFitModifier.default_config().set(target=LAYER_PATH, stack=STACK_PATH)
-    cpu_rules = (laptop, to_fit, onemkl_dots(), chunked_loss(128, compact=True))
+    cpu_rules = (laptop, chunked_loss(128, compact=True), to_fit, onemkl_dots())
     return tuple((pattern, chain(rule, *cpu_rules) if pattern.startswith("cpu")
                   else chain(rule, bf16)) for pattern, rule in large_model_mesh_rules())
 

@@ -12,7 +12,7 @@ The estimate (bytes, all on one host): the parameters, their gradients and AdamW
 moments (4 x the parameter bytes, as if every parameter trained: an over-count for LoRA),
 the activations the backward keeps with no remat (`jaxlearn.aot.estimate.
 activation_bytes`, einsum attention's [heads, seq] weights included) and three f32
-[tokens, vocab] buffers of the loss, times `safety` (1.5: the compiler's temporaries; the
+[tokens, vocab] buffers of the loss (tokens of one chunk under `loss_chunk_tokens`), times `safety` (1.5: the compiler's temporaries; the
 SmolLM2 step above needs 4.4 GB by XLA's buffer assignment, estimated 3.6 GB).
 The budget is `memory_fraction` of the host's memory (`host_memory_bytes`).
 """
@@ -79,9 +79,11 @@ def step_bytes_without_remat(cfg: ConfigBase) -> int:
     tokens = batch * shape.seq_len
     state = 4 * sum(math.prod(s.shape) for s in specs) * shape.param_bytes
     acts = activation_bytes(shape, tokens, 1, "none", "einsum")
-    emb = find_int_field(cfg.model, "num_embeddings")
-    vocab = int(getattr(emb, "num_embeddings", 0) or 0)
-    return state + acts + 3 * tokens * vocab * 4
+    # The decoder's vocab_size (its embedding's num_embeddings is filled from it).
+    owner = find_int_field(cfg.model, "vocab_size") or find_int_field(cfg.model, "num_embeddings")
+    vocab = int(getattr(owner, "vocab_size", 0) or getattr(owner, "num_embeddings", 0) or 0)
+    loss_tokens = min(tokens, getattr(cfg.model, "loss_chunk_tokens", None) or tokens)
+    return state + acts + 3 * loss_tokens * vocab * 4
 
 
 class RematToFitModifier(ConfigModifier):
