@@ -12,8 +12,9 @@ The estimate (bytes, all on one host): the parameters, their gradients and AdamW
 moments (4 x the parameter bytes, as if every parameter trained: an over-count for LoRA),
 the activations the backward keeps with no remat (`jaxlearn.aot.estimate.
 activation_bytes`, einsum attention's [heads, seq] weights included) and three f32
-[tokens, vocab] buffers of the loss (tokens of one chunk under `loss_chunk_tokens`), times `safety` (1.5: the compiler's temporaries; the
-SmolLM2 step above needs 4.4 GB by XLA's buffer assignment, estimated 3.6 GB).
+[tokens, vocab] buffers of the loss (the tokens of one chunk under `loss_chunk_tokens`),
+times `safety` (1.5: the compiler's temporaries; the SmolLM2 step above needs 4.4 GB by
+XLA's buffer assignment, estimated 3.6 GB).
 The budget is `memory_fraction` of the host's memory (`host_memory_bytes`).
 """
 
