@@ -13,6 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from jaxlearn.kernels import mkl
+from jaxlearn.kernels import sgemm as sgemm_lib
 from jaxlearn.kernels.sgemm import (
     sgemm,
     sgemm_matmul,
@@ -29,6 +31,15 @@ pytestmark = pytest.mark.skipif(
 def test_runs_on_this_cpu() -> None:
     # The `mkl` requirement and a C++ compiler are there: a failed build must not hide.
     assert unavailable_reason() is None
+
+
+def test_small_gemms_take_fewer_blocks() -> None:
+    # A LoRA adapter's rank-8 product at 1024 tokens (9.4 MFLOP): 2 blocks of >= 4 MFLOP; a
+    # projection's: every CPU's share; a tiny one: a single task.
+    most = sgemm_lib._BLOCKS_PER_CPU * mkl.host_threads()
+    assert sgemm_lib._parts(2 * 1024 * 576 * 8) == min(2, most)
+    assert sgemm_lib._parts(2 * 1024 * 576 * 576) == most
+    assert sgemm_lib._parts(2 * 4 * 4 * 4) == 1
 
 
 def test_not_chosen_with_several_devices() -> None:

@@ -81,20 +81,23 @@ def _chunk_terms(
     tr: bool = False,
 ) -> tuple[Array, Array, Array, Array, Array, Optional[Array]]:
     """One chunk: xc [b, c, dim], wc [dim, vocab] (tr: [vocab, dim]), labels [b, c] ->
-    (ce [b, c], lse [b, c], correct [b, c], logits [b, c, vocab] (capped), onehot mask
-    [b, c, vocab], tanh [b, c, vocab] or None when uncapped)."""
+    (ce [b, c], lse [b, c], correct [b, c], softmax [b, c, vocab] (of the capped logits;
+    from the exponentials the logsumexp took, not a second exp), onehot mask [b, c, vocab],
+    tanh [b, c, vocab] or None when uncapped)."""
     logits = _logits(xc, wc, gemm, tr)
     t = None
     if cap is not None:
         t = jnp.tanh(logits / cap)
         logits = cap * t
     m = jnp.max(logits, axis=-1)
-    lse = m + jnp.log(jnp.sum(jnp.exp(logits - m[..., None]), axis=-1))
+    e = jnp.exp(logits - m[..., None])
+    total = jnp.sum(e, axis=-1)
+    lse = m + jnp.log(total)
     safe = jnp.where(labels >= 0, labels, 0)
     onehot = lax.broadcasted_iota(jnp.int32, logits.shape, 2) == safe[..., None]
     label_logit = jnp.sum(jnp.where(onehot, logits, 0.0), axis=-1)
     correct = (label_logit >= m).astype(_F32)
-    return lse - label_logit, lse, correct, logits, onehot, t
+    return lse - label_logit, lse, correct, e * (1.0 / total)[..., None], onehot, t
 
 
 def _to_chunks(a: Array, c: int, compact: bool) -> Array:
@@ -172,8 +175,7 @@ def _fused_fwd(x: Array, w: Array, labels: Array, weights: Array, cfg: tuple) ->
     def body(carry: tuple[Array, Array], xs: tuple[Array, Array, Array]) -> tuple[Any, Array]:
         acc, dw = carry
         xc, lc, vc = xs
-        ce, lse, correct, logits, onehot, t = _chunk_terms(xc, wc, lc, cap, gemm, tr)
-        p = jnp.exp(logits - lse[..., None])
+        ce, lse, correct, p, onehot, t = _chunk_terms(xc, wc, lc, cap, gemm, tr)
         scale = vc * (1.0 + 2.0 * z * lse) if z else vc
         dl = scale[..., None] * p - jnp.where(onehot, vc[..., None], 0.0)
         if t is not None:

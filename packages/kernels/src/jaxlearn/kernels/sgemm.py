@@ -10,8 +10,9 @@ step on Intel CPUs, where oneMKL's f32 GEMM is faster than XLA:CPU's (YNNPACK) d
 The two matmuls take 3-D operands too ([batch, ...], one GEMM per batch entry: attention's
 products per (batch, kv head)).
 
-Each call splits c into row or column blocks (the longer side, `_BLOCKS_PER_CPU` per CPU;
-batched: ranges of the batch) that run as tasks on XLA's intra-op pool, oneMKL sequential
+Each call splits c into row or column blocks (the longer side, `_BLOCKS_PER_CPU` per CPU,
+fewer where a block would get under `_MIN_BLOCK_FLOPS`; batched: ranges of the batch)
+that run as tasks on XLA's intra-op pool, oneMKL sequential
 inside each; the call is asynchronous (an FFI future), so XLA runs the program's other
 ready ops meanwhile. The FFI call is opaque to XLA's SPMD partitioner, which gathers
 sharded operands around it: it is meant for one-device programs (the CPU mesh rule), not
@@ -21,6 +22,7 @@ for sharded ones.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +37,15 @@ _F32 = jnp.float32
 # another op does not hold the call back (SmolLM2-135M f32 step over XLA's dots: 1.04x
 # with 1, 1.10-1.16x with 4 and 8 on a busy VM).
 _BLOCKS_PER_CPU = 4
+# FLOPs a block must have at least: a small GEMM (a LoRA adapter's rank-8 products, 9 MFLOP
+# at 1024 tokens) takes fewer blocks, since each costs a task on the pool and a wake-up.
+_MIN_BLOCK_FLOPS = 4_000_000
+
+
+def _parts(flops: int) -> int:
+    """Blocks a call of `flops` FLOPs splits into (module doc)."""
+    most = _BLOCKS_PER_CPU * mkl.host_threads()
+    return most if not _MIN_BLOCK_FLOPS else max(1, min(most, flops // _MIN_BLOCK_FLOPS))
 
 
 def unavailable_reason() -> str | None:
@@ -71,7 +82,7 @@ def sgemm(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = 
     out = jax.ShapeDtypeStruct((*a.shape[:-2], m, n), _F32)
     return jax.ffi.ffi_call(mkl.SGEMM_TARGET, out)(
         a, b, trans_a=bool(trans_a), trans_b=bool(trans_b),
-        parts=np.int32(_BLOCKS_PER_CPU * mkl.host_threads()))
+        parts=np.int32(_parts(2 * math.prod(a.shape[:-2]) * m * n * k)))
 
 
 @jax.custom_vjp
