@@ -120,8 +120,9 @@ def _compacted(x: Array, labels: Array, weights: Array) -> tuple[Array, ...]:
     """Each row's tokens with its weighted ones first (a stable order), and the order
     [batch, seq] (order[i, j]: the position that compacted token j of row i came from)."""
     order = jnp.argsort((weights == 0).astype(jnp.int32), axis=1, stable=True)
-    take = functools.partial(jnp.take_along_axis, indices=order, axis=1)
-    return take(x, indices=order[..., None]), take(labels), take(weights), order
+    return (jnp.take_along_axis(x, order[..., None], axis=1),
+            jnp.take_along_axis(labels, order, axis=1),
+            jnp.take_along_axis(weights, order, axis=1), order)
 
 
 def _expanded(dx: Array, order: Array) -> Array:

@@ -12,11 +12,10 @@ products per (batch, kv head)).
 
 Each call splits c into row or column blocks (the longer side, `_BLOCKS_PER_CPU` per CPU,
 fewer where a block would get under `_MIN_BLOCK_FLOPS`; batched: ranges of the batch)
-that run as tasks on XLA's intra-op pool, oneMKL sequential
-inside each; the call is asynchronous (an FFI future), so XLA runs the program's other
-ready ops meanwhile. The FFI call is opaque to XLA's SPMD partitioner, which gathers
-sharded operands around it: it is meant for one-device programs (the CPU mesh rule), not
-for sharded ones.
+that run as tasks on XLA's intra-op pool, oneMKL sequential inside each; the call is
+asynchronous (an FFI future), so XLA runs the program's other ready ops meanwhile. The
+FFI call is opaque to XLA's SPMD partitioner, which gathers sharded operands around it:
+it is meant for one-device programs (the CPU mesh rule), not for sharded ones.
 """
 
 from __future__ import annotations
@@ -44,8 +43,7 @@ _MIN_BLOCK_FLOPS = 4_000_000
 
 def _parts(flops: int) -> int:
     """Blocks a call of `flops` FLOPs splits into (module doc)."""
-    most = _BLOCKS_PER_CPU * mkl.host_threads()
-    return most if not _MIN_BLOCK_FLOPS else max(1, min(most, flops // _MIN_BLOCK_FLOPS))
+    return max(1, min(_BLOCKS_PER_CPU * mkl.host_threads(), flops // _MIN_BLOCK_FLOPS))
 
 
 def unavailable_reason() -> str | None:
