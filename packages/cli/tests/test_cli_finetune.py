@@ -298,7 +298,9 @@ def test_lora_from_init_from_trains_only_the_adapters(model_dir, tmp_path):
     losses = _losses(out)
     assert losses[6] < losses[1], losses
     batch = next(cfg.input.instantiate().iterator(0, 1))
-    loaded = load_pretrained(model_dir)
+    # The CPU rule trains the layers as a loop over per-layer params.
+    assert cfg.model.decoder.transformer.klass.__name__ == "LoopStack"
+    loaded = load_pretrained(model_dir, stack="loop")
     (loss, _), _ = functional(loaded.model(), None, loaded.params, (batch,), is_training=False)
     np.testing.assert_allclose(float(loss), losses[1], rtol=2e-6)
     ckpt = Checkpointer.default_config().set(directory=str(out / "checkpoints")).instantiate()
@@ -343,12 +345,12 @@ def test_lora_from_a_jaxlearn_run(model_dir, tmp_path):
 
 def _peft_adapter(model_dir, out):
     """A rank-4 PEFT adapter on q_proj and v_proj of `model_dir` (random A and B), and the
-    params of the base model with it on."""
+    params of the base model with it on, per layer."""
     from jaxlearn.interop import export_peft, load_pretrained
     from jaxlearn.layers import use_lora
     from jaxlearn.layers.lora import with_base_params
 
-    loaded = load_pretrained(model_dir)
+    loaded = load_pretrained(model_dir, stack="loop")  # The layout the CPU rule trains.
     cfg = use_lora(loaded.config, rank=4, alpha=8.0, targets=r".*\.(q_proj|v_proj)")
     params = cfg.clone(name="model").instantiate().initialize_parameters_recursively(
         jax.random.key(7))

@@ -9,11 +9,12 @@ import pytest
 from conftest import make_engine, tiny_config, tiny_params
 
 from jaxlearn.config import visit
+from jaxlearn.inference.engine_setup import rolled_layers
 from jaxlearn.inference.quantize import quantize
 from jaxlearn.inference.weight_layout import apply_weight_layout, serving_stack, store_weights
 from jaxlearn.kernels import Int8Weight, PackedTable
 from jaxlearn.kernels.packed_gemm import host_has_bf16, host_has_int8, unavailable_reason
-from jaxlearn.layers import SgemmDot, use_dot
+from jaxlearn.layers import LoopStack, ScanStack, SgemmDot, use_dot
 
 PROMPT = [3, 17, 42, 9, 28, 5, 61, 12]
 
@@ -117,21 +118,26 @@ def _packed_linears(params):
 @pytest.mark.parametrize("stack,tied", [("scan", True), ("loop", False)])
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 def test_packed_weights_serve_the_same_logits_and_tokens(stack, tied, dtype):
-    """weight_layout="packed": every plain Linear a PackedLinear (a scanned stack's ids
-    per layer), a tied head a PackedTable; prefill logits within rounding of the
-    summation order and the same greedy tokens as the trained layout, one and four rows."""
+    """weight_layout="packed": every plain Linear a PackedLinear (a stack's ids per layer:
+    a loop of one repeated layer is served as a scan of it, `roll_layers`), a tied head a
+    PackedTable; prefill logits within rounding of the summation order and the same
+    greedy tokens as the trained layout (a loop stays a loop there), one and four rows."""
     cfg = _untied_or_tied(tiny_config(stack, dtype="bfloat16" if dtype == "bf16" else None),
                           tied)
     params = tiny_params(cfg, seed=1)
     if dtype == "bf16":
         params = _bf16(params)
     base, packed = _engine(cfg, params, "in_out"), _engine(cfg, params, "packed")
-    linears = {k.removesuffix("['weight']") for k in _paths(params)
+    rolled = rolled_layers(cfg, params)[1]
+    linears = {k.removesuffix("['weight']") for k in _paths(rolled)
                if k.endswith("['weight']") and "['emb']" not in k}
     assert _packed_linears(packed.runner.params) == linears
     assert _klasses(packed.model_cfg) == {"PackedLinear"}
-    ids = [v for k, v in _paths(packed.runner.params).items() if k.endswith("['weight_id']")]
-    assert all(v.dtype == jnp.int32 and v.shape == ((2,) if stack == "scan" else ()) for v in ids)
+    ids = {k: v for k, v in _paths(packed.runner.params).items() if k.endswith("['weight_id']")}
+    assert all(v.dtype == jnp.int32 and v.shape == ((2,) if "['transformer']" in k else ())
+               for k, v in ids.items())
+    assert packed.model_cfg.decoder.transformer.klass is ScanStack
+    assert base.model_cfg.decoder.transformer.klass is type(cfg.instantiate().decoder.transformer)
     table = packed.runner.params["decoder"]["emb"]["weight"]
     assert isinstance(table, PackedTable) == tied
     assert packed.packed_weights is not None and packed.packed_weights.nbytes > 0
@@ -259,3 +265,40 @@ def test_auto_packs_int8_weights_on_hosts_with_int8_dots_only():
     assert owner is None and not _packed_linears(out)
     assert serving_stack("auto", dtype=None, param_dtype=None, quantize="int8") == (
         "scan" if packs else "loop")
+
+
+def test_rolled_layers_stack_a_loop_of_one_repeated_layer():
+    """`rolled_layers`: a loop of one repeated layer -> the scan of that layer, its
+    per-layer params stacked [layers, ...] in order; any other stack as it is."""
+    loop_cfg = tiny_config("loop").set(name="model")
+    assert loop_cfg.decoder.transformer.klass is LoopStack
+    params = tiny_params(loop_cfg, seed=3)
+    cfg, rolled = rolled_layers(loop_cfg, params)
+    scan_cfg = tiny_config("scan").set(name="model")
+    assert cfg.decoder.transformer == scan_cfg.decoder.transformer
+    assert loop_cfg.decoder.transformer.klass is LoopStack  # The argument is unchanged.
+    layers = params["decoder"]["transformer"]
+    stacked = rolled["decoder"]["transformer"]["layer"]
+    assert list(rolled["decoder"]["transformer"]) == ["layer"]
+    assert jax.tree.structure(stacked) == jax.tree.structure(layers["layer0"])
+    for i in range(2):
+        jax.tree.map(lambda s, x, i=i: np.testing.assert_array_equal(s[i], x), stacked,
+                     layers[f"layer{i}"])
+    assert rolled["decoder"]["emb"] is params["decoder"]["emb"]
+    for other in (scan_cfg, tiny_config("loop").set(name="model")):
+        if other.decoder.transformer.klass is LoopStack:  # Different layers: a list.
+            other.decoder.transformer.layers = [other.decoder.transformer.layer] * 2
+            other.decoder.transformer.num_layers = None
+        got_cfg, got_params = rolled_layers(other, params)
+        assert got_cfg is other and got_params is params
+
+
+@pytest.mark.skipif(unavailable_reason() is not None, reason="no packed GEMM here")
+def test_the_rl_sampler_layout_keeps_a_loop_packed():
+    """`roll_layers=False` (the RL sampler swaps the trainer's params in): a loop stays a
+    loop even where its weights are packed."""
+    cfg = tiny_config("loop")
+    engine = make_engine(cfg, tiny_params(cfg, seed=1), None, max_seq_len=64, max_batch=4,
+                         prefill_chunk=16, page_size=8, weight_layout="packed",
+                         roll_layers=False)
+    assert engine.model_cfg.decoder.transformer.klass is LoopStack

@@ -23,7 +23,7 @@ from jaxlearn.experiments.common import (
     small_model_mesh_rules,
     trainer_config,
 )
-from jaxlearn.experiments.remat_fit import RematToFitModifier
+from jaxlearn.experiments.remat_fit import LoopLayersModifier, RematToFitModifier
 from jaxlearn.layers import (
     ADAPTERS,
     gemma2_config,
@@ -251,18 +251,21 @@ def _sft_input(seq_len: int, global_batch_size: int) -> Any:
     )
 
 
-def finetune_mesh_rules(cpu_seq_len: Optional[int] = 128) -> tuple[tuple[str, Any], ...]:
+def finetune_mesh_rules(cpu_seq_len: Optional[int] = 128,
+                        loop_layers: bool = True) -> tuple[tuple[str, Any], ...]:
     """The large-model rules (FSDP, remat per layer on accelerators) with bf16 compute on
     accelerators. On CPU (a laptop or a server): float32 (XLA:CPU's bf16 matmuls are
     slower), 128-token rows, and remat per layer only where the step would not fit half the
-    host's memory without it (`RematToFitModifier`); where it fits, no remat and the layer
-    scan unrolled (SmolLM2-135M, 8 x 128 tokens: ~3.0 GB estimated, 1.29x faster steps);
+    host's memory without it (`RematToFitModifier`; SmolLM2-135M, 8 x 128 tokens: ~3.0 GB
+    estimated, 1.29x faster steps without); the layers as a Python loop over per-layer
+    parameters, whatever the host (`LoopLayersModifier`: no stacked weights sliced per step);
     f32 dense dots on oneMKL where that is faster (`onemkl_dots`: Intel CPUs, one device),
     and the head + loss in compacted chunks of 128 tokens, so the prompt tokens and the
     padding (weight 0) cost no head FLOPs (`chunked_loss(compact=True)`). With a BPE
     tokenizer the bundled chat rows are at most 98 tokens. On CPU each batch is cut to its
     longest row in multiples of 32 tokens. `cpu_seq_len` None: the recipe's own seq_len on
-    CPU too."""
+    CPU too; `loop_layers` False: the layers stay a scan (the RL sampler compiles its
+    programs on the trainer's model, one layer body each)."""
     bf16 = SetFieldsModifier.default_config().set(fields={"model.dtype": "bfloat16"})
     # Batches cut to their longest row (in multiples of 32 tokens) on CPU: short rows cost
     # what they hold (a compiled step per length, at most seq_len / 32 of them).
@@ -270,8 +273,10 @@ def finetune_mesh_rules(cpu_seq_len: Optional[int] = 128) -> tuple[tuple[str, An
     if cpu_seq_len is not None:
         cpu["input.seq_len"] = cpu_seq_len
     laptop = SetFieldsModifier.default_config().set(fields=cpu)
+    loop = LoopLayersModifier.default_config().set(stack=STACK_PATH)
     to_fit = RematToFitModifier.default_config().set(target=LAYER_PATH, stack=STACK_PATH)
-    cpu_rules = (laptop, chunked_loss(128, compact=True), to_fit, onemkl_dots())
+    cpu_rules = (laptop, chunked_loss(128, compact=True), *([loop] if loop_layers else []),
+                 to_fit, onemkl_dots())
     return tuple((pattern, chain(rule, *cpu_rules) if pattern.startswith("cpu")
                   else chain(rule, bf16)) for pattern, rule in large_model_mesh_rules())
 
@@ -350,7 +355,7 @@ def grpo() -> Trainer.Config:
         source=PromptSource.default_config().set(paths=[ARITHMETIC_PROMPTS]),
         tokenizer=ByteTokenizer.default_config(), seq_len=256, global_batch_size=16,
         num_generations=4, eval_fraction=0.0)
-    cfg.mesh_rules = finetune_mesh_rules(cpu_seq_len=None)
+    cfg.mesh_rules = finetune_mesh_rules(cpu_seq_len=None, loop_layers=False)
     cfg.eval_input = None
     cfg.rollout = GRPORollout.default_config().set(rewards=["numeric_match"],
                                                    max_new_tokens=48)

@@ -1,13 +1,23 @@
-"""Remat only where it is needed: the CPU rule of the fine-tuning recipes.
+"""How the fine-tuning recipes' CPU rule runs the layer stack: as a Python loop over
+per-layer parameters (`LoopLayersModifier`), rematerialised only where it is needed
+(`RematToFitModifier`).
+
+A scanned stack keeps each parameter stacked [layers, ...]. Unrolled on XLA:CPU, every
+layer then copies its weights out of the stack (XLA slices are copies; a dot or an FFI call
+reads a whole buffer): SmolLM2-135M LoRA, 633 slices per step, ~0.2 s of op time; the
+stacked residuals are zero-filled and copied too. A `LoopStack` of the same layer holds
+each layer's parameters as their own arrays (`layer0` .. `layer{n-1}`): no slices, 16 %
+less temporary memory, a 1.07x faster LoRA step (1.08x CPU-s, same host, same batches).
+The rule converts whatever the host's memory, so a run's parameter layout does not
+depend on the host that started it; serving rolls such a stack back into a scan
+(`inference.engine_setup.serving_model`: every program compiles one layer body).
 
 Rematerialising every layer buys memory with about a third more compute. On an
 accelerator the memory is scarce; on a host with tens of GiB a laptop-size fine-tune fits
-without it, and there the step is faster without remat and with the layer scan unrolled
-(SmolLM2-135M full fine-tune, 8 x 128 tokens, f32 on a 2-core EPYC: 1.29x; XLA:CPU
-zero-fills and copies the scan's stacked residuals, which the unrolled program does not
-have). `RematToFitModifier` estimates the step's memory without remat and applies the
-remat policy only when that estimate does not fit the host's budget.
-
+without it, and there the step is faster without remat (SmolLM2-135M full fine-tune,
+8 x 128 tokens, f32 on a 2-core EPYC: 1.29x). `RematToFitModifier` estimates the step's
+memory without remat and applies the remat policy only when that estimate does not fit
+the host's budget.
 The estimate (bytes, all on one host): the parameters, their gradients and AdamW's two
 moments (4 x the parameter bytes, as if every parameter trained: an over-count for LoRA),
 the activations the backward keeps with no remat (`jaxlearn.aot.estimate.
@@ -28,6 +38,7 @@ from typing import Any, Iterator, Optional
 
 from jaxlearn.aot.estimate import activation_bytes, find_int_field, model_shape
 from jaxlearn.config import REQUIRED, ConfigBase
+from jaxlearn.layers import LoopStack, ScanStack
 from jaxlearn.mesh import ConfigModifier, MeshRuleError, matching_config_paths
 from jaxlearn.module import RematSpec, flatten_specs
 from jaxlearn.runtime.input_pipeline import batch_rows
@@ -117,4 +128,30 @@ class RematToFitModifier(ConfigModifier):
         for path in matching_config_paths(cfg, c.stack, "unroll"):
             stack: Any = cfg.get_recursively(path)
             stack.unroll = int(stack.num_layers)
+        return cfg
+
+
+class LoopLayersModifier(ConfigModifier):
+    """Replaces each `ScanStack` matching `stack` whose layer is one repeated layer (not a
+    group) by a `LoopStack` of that layer: the same model, its parameters held per layer
+    (module doc). Other stacks are left as they are; MeshRuleError when no stack matches."""
+
+    class Config(ConfigModifier.Config):
+        stack: str = REQUIRED  # regex of the stack's path
+
+    def __call__(self, cfg: ConfigBase) -> ConfigBase:
+        c = self.config
+        paths = matching_config_paths(cfg, c.stack, "num_layers")
+        if not paths:
+            raise MeshRuleError(f"{type(self).__name__}: no config path fully matches "
+                                f"{c.stack!r} and has a field 'num_layers'")
+        for path in paths:
+            scan: Any = cfg.get_recursively(path)
+            if scan.klass is not ScanStack or getattr(scan.layer, "klass", None) is LoopStack:
+                continue  # Already a loop, or a repeating group of different layers.
+            loop = LoopStack.default_config()
+            for key in loop.keys():
+                if key != "klass" and key in scan:
+                    setattr(loop, key, getattr(scan, key))
+            cfg.set_recursively(path, loop)
         return cfg

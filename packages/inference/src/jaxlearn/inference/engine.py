@@ -167,6 +167,12 @@ class Engine(Configurable):
             layer that reads them in place on one CPU device (2-6x faster decode
             attention than XLA's gather + dots), else XLA; "native" / "xla" force one
             (`kernels.paged_native.choose_kernel`).
+        roll_layers: where the weights will be packed, serve a decoder stack that loops
+            over one repeated layer (the fine-tuning recipes' CPU rule trains one) as a
+            scan of it, its params stacked (`engine_setup.rolled_layers`): every program
+            compiles one layer body, and the scan slices only the packed ids (the rule of
+            `weight_layout.serving_stack` for HF / GGUF models). False: the model and
+            params as given (the RL sampler swaps the trainer's in).
         parse_special_in_content: whether special-token strings typed into chat messages
             (`<|im_end|>` in a user message) become special tokens in the prompt; off by
             default: they are encoded as text and only the chat template's own are special
@@ -203,6 +209,7 @@ class Engine(Configurable):
         quantize: Optional[str] = None
         weight_layout: str = "auto"
         attention_kernel: str = "auto"
+        roll_layers: bool = True
         parse_special_in_content: bool = False
         max_loras: int = 0
         max_lora_rank: int = 16

@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from jaxlearn import layers
@@ -97,7 +99,9 @@ def fuse_chosen(cfg: Any, model_cfg: Any, params: Any) -> bool:
 
 def serving_model(cfg: Any, model_cfg: Any, params: Any) -> ServingModel:
     """The config swaps an `Engine.Config` asks for, in order: layer scans rolled (every
-    program compiles one layer body) and training-only `SgemmDot`s dropped, LoRA adapter
+    program compiles one layer body; a loop of one repeated layer too where the weights
+    will be packed: `roll_layers`)
+    and training-only `SgemmDot`s dropped, LoRA adapter
     banks (`max_loras`), fused projections, int8 (`quantize`), the weights' stored layout
     (`weight_layout`) and the paged attention kernel (`attention_kernel`)."""
     if getattr(model_cfg, "name", None) is REQUIRED:
@@ -105,6 +109,10 @@ def serving_model(cfg: Any, model_cfg: Any, params: Any) -> ServingModel:
     # A training run's config may name SgemmDot (where its f32 dots ran); serving's own
     # layouts below take layers with the default dot.
     model_cfg = layers.use_dot(layers.set_unroll(model_cfg, 1), None, of=layers.SgemmDot)
+    if cfg.roll_layers and packed_layout_chosen(model_cfg, params, cfg.weight_layout,
+                                                mesh_shape=cfg.mesh_shape,
+                                                quantize=cfg.quantize):
+        model_cfg, params = rolled_layers(model_cfg, params)
     base = model_cfg
     if cfg.max_loras:  # Adapter banks: max_loras slots + slot 0 (no adapter).
         model_cfg, params = layers.use_multi_lora(
@@ -130,6 +138,27 @@ def serving_model(cfg: Any, model_cfg: Any, params: Any) -> ServingModel:
                                lambda old, path: old.clone(paged_kernel=kernel),
                                allow_no_match=True)
     return ServingModel(base, model_cfg, params, packed, kernel)
+
+
+def rolled_layers(model_cfg: Any, params: Any) -> tuple[Any, Any]:
+    """(config, params) of a model whose decoder stack is a `LoopStack` of one repeated
+    layer (what the fine-tuning recipes' CPU rule trains) as the `ScanStack` of that layer,
+    its per-layer params `layer0` .. `layer{n-1}` stacked into `layer` [n, ...]: the same
+    model. Any other model comes back as it is."""
+    stack: Any = getattr(getattr(model_cfg, "decoder", None), "transformer", None)
+    if getattr(stack, "klass", None) is not layers.LoopStack or stack.layers is not None:
+        return model_cfg, params
+    scan = layers.ScanStack.default_config()
+    for key in scan.keys():
+        if key != "klass" and key in stack:
+            setattr(scan, key, getattr(stack, key))
+    model_cfg = model_cfg.clone()
+    model_cfg.decoder.transformer = scan
+    per_layer = [params["decoder"]["transformer"][f"layer{i}"] for i in range(stack.num_layers)]
+    stacked = jax.tree.map(lambda *a: (np if isinstance(a[0], np.ndarray) else jnp).stack(a),
+                           *per_layer)
+    return model_cfg, dict(params, decoder=dict(params["decoder"],
+                                                 transformer={"layer": stacked}))
 
 
 def build_draft(cfg: Any, model_cfg: Any, params: Any, target: ModelRunner,

@@ -9,10 +9,10 @@ trainer's model config, running the trainer's current params.
 Each `Completion` carries the sampled tokens and the log-probability the engine computed for
 each of them (the raw f32 model distribution, before temperature / top-p), so a trainer
 can check them against its own forward (`logprobs.token_logprobs`). The engine is built
-with the trained weight layout (`weight_layout="in_out"`: the params are the trainer's
-tree as is), no fusion or quantization. Copy j of the prompts (prompt j // n, sample
-j % n) samples with seed `seed + j`, so a rerun of a step with the same seed samples the
-same tokens.
+with the trained weight layout (`weight_layout="in_out"`, `roll_layers=False`: the
+params are the trainer's tree as is), no fusion or quantization. Copy j of the prompts
+(prompt j // n, sample j % n) samples with seed `seed + j`, so a rerun of a step with the
+same seed samples the same tokens.
 
 `dtype="bfloat16"` samples from a bf16 copy of the params instead, made at construction
 and at each `set_params`, computed in bf16: on one CPU device of a host with native bf16
@@ -85,7 +85,7 @@ class EngineSampler:
         cfg = Engine.default_config().set(
             max_batch=max_batch, max_seq_len=max_seq_len, page_size=page_size,
             prefix_caching=True, weight_layout="packed" if packed else "in_out",
-            fuse_projections=False, quantize=None, add_bos=False)
+            fuse_projections=False, quantize=None, add_bos=False, roll_layers=False)
         self.engine = Engine(cfg, model_cfg=model_cfg, params=params, tokenizer=tokenizer)
         current = self.engine.runner.params
         self._shardings = jax.tree.map(lambda x: x.sharding, current)
