@@ -100,8 +100,7 @@ def fuse_chosen(cfg: Any, model_cfg: Any, params: Any) -> bool:
 def serving_model(cfg: Any, model_cfg: Any, params: Any) -> ServingModel:
     """The config swaps an `Engine.Config` asks for, in order: layer scans rolled (every
     program compiles one layer body; a loop of one repeated layer too where the weights
-    will be packed: `roll_layers`)
-    and training-only `SgemmDot`s dropped, LoRA adapter
+    will be packed: `roll_layers`) and training-only `SgemmDot`s dropped, LoRA adapter
     banks (`max_loras`), fused projections, int8 (`quantize`), the weights' stored layout
     (`weight_layout`) and the paged attention kernel (`attention_kernel`)."""
     if getattr(model_cfg, "name", None) is REQUIRED:
