@@ -36,3 +36,32 @@ def test_model_source_reads_a_renamed_param_under_its_older_name(tmp_path):
     params = source.load(_Model(), shardings)
     np.testing.assert_array_equal(np.asarray(params["proj"]["weight"]), w)
     np.testing.assert_array_equal(np.asarray(params["norm"]["scale"]), s)
+
+
+def test_model_source_reads_a_step_with_the_stack_in_its_other_form(tmp_path):
+    """A run saved with its layers scanned (params stacked [layers, ...]) as the first
+    params of a model that loops over them (the CPU fine-tuning rule), and back: each
+    layer's params are the saved ones, LoRA adapters the run lacks left out."""
+    from jaxlearn.layers import llama_config, swapped_stack, use_lora
+
+    scan_cfg = llama_config(64, 16, 3, 2, 1, 32, stack="scan").set(name="model")
+    loop_cfg = scan_cfg.clone()
+    loop_cfg.decoder.transformer = swapped_stack(scan_cfg.decoder.transformer)[0]
+    for saved_cfg, model_cfg in ((scan_cfg, use_lora(loop_cfg, rank=2)), (loop_cfg, scan_cfg)):
+        saved = jax.tree.map(np.asarray, saved_cfg.instantiate()
+                             .initialize_parameters_recursively(jax.random.key(0)))
+        root = tmp_path / saved_cfg.decoder.transformer.klass.__name__
+        ckpt = Checkpointer.default_config().set(directory=str(root)).instantiate()
+        ckpt.save(1, {"params": saved})
+        ckpt.wait_until_finished()
+        ckpt.close()
+        model = model_cfg.instantiate()
+        device = SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: device, model.create_parameter_specs_recursively(),
+                                 is_leaf=lambda x: isinstance(x, ParameterSpec))
+        params = open_model(root).load(model, shardings)
+        got = jax.tree.map(np.asarray, params)
+        _, want = swapped_stack(saved_cfg.decoder.transformer, saved["decoder"]["transformer"])
+        np.testing.assert_array_equal(got["decoder"]["emb"]["weight"],
+                                      saved["decoder"]["emb"]["weight"])
+        jax.tree.map(np.testing.assert_array_equal, got["decoder"]["transformer"], want)

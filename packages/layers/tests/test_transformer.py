@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxlearn.layers import FeedForward, LoopStack, ScanStack, llama_config
+from jaxlearn.layers import FeedForward, LoopStack, ScanStack, llama_config, swapped_stack
 from jaxlearn.module import functional
 
 VOCAB, DIM = 32, 16
@@ -125,3 +125,35 @@ def test_scan_stack_init_is_per_layer():
     assert wo.shape == (2, 24, DIM)
     assert not np.allclose(wo[0], wo[1])  # Layers get distinct keys.
     assert isinstance(model.decoder.transformer, ScanStack)
+
+
+def test_swapped_stack_is_the_same_model_in_the_other_form():
+    """`swapped_stack`: a scan of one repeated layer <-> the loop of it, fields carried
+    over, params stacked <-> per layer in order; the same logits; a round trip gives the
+    config and params back; a scanned group or a list of layers has no other form."""
+    scan_cfg = llama_config(64, 16, 3, 2, 1, 32, stack="scan").set(name="model")
+    loop_stack, _ = swapped_stack(scan_cfg.decoder.transformer)
+    assert loop_stack.klass is LoopStack and loop_stack.num_layers == 3
+    assert loop_stack.layer == scan_cfg.decoder.transformer.layer
+    loop_cfg = scan_cfg.clone()
+    loop_cfg.decoder.transformer = loop_stack
+    params = scan_cfg.instantiate().initialize_parameters_recursively(jax.random.key(0))
+    stack_params = params["decoder"]["transformer"]
+    back_cfg, per_layer = swapped_stack(scan_cfg.decoder.transformer, stack_params)
+    assert sorted(per_layer) == ["layer0", "layer1", "layer2"]
+    loop_params = dict(params, decoder=dict(params["decoder"], transformer=per_layer))
+    ids = jax.random.randint(jax.random.key(1), (2, 7), 0, 64)
+
+    def logits(cfg, p):
+        return functional(cfg.instantiate(), None, p, ({"input_ids": ids},),
+                          method="logits", is_training=False)[0]
+
+    np.testing.assert_allclose(logits(loop_cfg, loop_params), logits(scan_cfg, params),
+                               rtol=1e-5, atol=1e-6)
+    scan_again, stacked = swapped_stack(loop_stack, per_layer)
+    assert scan_again == scan_cfg.decoder.transformer
+    jax.tree.map(np.testing.assert_array_equal, stacked, stack_params)
+    grouped = scan_cfg.decoder.transformer.clone(
+        layer=LoopStack.default_config().set(num_layers=1, layer=loop_stack.layer))
+    listed = loop_stack.clone(layers=[loop_stack.layer] * 3)
+    assert swapped_stack(grouped) == swapped_stack(listed) == (None, None)

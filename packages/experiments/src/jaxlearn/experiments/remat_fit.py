@@ -41,7 +41,7 @@ from typing import Any, Iterator, Optional
 
 from jaxlearn.aot.estimate import activation_bytes, find_int_field, model_shape
 from jaxlearn.config import REQUIRED, ConfigBase
-from jaxlearn.layers import LoopStack, ScanStack
+from jaxlearn.layers import ScanStack, swapped_stack
 from jaxlearn.mesh import ConfigModifier, MeshRuleError, matching_config_paths
 from jaxlearn.module import RematSpec, flatten_specs
 from jaxlearn.runtime.input_pipeline import batch_rows
@@ -149,12 +149,9 @@ class LoopLayersModifier(ConfigModifier):
             raise MeshRuleError(f"{type(self).__name__}: no config path fully matches "
                                 f"{c.stack!r} and has a field 'num_layers'")
         for path in paths:
-            scan: Any = cfg.get_recursively(path)
-            if scan.klass is not ScanStack or getattr(scan.layer, "klass", None) is LoopStack:
-                continue  # Already a loop, or a repeating group of different layers.
-            loop = LoopStack.default_config()
-            for key in loop.keys():
-                if key != "klass" and key in scan:
-                    setattr(loop, key, getattr(scan, key))
-            cfg.set_recursively(path, loop)
+            stack: Any = cfg.get_recursively(path)
+            if stack.klass is ScanStack:  # Not a loop already.
+                loop, _ = swapped_stack(stack)
+                if loop is not None:  # None: a repeating group of different layers.
+                    cfg.set_recursively(path, loop)
         return cfg

@@ -12,8 +12,6 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from jaxlearn import layers
@@ -28,7 +26,7 @@ from jaxlearn.inference.weight_layout import (
     store_weights,
 )
 from jaxlearn.kernels import PackedWeights, paged_native
-from jaxlearn.layers import older_param_path
+from jaxlearn.layers import older_param_path, swapped_stack
 from jaxlearn.mesh import (
     DEFAULT_AXIS_RULES,
     logical_to_partition_spec,
@@ -143,21 +141,16 @@ def rolled_layers(model_cfg: Any, params: Any) -> tuple[Any, Any]:
     """(config, params) of a model whose decoder stack is a `LoopStack` of one repeated
     layer (what the fine-tuning recipes' CPU rule trains) as the `ScanStack` of that layer,
     its per-layer params `layer0` .. `layer{n-1}` stacked into `layer` [n, ...]: the same
-    model. Any other model comes back as it is."""
+    model (`layers.swapped_stack`). Any other model comes back as it is."""
     stack: Any = getattr(getattr(model_cfg, "decoder", None), "transformer", None)
-    if getattr(stack, "klass", None) is not layers.LoopStack or stack.layers is not None:
+    if getattr(stack, "klass", None) is not layers.LoopStack:
         return model_cfg, params
-    scan = layers.ScanStack.default_config()
-    for key in scan.keys():
-        if key != "klass" and key in stack:
-            setattr(scan, key, getattr(stack, key))
+    scan, stacked = swapped_stack(stack, params["decoder"]["transformer"])
+    if scan is None:
+        return model_cfg, params
     model_cfg = model_cfg.clone()
     model_cfg.decoder.transformer = scan
-    per_layer = [params["decoder"]["transformer"][f"layer{i}"] for i in range(stack.num_layers)]
-    stacked = jax.tree.map(lambda *a: (np if isinstance(a[0], np.ndarray) else jnp).stack(a),
-                           *per_layer)
-    return model_cfg, dict(params, decoder=dict(params["decoder"],
-                                                 transformer={"layer": stacked}))
+    return model_cfg, dict(params, decoder=dict(params["decoder"], transformer=stacked))
 
 
 def build_draft(cfg: Any, model_cfg: Any, params: Any, target: ModelRunner,

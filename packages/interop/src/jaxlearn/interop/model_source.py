@@ -283,11 +283,44 @@ class ModelSource(Configurable):
         params, step = restore_subtree(self._root(), "params", abstract, shardings=shardings,
                                        step=self.step, skip_missing=True,
                                        aliases=getattr(model, "older_param_path", None))
-        have, want = _paths(params), _paths(abstract)
-        absent = [k for k in want if k not in have and not re.search(r"(^|\.)adapter\.", k)]
+        absent = _absent(params, abstract)
         if absent:
-            raise ParameterMismatchError(f"{self.path} (step {step})", missing=absent)
+            other = self._as_other_stack(model, step)
+            if other is None:
+                raise ParameterMismatchError(f"{self.path} (step {step})", missing=absent)
+            params = _placed(other, shardings)
         return params
+
+    def _as_other_stack(self, model: Any, step: int) -> Optional[Any]:
+        """`model`'s params from a step written with its layer stack in the other form
+        (`layers.swapped_stack`: stacked [layers, ...] <-> one tree per layer; e.g. a
+        fine-tuning run from before the CPU rule looped over the layers), laid out for
+        `model` (numpy); None when there is no such form or the step does not hold it."""
+        import jax
+        import numpy as np
+
+        from jaxlearn.checkpoint import restore_subtree
+        from jaxlearn.layers import swapped_stack
+        from jaxlearn.module import is_spec
+
+        decoder = getattr(model, "decoder", None)
+        stack = getattr(decoder, "transformer", None)
+        other_cfg, _ = swapped_stack(getattr(stack, "config", None))
+        if other_cfg is None:
+            return None
+        cfg = model.config.clone()
+        cfg.decoder.transformer = other_cfg
+        other = cfg.instantiate()
+        abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(tuple(s.shape), s.dtype),
+                                other.create_parameter_specs_recursively(), is_leaf=is_spec)
+        params, _ = restore_subtree(self._root(), "params", abstract, step=step,
+                                    skip_missing=True,
+                                    aliases=getattr(model, "older_param_path", None))
+        if _absent(params, abstract):
+            return None
+        params = jax.tree.map(np.asarray, params)
+        _, transformer = swapped_stack(other_cfg, params["decoder"]["transformer"])
+        return dict(params, decoder=dict(params["decoder"], transformer=transformer))
 
     def load_host(self, **kwargs: Any) -> Any:
         """HF/GGUF: the whole model as a `LoadedModel` (numpy params; kwargs as for
@@ -324,6 +357,24 @@ class ModelSource(Configurable):
         if self.root is None:
             raise InteropError(f"{self.path}: a jaxlearn run without checkpoint steps")
         return self.root
+
+
+def _absent(params: Any, abstract: Any) -> list[str]:
+    """Paths of `abstract` that `params` lacks, LoRA adapters aside (a base model's)."""
+    have = _paths(params)
+    return [k for k in _paths(abstract)
+            if k not in have and not re.search(r"(^|\.)adapter\.", k)]
+
+
+def _placed(params: Any, shardings: Any) -> Any:
+    """`params` (dict tree, maybe lacking leaves `shardings` has) put per `shardings` (a
+    tree like the model's specs, or one sharding)."""
+    import jax
+
+    if not isinstance(shardings, dict):
+        return jax.device_put(params, shardings)
+    return {k: _placed(v, shardings[k]) if isinstance(v, dict) else
+            jax.device_put(v, shardings[k]) for k, v in params.items()}
 
 
 def _paths(tree: Any, prefix: str = "") -> dict[str, Any]:

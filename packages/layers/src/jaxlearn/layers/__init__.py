@@ -56,11 +56,12 @@ from jaxlearn.layers.transformer import (
     ScanStack,
     TransformerLayer,
     stack_config,
+    swapped_stack,
 )
 
 __all__ = [
     "ACTIVATION_NAMES", "gemma_config", "gemma2_config", "gemma3_config", "stack_config",
-    "fuse_projection_params", "first_layers", "fuse_projections", "merge_lora",
+    "swapped_stack", "fuse_projection_params", "first_layers", "fuse_projections", "merge_lora",
     "older_param_path", "set_norm", "set_unroll", "set_rope", "use_dot", "use_gqa",
     "use_lora", "use_moe", "ADAPTERS", "LoraAdapter", "LoraLinear", "with_base_params",
     "MultiLoraLinear", "use_multi_lora", "use_pipeline", "pipeline_config",

@@ -3,15 +3,11 @@
 - `TransformerLayer`: x + attn(norm(x)), then x + ffn(norm(x)); with `post_norm` (Gemma 2/3)
   x + post_norm(attn(norm(x))), then x + post_norm(ffn(norm(x))). `feed_forward` is any
   config with `input_dim` and `forward(x [batch, seq, embed])`, so MoE drops in.
-- `LoopStack`: a Python loop over per-layer children `layer0..layerN-1` (params per layer);
-  `layers` may list heterogeneous layer configs (e.g. alternating dense / MoE). Fastest
-  CPU steps.
-- `ScanStack`: one child `layer` whose params are stacked [layers, ...] and run by
-  `lax.scan` (compiles like one layer), rematerialised by the layer's `remat_spec`. Its
-  `layer` may be a `LoopStack` group of differing layers (a repeating pattern, e.g. Gemma's
-  local / global attention): `stack_config` builds one from per-layer configs.
-
-Every layer / stack has `forward`, `init_states`, `prefill`, `extend_step`.
+- `LoopStack`: a Python loop over children `layer0..layerN-1` (params per layer; `layers`
+  may list differing configs, e.g. dense / MoE); fastest CPU steps. `ScanStack`: one child
+  `layer`, params stacked [layers, ...], run by `lax.scan` (compiles like one layer); its
+  `layer` may be a `LoopStack` group, a repeating pattern (`stack_config`). `swapped_stack`:
+  one form as the other. Each has `forward`, `init_states`, `prefill`, `extend_step`.
 """
 
 from __future__ import annotations
@@ -20,6 +16,7 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxlearn.config import REQUIRED, InstantiableConfig
 from jaxlearn.layers.attention import Attention
@@ -344,3 +341,28 @@ def stack_config(layers: list[InstantiableConfig], stack: str, *, unroll: int = 
             )
             return ScanStack.default_config().set(num_layers=n // p, layer=one, unroll=unroll)
     return loop if n > 1 else ScanStack.default_config().set(num_layers=1, layer=layers[0])
+
+
+def swapped_stack(cfg: Any, params: Any = None) -> tuple[Any, Any]:
+    """A stack of one repeated layer in its other form, the same model: a `ScanStack`
+    (params {"layer": [n, ...]}) as the `LoopStack` of its layer ({"layer0": ...,
+    "layer{n-1}"}) and back, fields carried over, `params` (the stack's; None: config
+    only) laid out to match. (None, None) for a scanned group or a list of layers."""
+    klass, n = getattr(cfg, "klass", None), int(getattr(cfg, "num_layers", None) or 0)
+    if klass is ScanStack and getattr(cfg.layer, "klass", None) is not LoopStack:
+        out: Any = LoopStack.default_config()
+    elif klass is LoopStack and cfg.layers is None and n:
+        out = ScanStack.default_config()
+    else:
+        return None, None
+    for key in out.keys():
+        if key != "klass" and key in cfg:
+            setattr(out, key, getattr(cfg, key))
+    if params is None:
+        return out, None
+    if klass is ScanStack:
+        return out, {f"layer{i}": jax.tree.map(lambda a, i=i: a[i], params["layer"])
+                     for i in range(n)}
+    xp = np if isinstance(jax.tree.leaves(params)[0], np.ndarray) else jnp
+    return out, {"layer": jax.tree.map(lambda *a: xp.stack(a),
+                                       *[params[f"layer{i}"] for i in range(n)])}
