@@ -355,9 +355,9 @@ def swapped_stack(cfg: Any, params: Any = None) -> tuple[Any, Any]:
         out = ScanStack.default_config()
     else:
         return None, None
-    for key in out.keys():
-        if key != "klass" and key in cfg:
-            setattr(out, key, getattr(cfg, key))
+    src = cfg.clone()  # No sub-config shared with `cfg`.
+    for key in (k for k in out.keys() if k != "klass" and k in src):
+        setattr(out, key, getattr(src, key))
     if params is None:
         return out, None
     if klass is ScanStack:
