@@ -1,7 +1,8 @@
 """LoRA end to end: loss and adapter gradients on FSDP / TP meshes equal single-device
 (Llama and Mixtral, 8 fake CPU devices, f32), and a few Trainer steps with only adapters
 trainable lower the loss, keep every base weight bit-identical, hold optimizer state for
-the adapters only and resume bit-exactly."""
+the adapters only and resume bit-exactly, also from a step saved with the layer stack in
+its other form."""
 
 import functools
 import json
@@ -13,7 +14,15 @@ import pytest
 from jax.sharding import NamedSharding
 
 from jaxlearn.checkpoint import Checkpointer
-from jaxlearn.layers import ADAPTERS, llama_config, merge_lora, use_lora, use_moe
+from jaxlearn.layers import (
+    ADAPTERS,
+    LoopStack,
+    llama_config,
+    merge_lora,
+    swapped_stack,
+    use_lora,
+    use_moe,
+)
 from jaxlearn.mesh import (
     DEFAULT_AXIS_NAMES,
     DEFAULT_AXIS_RULES,
@@ -197,3 +206,57 @@ def test_frozen_parameters_get_no_backward(tmp_path):
     for path, before in _leaves(params).items():
         if not re.fullmatch(ADAPTERS, path):
             np.testing.assert_array_equal(after[path], before, err_msg=path)
+
+
+def _named(state) -> dict:
+    """Every leaf of a trainer state (dicts and optax tuples) by its path."""
+    flat = jax.tree_util.tree_flatten_with_path(state)[0]
+    return {"/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+                     for k in kp): v for kp, v in flat}
+
+
+def _as_stacked(leaves: dict) -> dict:
+    """Leaves named per layer (`.../transformer/layer{i}/...`) stacked under `layer`."""
+    out, per_layer = {}, {}
+    for path, x in leaves.items():
+        m = re.fullmatch(r"(.*/transformer)/layer(\d+)/(.*)", path)
+        if m is None:
+            out[path] = np.asarray(x)
+        else:
+            per_layer.setdefault(f"{m[1]}/layer/{m[3]}", {})[int(m[2])] = np.asarray(x)
+    for path, rows in per_layer.items():
+        out[path] = np.stack([rows[i] for i in range(len(rows))])
+    return out
+
+
+def test_resume_reads_a_step_saved_with_the_other_stack_form(tmp_path, caplog):
+    """A run saved with its layers scanned (params, and Adam's moments of the adapters,
+    stacked [layers, ...]) resumes into the same model looped over per-layer params (the
+    CPU fine-tuning rule's form), bit for bit; and a looped run's step into the scan."""
+    run = str(tmp_path / "run")
+    scan = _trainer_cfg(run).set(max_step=2, save_every_n_steps=2)
+    saved = jax.device_get(scan.instantiate().run().state)
+    loop = scan.clone()
+    loop.model.decoder.transformer = swapped_stack(scan.model.decoder.transformer)[0]
+    assert loop.model.decoder.transformer.klass is LoopStack
+    with caplog.at_level("WARNING", logger="jaxlearn.runtime.stack_forms"):
+        restored = loop.instantiate().run()  # max_step reached: the restored state.
+    assert restored.step == 2
+    assert "step 2 holds the layers of" in caplog.text and "saved stacked" in caplog.text
+    got = _named(jax.device_get(restored.state))
+    assert any("/layer1/" in p for p in got) and not any("/layer/" in p for p in got)
+    want = _named(saved)
+    got = _as_stacked(got)
+    assert sorted(got) == sorted(want)
+    for path, x in want.items():
+        assert got[path].tobytes() == np.asarray(x).tobytes(), path
+    # The looped run trains on and saves per layer; the scan resumes from that step.
+    looped = jax.device_get(loop.set(max_step=3, save_every_n_steps=1).instantiate()
+                            .run().state)
+    back = scan.set(max_step=3).instantiate().run()
+    assert back.step == 3
+    want = _as_stacked(_named(looped))
+    got = _named(jax.device_get(back.state))
+    assert sorted(got) == sorted(want)
+    for path, x in got.items():
+        assert np.asarray(x).tobytes() == want[path].tobytes(), path

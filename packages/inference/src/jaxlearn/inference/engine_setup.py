@@ -85,14 +85,12 @@ class ServingModel:
     attention_kernel: str  # "xla" | "native"
 
 
-def fuse_chosen(cfg: Any, model_cfg: Any, params: Any) -> bool:
+def fuse_chosen(cfg: Any, packed: bool) -> bool:
     """`Engine.Config.fuse_projections`, None resolved: fused where the weights will be
-    packed (one device, no adapter banks; float or int8)."""
+    `packed` (one device, no adapter banks; float or int8)."""
     if cfg.fuse_projections is not None:
         return bool(cfg.fuse_projections)
-    return (cfg.mesh_shape is None and not cfg.max_loras
-            and packed_layout_chosen(model_cfg, params, cfg.weight_layout,
-                                     quantize=cfg.quantize))
+    return packed and cfg.mesh_shape is None and not cfg.max_loras
 
 
 def serving_model(cfg: Any, model_cfg: Any, params: Any) -> ServingModel:
@@ -106,20 +104,22 @@ def serving_model(cfg: Any, model_cfg: Any, params: Any) -> ServingModel:
     # A training run's config may name SgemmDot (where its f32 dots ran); serving's own
     # layouts below take layers with the default dot.
     model_cfg = layers.use_dot(layers.set_unroll(model_cfg, 1), None, of=layers.SgemmDot)
-    if cfg.roll_layers and packed_layout_chosen(model_cfg, params, cfg.weight_layout,
-                                                mesh_shape=cfg.mesh_shape,
-                                                quantize=cfg.quantize):
+    # Decided on the model as given: rolling and fusing keep its Linears plain.
+    packed_chosen = packed_layout_chosen(model_cfg, params, cfg.weight_layout,
+                                         mesh_shape=cfg.mesh_shape, quantize=cfg.quantize)
+    if cfg.roll_layers and packed_chosen:
         model_cfg, params = rolled_layers(model_cfg, params)
     base = model_cfg
     if cfg.max_loras:  # Adapter banks: max_loras slots + slot 0 (no adapter).
         model_cfg, params = layers.use_multi_lora(
             model_cfg, params, slots=cfg.max_loras + 1, max_rank=cfg.max_lora_rank,
             targets=cfg.lora_targets)
-    if fuse_chosen(cfg, model_cfg, params):
+    if fuse_chosen(cfg, packed_chosen):
         model_cfg, params = layers.fuse_projections(model_cfg, params)
-    model_cfg, params, packed = store_weights(model_cfg, params, cfg.weight_layout,
-                                              mesh_shape=cfg.mesh_shape,
-                                              quantize_mode=cfg.quantize)
+    # Adapter banks take Linears out of the plain ones the packing counts: asked again.
+    model_cfg, params, packed = store_weights(
+        model_cfg, params, cfg.weight_layout, mesh_shape=cfg.mesh_shape,
+        quantize_mode=cfg.quantize, packed=None if cfg.max_loras else packed_chosen)
     if cfg.speculative_tokens and cfg.quantize is not None and packed is None:
         # XLA's int8 forward of k + 1 tokens is not bit-identical to k + 1 one-token steps
         # (SmolLM2-135M: greedy outputs part after 25-61 tokens), so drafts would change

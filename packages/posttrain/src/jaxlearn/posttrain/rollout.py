@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
+from jaxlearn.checkpoint.multihost import background_barrier
 from jaxlearn.config import ConfigError
 from jaxlearn.posttrain.grpo import group_advantages, rollout_batch
 from jaxlearn.posttrain.logprobs import token_logprobs
@@ -97,6 +98,11 @@ class GRPORollout(Rollout):
         # None: sample with the trainer's params as they are (f32: log-probabilities equal
         # to the trainer's); "bfloat16": from a bf16 copy (`EngineSampler`, faster on CPU).
         sampler_dtype: Optional[str] = None
+        # With several processes: how long one that has sampled waits for the others before
+        # the step's first collective (a key-value barrier). Sampling time differs between
+        # processes (their own prompts and lengths), and the collectives' first rendezvous
+        # gives up after 30 s.
+        peer_wait_s: float = 3600.0
 
         def _field_problems(self) -> dict[str, str]:
             problems = {}
@@ -112,6 +118,8 @@ class GRPORollout(Rollout):
             if self.sampler_dtype not in (None, "bfloat16"):
                 problems["sampler_dtype"] = f"must be None or 'bfloat16', got " \
                                             f"{self.sampler_dtype!r}"
+            if not self.peer_wait_s > 0:
+                problems["peer_wait_s"] = f"must be > 0, got {self.peer_wait_s!r}"
             if self.old_logprobs not in ("sampler", "trainer"):
                 problems["old_logprobs"] = f"must be 'sampler' or 'trainer', got " \
                                            f"{self.old_logprobs!r}"
@@ -123,6 +131,7 @@ class GRPORollout(Rollout):
         self._rewards = load_rewards(list(self.config.rewards), list(self.config.reward_weights))
         self._sampler: Optional[EngineSampler] = None
         self._forward: Any = None
+        self._calls = 0  # Names each step's barrier (a step may run again after a restart).
 
     def bind(self, *, model_cfg: Any, input: Any, process_index: int,
              process_count: int, trainable: Any = None) -> None:
@@ -207,6 +216,8 @@ class GRPORollout(Rollout):
             batch = {k: np.concatenate([v, np.zeros((pad,) + v.shape[1:], v.dtype)])
                      for k, v in batch.items()}
             batch["target_labels"][-pad:] = -1
+        self._calls += 1
+        background_barrier(f"jaxlearn_rollout_{step}_{self._calls}", self.config.peer_wait_s)
         if self.config.old_logprobs == "trainer":
             batch["old_logprobs"] = self._trainer_logprobs(params, batch) * (
                 batch["target_weights"] > 0)

@@ -36,6 +36,7 @@ from jaxlearn.mesh import (
 from jaxlearn.module import Module, is_spec, logical_sharding
 from jaxlearn.resilience import nonfinite
 from jaxlearn.resilience.manager import Resilience
+from jaxlearn.runtime import stack_forms
 from jaxlearn.runtime.compute_copy import COPY_KEY, ComputeCopy
 from jaxlearn.runtime.input_pipeline import batch_rows
 from jaxlearn.runtime.learner import Learner, ema_update, microbatched_grads
@@ -571,8 +572,10 @@ class Trainer(Configurable):
         if checkpointer is not None:
             # Leaves the step lacks may be saved under the model's older param names
             # (params, EMA and the optimizer state alike).
-            restored = checkpointer.restore_latest(
-                self.abstract_state(), aliases=getattr(self.model, "older_param_path", None))
+            # A step with a layer stack in its other form is laid out as this model's.
+            restored = stack_forms.restore_latest(
+                checkpointer, self.abstract_state(),
+                aliases=getattr(self.model, "older_param_path", None))
             if restored is not None:
                 step, state = restored
                 meta = checkpointer.read_metadata(step, process_index=jax.process_index())
