@@ -1,6 +1,7 @@
 """oneMKL's f32 GEMM through the FFI (`kernels.sgemm`) against numpy in f64: every
-transpose form, row and column splits, odd sizes, an empty depth; `sgemm_matmul`'s
-gradients against XLA's autodiff of `jnp.dot`; wrong inputs fail naming the shapes."""
+transpose form, row and column splits, odd sizes, an empty depth, a summed addend
+(aliased or copied); `sgemm_matmul`'s and `sgemm_lora_matmul`'s gradients against XLA's
+autodiff of `jnp.dot`; wrong inputs fail naming the shapes."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from jaxlearn.kernels import mkl
 from jaxlearn.kernels import sgemm as sgemm_lib
 from jaxlearn.kernels.sgemm import (
     sgemm,
+    sgemm_lora_matmul,
     sgemm_matmul,
     sgemm_matmul_nt,
     sgemm_runs,
@@ -122,6 +124,55 @@ def test_matmul_gradients_match_xla_autodiff(nt: bool, batch: tuple[int, ...]) -
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-4)
 
 
+@settings(max_examples=20, deadline=None)
+@given(m=st.integers(1, 70), k=st.integers(0, 40), n=st.integers(1, 70),
+       ta=st.booleans(), tb=st.booleans(), seed=st.integers(0, 2**16))
+def test_an_addend_is_summed_by_the_gemm(m: int, k: int, n: int, ta: bool, tb: bool,
+                                         seed: int) -> None:
+    # Row and column splits (m >= n, m < n), an empty depth (c = d), and d both donated to
+    # the call (aliased: summed in place) and still live after it (XLA copies it first).
+    rng = np.random.default_rng(seed)
+    a, b = _operands(rng, m, k, n, ta, tb)
+    d = rng.standard_normal((m, n)).astype(np.float32)
+    want = _reference(a, b, ta, tb) + d
+
+    def both(x, y, e):  # e is used again after the call: not aliased.
+        return sgemm(x, y, trans_a=ta, trans_b=tb, add=e), e * 2.0
+
+    c, twice = jax.jit(both)(a, b, d)
+    np.testing.assert_allclose(np.asarray(c), want, rtol=1e-5, atol=1e-4)
+    np.testing.assert_array_equal(np.asarray(twice), d * 2.0)  # d itself unchanged.
+    c = jax.jit(lambda x, y, e: sgemm(x, y, trans_a=ta, trans_b=tb, add=e + 1.0))(a, b, d)
+    np.testing.assert_allclose(np.asarray(c), want + 1.0, rtol=1e-5, atol=1e-4)
+
+
+def test_lora_matmul_and_its_gradients_match_xla_autodiff() -> None:
+    """x @ w + scale * x @ a @ b, all four gradients; with w frozen (stop_gradient, as a
+    LoRA model's base weight) the same for x, a and b."""
+    rng = np.random.default_rng(2)
+    # The adapter's factors scaled so that y stays O(1) (sin's sum is then well conditioned).
+    x, w, a, b, t = (jnp.asarray(rng.standard_normal(s) * f, jnp.float32)
+                     for s, f in (((37, 24), 1), ((24, 19), 1), ((24, 4), 0.2), ((4, 19), 0.2),
+                                  ((37, 19), 1)))
+
+    def xla(x, w, a, b, scale):
+        hi = dict(precision="highest")
+        return jnp.matmul(x, w, **hi) + scale * jnp.matmul(jnp.matmul(x, a, **hi), b, **hi)
+
+    def loss(dot, x, w, a, b, frozen=False):
+        w = jax.lax.stop_gradient(w) if frozen else w
+        return jnp.sum(jnp.sin(dot(x, w, a, b, 2.5)) * t)
+
+    for frozen in (False, True):
+        args = (0, 2, 3) if frozen else (0, 1, 2, 3)
+        got = jax.jit(jax.value_and_grad(
+            lambda *p: loss(sgemm_lora_matmul, *p, frozen=frozen), args))(x, w, a, b)
+        ref = jax.value_and_grad(lambda *p: loss(xla, *p, frozen=frozen), args)(x, w, a, b)
+        np.testing.assert_allclose(float(got[0]), float(ref[0]), rtol=1e-5)
+        for g, r in zip(got[1], ref[1], strict=True):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("a_shape,b_shape,kw,match", [
     ((4, 3), (5, 2), {}, r"op\(a\) is \[4, 3\] but op\(b\) is \[5, 2\]"),
     ((4, 3), (2, 5), {"trans_b": True}, r"op\(a\) is \[4, 3\] but op\(b\) is \[5, 2\]"),
@@ -132,5 +183,8 @@ def test_matmul_gradients_match_xla_autodiff(nt: bool, batch: tuple[int, ...]) -
 def test_bad_operands_name_the_shapes(a_shape, b_shape, kw, match) -> None:
     with pytest.raises(ValueError, match=match):
         sgemm(jnp.zeros(a_shape), jnp.zeros(b_shape), **kw)
+    with pytest.raises(ValueError, match=r"add must be float32 \[4, 2\] with 2-D operands, "
+                                         r"got float32\[2, 4\]"):
+        sgemm(jnp.zeros((4, 3)), jnp.zeros((3, 2)), add=jnp.zeros((2, 4)))
     with pytest.raises(ValueError, match=r"one batch, got bfloat16\[4, 3\]"):
         sgemm(jnp.zeros((4, 3), jnp.bfloat16), jnp.zeros((3, 2)))

@@ -85,8 +85,10 @@ def test_model_on_sgemm_equals_xla_dots(chunk, tie, moe):
 
 @pytest.mark.parametrize("dot,adapter_dot", [(ONEMKL, True), (Int8Dot.default_config(), False)])
 def test_lora_adapters_run_on_their_linears_exact_dot(dot, adapter_dot):
-    # A rank-3 adapter's matmuls ([24, 16] @ [16, 3], [24, 3] @ [3, out]) on oneMKL, with
-    # the adapters' gradients of XLA's dots; a quantizing dot stays on the base weight.
+    # A rank-3 adapter's matmuls ([24, 16] @ [16, 3], [24, 3] @ [3, out]) on oneMKL, summed
+    # into the projection's GEMM (`sgemm(add=)`, forward and backward), with the adapters'
+    # gradients of XLA's dots; a quantizing dot stays on the base weight. With adapter
+    # dropout in training the adapter runs as its own child (dropout on its input only).
     cfg = use_lora(llama_config(V, D, 2, 4, 2, 24, rope_theta=100.0), rank=3)
     ref_model, model = cfg.instantiate(), use_dot(cfg.clone(), dot).instantiate()
     adapter = model.decoder.transformer.layer.self_attention.q_proj.adapter
@@ -99,10 +101,16 @@ def test_lora_adapters_run_on_their_linears_exact_dot(dot, adapter_dot):
     (rloss, _), rg = _loss_and_grads(ref_model, params, batch)[0]
     ((loss, _), g), text = _loss_and_grads(model, params, batch)
     assert "tensor<24x16xf32>, tensor<16x3xf32>) -> tensor<24x3xf32>" in text
+    assert mkl.SGEMM_ADD_TARGET in text
     np.testing.assert_allclose(loss, rloss, rtol=1e-5)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g), jax.tree.leaves(rg)):
         scale = float(jnp.abs(b).max()) + 1e-12
         np.testing.assert_allclose(a, b, atol=1e-4 * scale, err_msg=jax.tree_util.keystr(path))
+    dropout = use_dot(use_lora(llama_config(V, D, 2, 4, 2, 24, rope_theta=100.0), rank=3,
+                               dropout=0.1), dot).instantiate()
+    text = jax.jit(lambda p: functional(dropout, jax.random.key(1), p, (batch,))[0][0]
+                   ).lower(params).as_text()
+    assert mkl.SGEMM_TARGET in text and mkl.SGEMM_ADD_TARGET not in text
 
 
 @pytest.mark.parametrize("dot,dtype", [(ONEMKL, "bfloat16"),

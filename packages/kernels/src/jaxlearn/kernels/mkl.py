@@ -18,7 +18,8 @@ from typing import Optional
 
 from jaxlearn.kernels.native import NativeLibrary
 
-__all__ = ["BACKENDS", "PACKED_INT8_TARGET", "PACKED_TARGET", "SGEMM_TARGET", "amx_runs",
+__all__ = ["BACKENDS", "PACKED_INT8_TARGET", "PACKED_TARGET", "SGEMM_ADD_TARGET",
+           "SGEMM_TARGET", "amx_runs",
            "backend_for", "host_has_bf16", "host_has_int8", "host_is_intel", "host_threads",
            "library", "unavailable_reason"]
 
@@ -26,6 +27,7 @@ _SOURCE = Path(__file__).parent / "csrc" / "mkl_gemm.cc"
 PACKED_TARGET = "jaxlearn_packed_matmul"
 PACKED_INT8_TARGET = "jaxlearn_packed_int8_matmul"
 SGEMM_TARGET = "jaxlearn_sgemm"
+SGEMM_ADD_TARGET = "jaxlearn_sgemm_add"
 # Packed-GEMM backends: oneMKL's packed GEMMs, or the library's own AVX-512 BF16 / VNNI
 # kernels (`csrc/avx512_gemm.h`, bf16 and int8 weights only).
 BACKENDS = ("onemkl", "avx512")
@@ -164,7 +166,8 @@ def _prepare(lib: ctypes.CDLL) -> None:
 _LIBRARY = NativeLibrary(_SOURCE, flags=("-O3", "-march=native"), libs=("-ldl", "-lpthread"),
                          targets={PACKED_TARGET: "JlPackedMatmul",
                                   PACKED_INT8_TARGET: "JlPackedInt8Matmul",
-                                  SGEMM_TARGET: "JlSgemm"}, check=_check,
+                                  SGEMM_TARGET: "JlSgemm", SGEMM_ADD_TARGET: "JlSgemmAdd"},
+                         check=_check,
                          prepare=_prepare)
 
 

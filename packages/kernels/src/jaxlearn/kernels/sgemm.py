@@ -6,6 +6,7 @@ step on Intel CPUs, where oneMKL's f32 GEMM is faster than XLA:CPU's (YNNPACK) d
     sgemm(a, b, trans_a=False, trans_b=False) -> op(a) @ op(b)   a, b f32 2-D (or 3-D)
     sgemm_matmul(x [tokens, in], w [in, out]) -> [tokens, out]   (f32, custom VJP)
     sgemm_matmul_nt(x [tokens, in], w [out, in]) -> x @ w^T      (a tied LM head's table)
+    sgemm_lora_matmul(x, w, a [in, r], b [r, out], scale) -> x @ w + scale x @ a @ b
 
 The two matmuls take 3-D operands too ([batch, ...], one GEMM per batch entry: attention's
 products per (batch, kv head)).
@@ -29,7 +30,8 @@ import numpy as np
 
 from jaxlearn.kernels import mkl
 
-__all__ = ["sgemm", "sgemm_matmul", "sgemm_matmul_nt", "sgemm_runs", "unavailable_reason"]
+__all__ = ["sgemm", "sgemm_lora_matmul", "sgemm_matmul", "sgemm_matmul_nt", "sgemm_runs",
+           "unavailable_reason"]
 
 _F32 = jnp.float32
 # Blocks per CPU: finer than one each, so that a block waiting for a core busy with
@@ -60,10 +62,12 @@ def sgemm_runs() -> bool:
             and mkl.host_is_intel() and mkl.library() is not None)
 
 
-def sgemm(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = False
-          ) -> jax.Array:
-    """op(a) [m, k] @ op(b) [k, n] -> [m, n] f32 on oneMKL, op = transpose when asked (of
-    the last two dims: 3-D operands [batch, ...] with the same batch give [batch, m, n]).
+def sgemm(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = False,
+          add: jax.Array | None = None) -> jax.Array:
+    """op(a) [m, k] @ op(b) [k, n] (+ `add` [m, n]) -> [m, n] f32 on oneMKL, op = transpose
+    when asked (of the last two dims: 3-D operands [batch, ...] with the same batch give
+    [batch, m, n]; 2-D only with `add`). `add` is summed by the GEMM itself, into its
+    buffer where XLA can alias it: no pass over the result of its own.
 
     Raises ValueError naming the shapes when they do not chain or are not 2-D / 3-D f32,
     and RuntimeError (one line) when oneMKL cannot run here."""
@@ -75,12 +79,18 @@ def sgemm(a: jax.Array, b: jax.Array, *, trans_a: bool = False, trans_b: bool = 
     kb, n = (b.shape[-1], b.shape[-2]) if trans_b else b.shape[-2:]
     if k != kb:
         raise ValueError(f"sgemm: op(a) is [{m}, {k}] but op(b) is [{kb}, {n}]")
+    if add is not None and (a.ndim != 2 or add.dtype != _F32 or add.shape != (m, n)):
+        raise ValueError(f"sgemm: add must be float32 [{m}, {n}] with 2-D operands, got "
+                         f"{add.dtype}{list(add.shape)}")
     if mkl.library() is None:
         raise RuntimeError(f"sgemm: oneMKL does not run here: {mkl.unavailable_reason()}")
     out = jax.ShapeDtypeStruct((*a.shape[:-2], m, n), _F32)
-    return jax.ffi.ffi_call(mkl.SGEMM_TARGET, out)(
-        a, b, trans_a=bool(trans_a), trans_b=bool(trans_b),
-        parts=np.int32(_parts(2 * math.prod(a.shape[:-2]) * m * n * k)))
+    attrs = dict(trans_a=bool(trans_a), trans_b=bool(trans_b),
+                 parts=np.int32(_parts(2 * math.prod(a.shape[:-2]) * m * n * k)))
+    if add is None:
+        return jax.ffi.ffi_call(mkl.SGEMM_TARGET, out)(a, b, **attrs)
+    return jax.ffi.ffi_call(mkl.SGEMM_ADD_TARGET, out, input_output_aliases={2: 0})(
+        a, b, add, **attrs)
 
 
 @jax.custom_vjp
@@ -121,3 +131,30 @@ def _bwd_nt(res: tuple[jax.Array, jax.Array], g: jax.Array) -> tuple[jax.Array, 
 
 
 sgemm_matmul_nt.defvjp(_fwd_nt, _bwd_nt)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def sgemm_lora_matmul(x: jax.Array, w: jax.Array, a: jax.Array, b: jax.Array,
+                      scale: float) -> jax.Array:
+    """x [tokens, in] @ w [in, out] + scale * x @ a [in, rank] @ b [rank, out], f32, a
+    LoRA projection whose forward and backward dots all run on oneMKL, the two paths'
+    sums (y forward, dx backward) inside the large GEMM (`sgemm(add=)`)."""
+    return _fwd_lora(x, w, a, b, scale)[0]
+
+
+def _fwd_lora(x: jax.Array, w: jax.Array, a: jax.Array, b: jax.Array, scale: float
+              ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    h = sgemm(x, a) * jnp.asarray(scale, _F32)  # [tokens, rank]
+    return sgemm(x, w, add=sgemm(h, b)), (x, w, a, b, h)
+
+
+def _bwd_lora(scale: float, res: tuple[jax.Array, ...], g: jax.Array
+              ) -> tuple[jax.Array, ...]:
+    x, w, a, b, h = res
+    g = g.astype(_F32)
+    gh = sgemm(g, b, trans_b=True) * jnp.asarray(scale, _F32)  # [tokens, rank]
+    dx = sgemm(g, w, trans_b=True, add=sgemm(gh, a, trans_b=True))
+    return dx, sgemm(x, g, trans_a=True), sgemm(x, gh, trans_a=True), sgemm(h, g, trans_a=True)
+
+
+sgemm_lora_matmul.defvjp(_fwd_lora, _bwd_lora)

@@ -176,8 +176,6 @@ class Attention(Module):
             input_dim=(h, d), output_dim=e, weight_axes=("heads", "head_dim", "embed"),
             use_bias=c.output_bias))
 
-    # ---- public methods ---------------------------------------------------------------------
-
     def forward(
         self,
         x: jax.Array,
@@ -237,8 +235,6 @@ class Attention(Module):
             layer_index=layer_index,
         )
         return kv_cache, y
-
-    # ---- shared implementation ------------------------------------------------------------
 
     def _project_qkv(
         self, x: jax.Array, positions: jax.Array

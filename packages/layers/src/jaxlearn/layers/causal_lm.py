@@ -125,8 +125,6 @@ class CausalLM(Module):
             input_batch["input_ids"], input_batch.get("positions"), input_batch.get("segment_ids")
         )
 
-    # ---- decoding ---------------------------------------------------------------------------
-
     def init_states(self, batch_size: int, max_len: int) -> dict[str, Any]:
         """{"time_step": [batch] int32 (next cache slot), "decoder": per-layer KV caches}."""
         return {

@@ -145,9 +145,6 @@ def fuse_projection_params(params: Any) -> Any:
     return out
 
 
-# ---- LoRA (layers in lora.py) ----------------------------------------------------------
-
-
 def use_lora(
     cfg: Any,
     *,

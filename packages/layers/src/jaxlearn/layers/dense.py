@@ -41,10 +41,6 @@ __all__ = [
 ]
 
 
-
-# ---- injectable dots ---------------------------------------------------------------------
-
-
 class DotGeneral(Configurable):
     """Base of injectable dots (int8/fp8 subclasses live in quantized.py).
 
@@ -71,6 +67,15 @@ class DotGeneral(Configurable):
         """a [B, m, k] @ b [B, k, n] (nt: b [B, n, k]) -> [B, m, n], f32 (attention's
         products per batch and kv head); the default: XLA's batched dot."""
         return jnp.einsum("bmk,bnk->bmn" if nt else "bmk,bkn->bmn", a, b)
+
+    def fuses_lora(self, dtype: Any) -> bool:
+        """Whether `lora` is one op for operands of `dtype` (`LoraLinear` then calls it)."""
+        return False
+
+    def lora(self, x: jax.Array, w: jax.Array, a: jax.Array, b: jax.Array,
+             scale: float) -> jax.Array:
+        """x [tokens, in] @ w [in, out] + scale * x @ a [in, rank] @ b [rank, out]."""
+        return self(x, w) + self(self(x, a) * jnp.asarray(scale, x.dtype), b)
 
 
 class SgemmDot(DotGeneral):
@@ -99,20 +104,28 @@ class SgemmDot(DotGeneral):
             return None
         return sgemm_lib.sgemm if b == "onemkl" or sgemm_lib.sgemm_runs() else None
 
+    def _on_mkl(self, a: jax.Array, b: jax.Array) -> bool:
+        return a.dtype == b.dtype and self.gemm(a.dtype) is not None
+
     def __call__(self, x: jax.Array, w: jax.Array) -> jax.Array:
-        if x.dtype == w.dtype and self.gemm(x.dtype) is not None:
-            return sgemm_lib.sgemm_matmul(x, w)
-        return matmul(x, w)
+        return sgemm_lib.sgemm_matmul(x, w) if self._on_mkl(x, w) else matmul(x, w)
 
     def nt(self, x: jax.Array, w: jax.Array) -> jax.Array:
-        if x.dtype == w.dtype and self.gemm(x.dtype) is not None:
-            return sgemm_lib.sgemm_matmul_nt(x, w)
-        return matmul_nt(x, w)
+        return sgemm_lib.sgemm_matmul_nt(x, w) if self._on_mkl(x, w) else matmul_nt(x, w)
 
     def batched(self, a: jax.Array, b: jax.Array, nt: bool = False) -> jax.Array:
-        if a.dtype == b.dtype and self.gemm(a.dtype) is not None:
+        if self._on_mkl(a, b):
             return (sgemm_lib.sgemm_matmul_nt if nt else sgemm_lib.sgemm_matmul)(a, b)
         return super().batched(a, b, nt)
+
+    def fuses_lora(self, dtype: Any) -> bool:
+        return self.gemm(dtype) is not None
+
+    def lora(self, x: jax.Array, w: jax.Array, a: jax.Array, b: jax.Array,
+             scale: float) -> jax.Array:
+        """On oneMKL the adapter's product is summed into the projection's GEMM, forward
+        and backward (`kernels.sgemm.sgemm_lora_matmul`: no pass over y or dx of its own)."""
+        return sgemm_lib.sgemm_lora_matmul(x, w, a.astype(x.dtype), b.astype(x.dtype), scale)
 
 
 def dense(
@@ -122,13 +135,15 @@ def dense(
     dot: Optional[DotGeneral] = None,
     in_dims: int = 1,
     out_dtype: Any = None,
+    lora: Optional[tuple[jax.Array, jax.Array, float]] = None,
 ) -> jax.Array:
     """x [..., *in] times w [*in, *out] -> [..., *out] (`in_dims` leading dims of w contract).
 
     Flattens x's in dims to prod(in) and w to [prod(in), prod(out)], casts w to x's dtype
     (the compute dtype), runs `dot` (default: the custom-VJP `matmul`, on x's leading dims
     as they are; an injected dot gets x as [tokens, in]) and restores the shape. The
-    result is in `out_dtype` (default x.dtype).
+    result is in `out_dtype` (default x.dtype). With `lora` (a [*in, rank], b [rank, *out],
+    scale; `dot` required): x @ w + scale * x @ a @ b, `dot.lora`.
     """
     in_shape, out_shape = w.shape[:in_dims], w.shape[in_dims:]
     if tuple(x.shape[x.ndim - in_dims :]) != tuple(in_shape):
@@ -141,19 +156,20 @@ def dense(
     x2d = x.reshape(-1, k)
     rows, w2d = x2d.shape[0], w.reshape(k, n)
     x2d = pad_single_row(x2d)
-    if dot is None:  # matmul casts w itself (and returns its gradient in w's dtype).
+    if lora is not None:
+        assert dot is not None, "dense: lora needs a dot"
+        a, b, scale = lora
+        y = dot.lora(x2d, w2d.astype(x.dtype), a.reshape(k, -1), b.reshape(-1, n), scale)
+    elif dot is None:  # matmul casts w itself (and returns its gradient in w's dtype).
         y = matmul(x2d, w2d, out_dtype)
     else:
-        y = dot(x2d, w2d.astype(x.dtype)).astype(out_dtype or x.dtype)
-    return y[:rows].reshape(*lead, *out_shape)
+        y = dot(x2d, w2d.astype(x.dtype))
+    return y[:rows].astype(out_dtype or x.dtype).reshape(*lead, *out_shape)
 
 
 def maybe_dot(cfg: Optional[DotGeneral.Config]) -> Optional[DotGeneral]:
     """Instantiates a layer's `dot` config field (None stays None: the default matmul)."""
     return None if cfg is None else cfg.instantiate()
-
-
-# ---- Linear ------------------------------------------------------------------------------
 
 
 def dims(d: Union[int, Sequence[int]]) -> tuple[int, ...]:

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxlearn.config import REQUIRED, ConfigBase
-from jaxlearn.layers.dense import DotGeneral, Linear, dims, matmul, maybe_dot
+from jaxlearn.layers.dense import DotGeneral, Linear, dense, dims, matmul, maybe_dot
 from jaxlearn.module import FanAxes, Module, ParameterSpec, VarianceScaling, fold_in_name, zeros
 
 # Learner `trainable` regex (over "/"-joined param paths) selecting every adapter.
@@ -141,36 +141,35 @@ class LoraLinear(Linear):
                 for k, v in self.parameters.items()}
 
     def forward(self, x: jax.Array, *, out_dtype: Any = None) -> jax.Array:
+        p, ad = self._params(), self.adapter
+        if (self._dot is not None and self._dot.fuses_lora(self.dtype) and "bias" not in p
+                and not (ad.config.dropout and self.is_training)):  # One op, both ways.
+            return dense(x.astype(self.dtype), p["weight"], dot=self._dot,
+                         in_dims=len(self.in_shape), out_dtype=out_dtype,
+                         lora=(p["adapter"]["lora_a"], p["adapter"]["lora_b"], ad.scale))
         y = super().forward(x, out_dtype=out_dtype)
-        return y + self.adapter(x.astype(self.dtype)).astype(y.dtype)
+        return y + ad(x.astype(self.dtype)).astype(y.dtype)
 
 
-def with_base_params(params: Any, base: Any, *, where: str = "params") -> Any:
+def with_base_params(params: Any, base: Any) -> Any:
     """`params` of a LoRA model with every base weight taken from `base` (e.g. a base
     checkpoint: the same paths, no adapters). Shapes must agree; every param that `base`
     lacks must be an adapter."""
-    if not isinstance(params, dict) or not isinstance(base, dict):
-        raise ValueError(f"with_base_params: {where} is not a dict of params on both sides")
-    extra = sorted(set(base) - set(params))
-    if extra:
-        raise ValueError(f"with_base_params: {where} has no {extra} in the LoRA model")
-    out = {}
-    for key, value in params.items():
-        path = f"{where}/{key}"
-        if key not in base:
-            leaves = jax.tree_util.tree_flatten_with_path(value)[0]
-            for kp, _ in leaves:
-                leaf = path + "".join(f"/{k.key}" for k in kp)
-                if not re.fullmatch(ADAPTERS, leaf):
-                    raise ValueError(f"with_base_params: the base params lack {leaf}")
-            out[key] = value
-        elif isinstance(value, dict):
-            out[key] = with_base_params(value, base[key], where=path)
-        elif tuple(base[key].shape) != tuple(value.shape):
-            raise ValueError(
-                f"with_base_params: {path} has shape {tuple(base[key].shape)} in the base "
-                f"params, {tuple(value.shape)} in the LoRA model"
-            )
-        else:
-            out[key] = base[key]
-    return out
+    def name(kp: Any) -> str:
+        return "params/" + "/".join(str(k.key) for k in kp)
+
+    have = {name(kp): x for kp, x in jax.tree_util.tree_flatten_with_path(base)[0]}
+    if extra := sorted(set(have) - {name(kp) for kp, _ in
+                                   jax.tree_util.tree_flatten_with_path(params)[0]}):
+        raise ValueError(f"with_base_params: the LoRA model has no {extra}")
+
+    def take(kp: Any, x: Any) -> Any:
+        path = name(kp)
+        if path not in have and not re.fullmatch(ADAPTERS, path):
+            raise ValueError(f"with_base_params: the base params lack {path}")
+        if path in have and tuple(have[path].shape) != tuple(x.shape):
+            raise ValueError(f"with_base_params: {path} has shape {tuple(have[path].shape)} "
+                             f"in the base params, {tuple(x.shape)} in the LoRA model")
+        return have.get(path, x)
+
+    return jax.tree_util.tree_map_with_path(take, params)

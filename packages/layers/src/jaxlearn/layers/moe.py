@@ -119,8 +119,6 @@ class MixtureOfExperts(Module):
         dot = maybe_dot(c.dot)
         self._dot = None if isinstance(dot, SgemmDot) else dot
 
-    # ---- parameters -----------------------------------------------------------------------
-
     def _create_layer_parameter_specs(self) -> dict[str, ParameterSpec]:
         c = self.config
         e, d, h = c.num_experts, c.input_dim, c.hidden_dim
@@ -130,8 +128,6 @@ class MixtureOfExperts(Module):
             specs[name] = ParameterSpec((e, d, h), ("expert", "embed", "mlp"), fan_axes=_EXPERT_FAN)
         specs["wo"] = ParameterSpec((e, h, d), ("expert", "mlp", "embed"), fan_axes=_EXPERT_FAN)
         return specs
-
-    # ---- forward --------------------------------------------------------------------------
 
     def forward(self, x: jax.Array) -> jax.Array:
         """x: [..., seq, embed] (usually [batch, seq, embed]) -> the same shape."""
@@ -192,8 +188,6 @@ class MixtureOfExperts(Module):
         self.add_summary("router_z_loss", z_loss)
         self.add_summary("max_expert_load", e * jnp.max(frac))
 
-    # ---- expert FFN -----------------------------------------------------------------------
-
     def _matmul(self, a: jax.Array, w: jax.Array) -> jax.Array:
         """a [E, N, in] x w [E, in, out] -> [E, N, out] per expert (through `dot` if set)."""
         w = w.astype(self.dtype)
@@ -216,8 +210,6 @@ class MixtureOfExperts(Module):
         else:
             h = self._hidden(self._matmul(xe, p["wi"]), None)
         return self._matmul(h, p["wo"])
-
-    # ---- dispatch -------------------------------------------------------------------------
 
     def _dropless_dense(self, tokens: jax.Array, top_w: jax.Array, top_idx: jax.Array) -> jax.Array:
         e = self.config.num_experts

@@ -204,8 +204,6 @@ class PipelineStack(StackedDecode):
         c = self.config
         return c.num_microbatches if c.num_microbatches is not None else c.num_stages
 
-    # ---- parameters -----------------------------------------------------------------------
-
     def create_parameter_specs_recursively(self) -> dict[str, Any]:
         lo = self._layout
         specs: dict[str, Any] = super().create_parameter_specs_recursively()
@@ -226,8 +224,6 @@ class PipelineStack(StackedDecode):
         if not params:
             return {}
         return {"layer": to_stage_layout(params, self._layout.num_stages, self._layout.num_repeats)}
-
-    # ---- running the layer ----------------------------------------------------------------
 
     def _step(self, ctx: InvocationContext, fn: Callable[[Module, Any, Any], Any]) -> _Step:
         """One layer call `fn(layer, carry, x) -> (carry, y)` in the layer's context, given
@@ -268,8 +264,6 @@ class PipelineStack(StackedDecode):
         out = ctx.child_collection("layer")
         out.summaries.update(oc.summaries)
         out.module_outputs.update(oc.module_outputs)
-
-    # ---- training / scoring: the pipeline -------------------------------------------------
 
     def forward(
         self, x: Array, positions: Optional[Array] = None, segment_ids: Optional[Array] = None
@@ -339,8 +333,6 @@ class PipelineStack(StackedDecode):
         self._record(ctx, _per_layer_means(oc, valid, rep, lo, m_count))
         y = jnp.swapaxes(buf, 0, 1).reshape(x.shape)
         return with_logical_constraint(y, ("batch", "seq", "embed"))
-
-    # ---- decoding: not pipelined ----------------------------------------------------------
 
     def _scan_layers(self, fn: Callable[[Module, Any, Any], Any], carry: Any, xs: Any) -> tuple:
         """Every layer in order over the whole batch (decoding is not pipelined: module

@@ -25,6 +25,7 @@
 // operands change every call (a training step's forward and backward dots, `kernels.sgemm`):
 //
 //   c[M, N] f32 = op(a) @ op(b),   op(t) = t or t^T (attributes trans_a, trans_b)
+//   c[M, N] f32 = op(a) @ op(b) + d                 (a third target: the sum in the GEMM)
 //
 // split into `parts` row or column blocks (the longer side of c), each a task on the pool
 // (rank-3 operands: one such GEMM per leading batch entry, the entries split into parts);
@@ -290,15 +291,19 @@ ffi::Future SgemmBatched(ffi::ThreadPool& pool, const float* a0, const float* b0
 // Asynchronous: the blocks are pool tasks and the call returns at once, so XLA's executor
 // goes on with the program's other ready ops (norms, activations, the optimizer's
 // elementwise work) while the GEMM runs; a synchronous call would hold the executor and
-// leave a core idle after it, when the next ops run on one thread.
-ffi::Future SgemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b,
-                      ffi::ResultBuffer<ffi::F32> c, bool trans_a, bool trans_b,
-                      int32_t parts) {
+// leave a core idle after it, when the next ops run on one thread. With an addend d
+// (2-D only, c aliased to it by the caller where XLA can): c = op(a) @ op(b) + d, the sum
+// done by the GEMM itself (beta = 1) instead of another pass over c.
+ffi::Future SgemmRun(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b,
+                     const float* d, ffi::ResultBuffer<ffi::F32> c, bool trans_a, bool trans_b,
+                     int32_t parts) {
   auto ad = a.dimensions(), bd = b.dimensions();
   const size_t r = ad.size();
-  if (r < 2 || r > 3 || bd.size() != r || (r == 3 && ad[0] != bd[0])) {
+  if (r < 2 || r > 3 || bd.size() != r || (r == 3 && ad[0] != bd[0]) ||
+      (d != nullptr && r != 2)) {
     return Failed(ffi::Error::InvalidArgument(
-        "jl_sgemm: a and b must be 2-D, or 3-D with the same leading (batch) dimension"));
+        "jl_sgemm: a and b must be 2-D, or 3-D with the same leading (batch) dimension "
+        "(2-D with an addend)"));
   }
   const int64_t batch = r == 3 ? ad[0] : 1, ar = ad[r - 2], ac = ad[r - 1];
   const int64_t br = bd[r - 2], bc = bd[r - 1];
@@ -311,7 +316,11 @@ ffi::Future SgemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::Buffer
   }
   float* cd = c->typed_data();
   if (batch == 0 || m == 0 || n == 0 || k == 0) {
-    std::fill(cd, cd + batch * m * n, 0.0f);
+    if (d == nullptr) {
+      std::fill(cd, cd + batch * m * n, 0.0f);
+    } else if (d != cd) {
+      std::copy(d, d + m * n, cd);
+    }
     ffi::Promise done;
     done.SetAvailable();
     return ffi::Future(done);
@@ -330,16 +339,24 @@ ffi::Future SgemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::Buffer
   const int64_t side = by_rows ? m : n, p = std::max<int32_t>(parts, 1);
   const int64_t per = ((side + p - 1) / p + 15) / 16 * 16;
   const int64_t blocks = (side + per - 1) / per;
+  const float beta = d == nullptr ? 0.0f : 1.0f;
+  const bool copy = d != nullptr && d != cd;  // XLA did not alias c to d.
   ffi::CountDownPromise left(done, blocks);
   for (int64_t i = 0; i < blocks; ++i) {
     pool.Schedule([=]() mutable {
       const int64_t s0 = i * per, len = std::min(per, side - s0);
       if (by_rows) {  // Rows s0.. of op(a) and of c.
+        if (copy) std::copy(d + s0 * n, d + (s0 + len) * n, cd + s0 * n);
         const float* as = trans_a ? a0 + s0 : a0 + s0 * lda;
-        mkl.sgemm(kRowMajor, ta, tb, len, n, k, 1.0f, as, lda, b0, ldb, 0.0f, cd + s0 * n, n);
+        mkl.sgemm(kRowMajor, ta, tb, len, n, k, 1.0f, as, lda, b0, ldb, beta, cd + s0 * n, n);
       } else {  // Columns s0.. of op(b) and of c.
+        if (copy) {
+          for (int64_t row = 0; row < m; ++row) {
+            std::copy(d + row * n + s0, d + row * n + s0 + len, cd + row * n + s0);
+          }
+        }
         const float* bs = trans_b ? b0 + s0 * ldb : b0 + s0;
-        mkl.sgemm(kRowMajor, ta, tb, m, len, k, 1.0f, a0, lda, bs, ldb, 0.0f, cd + s0, n);
+        mkl.sgemm(kRowMajor, ta, tb, m, len, k, 1.0f, a0, lda, bs, ldb, beta, cd + s0, n);
       }
       left.CountDown();
     });
@@ -347,11 +364,38 @@ ffi::Future SgemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::Buffer
   return future;
 }
 
+ffi::Future SgemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b,
+                      ffi::ResultBuffer<ffi::F32> c, bool trans_a, bool trans_b,
+                      int32_t parts) {
+  return SgemmRun(pool, a, b, nullptr, c, trans_a, trans_b, parts);
+}
+
+ffi::Future SgemmAddImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a,
+                         ffi::Buffer<ffi::F32> b, ffi::Buffer<ffi::F32> d,
+                         ffi::ResultBuffer<ffi::F32> c, bool trans_a, bool trans_b,
+                         int32_t parts) {
+  if (d.element_count() != c->element_count()) {
+    return Failed(ffi::Error::InvalidArgument("jl_sgemm_add: the addend is not c's shape"));
+  }
+  return SgemmRun(pool, a, b, d.typed_data(), c, trans_a, trans_b, parts);
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JlSgemm, SgemmImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<bool>("trans_a")
+                                  .Attr<bool>("trans_b")
+                                  .Attr<int32_t>("parts"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JlSgemmAdd, SgemmAddImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
