@@ -119,7 +119,7 @@ def serving_model(cfg: Any, model_cfg: Any, params: Any) -> ServingModel:
     # Adapter banks take Linears out of the plain ones the packing counts: asked again.
     model_cfg, params, packed = store_weights(
         model_cfg, params, cfg.weight_layout, mesh_shape=cfg.mesh_shape,
-        quantize_mode=cfg.quantize, packed=None if cfg.max_loras else packed_chosen)
+        quantize_mode=cfg.quantize, chosen=None if cfg.max_loras else packed_chosen)
     if cfg.speculative_tokens and cfg.quantize is not None and packed is None:
         # XLA's int8 forward of k + 1 tokens is not bit-identical to k + 1 one-token steps
         # (SmolLM2-135M: greedy outputs part after 25-61 tokens), so drafts would change

@@ -213,15 +213,15 @@ def pack_weights(model_cfg: Any, params: Any, *, int8: bool = False
 
 
 def store_weights(model_cfg: Any, params: Any, layout: str, *, mesh_shape: Any = None,
-                  quantize_mode: Optional[str] = None, packed: Optional[bool] = None
+                  quantize_mode: Optional[str] = None, chosen: Optional[bool] = None
                   ) -> tuple[Any, Any, Optional[PackedWeights]]:
     """(config, params, owner of packed copies or None) served as `quantize_mode`
-    (`Engine.Config.quantize`) and stored as `layout` say here. `packed`: what
+    (`Engine.Config.quantize`) and stored as `layout` say here. `chosen`: what
     `packed_layout_chosen` answered for these arguments, if the caller asked already."""
-    if packed is None:
-        packed = packed_layout_chosen(model_cfg, params, layout, mesh_shape=mesh_shape,
+    if chosen is None:
+        chosen = packed_layout_chosen(model_cfg, params, layout, mesh_shape=mesh_shape,
                                       quantize=quantize_mode)
-    if packed:
+    if chosen:
         cfg, packed, owner = pack_weights(model_cfg, params, int8=quantize_mode == "int8")
         log.info("weights packed for the %s GEMM (%s): %.1f MB (%.1f MB of address space "
                  "reserved)", "/".join(sorted(owner.backends)), quantize_mode or "float",
