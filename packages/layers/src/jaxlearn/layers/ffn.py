@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxlearn.config import REQUIRED, InstantiableConfig
-from jaxlearn.kernels.activations import silu
+from jaxlearn.kernels.activations import silu, swiglu
 from jaxlearn.layers.dense import Linear
 from jaxlearn.module import Module, with_logical_constraint
 
@@ -84,8 +84,12 @@ class FeedForward(Module):
             pre = [both[..., : c.hidden_dim], both[..., c.hidden_dim :]]
         else:
             pre = [self.children[n](x) for n in self._in_names()]
-        hs = [get_activation(a)(self.checkpoint_name(h, "ffn_hidden"))
-              for a, h in zip(c.activation, pre)]
-        h = self.checkpoint_name(hs[0] * hs[1] if len(hs) == 2 else hs[0], "ffn_activation")
+        pre = [self.checkpoint_name(h, "ffn_hidden") for h in pre]
+        if tuple(c.activation) == ("silu", "linear"):  # One op each way (kernels.activations).
+            h = swiglu(*pre)
+        else:
+            hs = [get_activation(a)(h) for a, h in zip(c.activation, pre)]
+            h = hs[0] * hs[1] if len(hs) == 2 else hs[0]
+        h = self.checkpoint_name(h, "ffn_activation")
         y = self.wo(h)
         return with_logical_constraint(y, ("batch", "seq", "embed")) if y.ndim == 3 else y
