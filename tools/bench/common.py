@@ -52,9 +52,10 @@ SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16"
 
 
 def host_cpu() -> str:
-    """The CPU a result was measured on: model name, logical CPUs and which of the SIMD
-    flags that move ratios between hosts it has (/proc/cpuinfo, as `lscpu` shows them)."""
-    model, flags = "unknown CPU", set()
+    """The CPU a result was measured on: model name, family / model numbers (a VM's model
+    name may not tell Zen 4 from Zen 5), logical CPUs and which of the SIMD flags that move
+    ratios between hosts it has (/proc/cpuinfo, as `lscpu` shows them)."""
+    model, flags, ids = "unknown CPU", set(), {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -63,11 +64,14 @@ def host_cpu() -> str:
                     model = value.strip()
                 elif key.strip() == "flags":
                     flags = set(value.split())
+                elif key.strip() in ("cpu family", "model"):
+                    ids.setdefault(key.strip().split()[-1], value.strip())
     except OSError:
         pass
     have = [f for f in SIMD_FLAGS if f in flags]
     no512 = "" if any(f.startswith("avx512") for f in flags) else ", no AVX-512"
-    return f"{model}, {os.cpu_count()} CPUs, {'+'.join(have) or 'no AVX2'}{no512}"
+    fam = f" (family {ids['family']} model {ids['model']})" if len(ids) == 2 else ""
+    return f"{model}{fam}, {os.cpu_count()} CPUs, {'+'.join(have) or 'no AVX2'}{no512}"
 
 
 def emit(**fields: Any) -> None:
