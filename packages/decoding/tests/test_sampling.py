@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxlearn.decoding import RequestError, SamplingParams
@@ -201,6 +201,24 @@ def test_argmax_and_draws_equal_jax_reference(seed, levels):
     noise = jax.vmap(lambda k: jax.random.gumbel(k, (50,), jnp.float32))(keys)
     want = jax.vmap(jax.random.categorical)(keys, logits)
     np.testing.assert_array_equal(argmax(logits + noise), want)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**16), st.integers(1, 4), st.sampled_from([2048, 4128, 49152, 2050]))
+def test_blocked_argmax_equals_jax_reference_on_wide_rows(seed, levels, v):
+    """Wide rows go through block maxima (blocks of 256 .. 32 ids, or one masked pass
+    where none divides v): still the first index of the maximum, ties across blocks
+    included; an all -inf row gives 0, a row with a NaN an id in range."""
+    from jaxlearn.decoding.sampling import _argmax_block, argmax
+
+    assert (_argmax_block(2048), _argmax_block(4128), _argmax_block(2050)) == (256, 32, None)
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, levels, size=(4, v)).astype(np.float32)
+    x[1, rng.integers(0, v)] = levels  # One maximum somewhere in the row.
+    x[2] = -np.inf
+    np.testing.assert_array_equal(argmax(jnp.asarray(x)), np.argmax(x, axis=-1))
+    x[3, rng.integers(0, v)] = np.nan
+    assert 0 <= int(argmax(jnp.asarray(x))[3]) < v
 
 
 def test_presence_frequency_and_bias_match_openai_formula():
