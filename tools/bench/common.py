@@ -55,7 +55,8 @@ def host_cpu() -> str:
     """The CPU a result was measured on: model name, family / model numbers (a VM's model
     name may not tell Zen 4 from Zen 5), logical CPUs and which of the SIMD flags that move
     ratios between hosts it has (/proc/cpuinfo, as `lscpu` shows them)."""
-    model, flags, ids = "unknown CPU", set(), {}
+    model, flags = "unknown CPU", set()
+    ids: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
