@@ -25,10 +25,11 @@ def silu(x: jax.Array) -> jax.Array:
     """x * sigmoid(x) (SiLU / swish), sigmoid through tanh; computed in f32 and rounded to
     x's dtype once (bf16 steps would each round)."""
     xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-    return (xf * (0.5 + 0.5 * jnp.tanh(0.5 * xf))).astype(x.dtype)
+    return (xf * _sigmoid(xf)).astype(x.dtype)
 
 
 def _sigmoid(xf: jax.Array) -> jax.Array:
+    """sigmoid(x) as 0.5 + 0.5 tanh(x / 2): the form XLA:CPU vectorises (module doc)."""
     return 0.5 + 0.5 * jnp.tanh(0.5 * xf)
 
 
