@@ -6,22 +6,105 @@
 // deadlock). A pool task that starts after the call returned finds nothing to claim and
 // touches only the shared counters, never `fn` or what it refers to: a claimed index
 // (< total) means the call is still waiting for it.
+//
+// Lingering: a serving step hands work to the pool a few times per layer (each packed GEMM
+// and attention call), with one-core XLA ops in between. A pool thread that went to sleep
+// takes a wake-up (a futex, a few us) at each hand-off, and the caller another when it waits
+// for the last block. So a helper whose work ran out spins for up to JAXLEARN_POOL_SPIN_US
+// (default kSpinUs) for the next PoolFor job of this library and joins it, and a caller
+// spins as long for its last blocks before it sleeps. The spin counts as CPU time, as
+// OpenMP runtimes' waiting threads do. 0 turns it off.
 #ifndef JAXLEARN_KERNELS_POOL_FOR_H_
 #define JAXLEARN_KERNELS_POOL_FOR_H_
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#else
+#include <thread>
+#endif
+
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <mutex>
 
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxlearn {
+namespace pool_for {
+
+constexpr int64_t kSpinUs = 100;
+
+struct JobBase {
+  virtual ~JobBase() = default;
+  virtual void Work() = 0;
+};
+
+// The latest job, for lingering helpers: `generation` changes when one is published.
+struct Mailbox {
+  std::mutex mu;
+  std::shared_ptr<JobBase> job;
+  std::atomic<uint64_t> generation{0};
+  std::atomic<int> lingering{0};
+};
+inline Mailbox& mailbox() {
+  static Mailbox m;
+  return m;
+}
+
+inline std::chrono::nanoseconds SpinTime() {
+  static const std::chrono::nanoseconds t = [] {
+    const char* env = std::getenv("JAXLEARN_POOL_SPIN_US");
+    return std::chrono::microseconds(env != nullptr ? std::atoll(env) : kSpinUs);
+  }();
+  return t;
+}
+
+// Spins until done() or SpinTime() has passed; returns done().
+template <typename Done>
+bool Spin(const Done& done) {
+  const auto end = std::chrono::steady_clock::now() + SpinTime();
+  while (!done()) {
+    if (std::chrono::steady_clock::now() >= end) return done();
+    for (int i = 0; i < 32; ++i) {
+#if defined(__x86_64__)
+      _mm_pause();
+#else
+      std::this_thread::yield();
+#endif
+    }
+  }
+  return true;
+}
+
+// A helper whose work ran out joins the jobs published while it spins (module comment).
+inline void Linger() {
+  Mailbox& m = mailbox();
+  if (SpinTime().count() <= 0) return;
+  m.lingering.fetch_add(1);
+  uint64_t seen = m.generation.load(std::memory_order_acquire);
+  while (Spin([&] { return m.generation.load(std::memory_order_acquire) != seen; })) {
+    std::shared_ptr<JobBase> job;
+    {
+      std::lock_guard<std::mutex> lock(m.mu);
+      job = m.job;
+      seen = m.generation.load(std::memory_order_acquire);
+    }
+    m.lingering.fetch_sub(1);
+    job->Work();
+    m.lingering.fetch_add(1);
+  }
+  m.lingering.fetch_sub(1);
+}
+
+}  // namespace pool_for
 
 template <typename Fn>
 void PoolFor(xla::ffi::ThreadPool& pool, int64_t total, int64_t helpers, const Fn& fn) {
-  struct Job {
+  struct Job : pool_for::JobBase {
     const Fn* fn;
     int64_t total;
     std::atomic<int64_t> next{0};
@@ -29,7 +112,7 @@ void PoolFor(xla::ffi::ThreadPool& pool, int64_t total, int64_t helpers, const F
     std::mutex mu;
     std::condition_variable cv;
 
-    void Work() {
+    void Work() override {
       for (int64_t i = next.fetch_add(1); i < total; i = next.fetch_add(1)) {
         (*fn)(i);
         if (done.fetch_add(1) + 1 == total) {
@@ -43,8 +126,23 @@ void PoolFor(xla::ffi::ThreadPool& pool, int64_t total, int64_t helpers, const F
   auto job = std::make_shared<Job>();
   job->fn = &fn;
   job->total = total;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([job] { job->Work(); });
+  pool_for::Mailbox& m = pool_for::mailbox();
+  if (helpers > 0 && pool_for::SpinTime().count() > 0) {
+    {
+      std::lock_guard<std::mutex> lock(m.mu);
+      m.job = job;
+      m.generation.fetch_add(1, std::memory_order_release);
+    }
+    helpers -= m.lingering.load();  // They join at once; the caller covers a late one.
+  }
+  for (int64_t t = 0; t < helpers; ++t) {
+    pool.Schedule([job] {
+      job->Work();
+      pool_for::Linger();
+    });
+  }
   job->Work();
+  if (pool_for::Spin([&] { return job->done.load() == total; })) return;
   std::unique_lock<std::mutex> lock(job->mu);
   job->cv.wait(lock, [&] { return job->done.load() == total; });
 }

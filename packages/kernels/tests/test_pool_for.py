@@ -1,0 +1,100 @@
+"""The FFI kernels' parallel-for (`csrc/pool_for.h`), whose helpers linger for the next
+job: a chain of packed matmuls gives the same bits with the spin off
+(JAXLEARN_POOL_SPIN_US=0, read once per process: a fresh one) as with the default, and
+two threads running chains at once each get what they get alone."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxlearn.kernels import PackedWeights, mkl, packed_matmul
+
+pytestmark = pytest.mark.skipif(
+    jax.default_backend() != "cpu" or platform.machine() not in ("x86_64", "AMD64"),
+    reason="the packed GEMM runs on x86-64 CPU backends only")
+
+# A chain of 12 layers (x -> x + x @ w_i, in bf16), as a decode step hands GEMMs to the pool
+# with one-core XLA ops between them; prints a digest of the result's bits.
+_CHAIN = """
+import hashlib, sys
+import jax, jax.numpy as jnp, numpy as np
+from jaxlearn.kernels import PackedWeights, mkl, packed_matmul
+
+def chain(seed, rows, owner):
+    rng = np.random.default_rng(seed)
+    backend = "avx512" if mkl.avx512_runs("bfloat16") else "onemkl"
+    ws = [rng.normal(size=(96, 96)).astype(np.float32) / 10 for _ in range(12)]
+    ids = jnp.asarray([owner.pack(jnp.asarray(w, jnp.bfloat16)) for w in ws], jnp.int32)
+    def body(x, wid):
+        return (x + packed_matmul(x, wid, 96).astype(x.dtype)) * 0.5, None
+    run = jax.jit(lambda x: jax.lax.scan(body, x, ids)[0])
+    x = jnp.asarray(rng.normal(size=(rows, 96)), jnp.bfloat16)
+    return hashlib.sha256(np.asarray(jax.device_get(run(x))).tobytes()).hexdigest()
+
+if __name__ == "__main__":
+    print(chain(int(sys.argv[1]), int(sys.argv[2]), PackedWeights(backend="avx512"
+          if mkl.avx512_runs("bfloat16") else "onemkl")))
+"""
+
+
+def _chain_module() -> dict:
+    scope: dict = {"__name__": "pool_for_chain"}
+    exec(compile(_CHAIN, "pool_for_chain", "exec"), scope)
+    return scope
+
+
+def _owner() -> PackedWeights:
+    return PackedWeights(backend="avx512" if mkl.avx512_runs("bfloat16") else "onemkl")
+
+
+def test_the_spin_changes_no_bit(tmp_path) -> None:
+    script = tmp_path / "chain.py"
+    script.write_text(_CHAIN)
+    env = dict(os.environ, JAXLEARN_POOL_SPIN_US="0",
+               PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    chain = _chain_module()["chain"]
+    owner = _owner()
+    for seed, rows in ((0, 1), (1, 8), (2, 32)):
+        off = subprocess.run([sys.executable, str(script), str(seed), str(rows)], env=env,
+                             capture_output=True, text=True, timeout=600)
+        assert off.returncode == 0, off.stderr[-2000:]
+        assert off.stdout.split()[-1] == chain(seed, rows, owner), (seed, rows)
+
+
+def test_two_threads_at_once_get_what_each_gets_alone() -> None:
+    rng = np.random.default_rng(5)
+    owner = _owner()
+    ws = [jnp.asarray(rng.normal(size=(64, 64)) / 8, jnp.bfloat16) for _ in range(8)]
+    ids = jnp.asarray([owner.pack(w) for w in ws], jnp.int32)
+
+    def body(x: jax.Array, wid: jax.Array) -> tuple[jax.Array, None]:
+        return (x + packed_matmul(x, wid, 64).astype(x.dtype)) * 0.5, None
+
+    run = jax.jit(lambda x: jax.lax.scan(body, x, ids)[0])
+    xs = [jnp.asarray(rng.normal(size=(rows, 64)), jnp.bfloat16) for rows in (3, 17)]
+    alone = [np.asarray(run(x)) for x in xs]
+    got: dict[int, list[np.ndarray]] = {0: [], 1: []}
+
+    def worker(i: int) -> None:
+        for _ in range(20):
+            got[i].append(np.asarray(run(xs[i])))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert not any(t.is_alive() for t in threads), "a thread hung"
+    for i in (0, 1):
+        assert len(got[i]) == 20
+        for out in got[i]:
+            np.testing.assert_array_equal(out, alone[i])
