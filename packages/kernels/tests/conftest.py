@@ -1,9 +1,14 @@
-"""Test setup: 8 fake CPU devices for sharding tests, persistent compilation cache."""
+"""Test setup: 8 fake CPU devices for sharding tests, persistent compilation cache, and
+the FFI kernels' pool helpers lingering (`csrc/pool_for.h`; off by default), so that the
+kernels' tests run that path; `test_pool_for.py` compares it with the default."""
 
 import os
 
 import jax
 from hypothesis import settings
+
+# Read when a kernel library first runs, after this module: no test has run one yet.
+os.environ.setdefault("JAXLEARN_POOL_SPIN_US", "100")
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update(

@@ -1,7 +1,8 @@
-"""The FFI kernels' parallel-for (`csrc/pool_for.h`), whose helpers linger for the next
-job: a chain of packed matmuls gives the same bits with the spin off
-(JAXLEARN_POOL_SPIN_US=0, read once per process: a fresh one) as with the default, and
-two threads running chains at once each get what they get alone."""
+"""The FFI kernels' parallel-for (`csrc/pool_for.h`), whose helpers may linger for the next
+job: a chain of packed matmuls gives the same bits with the spin on
+(JAXLEARN_POOL_SPIN_US=100, read once per process: fresh ones, and this one, see
+conftest.py) as with it off, and two threads running chains at once (spin on) each get
+what they get alone."""
 
 from __future__ import annotations
 
@@ -56,18 +57,26 @@ def _owner() -> PackedWeights:
     return PackedWeights(backend="avx512" if mkl.avx512_runs("bfloat16") else "onemkl")
 
 
+def _digests(script, spin: str) -> list[str]:
+    env = dict(os.environ, JAXLEARN_POOL_SPIN_US=spin,
+               PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    out = []
+    for seed, rows in ((0, 1), (1, 8), (2, 32)):
+        run = subprocess.run([sys.executable, str(script), str(seed), str(rows)], env=env,
+                             capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-2000:]
+        out.append(run.stdout.split()[-1])
+    return out
+
+
 def test_the_spin_changes_no_bit(tmp_path) -> None:
     script = tmp_path / "chain.py"
     script.write_text(_CHAIN)
-    env = dict(os.environ, JAXLEARN_POOL_SPIN_US="0",
-               PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    chain = _chain_module()["chain"]
+    off = _digests(script, "0")
+    assert _digests(script, "100") == off
     owner = _owner()
-    for seed, rows in ((0, 1), (1, 8), (2, 32)):
-        off = subprocess.run([sys.executable, str(script), str(seed), str(rows)], env=env,
-                             capture_output=True, text=True, timeout=600)
-        assert off.returncode == 0, off.stderr[-2000:]
-        assert off.stdout.split()[-1] == chain(seed, rows, owner), (seed, rows)
+    chain = _chain_module()["chain"]
+    assert [chain(seed, rows, owner) for seed, rows in ((0, 1), (1, 8), (2, 32))] == off
 
 
 def test_two_threads_at_once_get_what_each_gets_alone() -> None:

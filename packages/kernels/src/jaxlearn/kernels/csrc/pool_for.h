@@ -7,21 +7,18 @@
 // touches only the shared counters, never `fn` or what it refers to: a claimed index
 // (< total) means the call is still waiting for it.
 //
-// Lingering: a serving step hands work to the pool a few times per layer (each packed GEMM
-// and attention call), with one-core XLA ops in between. A pool thread that went to sleep
-// takes a wake-up (a futex, a few us) at each hand-off, and the caller another when it waits
-// for the last block. So a helper whose work ran out spins for up to JAXLEARN_POOL_SPIN_US
-// (default kSpinUs) for the next PoolFor job of this library and joins it, and a caller
-// spins as long for its last blocks before it sleeps. The spin counts as CPU time, as
-// OpenMP runtimes' waiting threads do. 0 turns it off.
+// Lingering (off by default): a serving step hands work to the pool about five times per
+// layer (each packed GEMM and attention call), with one-core XLA ops in between. A pool
+// thread that went to sleep takes a wake-up (a futex, a few us) at each hand-off, and the
+// caller another when it waits for the last block. With JAXLEARN_POOL_SPIN_US=N, a helper
+// whose work ran out spins (yielding the core at each turn) for up to N us for the next
+// PoolFor job of this library and joins it, and a caller spins as long for its last blocks
+// before it sleeps. The spin counts as CPU time, as OpenMP runtimes' waiting threads do.
+// A lingering helper holds one of XLA's pool threads, which XLA's own multi-threaded ops
+// then wait for. Measured (packages/kernels/README.md): bf16 serving faster, int8 serving
+// at 32 in flight slower, hence off unless asked for.
 #ifndef JAXLEARN_KERNELS_POOL_FOR_H_
 #define JAXLEARN_KERNELS_POOL_FOR_H_
-
-#if defined(__x86_64__)
-#include <immintrin.h>
-#else
-#include <thread>
-#endif
 
 #include <atomic>
 #include <chrono>
@@ -30,13 +27,14 @@
 #include <cstdlib>
 #include <memory>
 #include <mutex>
+#include <thread>
 
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxlearn {
 namespace pool_for {
 
-constexpr int64_t kSpinUs = 100;
+constexpr int64_t kSpinUs = 0;  // Default: off (module comment).
 
 struct JobBase {
   virtual ~JobBase() = default;
@@ -63,19 +61,14 @@ inline std::chrono::nanoseconds SpinTime() {
   return t;
 }
 
-// Spins until done() or SpinTime() has passed; returns done().
+// Spins until done() or SpinTime() has passed; returns done(). Each turn yields the core,
+// so a server's Python threads (HTTP, detokenization) run when they are runnable.
 template <typename Done>
 bool Spin(const Done& done) {
   const auto end = std::chrono::steady_clock::now() + SpinTime();
   while (!done()) {
     if (std::chrono::steady_clock::now() >= end) return done();
-    for (int i = 0; i < 32; ++i) {
-#if defined(__x86_64__)
-      _mm_pause();
-#else
-      std::this_thread::yield();
-#endif
-    }
+    std::this_thread::yield();
   }
   return true;
 }
