@@ -32,7 +32,6 @@ from jaxlearn.kernels import PackedWeights, mkl, packed_matmul
 
 def chain(seed, rows, owner):
     rng = np.random.default_rng(seed)
-    backend = "avx512" if mkl.avx512_runs("bfloat16") else "onemkl"
     ws = [rng.normal(size=(96, 96)).astype(np.float32) / 10 for _ in range(12)]
     ids = jnp.asarray([owner.pack(jnp.asarray(w, jnp.bfloat16)) for w in ws], jnp.int32)
     def body(x, wid):
