@@ -65,6 +65,7 @@ inline std::chrono::nanoseconds SpinTime() {
 // so a server's Python threads (HTTP, detokenization) run when they are runnable.
 template <typename Done>
 bool Spin(const Done& done) {
+  if (SpinTime().count() <= 0) return done();  // Off: no clock read on the call's path.
   const auto end = std::chrono::steady_clock::now() + SpinTime();
   while (!done()) {
     if (std::chrono::steady_clock::now() >= end) return done();
@@ -75,8 +76,8 @@ bool Spin(const Done& done) {
 
 // A helper whose work ran out joins the jobs published while it spins (module comment).
 inline void Linger() {
-  Mailbox& m = mailbox();
   if (SpinTime().count() <= 0) return;
+  Mailbox& m = mailbox();
   m.lingering.fetch_add(1);
   uint64_t seen = m.generation.load(std::memory_order_acquire);
   while (Spin([&] { return m.generation.load(std::memory_order_acquire) != seen; })) {
