@@ -43,6 +43,8 @@ def test_engine_config_flat_text_round_trip(cfg, params, tok):
     (dict(max_batch=0), "Engine.Config.max_batch=0: must be >= 1"),
     (dict(max_seq_len=1), "Engine.Config.max_seq_len=1: must be >= 2"),
     (dict(decode_burst=0), "Engine.Config.decode_burst=0: must be >= 1"),
+    (dict(pool_spin_us=-5), "Engine.Config.pool_spin_us=-5: must be None or an int >= 0"),
+    (dict(pool_spin_us=1.5), "Engine.Config.pool_spin_us expects Optional[int], got float 1.5"),
     (dict(max_seq_len=64, kv_cache_tokens=48), "Engine.Config.kv_cache_tokens=48: cannot hold"),
     (dict(fuse_projections=True, mesh_shape=(1, 8)), "fuse_projections=True needs mesh_shape"),
     (dict(mesh_shape=(3, 5)), "Engine.Config.mesh_shape=(3, 5)"),

@@ -9,10 +9,10 @@ import pytest
 from conftest import make_engine, tiny_config, tiny_params
 
 from jaxlearn.config import visit
-from jaxlearn.inference.engine_setup import rolled_layers
+from jaxlearn.inference.engine_setup import POOL_SPIN_US, pool_spin_for, rolled_layers
 from jaxlearn.inference.quantize import quantize
 from jaxlearn.inference.weight_layout import apply_weight_layout, serving_stack, store_weights
-from jaxlearn.kernels import Int8Weight, PackedTable
+from jaxlearn.kernels import Int8Weight, PackedTable, pool_spin_us
 from jaxlearn.kernels.packed_gemm import host_has_bf16, host_has_int8, unavailable_reason
 from jaxlearn.layers import LoopStack, ScanStack, SgemmDot, use_dot
 
@@ -117,17 +117,21 @@ def _packed_linears(params):
 
 @pytest.mark.parametrize("stack,tied", [("scan", True), ("loop", False)])
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
-def test_packed_weights_serve_the_same_logits_and_tokens(stack, tied, dtype):
+def test_packed_weights_serve_the_same_logits_and_tokens(stack, tied, dtype, monkeypatch):
     """weight_layout="packed": every plain Linear a PackedLinear (a stack's ids per layer:
     a loop of one repeated layer is served as a scan of it, `roll_layers`), a tied head a
     PackedTable; prefill logits within rounding of the summation order and the same
-    greedy tokens as the trained layout (a loop stays a loop there), one and four rows."""
+    greedy tokens as the trained layout (a loop stays a loop there), one and four rows.
+    The engine sets the kernels' pool spin: on for bf16 packed weights only."""
+    monkeypatch.delenv("JAXLEARN_POOL_SPIN_US", raising=False)
     cfg = _untied_or_tied(tiny_config(stack, dtype="bfloat16" if dtype == "bf16" else None),
                           tied)
     params = tiny_params(cfg, seed=1)
     if dtype == "bf16":
         params = _bf16(params)
     base, packed = _engine(cfg, params, "in_out"), _engine(cfg, params, "packed")
+    assert base.pool_spin_us == 0
+    assert packed.pool_spin_us == pool_spin_us() == (POOL_SPIN_US if dtype == "bf16" else 0)
     rolled = rolled_layers(cfg, params)[1]
     linears = {k.removesuffix("['weight']") for k in _paths(rolled)
                if k.endswith("['weight']") and "['emb']" not in k}
@@ -229,6 +233,9 @@ def test_packed_int8_weights_serve_what_xla_int8_serves(stack, tied):
                            quantize="int8")
 
     base, packed, fused = engine("in_out", False), engine("packed", False), engine("packed", None)
+    assert packed.packed_weights.dtypes == {"int8"}
+    assert pool_spin_for(None, packed.packed_weights) == 0
+    assert pool_spin_for(20, packed.packed_weights) == 20
     assert base.packed_weights is None and _klasses(base.model_cfg) == {"Int8Linear"}
     assert _klasses(packed.model_cfg) == {"PackedLinear"}
     weight_dtypes = set()

@@ -1,8 +1,9 @@
 """The FFI kernels' parallel-for (`csrc/pool_for.h`), whose helpers may linger for the next
 job: a chain of packed matmuls gives the same bits with the spin on
-(JAXLEARN_POOL_SPIN_US=100, read once per process: fresh ones, and this one, see
-conftest.py) as with it off, and two threads running chains at once (spin on) each get
-what they get alone."""
+(JAXLEARN_POOL_SPIN_US=100 in fresh processes and this one, see conftest.py) as with it
+off, also when `set_pool_spin_us` turns it off or on in a running process; the setting
+reaches every opened library, and one opened later, unless the environment names one; two
+threads running chains at once (spin on) each get what they get alone."""
 
 from __future__ import annotations
 
@@ -17,7 +18,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxlearn.kernels import PackedWeights, mkl, packed_matmul
+from jaxlearn.kernels import (
+    PackedWeights,
+    mkl,
+    native,
+    packed_matmul,
+    paged_native,
+    pool_spin_us,
+    set_pool_spin_us,
+)
 
 pytestmark = pytest.mark.skipif(
     jax.default_backend() != "cpu" or platform.machine() not in ("x86_64", "AMD64"),
@@ -41,8 +50,14 @@ def chain(seed, rows, owner):
     return hashlib.sha256(np.asarray(jax.device_get(run(x))).tobytes()).hexdigest()
 
 if __name__ == "__main__":
+    if len(sys.argv) > 3:  # A spin set in the process, before any library opened.
+        from jaxlearn.kernels import set_pool_spin_us
+        set_pool_spin_us(int(sys.argv[3]))
     print(chain(int(sys.argv[1]), int(sys.argv[2]), PackedWeights(backend="avx512"
           if mkl.avx512_runs("bfloat16") else "onemkl")))
+    if len(sys.argv) > 3:  # The opened library took the setting.
+        from jaxlearn.kernels import native
+        assert [lib.jl_pool_spin_us() for lib in native._opened] == [int(sys.argv[3])]
 """
 
 
@@ -56,12 +71,15 @@ def _owner() -> PackedWeights:
     return PackedWeights(backend="avx512" if mkl.avx512_runs("bfloat16") else "onemkl")
 
 
-def _digests(script, spin: str) -> list[str]:
+def _digests(script, spin: str, set_us: str = "") -> list[str]:
     env = dict(os.environ, JAXLEARN_POOL_SPIN_US=spin,
                PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    if set_us:
+        del env["JAXLEARN_POOL_SPIN_US"]
     out = []
     for seed, rows in ((0, 1), (1, 8), (2, 32)):
-        run = subprocess.run([sys.executable, str(script), str(seed), str(rows)], env=env,
+        argv = [sys.executable, str(script), str(seed), str(rows)] + ([set_us] if set_us else [])
+        run = subprocess.run(argv, env=env,
                              capture_output=True, text=True, timeout=600)
         assert run.returncode == 0, run.stderr[-2000:]
         out.append(run.stdout.split()[-1])
@@ -76,6 +94,27 @@ def test_the_spin_changes_no_bit(tmp_path) -> None:
     owner = _owner()
     chain = _chain_module()["chain"]
     assert [chain(seed, rows, owner) for seed, rows in ((0, 1), (1, 8), (2, 32))] == off
+    assert _digests(script, "", set_us="100") == off
+    set_pool_spin_us(0, over_env=True)
+    try:
+        assert [chain(seed, rows, owner) for seed, rows in ((0, 1), (1, 8), (2, 32))] == off
+    finally:
+        set_pool_spin_us(100, over_env=True)
+
+
+def test_the_setting_reaches_every_library_and_the_environment_wins(monkeypatch) -> None:
+    assert mkl.library() is not None and paged_native.unavailable_reason() is None
+    try:
+        assert set_pool_spin_us(7) == 100  # conftest's JAXLEARN_POOL_SPIN_US stays.
+        assert set_pool_spin_us(7, over_env=True) == 7
+        assert [lib.jl_pool_spin_us() for lib in native._opened] == [7] * len(native._opened)
+        monkeypatch.delenv("JAXLEARN_POOL_SPIN_US")
+        assert set_pool_spin_us(0) == 0 == pool_spin_us()
+        assert [lib.jl_pool_spin_us() for lib in native._opened] == [0] * len(native._opened)
+        with pytest.raises(ValueError, match="us must be an int >= 0, got -1"):
+            set_pool_spin_us(-1)
+    finally:
+        set_pool_spin_us(100, over_env=True)
 
 
 def test_two_threads_at_once_get_what_each_gets_alone() -> None:

@@ -47,6 +47,7 @@ from jaxlearn.inference.engine_setup import (
     check_settings,
     engine_axis_rules,
     param_shardings,
+    pool_spin_for,
     restore_params,
     serving_model,
 )
@@ -56,6 +57,7 @@ from jaxlearn.inference.request import GenerationResult, Request
 from jaxlearn.inference.rows_step import rows_invariant
 from jaxlearn.inference.runner import ModelRunner, kv_window, next_pow2
 from jaxlearn.inference.scheduler import Scheduler
+from jaxlearn.kernels import set_pool_spin_us
 from jaxlearn.layers.lora import DEFAULT_TARGETS
 from jaxlearn.module import Module
 from jaxlearn.text.detokenize import Delta
@@ -167,6 +169,10 @@ class Engine(Configurable):
             layer that reads them in place on one CPU device (2-6x faster decode
             attention than XLA's gather + dots), else XLA; "native" / "xla" force one
             (`kernels.paged_native.choose_kernel`).
+        pool_spin_us: how long a helper of the kernels' thread pool lingers for the next
+            job (`kernels.set_pool_spin_us`; the process's setting, set by the latest
+            engine); None: `engine_setup.POOL_SPIN_US` when the dense weights are packed
+            bf16, else 0. A set JAXLEARN_POOL_SPIN_US wins over both.
         roll_layers: where the weights will be packed, serve a decoder stack that loops
             over one repeated layer (the fine-tuning recipes' CPU rule trains one) as a
             scan of it, its params stacked (`engine_setup.rolled_layers`): every program
@@ -208,6 +214,7 @@ class Engine(Configurable):
         window_page_release: bool = True
         quantize: Optional[str] = None
         weight_layout: str = "auto"
+        pool_spin_us: Optional[int] = None
         attention_kernel: str = "auto"
         roll_layers: bool = True
         parse_special_in_content: bool = False
@@ -229,6 +236,9 @@ class Engine(Configurable):
         self.base_model_cfg = served.base_model_cfg
         # Packed weights' copies are owned by `packed_weights`, kept as long as the engine.
         self.packed_weights = served.packed_weights
+        # The spin in force (a set JAXLEARN_POOL_SPIN_US wins).
+        self.pool_spin_us = set_pool_spin_us(pool_spin_for(cfg.pool_spin_us,
+                                                           served.packed_weights))
         self.attention_kernel = served.attention_kernel
         model_cfg, params = served.model_cfg, served.params
         self.model_cfg = model_cfg

@@ -2,6 +2,7 @@
 
 from jaxlearn.kernels.blockwise_attention import blockwise_attention
 from jaxlearn.kernels.chunked_loss import head_cross_entropy
+from jaxlearn.kernels.native import pool_spin_us, set_pool_spin_us
 from jaxlearn.kernels.packed_gemm import PackedTable, PackedWeights, packed_matmul
 from jaxlearn.kernels.ring_attention import ring_attention
 from jaxlearn.kernels.segments import segments_visible, shared_segment
@@ -18,9 +19,11 @@ __all__ = [
     "head_cross_entropy",
     "int8_matmul",
     "packed_matmul",
+    "pool_spin_us",
     "quantize_int8",
     "ring_attention",
     "segments_visible",
+    "set_pool_spin_us",
     "shared_segment",
     "table_rows",
     "take_rows",

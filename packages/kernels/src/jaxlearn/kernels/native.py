@@ -8,6 +8,10 @@ jax version, the flags and (for `-march=native` builds) the host's CPU flags, so
 shared between hosts never hands one host another's code. `NativeLibrary` opens a built
 library once per process and registers its FFI targets, or keeps the one-line reason it
 cannot.
+
+The libraries run their blocks on XLA's intra-op pool through `csrc/pool_for.h`, whose
+helpers can linger for the next job (`set_pool_spin_us`): one setting for the process,
+applied to every library opened now or later.
 """
 
 from __future__ import annotations
@@ -24,7 +28,12 @@ from typing import Callable, Optional
 
 import jax
 
-__all__ = ["NativeLibrary", "build", "kernel_cache_dir"]
+__all__ = ["NativeLibrary", "build", "kernel_cache_dir", "pool_spin_us", "set_pool_spin_us"]
+
+SPIN_ENV = "JAXLEARN_POOL_SPIN_US"
+_spin_lock = threading.Lock()
+_spin_us: Optional[int] = None  # Set by set_pool_spin_us; None: the environment's.
+_opened: list[ctypes.CDLL] = []  # Every library opened, for set_pool_spin_us.
 
 
 def kernel_cache_dir() -> Path:
@@ -117,4 +126,40 @@ class NativeLibrary:
         for name, symbol in self.targets.items():
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)),
                                         platform="cpu")
+        lib.jl_set_pool_spin_us.argtypes = [ctypes.c_int64]
+        lib.jl_pool_spin_us.restype = ctypes.c_int64
+        with _spin_lock:
+            _opened.append(lib)
+            if _spin_us is not None:
+                lib.jl_set_pool_spin_us(_spin_us)
         return lib
+
+
+def set_pool_spin_us(us: int, *, over_env: bool = False) -> int:
+    """Sets how long (us; 0: off) a helper of the kernels' pool lingers for the next job,
+    and a caller for its last blocks (`csrc/pool_for.h`), in every library of this process,
+    opened now or later. A set JAXLEARN_POOL_SPIN_US (the user's) wins unless `over_env`.
+    Returns the setting in force."""
+    global _spin_us
+    if not isinstance(us, int) or us < 0:
+        raise ValueError(f"set_pool_spin_us: us must be an int >= 0, got {us!r}")
+    with _spin_lock:
+        if over_env or os.environ.get(SPIN_ENV) is None:
+            _spin_us = us
+            for lib in _opened:
+                lib.jl_set_pool_spin_us(us)
+    return pool_spin_us()
+
+
+def pool_spin_us() -> int:
+    """The spin in force (us): what the opened libraries read, else what one opened now
+    would (`set_pool_spin_us`, else JAXLEARN_POOL_SPIN_US, else 0)."""
+    with _spin_lock:
+        if _opened:
+            return int(_opened[0].jl_pool_spin_us())
+        if _spin_us is not None:
+            return _spin_us
+    try:  # The library's reading (atoll): a malformed value is 0.
+        return max(int(os.environ.get(SPIN_ENV, "0")), 0)
+    except ValueError:
+        return 0

@@ -111,6 +111,7 @@ class PackedWeights:
         self._parts = parts
         self._backend = backend
         self.backends: set[str] = set()  # The backends of the weights packed so far.
+        self.dtypes: set[str] = set()  # And their dtypes ("float32", "bfloat16", "int8").
         self._ids: list[int] = []
         self.nbytes = 0
         self.reserved_bytes = 0
@@ -146,6 +147,7 @@ class PackedWeights:
                               f"weight (out of memory or ids)")
         self._ids.append(wid)
         self.backends.add(backend)
+        self.dtypes.add(dtype)
         self.nbytes += int(a.nbytes)
         self.reserved_bytes += int(self._lib.jl_bytes(wid))
         return int(wid)

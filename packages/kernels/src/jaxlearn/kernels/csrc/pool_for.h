@@ -16,7 +16,11 @@
 // before it sleeps. The spin counts as CPU time, as OpenMP runtimes' waiting threads do.
 // A lingering helper holds one of XLA's pool threads, which XLA's own multi-threaded ops
 // then wait for. Measured (packages/kernels/README.md): bf16 serving faster, int8 serving
-// at 32 in flight slower, hence off unless asked for.
+// at 32 in flight slower, hence off unless asked for: the environment variable sets the
+// process's start value, `jl_set_pool_spin_us` (`kernels.set_pool_spin_us`) changes it.
+//
+// Each FFI library here is one translation unit that includes this header once, so the
+// two extern "C" functions at the end are defined once per library.
 #ifndef JAXLEARN_KERNELS_POOL_FOR_H_
 #define JAXLEARN_KERNELS_POOL_FOR_H_
 
@@ -53,12 +57,16 @@ inline Mailbox& mailbox() {
   return m;
 }
 
-inline std::chrono::nanoseconds SpinTime() {
-  static const std::chrono::nanoseconds t = [] {
+// The spin in us: JAXLEARN_POOL_SPIN_US at the first use, then `jl_set_pool_spin_us`.
+inline std::atomic<int64_t>& SpinUs() {
+  static std::atomic<int64_t> us{[] {
     const char* env = std::getenv("JAXLEARN_POOL_SPIN_US");
-    return std::chrono::microseconds(env != nullptr ? std::atoll(env) : kSpinUs);
-  }();
-  return t;
+    return env != nullptr ? static_cast<int64_t>(std::atoll(env)) : kSpinUs;
+  }()};
+  return us;
+}
+inline std::chrono::nanoseconds SpinTime() {
+  return std::chrono::microseconds(SpinUs().load(std::memory_order_relaxed));
 }
 
 // Spins until done() or SpinTime() has passed; returns done(). Each turn yields the core,
@@ -142,5 +150,13 @@ void PoolFor(xla::ffi::ThreadPool& pool, int64_t total, int64_t helpers, const F
 }
 
 }  // namespace jaxlearn
+
+// This library's spin (module comment); negative values count as 0 (off).
+extern "C" void jl_set_pool_spin_us(int64_t us) {
+  jaxlearn::pool_for::SpinUs().store(us > 0 ? us : 0, std::memory_order_relaxed);
+}
+extern "C" int64_t jl_pool_spin_us() {
+  return jaxlearn::pool_for::SpinUs().load(std::memory_order_relaxed);
+}
 
 #endif  // JAXLEARN_KERNELS_POOL_FOR_H_
