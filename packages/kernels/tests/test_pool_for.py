@@ -99,14 +99,15 @@ def test_the_spin_changes_no_bit(tmp_path) -> None:
     try:
         assert [chain(seed, rows, owner) for seed, rows in ((0, 1), (1, 8), (2, 32))] == off
     finally:
-        set_pool_spin_us(100, over_env=True)
+        set_pool_spin_us(int(os.environ["JAXLEARN_POOL_SPIN_US"]), over_env=True)
 
 
 def test_the_setting_reaches_every_library_and_the_environment_wins(monkeypatch) -> None:
     assert mkl.library() is not None and paged_native.unavailable_reason() is None
+    env = int(os.environ["JAXLEARN_POOL_SPIN_US"])  # conftest.py's default, or the caller's.
     try:
-        assert set_pool_spin_us(7) == 100  # conftest's JAXLEARN_POOL_SPIN_US stays.
-        assert set_pool_spin_us(7, over_env=True) == 7
+        assert set_pool_spin_us(env + 7) == env  # The environment's value stays.
+        assert set_pool_spin_us(7, over_env=True) == 7 == pool_spin_us()
         assert [lib.jl_pool_spin_us() for lib in native._opened] == [7] * len(native._opened)
         monkeypatch.delenv("JAXLEARN_POOL_SPIN_US")
         assert set_pool_spin_us(0) == 0 == pool_spin_us()
@@ -114,7 +115,7 @@ def test_the_setting_reaches_every_library_and_the_environment_wins(monkeypatch)
         with pytest.raises(ValueError, match="us must be an int >= 0, got -1"):
             set_pool_spin_us(-1)
     finally:
-        set_pool_spin_us(100, over_env=True)
+        set_pool_spin_us(env, over_env=True)
 
 
 def test_two_threads_at_once_get_what_each_gets_alone() -> None:

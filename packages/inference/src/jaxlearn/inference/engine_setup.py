@@ -142,8 +142,8 @@ def serving_model(cfg: Any, model_cfg: Any, params: Any) -> ServingModel:
 
 # How long lingering pool helpers wait (`kernels.set_pool_spin_us`) for bf16 packed weights.
 # On a 2-vCPU Zen 4 serving SmolLM2-135M: a bf16 decode step 1.09-1.13x faster in process,
-# CPU share 0.90-0.92 -> 0.95-0.97 served; int8 weights at 32 requests in flight 11-19 %
-# slower served (packages/kernels/README.md), so other weights keep it off.
+# CPU share 0.89-0.92 -> 0.94-0.97 served; int8 weights at 32 requests in flight slower
+# served in three rounds of four (packages/kernels/README.md), so other weights keep it off.
 POOL_SPIN_US = 100
 
 
