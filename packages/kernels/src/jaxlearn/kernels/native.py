@@ -155,8 +155,8 @@ def pool_spin_us() -> int:
     """The spin in force (us): what the opened libraries read, else what one opened now
     would (`set_pool_spin_us`, else JAXLEARN_POOL_SPIN_US, else 0)."""
     with _spin_lock:
-        if _opened:
-            return int(_opened[0].jl_pool_spin_us())
+        if _opened:  # A negative JAXLEARN_POOL_SPIN_US is off, as the library reads it.
+            return max(int(_opened[0].jl_pool_spin_us()), 0)
         if _spin_us is not None:
             return _spin_us
     try:  # The library's reading (atoll): a malformed value is 0.
