@@ -103,6 +103,30 @@ def concurrency(intervals: list[tuple[float, float]]) -> tuple[float, float]:
     return one, two
 
 
+def operand_shapes(line: str, shapes: dict[str, str]) -> str:
+    """An HLO instruction's operand shapes, e.g. "f32[1024,576],f32[576,8]" (layouts
+    dropped)."""
+    m = re.search(r"\w+\(((?:%[\w.\-]+(?:, )?)+)\)", line.split(" = ", 1)[-1])
+    names = re.findall(r"%([\w.\-]+)", m.group(1)) if m else []
+    return ",".join(re.sub(r"\{[^}]*\}", "", shapes.get(n, "?")) for n in names)
+
+
+def print_by_shape(per_op: dict[str, float], count: dict[str, int], lines: dict[str, str],
+                   shapes: dict[str, str], steps: int, top: int) -> None:
+    """Op time per step grouped by (category, output shape <- operand shapes): which
+    products (say, LoRA's rank-8 ones) the dot time goes to."""
+    groups: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for name, us in per_op.items():
+        line = lines.get(name, "")
+        out = re.sub(r"\{[^}]*\}", "", shapes.get(name, ""))
+        key = f"{category(name, line):12s} {out} <- {operand_shapes(line, shapes)}"
+        groups[key][0] += us / steps / 1e3
+        groups[key][1] += count[name] / steps
+    print(f"top {top} (category, output <- operands) (ms per step, ops per step):")
+    for key, (ms, n) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"  {ms:8.1f} {n:6.0f}  {key[:110]}")
+
+
 def build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     """(trainer, global batch, initial state) of a bench model or of a recipe's config."""
     if args.config:
@@ -132,6 +156,8 @@ def main() -> None:
     p.add_argument("--config", help="a flat trainer config (`jaxlearn config` output)")
     p.add_argument("--batches", help="with --config: an .npz of stacked batches")
     p.add_argument("--dump_hlo", help="write the compiled step's HLO text to this file")
+    p.add_argument("--by_shape", type=int, default=0,
+                   help="also print the N costliest (category, output <- operand shapes)")
     args = p.parse_args()
     import jax
 
@@ -204,6 +230,8 @@ def main() -> None:
         meta = re.search(r'op_name="([^"]*)"', lines.get(name, ""))
         print(f"  {us / args.steps / 1e3:8.2f}  {name:34s} {shapes.get(name, '')[:40]:40s} "
               f"{(meta.group(1) if meta else '')[-60:]}")
+    if args.by_shape:
+        print_by_shape(per_op, count, lines, shapes, args.steps, args.by_shape)
     emit(bench="profile", framework="jaxlearn", model=args.config or args.model,
          dtype=None if args.config else args.dtype,
          overrides=list(args.set), compiled_flops=float(cost.get("flops", 0.0)),

@@ -50,6 +50,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxlearn.config import REQUIRED
+from jaxlearn.kernels.activations import swiglu
+from jaxlearn.kernels.block_matmul import block_matmul
 from jaxlearn.layers.dense import DotGeneral, SgemmDot, einsum, maybe_dot
 from jaxlearn.layers.ffn import ACTIVATIONS, get_activation
 from jaxlearn.module import FanAxes, Module, ParameterSpec, with_logical_constraint
@@ -196,6 +198,8 @@ class MixtureOfExperts(Module):
         return einsum("eni,eio->eno", a, w)  # bf16-friendly custom VJP, f32 accumulation.
 
     def _hidden(self, h0: jax.Array, h1: Optional[jax.Array]) -> jax.Array:
+        if h1 is not None and tuple(self.config.activation) == ("silu", "linear"):
+            return swiglu(h0, h1)  # One op each way, as `FeedForward` (kernels.activations).
         acts = [get_activation(a) for a in self.config.activation]
         h = acts[0](h0)
         if h1 is not None:
@@ -232,8 +236,9 @@ class MixtureOfExperts(Module):
     ) -> jax.Array:
         """Grouped matmul as blocks: the assignments sorted by expert, each expert's rows
         padded to a multiple of `bm`, so that every block of `bm` rows belongs to one
-        expert; blocks run as one batched dot against their experts' (gathered) weights.
-        At most `T*k + E*(bm-1)` rows are computed (vs `E*T*k` for ragged_dot on CPU)."""
+        expert; `kernels.block_matmul` runs the blocks in use against their experts'
+        weights (read in place). At most `T*k + E*(bm-1)` rows are computed (vs `E*T*k`
+        for ragged_dot on CPU)."""
         c = self.config
         e, k = c.num_experts, c.num_experts_per_token
         p = self.parameters
@@ -257,15 +262,16 @@ class MixtureOfExperts(Module):
         block_expert = jnp.minimum(
             jnp.searchsorted(jnp.cumsum(padded), block_start, side="right"), e - 1
         )
+        live = block_start < jnp.sum(padded)  # Blocks past the last expert's: skipped.
 
-        def w(name: str) -> jax.Array:  # [nb, in, out]: each block's expert weight.
-            return jnp.take(p[name].astype(self.dtype), block_expert, axis=0)
+        def mm(x: jax.Array, name: str) -> jax.Array:
+            return block_matmul(x, p[name], block_expert, live)
 
         if len(c.activation) == 2:
-            h = self._hidden(self._matmul(xb, w("wi_0")), self._matmul(xb, w("wi_1")))
+            h = self._hidden(mm(xb, "wi_0"), mm(xb, "wi_1"))
         else:
-            h = self._hidden(self._matmul(xb, w("wi")), None)
-        out_blocks = self._matmul(h, w("wo")).reshape(nb * bm, d)
+            h = self._hidden(mm(xb, "wi"), None)
+        out_blocks = mm(h, "wo").reshape(nb * bm, d)
         where = jnp.zeros((a,), jnp.int32).at[order].set(dest)  # Assignment -> padded row.
         out = jnp.take(out_blocks, where, axis=0).reshape(t, k, d)
         return jnp.einsum("tkd,tk->td", out.astype(jnp.float32), top_w)
