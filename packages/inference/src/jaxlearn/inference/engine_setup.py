@@ -141,10 +141,13 @@ def serving_model(cfg: Any, model_cfg: Any, params: Any) -> ServingModel:
 
 
 # How long lingering pool helpers wait (`kernels.set_pool_spin_us`) for bf16 packed weights.
-# On a 2-vCPU Zen 4 serving SmolLM2-135M: a bf16 decode step 1.09-1.13x faster in process,
-# CPU share 0.89-0.92 -> 0.94-0.97 served; int8 weights at 32 requests in flight slower
-# served in three rounds of four (packages/kernels/README.md), so other weights keep it off.
-POOL_SPIN_US = 100
+# On a 2-vCPU Zen 4 serving SmolLM2-135M, against no spin: a bf16 decode step 1.09-1.13x
+# faster in process, CPU share 0.89-0.92 -> 0.95-0.97 served. 300 us against 100 us, four
+# rounds: share 0.944-0.974 against 0.863-0.967, throughput per cell -5 % to +17 % (c=32
+# +13-17 % in the two quiet rounds). int8 weights at 32 requests in flight were slower
+# served with either spin (100 us: three rounds of four; 300 us: -14 % and -30 %), so
+# other weights keep it off (packages/kernels/README.md).
+POOL_SPIN_US = 300
 
 
 def pool_spin_for(asked: Optional[int], packed: Optional[PackedWeights]) -> int:
