@@ -122,7 +122,7 @@ def test_packed_weights_serve_the_same_logits_and_tokens(stack, tied, dtype, mon
     a loop of one repeated layer is served as a scan of it, `roll_layers`), a tied head a
     PackedTable; prefill logits within rounding of the summation order and the same
     greedy tokens as the trained layout (a loop stays a loop there), one and four rows.
-    The engine sets the kernels' pool spin: on for bf16 packed weights only."""
+    The engine sets the kernels' pool spin: on for bf16 packed weights, off for f32."""
     monkeypatch.delenv("JAXLEARN_POOL_SPIN_US", raising=False)
     cfg = _untied_or_tied(tiny_config(stack, dtype="bfloat16" if dtype == "bf16" else None),
                           tied)
@@ -131,7 +131,8 @@ def test_packed_weights_serve_the_same_logits_and_tokens(stack, tied, dtype, mon
         params = _bf16(params)
     base, packed = _engine(cfg, params, "in_out"), _engine(cfg, params, "packed")
     assert base.pool_spin_us == 0
-    assert packed.pool_spin_us == pool_spin_us() == (POOL_SPIN_US if dtype == "bf16" else 0)
+    assert packed.pool_spin_us == pool_spin_us() == (POOL_SPIN_US["bfloat16"] if dtype == "bf16"
+                                                     else 0)
     rolled = rolled_layers(cfg, params)[1]
     linears = {k.removesuffix("['weight']") for k in _paths(rolled)
                if k.endswith("['weight']") and "['emb']" not in k}
@@ -234,7 +235,7 @@ def test_packed_int8_weights_serve_what_xla_int8_serves(stack, tied):
 
     base, packed, fused = engine("in_out", False), engine("packed", False), engine("packed", None)
     assert packed.packed_weights.dtypes == {"int8"}
-    assert pool_spin_for(None, packed.packed_weights) == 0
+    assert pool_spin_for(None, packed.packed_weights) == POOL_SPIN_US["int8"] == 30
     assert pool_spin_for(20, packed.packed_weights) == 20
     assert base.packed_weights is None and _klasses(base.model_cfg) == {"Int8Linear"}
     assert _klasses(packed.model_cfg) == {"PackedLinear"}

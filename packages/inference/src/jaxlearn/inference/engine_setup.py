@@ -140,21 +140,24 @@ def serving_model(cfg: Any, model_cfg: Any, params: Any) -> ServingModel:
     return ServingModel(base, model_cfg, params, packed, kernel)
 
 
-# How long lingering pool helpers wait (`kernels.set_pool_spin_us`) for bf16 packed weights.
-# On a 2-vCPU Zen 4 serving SmolLM2-135M, against no spin: a bf16 decode step 1.09-1.13x
-# faster in process, CPU share 0.89-0.92 -> 0.95-0.97 served. 300 us against 100 us, four
-# rounds: share 0.944-0.974 against 0.863-0.967, throughput per cell -5 % to +17 % (c=32
-# +13-17 % in the two quiet rounds). int8 weights at 32 requests in flight were slower
-# served with either spin (100 us: three rounds of four; 300 us: -14 % and -30 %), so
-# other weights keep it off (packages/kernels/README.md).
-POOL_SPIN_US = 300
+# How long lingering pool helpers wait (`kernels.set_pool_spin_us`), by the packed weights'
+# dtype. On a 2-vCPU Zen 4 serving SmolLM2-135M (packages/kernels/README.md), against no
+# spin: bf16 decode steps 1.09-1.13x faster in process, CPU share 0.89-0.92 -> 0.95-0.97
+# served; 300 us against 100 us, four rounds: share 0.944-0.974 against 0.863-0.967,
+# throughput per cell -5 % to +17 %. int8 steps are shorter and the 32 streaming clients'
+# threads need the cores: 100 us and 300 us lost 11-30 % at 32 in flight; 30 us, two
+# rounds: -2 % to +32 % per cell, share 0.87-0.90 -> 0.92-0.96.
+POOL_SPIN_US = {"bfloat16": 300, "int8": 30}
 
 
 def pool_spin_for(asked: Optional[int], packed: Optional[PackedWeights]) -> int:
-    """`Engine.Config.pool_spin_us` for an engine whose weights `packed` owns."""
+    """`Engine.Config.pool_spin_us` for an engine whose weights `packed` owns: `asked`, or
+    `POOL_SPIN_US` of the packed weights' one dtype (0 for f32, mixed or unpacked)."""
     if asked is not None:
         return asked
-    return POOL_SPIN_US if packed is not None and packed.dtypes == {"bfloat16"} else 0
+    if packed is None or len(packed.dtypes) != 1:
+        return 0
+    return POOL_SPIN_US.get(next(iter(packed.dtypes)), 0)
 
 
 def rolled_layers(model_cfg: Any, params: Any) -> tuple[Any, Any]:
