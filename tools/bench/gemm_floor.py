@@ -2,6 +2,7 @@
 (8 x 128 tokens), each timed alone, summed with its count per step.
 
     python gemm_floor.py jl                        # jaxlearn's oneMKL calls (kernels.sgemm)
+    python gemm_floor.py xla                       # XLA's own dots (YNNPACK on CPU)
     /tmp/tvenv/bin/python gemm_floor.py pt         # torch.mm / torch.bmm on the same shapes
 
 The products: per layer the seven projections (forward, dx, dW), attention's q.k and p.v
@@ -79,6 +80,24 @@ def jl_call(a_shape: tuple[int, ...], b_shape: tuple[int, ...], ta: bool, tb: bo
     return lambda: f(a, b).block_until_ready()
 
 
+def xla_call(a_shape: tuple[int, ...], b_shape: tuple[int, ...], ta: bool, tb: bool
+             ) -> Callable[[], Any]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    a = jax.device_put(rng.standard_normal(a_shape, np.float32))
+    b = jax.device_put(rng.standard_normal(b_shape, np.float32))
+
+    def product(a: Any, b: Any) -> Any:
+        return jnp.matmul(jnp.swapaxes(a, -1, -2) if ta else a,
+                          jnp.swapaxes(b, -1, -2) if tb else b)
+
+    f = jax.jit(product)
+    return lambda: f(a, b).block_until_ready()
+
+
 def pt_call(a_shape: tuple[int, ...], b_shape: tuple[int, ...], ta: bool, tb: bool
             ) -> Callable[[], Any]:
     import torch
@@ -91,24 +110,25 @@ def pt_call(a_shape: tuple[int, ...], b_shape: tuple[int, ...], ta: bool, tb: bo
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("side", choices=["jl", "pt"])
+    p.add_argument("side", choices=["jl", "xla", "pt"])
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--tag", default="")
     args = p.parse_args()
-    make = jl_call if args.side == "jl" else pt_call
+    make = {"jl": jl_call, "xla": xla_call, "pt": pt_call}[args.side]
     by_kind: dict[str, float] = {}
     for kind, a_shape, b_shape, ta, tb, count in products():
         by_kind[kind] = by_kind.get(kind, 0.0) + count * timed(
             make(a_shape, b_shape, ta, tb), args.repeats)
     floors = {"full": by_kind["fwd"] + by_kind["dx"] + by_kind["dw"],
               "lora": by_kind["fwd"] + by_kind["dx"] + by_kind["lora"]}
-    if args.side == "jl":
+    if args.side != "pt":
         import jax
         version = jax.__version__
     else:
         import torch
         version = f"{torch.__version__} ({torch.get_num_threads()} threads)"
-    emit(bench="gemm_floor", framework="jaxlearn" if args.side == "jl" else "torch",
+    framework = {"jl": "jaxlearn", "xla": "jax-xla", "pt": "torch"}[args.side]
+    emit(bench="gemm_floor", framework=framework,
          version=version, shape=dict(tokens=T, layers=LAYERS, dim=D, ffn=FFN, vocab=VOCAB,
                                      rank=RANK), seconds_by_kind={k: rnd(v) for k, v in
                                                                   by_kind.items()},
