@@ -22,7 +22,6 @@ from the f32 accumulator.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -44,7 +43,7 @@ def _check(x: jax.Array, w: jax.Array, block_group: jax.Array, live: jax.Array) 
                          f"{live.shape} must be [{x.shape[0]}]")
 
 
-@functools.partial(jax.custom_vjp)
+@jax.custom_vjp
 def _block_matmul(x: jax.Array, w: jax.Array, block_group: jax.Array, live: jax.Array
                   ) -> jax.Array:
     wc = w.astype(x.dtype)
