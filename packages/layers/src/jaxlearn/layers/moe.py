@@ -224,21 +224,17 @@ class MixtureOfExperts(Module):
     def _dropless_ragged(
         self, tokens: jax.Array, top_w: jax.Array, top_idx: jax.Array
     ) -> jax.Array:
-        # XLA:CPU has no grouped matmul: `ragged_dot` lowers there to one dense dot per
-        # expert over *all* rows (E times the work, and a very slow compile). On CPU the
-        # same grouped matmul runs as fixed-size row blocks instead (`_dropless_blocked`).
-        return jax.lax.platform_dependent(
-            tokens, top_w, top_idx, cpu=self._dropless_blocked, default=self._dropless_ragged_dot
-        )
+        # XLA:CPU lowers `ragged_dot` to one dense dot per expert over all rows (E times the
+        # work, a very slow compile): on CPU, row blocks instead (`_dropless_blocked`).
+        return jax.lax.platform_dependent(tokens, top_w, top_idx, cpu=self._dropless_blocked,
+                                          default=self._dropless_ragged_dot)
 
     def _dropless_blocked(
         self, tokens: jax.Array, top_w: jax.Array, top_idx: jax.Array
     ) -> jax.Array:
-        """Grouped matmul as blocks: the assignments sorted by expert, each expert's rows
-        padded to a multiple of `bm`, so that every block of `bm` rows belongs to one
-        expert; `kernels.block_matmul` runs the blocks in use against their experts'
-        weights (read in place). At most `T*k + E*(bm-1)` rows are computed (vs `E*T*k`
-        for ragged_dot on CPU)."""
+        """Grouped matmul as blocks: assignments sorted by expert, each expert's rows padded
+        to a multiple of `bm`; `kernels.block_matmul` runs the blocks in use against their
+        experts' weights in place. At most `T*k + E*(bm-1)` rows are computed."""
         c = self.config
         e, k = c.num_experts, c.num_experts_per_token
         p = self.parameters
@@ -263,9 +259,13 @@ class MixtureOfExperts(Module):
             jnp.searchsorted(jnp.cumsum(padded), block_start, side="right"), e - 1
         )
         live = block_start < jnp.sum(padded)  # Blocks past the last expert's: skipped.
+        # Multi-device: one gather of the (sharded) weights, not collectives per block.
+        single = jax.sharding.get_abstract_mesh().size <= 1
 
         def mm(x: jax.Array, name: str) -> jax.Array:
-            return block_matmul(x, p[name], block_expert, live)
+            if single:
+                return block_matmul(x, p[name], block_expert, live)
+            return self._matmul(x, jnp.take(p[name].astype(self.dtype), block_expert, axis=0))
 
         if len(c.activation) == 2:
             h = self._hidden(mm(xb, "wi_0"), mm(xb, "wi_1"))
