@@ -66,36 +66,33 @@ def timed(fn: Callable[[], Any], repeats: int) -> float:
     return best
 
 
-def jl_call(a_shape: tuple[int, ...], b_shape: tuple[int, ...], ta: bool, tb: bool
-            ) -> Callable[[], Any]:
+def _jitted(product: Callable[[Any, Any], Any], a_shape: tuple[int, ...],
+            b_shape: tuple[int, ...]) -> Callable[[], Any]:
+    """A call of jit(product) on seeded f32 operands already on the device."""
     import jax
     import numpy as np
-
-    from jaxlearn.kernels.sgemm import sgemm
 
     rng = np.random.default_rng(0)
     a = jax.device_put(rng.standard_normal(a_shape, np.float32))
     b = jax.device_put(rng.standard_normal(b_shape, np.float32))
-    f = jax.jit(lambda a, b: sgemm(a, b, trans_a=ta, trans_b=tb))
+    f = jax.jit(product)
     return lambda: f(a, b).block_until_ready()
+
+
+def jl_call(a_shape: tuple[int, ...], b_shape: tuple[int, ...], ta: bool, tb: bool
+            ) -> Callable[[], Any]:
+    from jaxlearn.kernels.sgemm import sgemm
+
+    return _jitted(lambda a, b: sgemm(a, b, trans_a=ta, trans_b=tb), a_shape, b_shape)
 
 
 def xla_call(a_shape: tuple[int, ...], b_shape: tuple[int, ...], ta: bool, tb: bool
              ) -> Callable[[], Any]:
-    import jax
     import jax.numpy as jnp
-    import numpy as np
 
-    rng = np.random.default_rng(0)
-    a = jax.device_put(rng.standard_normal(a_shape, np.float32))
-    b = jax.device_put(rng.standard_normal(b_shape, np.float32))
-
-    def product(a: Any, b: Any) -> Any:
-        return jnp.matmul(jnp.swapaxes(a, -1, -2) if ta else a,
-                          jnp.swapaxes(b, -1, -2) if tb else b)
-
-    f = jax.jit(product)
-    return lambda: f(a, b).block_until_ready()
+    return _jitted(lambda a, b: jnp.matmul(jnp.swapaxes(a, -1, -2) if ta else a,
+                                           jnp.swapaxes(b, -1, -2) if tb else b),
+                   a_shape, b_shape)
 
 
 def pt_call(a_shape: tuple[int, ...], b_shape: tuple[int, ...], ta: bool, tb: bool
