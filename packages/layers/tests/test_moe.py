@@ -3,6 +3,7 @@ losses, HF Mixtral parity, quantized dots, expert-sharded execution."""
 
 import math
 import os
+from functools import partial
 from typing import Any, Optional
 
 import jax
@@ -417,12 +418,13 @@ def test_config_errors_name_the_field() -> None:
 def _ragged_dot_forced(moe: Any) -> Any:
     """The module with the ragged_dot lowering forced (what non-CPU backends run)."""
     forced = moe.config.clone(name="forced").instantiate()
-    forced._dropless_ragged = forced._dropless_ragged_dot  # type: ignore[method-assign]
+    forced._dropless_ragged = partial(  # type: ignore[method-assign]
+        forced._dropless_sorted, forced._ragged_dot)
     return forced
 
 
 @pytest.mark.parametrize("tokens,experts,k", [(64, 4, 2), (40, 8, 2), (9, 3, 1)])
-def test_cpu_blocks_equal_ragged_dot_values_and_grads(tokens: int, experts: int, k: int) -> None:
+def test_cpu_ragged_matmul_equals_ragged_dot(tokens: int, experts: int, k: int) -> None:
     cfg = _cfg(input_dim=8, hidden_dim=12, num_experts=experts, num_experts_per_token=k)
     moe, p = _init(cfg)
     ref = _ragged_dot_forced(moe)
@@ -442,8 +444,9 @@ def test_cpu_blocks_equal_ragged_dot_values_and_grads(tokens: int, experts: int,
 
 
 def test_cpu_dropless_work_is_blocked_and_bf16() -> None:
-    """On CPU the dropless train step does the expert work on T*k rows plus block padding
-    (XLA's ragged_dot lowering does it on E*T*k rows), and its expert dots stay bf16."""
+    """On CPU the dropless train step does the expert work in row blocks of at most 128
+    (XLA's ragged_dot lowering runs each expert over all T*k = 512 rows), and its expert
+    dots stay bf16."""
     import re
 
     cfg = _cfg(input_dim=48, hidden_dim=96, num_experts=8, num_experts_per_token=2,
@@ -458,21 +461,17 @@ def test_cpu_dropless_work_is_blocked_and_bf16() -> None:
 
         return jax.jit(jax.grad(f, argnums=(0, 1))).lower(p, x).compile()
 
-    def flops(c: Any) -> float:
-        cost = c.cost_analysis()
-        return float((cost[0] if isinstance(cost, list) else cost)["flops"])
-
-    blocked = compiled(moe)
-    assert flops(blocked) < 0.5 * flops(compiled(_ragged_dot_forced(moe)))
-    text = blocked.as_text()
+    text = compiled(moe).as_text()
+    assert "512,96" in compiled(_ragged_dot_forced(moe)).as_text()
     types = dict(re.findall(r"%([\w.\-]+) = (\w+)\[", text))
     expert = [(m.group(1), types.get(m.group(2)), types.get(m.group(3))) for m in re.finditer(
         r"= \w+\[([\d,]+)\]\S* dot\(%([\w.\-]+), %([\w.\-]+)\)", text)
         if "96" in m.group(1).split(",")]
     assert len(expert) >= 6, expert  # 3 forward, 3 dx, 3 dW.
+    assert all(int(n) <= 128 for dims, _, _ in expert for n in dims.split(",")), expert
     assert all((lhs, rhs) == ("bf16", "bf16") for _, lhs, rhs in expert), expert
-    # Each block reads its expert's weight in place (`kernels.block_matmul`): no value holds
-    # a copy of the weights or weight gradients per block ([16 blocks, 48|96, 96|48]; the
-    # experts' own are [8, ...], one block's [1, ...]).
+    # Each block reads its expert's weight in place (`kernels.ragged_matmul`): no value
+    # holds a copy of the weights or weight gradients per block ([blocks, 48|96, 96|48];
+    # the experts' own are [8, ...], one dW block's [1, ...]).
     per_block = re.findall(r"\w+\[(\d+),(?:48,96|96,48)\]", text)
     assert set(per_block) <= {"1", "8"}, sorted(set(per_block))

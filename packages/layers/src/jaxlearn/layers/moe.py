@@ -44,14 +44,15 @@ as `router = gate.weight.T`, `wi_0 = gate_up_proj[:, :H].transpose(0, 2, 1)`,
 from __future__ import annotations
 
 import math
-from typing import Optional
+from functools import partial
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
 
 from jaxlearn.config import REQUIRED
 from jaxlearn.kernels.activations import swiglu
-from jaxlearn.kernels.block_matmul import block_matmul
+from jaxlearn.kernels.ragged_matmul import ragged_matmul
 from jaxlearn.layers.dense import DotGeneral, SgemmDot, einsum, maybe_dot
 from jaxlearn.layers.ffn import ACTIVATIONS, get_activation
 from jaxlearn.module import FanAxes, Module, ParameterSpec, with_logical_constraint
@@ -224,61 +225,21 @@ class MixtureOfExperts(Module):
     def _dropless_ragged(
         self, tokens: jax.Array, top_w: jax.Array, top_idx: jax.Array
     ) -> jax.Array:
-        # XLA:CPU lowers `ragged_dot` to one dense dot per expert over all rows (E times the
-        # work, a very slow compile): on CPU, row blocks instead (`_dropless_blocked`).
-        return jax.lax.platform_dependent(tokens, top_w, top_idx, cpu=self._dropless_blocked,
-                                          default=self._dropless_ragged_dot)
+        """Assignments sorted by expert, one grouped matmul per weight. XLA:CPU lowers
+        `ragged_dot` to one dense dot per expert over all rows (E times the work, a very
+        slow compile): on CPU `kernels.ragged_matmul` (row blocks, weights in place)."""
+        cpu = lambda x, w, sizes: ragged_matmul(x, w, sizes)  # noqa: E731
+        return jax.lax.platform_dependent(
+            tokens, top_w, top_idx, cpu=partial(self._dropless_sorted, cpu),
+            default=partial(self._dropless_sorted, self._ragged_dot))
 
-    def _dropless_blocked(
-        self, tokens: jax.Array, top_w: jax.Array, top_idx: jax.Array
-    ) -> jax.Array:
-        """Grouped matmul as blocks: assignments sorted by expert, each expert's rows padded
-        to a multiple of `bm`; `kernels.block_matmul` runs the blocks in use against their
-        experts' weights in place. At most `T*k + E*(bm-1)` rows are computed."""
-        c = self.config
-        e, k = c.num_experts, c.num_experts_per_token
-        p = self.parameters
-        t, d = tokens.shape
-        a = t * k
-        bm = min(128, max(8, 1 << max(0, -(-a // e) - 1).bit_length()))
-        nb = -(-(a + e * (bm - 1)) // bm)  # Static bound on sum_e ceil(size_e / bm).
-        flat_expert = top_idx.reshape(-1)  # [A], assignment a = t*k + j
-        order = jnp.argsort(flat_expert, stable=True)  # Sorted position -> assignment.
-        sizes = jnp.bincount(flat_expert, length=e).astype(jnp.int32)
-        padded = (sizes + bm - 1) // bm * bm
-        start = jnp.cumsum(sizes) - sizes
-        pstart = jnp.cumsum(padded) - padded
-        sorted_expert = flat_expert[order]
-        dest = pstart[sorted_expert] + jnp.arange(a, dtype=jnp.int32) - start[sorted_expert]
-        src = jnp.full((nb * bm,), a, jnp.int32).at[dest].set(order.astype(jnp.int32))
-        rows = jnp.where(src < a, src // k, t)  # Padding rows read a zero row.
-        padded_tokens = jnp.concatenate([tokens, jnp.zeros((1, d), tokens.dtype)], axis=0)
-        xb = jnp.take(padded_tokens, rows, axis=0).reshape(nb, bm, d)
-        block_start = jnp.arange(nb, dtype=jnp.int32) * bm
-        block_expert = jnp.minimum(
-            jnp.searchsorted(jnp.cumsum(padded), block_start, side="right"), e - 1
-        )
-        live = block_start < jnp.sum(padded)  # Blocks past the last expert's: skipped.
-        # Multi-device: one gather of the (sharded) weights, not collectives per block.
-        single = jax.sharding.get_abstract_mesh().size <= 1
+    def _ragged_dot(self, x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
+        out = jax.lax.ragged_dot(x, w.astype(self.dtype), sizes,
+                                 preferred_element_type=jnp.float32)
+        return out.astype(self.dtype)
 
-        def mm(x: jax.Array, name: str) -> jax.Array:
-            if single:
-                return block_matmul(x, p[name], block_expert, live)
-            return self._matmul(x, jnp.take(p[name].astype(self.dtype), block_expert, axis=0))
-
-        if len(c.activation) == 2:
-            h = self._hidden(mm(xb, "wi_0"), mm(xb, "wi_1"))
-        else:
-            h = self._hidden(mm(xb, "wi"), None)
-        out_blocks = mm(h, "wo").reshape(nb * bm, d)
-        where = jnp.zeros((a,), jnp.int32).at[order].set(dest)  # Assignment -> padded row.
-        out = jnp.take(out_blocks, where, axis=0).reshape(t, k, d)
-        return jnp.einsum("tkd,tk->td", out.astype(jnp.float32), top_w)
-
-    def _dropless_ragged_dot(
-        self, tokens: jax.Array, top_w: jax.Array, top_idx: jax.Array
-    ) -> jax.Array:
+    def _dropless_sorted(self, grouped: Callable[..., jax.Array], tokens: jax.Array,
+                         top_w: jax.Array, top_idx: jax.Array) -> jax.Array:
         c = self.config
         e, k = c.num_experts, c.num_experts_per_token
         p = self.parameters
@@ -287,17 +248,14 @@ class MixtureOfExperts(Module):
         group_sizes = jnp.bincount(flat_expert, length=e).astype(jnp.int32)
         xs = jnp.take(tokens, order // k, axis=0)  # [T*k, D], grouped by expert
 
-        def mm(a: jax.Array, w: jax.Array) -> jax.Array:
-            out = jax.lax.ragged_dot(
-                a, w.astype(self.dtype), group_sizes, preferred_element_type=jnp.float32
-            )
-            return out.astype(self.dtype)
+        def mm(a: jax.Array, name: str) -> jax.Array:
+            return grouped(a, p[name], group_sizes)
 
         if len(c.activation) == 2:
-            h = self._hidden(mm(xs, p["wi_0"]), mm(xs, p["wi_1"]))
+            h = self._hidden(mm(xs, "wi_0"), mm(xs, "wi_1"))
         else:
-            h = self._hidden(mm(xs, p["wi"]), None)
-        out_sorted = mm(h, p["wo"])
+            h = self._hidden(mm(xs, "wi"), None)
+        out_sorted = mm(h, "wo")
         out = jnp.take(out_sorted, jnp.argsort(order), axis=0)  # Back to assignment order.
         out = out.reshape(tokens.shape[0], k, -1)
         return jnp.einsum("tkd,tk->td", out.astype(jnp.float32), top_w)
