@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +28,15 @@ def get_activation(name: str) -> Callable[[jax.Array], jax.Array]:
     if name not in ACTIVATIONS:
         raise ValueError(f"Unknown activation {name!r}; known: {sorted(ACTIVATIONS)}")
     return ACTIVATIONS[name]
+
+
+def apply_activation(names: Sequence[str], pre: Sequence[jax.Array]) -> jax.Array:
+    """act0(pre[0]) * act1(pre[1]) (gated) or act(pre[0]); SwiGLU ("silu", "linear") as
+    one op each way (`kernels.activations.swiglu`)."""
+    if tuple(names) == ("silu", "linear"):
+        return swiglu(pre[0], pre[1])
+    hs = [get_activation(a)(h) for a, h in zip(names, pre)]
+    return hs[0] * hs[1] if len(hs) == 2 else hs[0]
 
 
 class FeedForward(Module):
@@ -85,11 +94,6 @@ class FeedForward(Module):
         else:
             pre = [self.children[n](x) for n in self._in_names()]
         pre = [self.checkpoint_name(h, "ffn_hidden") for h in pre]
-        if tuple(c.activation) == ("silu", "linear"):  # One op each way (kernels.activations).
-            h = swiglu(*pre)
-        else:
-            hs = [get_activation(a)(h) for a, h in zip(c.activation, pre)]
-            h = hs[0] * hs[1] if len(hs) == 2 else hs[0]
-        h = self.checkpoint_name(h, "ffn_activation")
+        h = self.checkpoint_name(apply_activation(c.activation, pre), "ffn_activation")
         y = self.wo(h)
         return with_logical_constraint(y, ("batch", "seq", "embed")) if y.ndim == 3 else y

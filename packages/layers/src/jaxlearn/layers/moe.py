@@ -51,10 +51,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxlearn.config import REQUIRED
-from jaxlearn.kernels.activations import swiglu
 from jaxlearn.kernels.ragged_matmul import ragged_matmul
 from jaxlearn.layers.dense import DotGeneral, SgemmDot, einsum, maybe_dot
-from jaxlearn.layers.ffn import ACTIVATIONS, get_activation
+from jaxlearn.layers.ffn import ACTIVATIONS, apply_activation
 from jaxlearn.module import FanAxes, Module, ParameterSpec, with_logical_constraint
 
 __all__ = ["MixtureOfExperts", "MoEConfigError", "expert_capacity"]
@@ -198,23 +197,14 @@ class MixtureOfExperts(Module):
             return jax.vmap(self._dot)(a, w).astype(self.dtype)
         return einsum("eni,eio->eno", a, w)  # bf16-friendly custom VJP, f32 accumulation.
 
-    def _hidden(self, h0: jax.Array, h1: Optional[jax.Array]) -> jax.Array:
-        if h1 is not None and tuple(self.config.activation) == ("silu", "linear"):
-            return swiglu(h0, h1)  # One op each way, as `FeedForward` (kernels.activations).
-        acts = [get_activation(a) for a in self.config.activation]
-        h = acts[0](h0)
-        if h1 is not None:
-            h = h * acts[1](h1)
-        return h
+    def _ffn(self, x: jax.Array, mm: Callable[[jax.Array, str], jax.Array]) -> jax.Array:
+        """wo(act(wi(x))) with mm(a, param name) the experts' matmul."""
+        names = ["wi_0", "wi_1"] if len(self.config.activation) == 2 else ["wi"]
+        return mm(apply_activation(self.config.activation, [mm(x, n) for n in names]), "wo")
 
     def _experts(self, xe: jax.Array) -> jax.Array:
         """Every expert's FFN on its own rows: xe [E, N, embed] -> [E, N, embed]."""
-        p = self.parameters
-        if len(self.config.activation) == 2:
-            h = self._hidden(self._matmul(xe, p["wi_0"]), self._matmul(xe, p["wi_1"]))
-        else:
-            h = self._hidden(self._matmul(xe, p["wi"]), None)
-        return self._matmul(h, p["wo"])
+        return self._ffn(xe, lambda a, name: self._matmul(a, self.parameters[name]))
 
     def _dropless_dense(self, tokens: jax.Array, top_w: jax.Array, top_idx: jax.Array) -> jax.Array:
         e = self.config.num_experts
@@ -248,14 +238,7 @@ class MixtureOfExperts(Module):
         group_sizes = jnp.bincount(flat_expert, length=e).astype(jnp.int32)
         xs = jnp.take(tokens, order // k, axis=0)  # [T*k, D], grouped by expert
 
-        def mm(a: jax.Array, name: str) -> jax.Array:
-            return grouped(a, p[name], group_sizes)
-
-        if len(c.activation) == 2:
-            h = self._hidden(mm(xs, "wi_0"), mm(xs, "wi_1"))
-        else:
-            h = self._hidden(mm(xs, "wi"), None)
-        out_sorted = mm(h, "wo")
+        out_sorted = self._ffn(xs, lambda a, name: grouped(a, p[name], group_sizes))
         out = jnp.take(out_sorted, jnp.argsort(order), axis=0)  # Back to assignment order.
         out = out.reshape(tokens.shape[0], k, -1)
         return jnp.einsum("tkd,tk->td", out.astype(jnp.float32), top_w)
