@@ -1,4 +1,4 @@
-"""Grouped matmul over rows sorted by group, one row block at a time, weights read in place.
+"""Grouped matmul over rows sorted by group: per group, its rows in blocks against its weight.
 
     y = ragged_matmul(x, w, group_sizes)
     x [m, in] (rows sorted by group), w [G, in, out], group_sizes [G] int
@@ -6,8 +6,9 @@
 
 The contract of `jax.lax.ragged_dot`, which XLA:CPU compiles slowly into a dense product
 per group. This is the dropless MoE's grouped matmul on CPU (`layers.moe`). A `lax.scan`
-over the groups reads `w[g]` once per group; inside, a loop over the group's rows runs
-full `bm`-row blocks, then the remainder in `bs`-row blocks (bm=128, bs=32: the rows
+over the groups slices `w[g]` once per group (one copy, no per-block gather); inside, a
+loop over the group's rows runs full `bm`-row blocks, then the remainder in `bs`-row
+blocks (bm=128, bs=32: the rows
 computed are each group's size rounded up to 32, where padding every group to whole
 128-row blocks computed a quarter more rows than there are on a Mixtral-style step).
 

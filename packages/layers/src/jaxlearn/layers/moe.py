@@ -12,10 +12,11 @@ of its experts' FFN outputs (gated, e.g. SwiGLU, like `FeedForward`).
 Dispatch:
   * `capacity_factor=None` (dropless): every assignment is computed.
     `dropless_method="ragged_dot"` sorts the (token, expert) assignments by expert and runs
-    grouped matmuls (`jax.lax.ragged_dot`); `"dense"` runs every token through every expert
-    and masks by the routing weights (exact, E/k times the FLOPs; meant for tiny models and
-    as a reference). With a quantized `dot` (a `DotGeneral` subclass) the dense form is
-    used, because the injectable dot contract is a plain 2-D matmul (vmapped over experts).
+    grouped matmuls (`jax.lax.ragged_dot`; on CPU `kernels.ragged_matmul`); `"dense"` runs
+    every token through every expert and masks by the routing weights (exact, E/k times the
+    FLOPs; meant for tiny models and as a reference). With a quantized `dot` (a
+    `DotGeneral` subclass) the dense form is used, because the injectable dot contract is
+    a plain 2-D matmul (vmapped over experts).
     The router always runs in float32 and is never quantized.
   * `capacity_factor=c`: GShard-style dispatch/combine tensors (einsum). Tokens are grouped
     per leading row (each sequence of `[batch, seq, embed]` is a group, so groups follow the
@@ -217,10 +218,9 @@ class MixtureOfExperts(Module):
     ) -> jax.Array:
         """Assignments sorted by expert, one grouped matmul per weight. XLA:CPU lowers
         `ragged_dot` to one dense dot per expert over all rows (E times the work, a very
-        slow compile): on CPU `kernels.ragged_matmul` (row blocks, weights in place)."""
-        cpu = lambda x, w, sizes: ragged_matmul(x, w, sizes)  # noqa: E731
+        slow compile): on CPU `kernels.ragged_matmul` (row blocks against each weight)."""
         return jax.lax.platform_dependent(
-            tokens, top_w, top_idx, cpu=partial(self._dropless_sorted, cpu),
+            tokens, top_w, top_idx, cpu=partial(self._dropless_sorted, ragged_matmul),
             default=partial(self._dropless_sorted, self._ragged_dot))
 
     def _ragged_dot(self, x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
