@@ -6,13 +6,16 @@ one-JSON-line output of a measurement process.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import pkgutil
 import resource
 import statistics
 import sys
 import time
 from typing import Any, Callable
+from unittest import mock
 
 # The ~60M Llama of the benchmark targets: 58.07M params.
 LLAMA: dict[str, Any] = dict(
@@ -186,3 +189,12 @@ def trl_bench_main(doc: str, script: str, *, bench: str, out: str, steps: int,
             f.write(json.dumps(row) + "\n")
         log(json.dumps({k: v for k, v in row.items()
                         if k == "round" or k.endswith("_ratio")}))
+
+
+def patched(specs: list[str]) -> contextlib.ExitStack:
+    """Each "MOD.ATTR=MOD2.ATTR2" set while inside (`unittest.mock.patch`), restored after."""
+    stack = contextlib.ExitStack()
+    for spec in specs:
+        target, _, source = spec.partition("=")
+        stack.enter_context(mock.patch(target, pkgutil.resolve_name(source)))
+    return stack

@@ -4,6 +4,7 @@ copies, scatters, ...), joined with the compiled HLO for each op's output shape.
 
     python jl_profile.py --model llama --dtype bf16 [--steps 2] [--top 30] [--set PATH=VALUE]
     python jl_profile.py --config /tmp/lora_bench/full.txt --batches /tmp/lora_bench/batches.npz
+    python jl_profile.py --model mixtral --patch jaxlearn.layers.moe.ragged_matmul=variant.fn
 
 (the second form profiles a recipe's own step: the flat config `jaxlearn config` prints, its
 parameters from `init_from`, on the first batch `lora_bench.py data` saved).
@@ -27,7 +28,7 @@ import tempfile
 from collections import defaultdict
 from typing import Any, Callable
 
-from common import emit, model_cfg, rnd
+from common import emit, model_cfg, patched, rnd
 
 
 def category(name: str, hlo_line: str) -> str:
@@ -158,13 +159,17 @@ def main() -> None:
     p.add_argument("--dump_hlo", help="write the compiled step's HLO text to this file")
     p.add_argument("--by_shape", type=int, default=0,
                    help="also print the N costliest (category, output <- operand shapes)")
+    p.add_argument("--patch", action="append", default=[],
+                   help="MOD.ATTR=MOD2.ATTR2 set while the step is built and compiled "
+                        "(repeatable; a code variant kept in a module on PYTHONPATH)")
     args = p.parse_args()
     import jax
 
-    trainer, batch, state = build(args)
-    abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), batch)
-    step = trainer.compile_train_step(abstract)
+    with patched(args.patch):
+        trainer, batch, state = build(args)
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), batch)
+        step = trainer.compile_train_step(abstract)
     cost = step.cost_analysis()
     cost = (cost[0] if isinstance(cost, list) else cost) or {}
     hlo = step.as_text()
@@ -234,7 +239,8 @@ def main() -> None:
         print_by_shape(per_op, count, lines, shapes, args.steps, args.by_shape)
     emit(bench="profile", framework="jaxlearn", model=args.config or args.model,
          dtype=None if args.config else args.dtype,
-         overrides=list(args.set), compiled_flops=float(cost.get("flops", 0.0)),
+         overrides=list(args.set), patches=list(args.patch),
+         compiled_flops=float(cost.get("flops", 0.0)),
          op_ms_per_step=rnd(total), ops_busy_ms=rnd(busy), two_ops_ms=rnd(both),
          categories={k: rnd(v) for k, v in cats.items()},
          phases={k: rnd(v) for k, v in phases.items()},

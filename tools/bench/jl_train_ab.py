@@ -21,23 +21,11 @@ its `init_from` weights, the first batch `lora_bench.py data` saved).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import pkgutil
 import time
 from typing import Any
-from unittest import mock
 
-from common import Timer, emit, log, med, model_cfg, rnd
+from common import Timer, emit, log, med, model_cfg, patched, rnd
 from jl_train import build_trainer, random_batch, recipe_trainer
-
-
-def patched(specs: list[str]) -> contextlib.ExitStack:
-    """Each "MOD.ATTR=MOD2.ATTR2" set while inside (`unittest.mock.patch`), restored after."""
-    stack = contextlib.ExitStack()
-    for spec in specs:
-        target, _, source = spec.partition("=")
-        stack.enter_context(mock.patch(target, pkgutil.resolve_name(source)))
-    return stack
 
 
 def build_variant(args: argparse.Namespace, c: dict[str, Any], name: str,
