@@ -15,9 +15,10 @@ computed are each group's size rounded up to 32, where padding every group to wh
 A block starts at its own first row and may run past its group's end (x is padded by bm
 rows at the bottom): the rows it spills into belong to later groups, which the scan visits
 later and which overwrite them, so no block reads back what it writes. The custom VJP's
-backward pass runs dx the same way against wᵀ and accumulates each group's f32 weight
-gradient `Σ x_blockᵀ g_block` over its blocks (spilled rows masked off), the scan stacking
-the groups' gradients without scattering into a full-size buffer.
+backward pass walks the same blocks once: each block's slice of the cotangent g gives its
+dx rows (g_block w[g]ᵀ) and adds `x_blockᵀ g_block` (spilled rows masked off) to the
+group's f32 weight gradient, the scan stacking the groups' gradients without scattering
+into a full-size buffer.
 
 Dots accumulate in f32 with operands in x's dtype (w is cast to it once per group, as in
 `kernels.matmul`): bf16 stays bf16 in both passes; w's gradient comes back in w's dtype.
@@ -64,17 +65,17 @@ def _row_blocks(s: jax.Array, e: jax.Array, carry: Any, body: Callable[..., Any]
 
 
 def _bounds(group_sizes: jax.Array) -> tuple[jax.Array, jax.Array]:
-    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
-    return ends - group_sizes.astype(jnp.int32), ends
+    """(first row, end row) of each group: [G] int32 each."""
+    ends = jnp.cumsum(group_sizes)
+    return ends - group_sizes, ends
 
 
-def _apply(x: jax.Array, w: jax.Array, group_sizes: jax.Array, transpose_w: bool,
+def _apply(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
            block_rows: tuple[int, int]) -> jax.Array:
-    """[m, in] @ w[g] (or w[g]ᵀ) per group's rows -> [m, out] in x's dtype."""
+    """[m, in] @ w[g] per group's rows -> [m, out] in x's dtype."""
     m = x.shape[0]
     bm, bs = _tiles(m, block_rows)
     starts, ends = _bounds(group_sizes)
-    contract = 1 if transpose_w else 0
     xp = jnp.pad(x, ((0, bm), (0, 0)))
 
     def group(y: jax.Array, ge: tuple[jax.Array, ...]) -> tuple[jax.Array, None]:
@@ -83,61 +84,66 @@ def _apply(x: jax.Array, w: jax.Array, group_sizes: jax.Array, transpose_w: bool
 
         def block(r0: jax.Array, rows: int, y: jax.Array) -> jax.Array:
             xb = lax.dynamic_slice_in_dim(xp, r0, rows)
-            yb = lax.dot_general(xb, wg, (((1,), (contract,)), ((), ())),
-                                 preferred_element_type=_F32)
+            yb = jnp.dot(xb, wg, preferred_element_type=_F32)
             return lax.dynamic_update_slice_in_dim(y, yb.astype(x.dtype), r0, 0)
 
         return _row_blocks(s, e, y, block, bm, bs), None
 
-    out = w.shape[1] if transpose_w else w.shape[2]
-    y = lax.scan(group, jnp.zeros((m + bm, out), x.dtype), (w, starts, ends))[0][:m]
+    y = lax.scan(group, jnp.zeros((m + bm, w.shape[2]), x.dtype), (w, starts, ends))[0][:m]
     in_a_group = jnp.arange(m, dtype=jnp.int32) < ends[-1]
     return jnp.where(in_a_group[:, None], y, jnp.zeros((), x.dtype))
 
 
-def _weight_grad(x: jax.Array, g: jax.Array, w: jax.Array, group_sizes: jax.Array,
-                 block_rows: tuple[int, int]) -> jax.Array:
-    """[G, in, out] f32: per group Σ x[rows]ᵀ g[rows] over its rows."""
+def _grads(x: jax.Array, g: jax.Array, w: jax.Array, group_sizes: jax.Array,
+           block_rows: tuple[int, int]) -> tuple[jax.Array, jax.Array]:
+    """(dx [m, in] in x's dtype, dw [G, in, out] f32) of y = ragged(x, w) for y's
+    cotangent g: one pass over each group's blocks reads g's block once for both."""
     m = x.shape[0]
     bm, bs = _tiles(m, block_rows)
     starts, ends = _bounds(group_sizes)
     xp, gp = (jnp.pad(a, ((0, bm), (0, 0))) for a in (x, g))
 
-    def group(_: None, se: tuple[jax.Array, jax.Array]) -> tuple[None, jax.Array]:
-        s, e = se
+    def group(dx: jax.Array, ge: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
+        wg, s, e = ge
+        wg = wg.astype(x.dtype)
 
-        def block(r0: jax.Array, rows: int, dw: jax.Array) -> jax.Array:
+        def block(r0: jax.Array, rows: int, carry: tuple[jax.Array, jax.Array]
+                  ) -> tuple[jax.Array, jax.Array]:
+            dx, dw = carry
+            gb = lax.dynamic_slice_in_dim(gp, r0, rows)
+            dxb = lax.dot_general(gb, wg, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
+            dx = lax.dynamic_update_slice_in_dim(dx, dxb.astype(x.dtype), r0, 0)
             mine = r0 + jnp.arange(rows, dtype=jnp.int32) < e  # Not spilled rows.
             xb = jnp.where(mine[:, None], lax.dynamic_slice_in_dim(xp, r0, rows), 0)
-            gb = lax.dynamic_slice_in_dim(gp, r0, rows)
             # A leading size-1 contracted axis: XLA keeps this xᵀ g dot in bf16 (as
             # `kernels.matmul`'s dW) where the plain form is upcast to f32.
-            return dw + lax.dot_general(xb[None], gb[None], (((0, 1), (0, 1)), ((), ())),
-                                        preferred_element_type=_F32)
+            return dx, dw + lax.dot_general(xb[None], gb[None], (((0, 1), (0, 1)), ((), ())),
+                                            preferred_element_type=_F32)
 
-        return None, _row_blocks(s, e, jnp.zeros(w.shape[1:], _F32), block, bm, bs)
+        return _row_blocks(s, e, (dx, jnp.zeros(w.shape[1:], _F32)), block, bm, bs)
 
-    return lax.scan(group, None, (starts, ends))[1]
+    dx, dw = lax.scan(group, jnp.zeros((m + bm, x.shape[1]), x.dtype), (w, starts, ends))
+    in_a_group = jnp.arange(m, dtype=jnp.int32) < ends[-1]
+    return jnp.where(in_a_group[:, None], dx[:m], jnp.zeros((), x.dtype)), dw
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _ragged(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
             block_rows: tuple[int, int]) -> jax.Array:
-    return _apply(x, w, group_sizes, False, block_rows)
+    return _apply(x, w, group_sizes, block_rows)
 
 
 def _fwd(x: jax.Array, w: jax.Array, group_sizes: jax.Array, block_rows: tuple[int, int]
          ) -> tuple[jax.Array, Any]:
-    return _apply(x, w, group_sizes, False, block_rows), (x, w, group_sizes)
+    return _apply(x, w, group_sizes, block_rows), (x, w, group_sizes)
 
 
 def _bwd(block_rows: tuple[int, int], res: Any, g: jax.Array
          ) -> tuple[jax.Array, jax.Array, Any]:
     x, w, group_sizes = res
     g = g.astype(x.dtype)
-    dx = _apply(g, w, group_sizes, True, block_rows)
-    dw = _weight_grad(x, g, w, group_sizes, block_rows).astype(w.dtype)
-    return dx, dw, np.zeros(group_sizes.shape, jax.dtypes.float0)
+    dx, dw = _grads(x, g, w, group_sizes, block_rows)
+    return dx, dw.astype(w.dtype), np.zeros(group_sizes.shape, jax.dtypes.float0)
 
 
 _ragged.defvjp(_fwd, _bwd)
