@@ -117,8 +117,7 @@ def main() -> None:
             rows.append(row)
         r = eng.runner
         emit(**base, rows=rows, cache_bytes=r.cache_bytes(), cache_len=r.max_len,
-             kv_pool_tokens=(r.num_pages - 1) * r.page_size, page_size=r.page_size,
-             min_window=r.min_window)
+             kv_pool_tokens=(r.num_pages - 1) * r.page_size, page_size=r.page_size)
     else:
         prompts, outs, slots = continuous_workload(c["vocab"], quick=args.quick)
         eng = build_engine(c, args.dtype, max_batch=slots,
