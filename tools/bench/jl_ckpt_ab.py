@@ -1,11 +1,16 @@
-"""Checkpoint write/restore A/B in one process: zstd vs no compression, saves interleaved.
+"""Checkpoint write/restore A/B in one process: Checkpointer configs, saves interleaved.
 
 The state is random f32 arrays with the sizes of the 60M Llama's params, Adam mu and nu
 (≈ 0.67 GB; random data does not compress, like trained float weights). Per variant:
 median `save(snapshot=False)` + wait time, throughput vs the raw numpy+fsync bandwidth
 measured in the same process, verified restore time; plus the digest pass alone.
 
-    python jl_ckpt_ab.py [--repeats 3] [--dir /tmp/x]
+    python jl_ckpt_ab.py [--repeats 3] [--dir /tmp/x]        # zstd vs no compression
+    python jl_ckpt_ab.py --variant f32m=data_file_bytes:33554432 \
+        --variant f8m=data_file_bytes:8388608 --variant one=data_file_bytes:none
+
+A variant is NAME=FIELD:VALUE[,FIELD:VALUE...] over `Checkpointer.Config` fields
+(VALUE: an int, true/false or none).
 """
 
 from __future__ import annotations
@@ -30,11 +35,38 @@ def _sizes() -> list[int]:
     return [c["vocab"] * d] * 2 + [layer] * c["layers"]
 
 
+def _value(text: str) -> object:
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low == "none":
+        return None
+    return int(text)
+
+
+def parse_variants(specs: list[str]) -> dict[str, dict[str, object]]:
+    """NAME=FIELD:VALUE[,FIELD:VALUE...] -> {NAME: {FIELD: value}}."""
+    out: dict[str, dict[str, object]] = {}
+    for spec in specs:
+        name, _, fields = spec.partition("=")
+        if not name or not fields:
+            raise SystemExit(f"--variant {spec!r}: expected NAME=FIELD:VALUE[,FIELD:VALUE]")
+        out[name] = {}
+        for item in fields.split(","):
+            field, _, value = item.partition(":")
+            out[name][field] = _value(value)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dir", default=None)
+    p.add_argument("--variant", action="append", default=[],
+                   help="NAME=FIELD:VALUE[,FIELD:VALUE] (default: zstd vs plain)")
     args = p.parse_args()
+    variants = parse_variants(args.variant) or {"zstd": {"use_compression": True},
+                                                "plain": {"use_compression": False}}
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -47,10 +79,9 @@ def main() -> None:
              for i, s in enumerate(_sizes() * 3)}
     nbytes = sum(x.nbytes for x in state.values())
     root = Path(args.dir or tempfile.mkdtemp(prefix="bench_ckpt_ab_"))
-    variants = {"zstd": True, "plain": False}
     ckpts = {n: Checkpointer.default_config().set(directory=str(root / n), keep_last_n=1,
-                                                  use_compression=z).instantiate()
-             for n, z in variants.items()}
+                                                  **fields).instantiate()
+             for n, fields in variants.items()}
     for c in ckpts.values():  # Set-up save (orbax pools, compilation of the digests).
         c.save(0, state, snapshot=False)
         c.wait_until_finished()
@@ -99,6 +130,7 @@ def main() -> None:
             f"restore {med(restore[n]):.2f} s")
     emit(bench="ckpt_ab", framework="jaxlearn", version=jax.__version__, state_bytes=nbytes,
          raw_disk_gbs=rnd(raw), digest_s=rnd(min(digest_s)), variants=out,
+         configs=variants,
          wall_time=time.time())
 
 

@@ -116,6 +116,32 @@ def test_a_single_pool_and_the_xla_loop_agree() -> None:
     np.testing.assert_array_equal(np.asarray(dispatched), np.asarray(native))
 
 
+def test_one_layers_pool_written_then_read_is_not_copied() -> None:
+    # A one-row decode step over one layer's (unstacked) pools: write the token's entries,
+    # then attend. The write is a dynamic-update-slice of the donated pool in place; the
+    # kernel must read that same buffer (a reshape of the pool for the call once made XLA
+    # fuse the write twice and copy every pool per step).
+    rng = np.random.default_rng(5)
+    _, _, _, table, _, _, qj, pools = _case(rng, 1, 1, 2, 2, 16, 8, 3, 1, False)
+    kp, vp = pools[0][0], pools[1][0]
+
+    def step(kp: jax.Array, vp: jax.Array, q: jax.Array, pos: jax.Array) -> tuple:
+        kp = paged.write_pages(kp, q[:, :, :2], pos, table, layout="kdt")
+        vp = paged.write_pages(vp, q[:, :, :2], pos, table, layout="ktd")
+        o = attend_pages_native(q, kp, vp, table, pos[:, None], pos + 1, scale=0.25)
+        return kp, vp, o
+
+    pos = jnp.array([5], jnp.int32)
+    hlo = jax.jit(step, donate_argnums=(0, 1)).lower(kp, vp, qj, pos).compile().as_text()
+    pool_shapes = {f"f32[{','.join(map(str, x.shape))}]" for x in (kp, vp)}
+    copies = [line for line in hlo.splitlines() if " copy(" in line
+              and any(shape in line.split("=", 1)[1] for shape in pool_shapes)]
+    assert not copies, copies
+    got_kp, got_vp, o = step(kp, vp, qj, pos)
+    xla = paged.attend_pages(qj, got_kp, got_vp, table, pos[:, None], pos + 1, scale=0.25)
+    np.testing.assert_allclose(np.asarray(o), np.asarray(xla), rtol=1e-5, atol=1e-6)
+
+
 def test_one_query_answers_the_same_alone_or_in_a_chunk() -> None:
     # Decode (one query) and a verify / prefill chunk (many) give bit-identical rows:
     # speculative decoding relies on it.

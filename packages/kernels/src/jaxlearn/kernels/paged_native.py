@@ -136,7 +136,9 @@ def attend_rows_native(
     if not supports(q.dtype):
         raise ValueError(f"attend_pages_native: q must be float32 or bfloat16, got {q.dtype}")
     if layer is None:
-        key_pool, value_pool = key_pool[None], value_pool[None]
+        # One layer's pools go in as they are: a reshape to [1, ...] here made XLA fuse
+        # the caller's one-token write (a dynamic-update-slice) into it as well as into
+        # the pool the caller returns, and copy every pool twice per layer and step.
         layer = jnp.int32(0)
     rows = page_table.shape[0]
     call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))

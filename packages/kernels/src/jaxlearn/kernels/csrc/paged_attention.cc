@@ -6,15 +6,16 @@
 //
 //   q           [..., h, d]             T tokens (any leading dims), f32 or bf16; heads
 //                                       h = kv * g share kv heads in groups
-//   key_pool    [L, P, kv, d, ps]       "kdt" pages; f32, or bf16 bits (u16)
-//   value_pool  [L, P, kv, ps, d]       "ktd" pages; same dtype
+//   key_pool    [L, P, kv, d, ps]       "kdt" pages; f32, or bf16 bits (u16); or one
+//                                       layer's [P, kv, d, ps] (L = 1)
+//   value_pool  [L, P, kv, ps, d]       "ktd" pages; same dtype and rank
 //   page_table  [b, n] s32              position p of row b: page table[b, p / ps], slot p % ps
 //   q_index     [T] s32                 query positions (causal and sliding-window masks)
 //   starts      [b + 1] s32             row r's tokens: [starts[r], starts[r + 1]), ascending;
 //                                       a token after starts[b] belongs to no row (output 0).
 //                                       Rows of s tokens each: starts = s * [0, 1, ..., b]
 //   kv_end      [b] s32                 positions >= kv_end[b] are hidden
-//   layer       [] s32                  which of the L stacked pools
+//   layer       [] s32                  which of the L stacked pools (0 for one layer's)
 //
 // One task per (row, block of 16 queries) on XLA's intra-op pool (`PoolFor`, pool_for.h).
 // A task reads its row's pages in order, every kv head of a page in turn (they are
@@ -404,27 +405,33 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
                               ffi::Result<ffi::AnyBuffer> out) {
   auto qd = q.dimensions(), kd = kpool.dimensions(), vd = vpool.dimensions();
   auto td = table.dimensions();
-  if (qd.size() < 2 || kd.size() != 5 || vd.size() != 5 || td.size() != 2) {
+  // Pools [L, P, ...] (L stacked layers, `layer` picks one) or one layer's [P, ...].
+  const bool stacked = kd.size() == 5;
+  if (qd.size() < 2 || (kd.size() != 4 && !stacked) || vd.size() != kd.size() ||
+      td.size() != 2) {
     return ffi::Error::InvalidArgument(
-        "jl_paged_attention: need q [..., h, d], pools [L, P, kv, d, ps] / [L, P, kv, ps, d] "
-        "and a page table [b, n]");
+        "jl_paged_attention: need q [..., h, d], pools [(L,) P, kv, d, ps] / "
+        "[(L,) P, kv, ps, d] and a page table [b, n]");
   }
+  const size_t o = stacked ? 1 : 0;
+  const int64_t layers = stacked ? kd[0] : 1;
   Call c;
   c.h = qd[qd.size() - 2], c.d = qd[qd.size() - 1], c.b = td[0], c.n = td[1];
   c.tokens = 1;
   for (size_t i = 0; i + 2 < qd.size(); ++i) c.tokens *= qd[i];
-  c.pages = kd[1], c.kv = kd[2], c.ps = kd[4];
-  if (kd[3] != c.d || vd[0] != kd[0] || vd[1] != c.pages || vd[2] != c.kv || vd[3] != c.ps ||
-      vd[4] != c.d || c.kv <= 0 || c.h % c.kv != 0 || q_index.element_count() != c.tokens ||
+  c.pages = kd[o], c.kv = kd[o + 1], c.ps = kd[o + 3];
+  if (kd[o + 2] != c.d || (stacked && vd[0] != kd[0]) || vd[o] != c.pages ||
+      vd[o + 1] != c.kv || vd[o + 2] != c.ps || vd[o + 3] != c.d || c.kv <= 0 ||
+      c.h % c.kv != 0 || q_index.element_count() != c.tokens ||
       starts.element_count() != c.b + 1 || kv_end.element_count() != c.b) {
     return ffi::Error::InvalidArgument("jl_paged_attention: shapes of q, pools, page table, "
                                        "q_index, starts and kv_end do not agree");
   }
   c.g = c.h / c.kv;
   c.layer = layer.typed_data()[0];
-  if (c.layer < 0 || c.layer >= kd[0]) {
+  if (c.layer < 0 || c.layer >= layers) {
     return ffi::Error::InvalidArgument("jl_paged_attention: layer " + std::to_string(c.layer) +
-                                       " of " + std::to_string(kd[0]) + " stacked pools");
+                                       " of " + std::to_string(layers) + " stacked pools");
   }
   c.q_bf16 = q.element_type() == ffi::BF16;
   if (!c.q_bf16 && q.element_type() != ffi::F32) {
