@@ -18,6 +18,7 @@ write bytes). Formulations (w: [K, N] "nn", or its transpose [N, K] "nt"; x is f
 
   f32_nn / f32_nt         f32 dot
   f32_hi_nn               f32 dot, precision=HIGHEST
+  f32_pad_nn / _nt        f32 dot with M=1 padded to 2 rows (a GEMM, not XLA's GEMV)
   bf16_nn / bf16_nt       bf16 x bf16 dot, preferred_element_type f32
   bf16_pad_nn / _nt       the same with M=1 padded to 2 rows (dense.py's bf16 GEMV path;
                           _nt: the serving engine's bf16 layout, `TransposedWeight`)
@@ -49,7 +50,7 @@ MODELS: dict[str, dict[str, tuple[int, int]]] = {
     "1b": {"qkv": (2048, 3072), "o": (2048, 2048), "gate_up": (2048, 16384),
            "down": (8192, 2048), "lm_head": (2048, 49152)},
 }
-FORMS = ("f32_nn", "f32_nt", "f32_hi_nn", "bf16_nn", "bf16_nt", "bf16_pad_nn", "bf16_pad_nt",
+FORMS = ("f32_nn", "f32_nt", "f32_hi_nn", "f32_pad_nn", "f32_pad_nt", "bf16_nn", "bf16_nt", "bf16_pad_nn", "bf16_pad_nt",
          "bf16up_nn", "bf16up_nt", "i8_f32_nn", "i8_f32_nt",
          "i8_bf16_nn", "i8_bf16_nt", "i8i8_nn", "i8i8_nt", "red_f32_nt", "red_f32_nn",
          "red_bf16_nt", "red_bf16_nn", "red_i8_nt", "red_i8_nn", "packed_f32_nn",
@@ -82,16 +83,17 @@ def _one(form: str) -> tuple[str, Callable[..., Any]]:
         return dot(xq, w, preferred_element_type=jnp.int32).astype(f32) * sx * s
 
     def pad(x: Any, w: Any, s: Any) -> Any:
-        xb = x.astype(bf16)
-        if xb.shape[0] == 1:
-            xb = jnp.concatenate([xb, jnp.zeros_like(xb)], axis=0)
-        return dot(xb, w, preferred_element_type=f32)[: x.shape[0]]
+        xp = x.astype(w.dtype)
+        if xp.shape[0] == 1:
+            xp = jnp.concatenate([xp, jnp.zeros_like(xp)], axis=0)
+        return dot(xp, w, preferred_element_type=f32)[: x.shape[0]]
 
     table: dict[str, tuple[str, Callable[..., Any]]] = {
         "f32": ("float32", lambda x, w, s: dot(x, w, preferred_element_type=f32)),
         "f32_hi": ("float32", lambda x, w, s: dot(x, w, precision=lax.Precision.HIGHEST,
                                                    preferred_element_type=f32)),
         "bf16": ("bfloat16", lambda x, w, s: dot(x.astype(bf16), w, preferred_element_type=f32)),
+        "f32_pad": ("float32", pad),
         "bf16_pad": ("bfloat16", pad),
         "bf16up": ("bfloat16", lambda x, w, s: dot(x, w.astype(f32))),
         "i8_f32": ("int8", lambda x, w, s: dot(x, w.astype(f32)) * s),
