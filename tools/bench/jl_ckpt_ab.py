@@ -28,11 +28,15 @@ ROOT = Path(__file__).resolve().parents[2]
 CKPT_BENCH = ROOT / "packages" / "checkpoint" / "bench" / "bench_checkpoint.py"
 
 
-def _sizes() -> list[int]:
+def _sizes(tree: str = "layer") -> list[int]:
+    """Array sizes of one copy of the 60M Llama's params: one array per layer ("layer"),
+    or one per parameter as the train state holds them ("param": 75 arrays, norms too)."""
     c = model_cfg("llama")
     d, f, hd = c["dim"], c["ffn"], c["dim"] // c["heads"]
-    layer = 2 * d * c["heads"] * hd + 2 * d * c["kv_heads"] * hd + 3 * d * f
-    return [c["vocab"] * d] * 2 + [layer] * c["layers"]
+    params = [d * c["heads"] * hd] * 2 + [d * c["kv_heads"] * hd] * 2 + [d * f] * 3
+    if tree == "param":
+        return [c["vocab"] * d] * 2 + (params + [d, d]) * c["layers"] + [d]
+    return [c["vocab"] * d] * 2 + [sum(params)] * c["layers"]
 
 
 def _value(text: str) -> object:
@@ -62,6 +66,9 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dir", default=None)
+    p.add_argument("--tree", choices=("layer", "param"), default="layer",
+                   help="one array per layer (30 in all) or per parameter (225, the train "
+                        "state's)")
     p.add_argument("--variant", action="append", default=[],
                    help="NAME=FIELD:VALUE[,FIELD:VALUE] (default: zstd vs plain)")
     args = p.parse_args()
@@ -76,7 +83,7 @@ def main() -> None:
 
     rng = np.random.default_rng(0)
     state = {f"a{i}": jnp.asarray(rng.standard_normal(s, dtype=np.float32))
-             for i, s in enumerate(_sizes() * 3)}
+             for i, s in enumerate(_sizes(args.tree) * 3)}
     nbytes = sum(x.nbytes for x in state.values())
     root = Path(args.dir or tempfile.mkdtemp(prefix="bench_ckpt_ab_"))
     ckpts = {n: Checkpointer.default_config().set(directory=str(root / n), keep_last_n=1,
@@ -129,6 +136,7 @@ def main() -> None:
         log(f"{n}: commit {med(commit[n]):.2f} s = {gbs / raw:.2f}x raw disk, "
             f"restore {med(restore[n]):.2f} s")
     emit(bench="ckpt_ab", framework="jaxlearn", version=jax.__version__, state_bytes=nbytes,
+         arrays=len(state),
          raw_disk_gbs=rnd(raw), digest_s=rnd(min(digest_s)), variants=out,
          configs=variants,
          wall_time=time.time())

@@ -50,7 +50,8 @@ MODELS: dict[str, dict[str, tuple[int, int]]] = {
     "1b": {"qkv": (2048, 3072), "o": (2048, 2048), "gate_up": (2048, 16384),
            "down": (8192, 2048), "lm_head": (2048, 49152)},
 }
-FORMS = ("f32_nn", "f32_nt", "f32_hi_nn", "f32_pad_nn", "f32_pad_nt", "bf16_nn", "bf16_nt", "bf16_pad_nn", "bf16_pad_nt",
+FORMS = ("f32_nn", "f32_nt", "f32_hi_nn", "f32_pad_nn", "f32_pad_nt", "bf16_nn", "bf16_nt",
+         "bf16_pad_nn", "bf16_pad_nt",
          "bf16up_nn", "bf16up_nt", "i8_f32_nn", "i8_f32_nt",
          "i8_bf16_nn", "i8_bf16_nt", "i8i8_nn", "i8i8_nt", "red_f32_nt", "red_f32_nn",
          "red_bf16_nt", "red_bf16_nn", "red_i8_nt", "red_i8_nn", "packed_f32_nn",
