@@ -172,22 +172,36 @@ def test_a_run_trained_on_sgemm_dots_serves_packed():
                                   np.asarray(plain.logits([PROMPT])))
 
 
-@pytest.mark.skipif(unavailable_reason() is not None, reason="no packed GEMM here")
-def test_packed_weights_fuse_the_projections_by_default():
-    """fuse_projections=None: q/k/v and gate/up fused exactly when the weights are packed,
-    with the unfused engine's logits and greedy tokens."""
+def _fused(engine) -> bool:
+    paths = _paths(engine.runner.params)
+    return (any("['qkv_proj']" in k for k in paths)
+            and any("['wi_fused']" in k for k in paths))
+
+
+def test_projections_are_fused_by_default_where_packed_or_float32_on_xlas_dot():
+    """fuse_projections=None: q/k/v and gate/up fused where the weights are packed or
+    stay float32 on XLA's dot, with the unfused engine's logits and greedy tokens; bf16
+    weights on XLA's dot stay unfused."""
     cfg = tiny_config("scan").clone(name="model")
     params = tiny_params(cfg, seed=1)
-    base, packed = _engine(cfg, params, "in_out", None), _engine(cfg, params, "packed", None)
+    base = _engine(cfg, params, "in_out")  # fuse_projections=False
     assert not any("qkv_proj" in k for k in _paths(base.runner.params))
-    paths = _paths(packed.runner.params)
-    assert any("['qkv_proj']['weight_id']" in k for k in paths)
-    assert any("['wi_fused']['weight_id']" in k for k in paths)
+    engines = [_engine(cfg, params, "in_out", None)]
+    if unavailable_reason() is None:
+        packed = _engine(cfg, params, "packed", None)
+        assert any("['qkv_proj']['weight_id']" in k for k in _paths(packed.runner.params))
+        engines.append(packed)
     ref = np.asarray(base.logits([PROMPT]))[0]
-    np.testing.assert_allclose(np.asarray(packed.logits([PROMPT]))[0], ref, rtol=0, atol=1e-5)
     rows = [PROMPT, PROMPT[:5], [7, 7, 7]]
     want = [r.tokens for r in base.generate(rows, max_new_tokens=12, ignore_eos=True)]
-    assert [r.tokens for r in packed.generate(rows, max_new_tokens=12, ignore_eos=True)] == want
+    for engine in engines:
+        assert _fused(engine)
+        np.testing.assert_allclose(np.asarray(engine.logits([PROMPT]))[0], ref, rtol=0,
+                                   atol=1e-5)
+        got = engine.generate(rows, max_new_tokens=12, ignore_eos=True)
+        assert [r.tokens for r in got] == want
+    bf16_cfg = tiny_config("scan", dtype="bfloat16").clone(name="model")
+    assert not _fused(_engine(bf16_cfg, _bf16(params), "in_out", None))
 
 
 def test_auto_packs_bf16_weights_on_hosts_with_native_bf16_only():

@@ -143,10 +143,12 @@ class Engine(Configurable):
         model_name: the name clients use (`model` in the HTTP API).
         fuse_projections: serve with fused q/k/v and gate/up projections (one matmul each,
             `jaxlearn.layers.fuse_projections`; one device only). None (default): fused
-            when the dense weights are packed (`weight_layout`; no adapter
-            banks; float or int8): a one-row decode step of SmolLM2-135M bf16 14.4 ms
-            against 15.6-16.1 unfused (AMX Xeon), 8-32 rows within noise. XLA's own bf16
-            GEMV was ~8% slower fused at one row, f32 ~5% faster: unfused there.
+            on one device without adapter banks when the dense weights are packed
+            (`weight_layout`; float or int8): a one-row decode step of SmolLM2-135M bf16
+            14.4 ms against 15.6-16.1 unfused (AMX Xeon), 8-32 rows within noise; or when
+            they stay float32 on XLA's dot: the 60M Llama's f32 decode 1.11x / 1.02x /
+            1.11x at 1 / 4 / 16 rows (Zen 4), ~5% at one row on the Xeon. XLA's own bf16
+            GEMV was ~8% slower fused at one row (Xeon): unfused.
         prefix_caching: share the KV pages of prompt prefixes between requests
             (content-hashed full pages, reference counted, LRU-evicted when the pool
             needs pages); a prompt's cached full pages are not prefilled again.

@@ -12,13 +12,14 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
 from jaxlearn import layers
 from jaxlearn.config import REQUIRED, replace_config
 from jaxlearn.inference.adapters import check_adapter_settings
 from jaxlearn.inference.draft import DraftModel
-from jaxlearn.inference.quantize import check_quantize
+from jaxlearn.inference.quantize import check_quantize, plain_linears
 from jaxlearn.inference.runner import ModelRunner
 from jaxlearn.inference.weight_layout import (
     check_weight_layout,
@@ -88,12 +89,24 @@ class ServingModel:
     attention_kernel: str  # "xla" | "native"
 
 
-def fuse_chosen(cfg: Any, packed: bool) -> bool:
-    """`Engine.Config.fuse_projections`, None resolved: fused where the weights will be
-    `packed` (one device, no adapter banks; float or int8)."""
+def fuse_chosen(cfg: Any, packed: bool, float32: bool = False) -> bool:
+    """`Engine.Config.fuse_projections`, None resolved: on one device without adapter
+    banks, fused where the weights will be `packed` (float or int8) or stay `float32` on
+    XLA's dot (not quantized)."""
     if cfg.fuse_projections is not None:
         return bool(cfg.fuse_projections)
-    return packed and cfg.mesh_shape is None and not cfg.max_loras
+    if cfg.mesh_shape is not None or cfg.max_loras:
+        return False
+    return packed or (float32 and cfg.quantize is None)
+
+
+def float32_linears(model_cfg: Any, params: Any) -> bool:
+    """Whether the model has plain Linears and all of them hold and compute float32."""
+    f32 = jnp.dtype(jnp.float32)
+    linears = plain_linears(model_cfg.instantiate(), params)
+    return bool(linears) and all(
+        jnp.dtype(p["weight"].dtype) == f32 and (m.dtype is None or jnp.dtype(m.dtype) == f32)
+        for m, p in linears)
 
 
 def serving_model(cfg: Any, model_cfg: Any, params: Any) -> ServingModel:
@@ -117,7 +130,8 @@ def serving_model(cfg: Any, model_cfg: Any, params: Any) -> ServingModel:
         model_cfg, params = layers.use_multi_lora(
             model_cfg, params, slots=cfg.max_loras + 1, max_rank=cfg.max_lora_rank,
             targets=cfg.lora_targets)
-    if fuse_chosen(cfg, packed_chosen):
+    if fuse_chosen(cfg, packed_chosen,
+                   not packed_chosen and float32_linears(model_cfg, params)):
         model_cfg, params = layers.fuse_projections(model_cfg, params)
     # Adapter banks take Linears out of the plain ones the packing counts: asked again.
     model_cfg, params, packed = store_weights(
