@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from common import emit, log, med, model_cfg, rnd
 from decode_common import continuous_workload
 
 
 def build_engine(c: dict[str, Any], dtype: str, *, max_batch: int, max_seq_len: int,
-                 decode_burst: int, quantize: Any = None, fuse_projections: bool = False,
+                 decode_burst: int, quantize: Any = None,
+                 fuse_projections: Optional[bool] = None,
                  weight_layout: str = "auto") -> Any:
     import jax
     import jax.numpy as jnp

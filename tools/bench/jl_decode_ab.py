@@ -5,7 +5,7 @@
 Two engines on the ~60M Llama (as `jl_decode.py --case latency`). `--compare attention`:
 the block of `paged.attend_pages`' loop, `block64` (64 positions) vs `block256`
 (`paged.BLOCK_POSITIONS`, read when the programs are traced). `--compare fuse`:
-the default engine (`base`) vs `Engine.Config.fuse_projections=True` (`fused`: one q/k/v
+`Engine.Config.fuse_projections=False` (`base`) vs True (`fused`: one q/k/v
 and one gate/up matmul per layer). (A third A/B, bf16 decode matmuls on oneDNN through a
 custom call, measured 0.85-0.90x of XLA's own dots in the whole step, results/
 decode_ab.jsonl; it was removed with the kernel.)
