@@ -101,9 +101,13 @@ def fuse_chosen(cfg: Any, packed: bool, float32: bool = False) -> bool:
 
 
 def float32_linears(model_cfg: Any, params: Any) -> bool:
-    """Whether the model has plain Linears and all of them hold and compute float32."""
+    """Whether the model has plain Linears, no LoRA ones, and all of them hold and
+    compute float32."""
     f32 = jnp.dtype(jnp.float32)
-    linears = plain_linears(model_cfg.instantiate(), params)
+    model = model_cfg.instantiate()
+    linears = plain_linears(model, params)
+    if len(plain_linears(model, params, lora=True)) != len(linears):
+        return False  # LoRA adapters: served as trained, unfused.
     return bool(linears) and all(
         jnp.dtype(p["weight"].dtype) == f32 and (m.dtype is None or jnp.dtype(m.dtype) == f32)
         for m, p in linears)
