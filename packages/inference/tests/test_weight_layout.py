@@ -14,7 +14,7 @@ from jaxlearn.inference.quantize import quantize
 from jaxlearn.inference.weight_layout import apply_weight_layout, serving_stack, store_weights
 from jaxlearn.kernels import Int8Weight, PackedTable, pool_spin_us
 from jaxlearn.kernels.packed_gemm import host_has_bf16, host_has_int8, unavailable_reason
-from jaxlearn.layers import LoopStack, ScanStack, SgemmDot, use_dot
+from jaxlearn.layers import LoopStack, ScanStack, SgemmDot, use_dot, use_lora
 
 PROMPT = [3, 17, 42, 9, 28, 5, 61, 12]
 
@@ -202,6 +202,24 @@ def test_projections_are_fused_by_default_where_packed_or_float32_on_xlas_dot():
         assert [r.tokens for r in got] == want
     bf16_cfg = tiny_config("scan", dtype="bfloat16").clone(name="model")
     assert not _fused(_engine(bf16_cfg, _bf16(params), "in_out", None))
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_a_model_with_lora_linears_is_served_unfused(dtype):
+    """Unmerged LoRA adapters: the default engine (packed bf16 where the host packs, f32
+    on XLA's dot) keeps q/k/v apart and serves the fuse_projections=False engine's tokens;
+    asking for fused projections says why it cannot."""
+    bf16 = dtype == "bf16"
+    cfg = use_lora(tiny_config("scan", dtype="bfloat16" if bf16 else None).clone(name="model"))
+    params = tiny_params(cfg, seed=2)
+    params = _bf16(params) if bf16 else params
+    default, unfused = _engine(cfg, params, "auto", None), _engine(cfg, params, "auto")
+    assert not _fused(default)
+    rows = [PROMPT, [7, 7, 7]]
+    want = [r.tokens for r in unfused.generate(rows, max_new_tokens=8, ignore_eos=True)]
+    assert [r.tokens for r in default.generate(rows, max_new_tokens=8, ignore_eos=True)] == want
+    with pytest.raises(ValueError, match="fuse_projections=True: the model has LoRA Linears"):
+        _engine(cfg, params, "auto", True)
 
 
 def test_auto_packs_bf16_weights_on_hosts_with_native_bf16_only():

@@ -89,28 +89,32 @@ class ServingModel:
     attention_kernel: str  # "xla" | "native"
 
 
-def fuse_chosen(cfg: Any, packed: bool, float32: bool = False) -> bool:
-    """`Engine.Config.fuse_projections`, None resolved: on one device without adapter
-    banks, fused where the weights will be `packed` (float or int8) or stay `float32` on
-    XLA's dot (not quantized)."""
+def fuse_chosen(cfg: Any, packed: bool, float32: bool = False, lora: bool = False) -> bool:
+    """`Engine.Config.fuse_projections`, None resolved: on one device, without adapter
+    banks or LoRA Linears, fused where the weights will be `packed` (float or int8) or
+    stay `float32` on XLA's dot (not quantized). True with LoRA Linears is an error."""
     if cfg.fuse_projections is not None:
+        if cfg.fuse_projections and lora:
+            raise ValueError("Engine.Config.fuse_projections=True: the model has LoRA "
+                             "Linears, which are served unfused (merge the adapters first)")
         return bool(cfg.fuse_projections)
-    if cfg.mesh_shape is not None or cfg.max_loras:
+    if cfg.mesh_shape is not None or cfg.max_loras or lora:
         return False
     return packed or (float32 and cfg.quantize is None)
 
 
-def float32_linears(model_cfg: Any, params: Any) -> bool:
-    """Whether the model has plain Linears, no LoRA ones, and all of them hold and
-    compute float32."""
+def float32_linears(model: Any, params: Any) -> bool:
+    """Whether the model has plain Linears and all of them hold and compute float32."""
     f32 = jnp.dtype(jnp.float32)
-    model = model_cfg.instantiate()
     linears = plain_linears(model, params)
-    if len(plain_linears(model, params, lora=True)) != len(linears):
-        return False  # LoRA adapters: served as trained, unfused.
     return bool(linears) and all(
         jnp.dtype(p["weight"].dtype) == f32 and (m.dtype is None or jnp.dtype(m.dtype) == f32)
         for m, p in linears)
+
+
+def lora_linears(model: Any, params: Any) -> bool:
+    """Whether the model has LoRA Linears (adapters not merged)."""
+    return len(plain_linears(model, params, lora=True)) != len(plain_linears(model, params))
 
 
 def serving_model(cfg: Any, model_cfg: Any, params: Any) -> ServingModel:
@@ -134,8 +138,9 @@ def serving_model(cfg: Any, model_cfg: Any, params: Any) -> ServingModel:
         model_cfg, params = layers.use_multi_lora(
             model_cfg, params, slots=cfg.max_loras + 1, max_rank=cfg.max_lora_rank,
             targets=cfg.lora_targets)
-    if fuse_chosen(cfg, packed_chosen,
-                   not packed_chosen and float32_linears(model_cfg, params)):
+    model = model_cfg.instantiate()
+    if fuse_chosen(cfg, packed_chosen, not packed_chosen and float32_linears(model, params),
+                   lora_linears(model, params)):
         model_cfg, params = layers.fuse_projections(model_cfg, params)
     # Adapter banks take Linears out of the plain ones the packing counts: asked again.
     model_cfg, params, packed = store_weights(
