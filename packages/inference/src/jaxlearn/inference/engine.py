@@ -143,7 +143,8 @@ class Engine(Configurable):
         model_name: the name clients use (`model` in the HTTP API).
         fuse_projections: serve with fused q/k/v and gate/up projections (one matmul each,
             `jaxlearn.layers.fuse_projections`; one device only). None (default): fused
-            on one device without adapter banks when the dense weights are packed
+            on one device without adapter banks or unmerged LoRA Linears (True with
+            those is an error) when the dense weights are packed
             (`weight_layout`; float or int8): a one-row decode step of SmolLM2-135M bf16
             14.4 ms against 15.6-16.1 unfused (AMX Xeon), 8-32 rows within noise; or when
             they stay float32 on XLA's dot: the 60M Llama's f32 decode 1.11x / 1.02x /
