@@ -6,11 +6,11 @@ median `save(snapshot=False)` + wait time, throughput vs the raw numpy+fsync ban
 measured in the same process, verified restore time; plus the digest pass alone.
 
     python jl_ckpt_ab.py [--repeats 3] [--dir /tmp/x]        # zstd vs no compression
-    python jl_ckpt_ab.py --variant f32m=data_file_bytes:33554432 \
-        --variant f8m=data_file_bytes:8388608 --variant one=data_file_bytes:none
+    python jl_ckpt_ab.py --variant f32m:data_file_bytes=33554432 \
+        --variant f8m:data_file_bytes=8388608 --variant one:data_file_bytes=None
 
-A variant is NAME=FIELD:VALUE[,FIELD:VALUE...] over `Checkpointer.Config` fields
-(VALUE: an int, true/false or none).
+A variant is NAME:PATH=VALUE[,PATH=VALUE...]: `Checkpointer.Config` overrides, parsed as
+`--set` parses them (`jaxlearn.config.apply_overrides`).
 """
 
 from __future__ import annotations
@@ -39,26 +39,15 @@ def _sizes(tree: str = "layer") -> list[int]:
     return [c["vocab"] * d] * 2 + [sum(params)] * c["layers"]
 
 
-def _value(text: str) -> object:
-    low = text.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    if low == "none":
-        return None
-    return int(text)
-
-
-def parse_variants(specs: list[str]) -> dict[str, dict[str, object]]:
-    """NAME=FIELD:VALUE[,FIELD:VALUE...] -> {NAME: {FIELD: value}}."""
-    out: dict[str, dict[str, object]] = {}
+def parse_variants(specs: list[str]) -> dict[str, list[str]]:
+    """NAME:PATH=VALUE[,PATH=VALUE...] -> {NAME: ["PATH=VALUE", ...]} (overrides of
+    `Checkpointer.Config`, applied by `jaxlearn.config.apply_overrides`)."""
+    out: dict[str, list[str]] = {}
     for spec in specs:
-        name, _, fields = spec.partition("=")
-        if not name or not fields:
-            raise SystemExit(f"--variant {spec!r}: expected NAME=FIELD:VALUE[,FIELD:VALUE]")
-        out[name] = {}
-        for item in fields.split(","):
-            field, _, value = item.partition(":")
-            out[name][field] = _value(value)
+        name, _, overrides = spec.partition(":")
+        if not name or "=" not in overrides:
+            raise SystemExit(f"--variant {spec!r}: expected NAME:PATH=VALUE[,PATH=VALUE]")
+        out[name] = overrides.split(",")
     return out
 
 
@@ -70,25 +59,26 @@ def main() -> None:
                    help="one array per layer (30 in all) or per parameter (225, the train "
                         "state's)")
     p.add_argument("--variant", action="append", default=[],
-                   help="NAME=FIELD:VALUE[,FIELD:VALUE] (default: zstd vs plain)")
+                   help="NAME:PATH=VALUE[,PATH=VALUE] (default: zstd vs plain)")
     args = p.parse_args()
-    variants = parse_variants(args.variant) or {"zstd": {"use_compression": True},
-                                                "plain": {"use_compression": False}}
+    variants = parse_variants(args.variant) or {"zstd": ["use_compression=True"],
+                                                "plain": ["use_compression=False"]}
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from jaxlearn.checkpoint import Checkpointer
     from jaxlearn.checkpoint import digest as digest_lib
+    from jaxlearn.config import apply_overrides
 
     rng = np.random.default_rng(0)
     state = {f"a{i}": jnp.asarray(rng.standard_normal(s, dtype=np.float32))
              for i, s in enumerate(_sizes(args.tree) * 3)}
     nbytes = sum(x.nbytes for x in state.values())
     root = Path(args.dir or tempfile.mkdtemp(prefix="bench_ckpt_ab_"))
-    ckpts = {n: Checkpointer.default_config().set(directory=str(root / n), keep_last_n=1,
-                                                  **fields).instantiate()
-             for n, fields in variants.items()}
+    ckpts = {n: apply_overrides(Checkpointer.default_config().set(
+                 directory=str(root / n), keep_last_n=1), overrides).instantiate()
+             for n, overrides in variants.items()}
     for c in ckpts.values():  # Set-up save (orbax pools, compilation of the digests).
         c.save(0, state, snapshot=False)
         c.wait_until_finished()

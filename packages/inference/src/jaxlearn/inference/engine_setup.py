@@ -103,18 +103,12 @@ def fuse_chosen(cfg: Any, packed: bool, float32: bool = False, lora: bool = Fals
     return packed or (float32 and cfg.quantize is None)
 
 
-def float32_linears(model: Any, params: Any) -> bool:
-    """Whether the model has plain Linears and all of them hold and compute float32."""
+def float32_linears(linears: list[tuple[Any, Any]]) -> bool:
+    """Whether there are plain Linears (`plain_linears`) and all hold and compute float32."""
     f32 = jnp.dtype(jnp.float32)
-    linears = plain_linears(model, params)
     return bool(linears) and all(
         jnp.dtype(p["weight"].dtype) == f32 and (m.dtype is None or jnp.dtype(m.dtype) == f32)
         for m, p in linears)
-
-
-def lora_linears(model: Any, params: Any) -> bool:
-    """Whether the model has LoRA Linears (adapters not merged)."""
-    return len(plain_linears(model, params, lora=True)) != len(plain_linears(model, params))
 
 
 def serving_model(cfg: Any, model_cfg: Any, params: Any) -> ServingModel:
@@ -139,8 +133,9 @@ def serving_model(cfg: Any, model_cfg: Any, params: Any) -> ServingModel:
             model_cfg, params, slots=cfg.max_loras + 1, max_rank=cfg.max_lora_rank,
             targets=cfg.lora_targets)
     model = model_cfg.instantiate()
-    if fuse_chosen(cfg, packed_chosen, not packed_chosen and float32_linears(model, params),
-                   lora_linears(model, params)):
+    plain = plain_linears(model, params)
+    lora = len(plain_linears(model, params, lora=True)) != len(plain)  # Unmerged adapters.
+    if fuse_chosen(cfg, packed_chosen, not packed_chosen and float32_linears(plain), lora):
         model_cfg, params = layers.fuse_projections(model_cfg, params)
     # Adapter banks take Linears out of the plain ones the packing counts: asked again.
     model_cfg, params, packed = store_weights(
