@@ -1,6 +1,7 @@
 """A/B of two decode engines in one process, generate calls interleaved.
 
-    python jl_decode_ab.py --dtype bf16 --batches 1,4,16 [--compare attention|fuse|layout]
+    python jl_decode_ab.py --dtype bf16 --batches 1,4,16 \
+        [--compare attention|fuse|layout|packed|spin]
 
 Two engines on the ~60M Llama (as `jl_decode.py --case latency`). `--compare attention`:
 the block of `paged.attend_pages`' loop, `block64` (64 positions) vs `block256`
@@ -9,6 +10,10 @@ the block of `paged.attend_pages`' loop, `block64` (64 positions) vs `block256`
 and one gate/up matmul per layer). (A third A/B, bf16 decode matmuls on oneDNN through a
 custom call, measured 0.85-0.90x of XLA's own dots in the whole step, results/
 decode_ab.jsonl; it was removed with the kernel.)
+`--compare packed`: `xla`, dense weights on XLA's dot in their trained layout, vs `packed`
+(`weight_layout="packed"`: the packed GEMM, `kernels.mkl.backend_for`'s backend).
+`--compare spin`: the same default engine twice, the kernels' pool spin
+(`kernels.set_pool_spin_us`) 0 vs `--spin_us`, set before each variant's calls.
 `--compare layout`: `in_out`, dense weights in their trained [in, out] layout, vs
 `out_in`, stored [out, in] (`Engine.Config.weight_layout`; "auto", the default, picks
 `out_in` for bf16 weights on one CPU device). Per
@@ -36,11 +41,14 @@ def main() -> None:
     p.add_argument("--batches", default="1,4,16")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--compare", default="attention",
-                   choices=["attention", "fuse", "layout"])
+                   choices=["attention", "fuse", "layout", "packed", "spin"])
+    p.add_argument("--spin_us", type=int, default=300,
+                   help="--compare spin: the spin of the 'spin' variant")
     args = p.parse_args()
     import jax
     import numpy as np
 
+    from jaxlearn import kernels
     from jaxlearn.kernels import paged
 
     c = model_cfg("llama")
@@ -55,7 +63,12 @@ def main() -> None:
                 "fuse": [("base", block, False, "auto"), ("fused", block, True, "auto")],
                 "layout": [("in_out", block, False, "in_out"),
                            ("out_in", block, False, "out_in")],
+                "packed": [("xla", block, None, "in_out"), ("packed", block, None, "packed")],
+                "spin": [("nospin", block, None, "auto"), ("spin", block, None, "auto")],
                 }[args.compare]
+    # --compare spin: the kernels' pool spin (a process setting) set before each variant's
+    # calls: 0 against --spin_us.
+    spins = {"nospin": 0, "spin": args.spin_us} if args.compare == "spin" else {}
     for name, positions, fuse, layout in variants:
         paged.BLOCK_POSITIONS = positions  # Read when the engine's programs are traced.
         eng = build_engine(c, args.dtype, max_batch=max(batches),
@@ -72,6 +85,8 @@ def main() -> None:
         tn: dict[str, list[float]] = {n: [] for n in engines}
         for _ in range(args.rounds):
             for n, eng in engines.items():
+                if n in spins:
+                    kernels.set_pool_spin_us(spins[n], over_env=True)
                 t1[n].append(generate(eng, prompts[b], [1] * b))
                 tn[n].append(generate(eng, prompts[b], [1 + args.new] * b))
         ms = {n: 1e3 * (med(tn[n]) - med(t1[n])) / args.new for n in engines}

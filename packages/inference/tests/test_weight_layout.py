@@ -11,7 +11,12 @@ from conftest import make_engine, tiny_config, tiny_params
 from jaxlearn.config import visit
 from jaxlearn.inference.engine_setup import POOL_SPIN_US, pool_spin_for, rolled_layers
 from jaxlearn.inference.quantize import quantize
-from jaxlearn.inference.weight_layout import apply_weight_layout, serving_stack, store_weights
+from jaxlearn.inference.weight_layout import (
+    apply_weight_layout,
+    host_packs_float32,
+    serving_stack,
+    store_weights,
+)
 from jaxlearn.kernels import Int8Weight, PackedTable, pool_spin_us
 from jaxlearn.kernels.packed_gemm import host_has_bf16, host_has_int8, unavailable_reason
 from jaxlearn.layers import LoopStack, ScanStack, SgemmDot, use_dot, use_lora
@@ -206,8 +211,8 @@ def test_projections_are_fused_by_default_where_packed_or_float32_on_xlas_dot():
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 def test_a_model_with_lora_linears_is_served_unfused(dtype):
-    """Unmerged LoRA adapters: the default engine (packed bf16 where the host packs, f32
-    on XLA's dot) keeps q/k/v apart and serves the fuse_projections=False engine's tokens;
+    """Unmerged LoRA adapters: the default engine (packed where the host packs the
+    dtype, else XLA's dot) keeps q/k/v apart and serves the fuse_projections=False engine's tokens;
     asking for fused projections says why it cannot."""
     bf16 = dtype == "bf16"
     cfg = use_lora(tiny_config("scan", dtype="bfloat16" if bf16 else None).clone(name="model"))
@@ -229,11 +234,32 @@ def test_auto_packs_bf16_weights_on_hosts_with_native_bf16_only():
     _, out, owner = store_weights(cfg, bf16, "auto")
     assert (owner is not None) == host_has_bf16()
     assert bool(_packed_linears(out)) == host_has_bf16()
-    assert store_weights(cfg, f32, "auto")[2] is None  # f32: XLA's dot, trained layout.
+    # f32 weights under bf16 compute: XLA's dot, trained layout.
+    assert store_weights(cfg, f32, "auto")[2] is None
     assert store_weights(cfg, bf16, "in_out") == (cfg, bf16, None)
     with pytest.raises(ValueError, match=r"weight_layout='packed' needs float32 or bfloat16 "
                                          r"Linear weights \(one dtype\), got \['float16'\]"):
         store_weights(cfg, jax.tree.map(lambda x: x.astype(jnp.float16), f32), "packed")
+
+
+def test_auto_packs_f32_weights_where_the_avx512_kernel_takes_them():
+    """f32 weights and compute: packed on the library's AVX-512 f32 panels where
+    `host_packs_float32` (x86 with AVX512F, not Intel), with XLA's logits and tokens;
+    elsewhere XLA's f32 dot on the trained layout."""
+    cfg = tiny_config("scan").clone(name="model")
+    params = tiny_params(cfg, seed=3)
+    _, out, owner = store_weights(cfg, params, "auto")
+    assert (owner is not None) == host_packs_float32()
+    if owner is None:
+        return
+    assert owner.backends == {"avx512"} and owner.dtypes == {"float32"}
+    assert bool(_packed_linears(out))
+    xla, packed = _engine(cfg, params, "in_out", None), _engine(cfg, params, "auto", None)
+    np.testing.assert_allclose(np.asarray(packed.logits([PROMPT]))[0],
+                               np.asarray(xla.logits([PROMPT]))[0], rtol=0, atol=1e-5)
+    rows = [PROMPT, PROMPT[:5], [7, 7, 7]]
+    want = [r.tokens for r in xla.generate(rows, max_new_tokens=12, ignore_eos=True)]
+    assert [r.tokens for r in packed.generate(rows, max_new_tokens=12, ignore_eos=True)] == want
 
 
 def test_serving_stack_is_scanned_only_for_packed_weights():
@@ -241,7 +267,10 @@ def test_serving_stack_is_scanned_only_for_packed_weights():
     bf16 = dict(dtype="bfloat16", param_dtype="bfloat16")
     assert serving_stack("auto", **bf16) == ("scan" if packs else "loop")
     assert serving_stack("packed", dtype=None, param_dtype=None) == "scan"
-    assert serving_stack("auto", dtype=None, param_dtype=None) == "loop"  # f32 weights.
+    f32_packs = "scan" if host_packs_float32() else "loop"
+    assert serving_stack("auto", dtype=None, param_dtype=None) == f32_packs
+    assert serving_stack("auto", dtype="float32", param_dtype="float32") == f32_packs
+    assert serving_stack("auto", dtype="bfloat16", param_dtype=None) == "loop"
     assert serving_stack("auto", dtype="float32", param_dtype="bfloat16") == "loop"
     assert serving_stack("auto", mesh_shape=(1, 8, 1), **bf16) == "loop"
     for layout in ("in_out", "out_in"):

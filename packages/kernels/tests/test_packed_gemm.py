@@ -38,14 +38,15 @@ def test_runs_on_this_cpu() -> None:
 
 
 def _backends(dtype: str) -> list[str]:
-    """The backends that run `dtype` weights here (avx512: bf16 / int8 on a CPU with
-    AVX512_BF16 / VNNI)."""
+    """The backends that run `dtype` weights here (avx512: f32 / bf16 / int8 on a CPU
+    with AVX512F / AVX512_BF16 / VNNI)."""
     return ["onemkl"] + (["avx512"] if mkl.avx512_runs(dtype) else [])
 
 
 def test_backend_choice_follows_the_vendor_and_the_override(monkeypatch) -> None:
     monkeypatch.delenv("JAXLEARN_PACKED_GEMM", raising=False)
-    assert mkl.backend_for("float32") == "onemkl"
+    f32_avx512 = mkl.avx512_runs("float32") and not mkl.host_is_intel()
+    assert mkl.backend_for("float32") == ("avx512" if f32_avx512 else "onemkl")
     for dtype in ("bfloat16", "int8"):
         intel_without_amx = mkl.host_is_intel() and not mkl.amx_runs(dtype)
         assert mkl.backend_for(dtype) == ("onemkl" if intel_without_amx else "avx512")
@@ -60,8 +61,9 @@ def test_backend_choice_follows_the_vendor_and_the_override(monkeypatch) -> None
         mkl.backend_for("int8")
     with pytest.raises(ValueError, match=r"PackedWeights\(backend='blas'\)"):
         PackedWeights(backend="blas")
-    with pytest.raises(ValueError, match="avx512 backend cannot pack a float32 weight"):
-        PackedWeights(backend="avx512").pack(np.ones((4, 4), np.float32))
+    if not mkl.avx512_runs("float32"):
+        with pytest.raises(ValueError, match="avx512 backend cannot pack a float32 weight"):
+            PackedWeights(backend="avx512").pack(np.ones((4, 4), np.float32))
 
 
 def _reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -87,6 +89,25 @@ def test_matches_numpy(m: int, k: int, n: int, parts: int, bf16: bool, seed: int
     # f32 accumulation of exact products (bf16 x bf16 is exact in f32), another order.
     tol = 1e-5 * (np.abs(np.asarray(x, np.float32)) @ np.abs(np.asarray(w, np.float32)) + 1)
     assert np.all(np.abs(y - ref) <= tol)
+    owner.close()
+
+
+@pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 17])
+@pytest.mark.parametrize("k,n", [(1, 1), (63, 33), (512, 96)])
+def test_f32_panels_match_numpy(m: int, k: int, n: int) -> None:
+    """f32 weights on the AVX-512 panels (one FMA per element, 8-row blocks and their
+    tails, a last panel with fewer than 32 columns) against numpy in float64."""
+    if not mkl.avx512_runs("float32"):
+        pytest.skip("the avx512 backend does not run float32 on this CPU (no AVX512F)")
+    rng = np.random.default_rng(m * 1000 + k + n)
+    w = rng.standard_normal((k, n), dtype=np.float32)
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    owner = PackedWeights(backend="avx512")
+    wid = owner.pack(w)
+    assert owner.backends == {"avx512"}
+    y = np.asarray(jax.jit(packed_matmul, static_argnums=2)(jnp.asarray(x), jnp.int32(wid), n))
+    tol = 1e-5 * (np.abs(x) @ np.abs(w) + 1)
+    assert np.all(np.abs(y - _reference(x, w)) <= tol)
     owner.close()
 
 

@@ -4,9 +4,10 @@ A trained dense weight is `[*in, *out]`. On XLA:CPU a bf16 dot with few rows (de
 reads the same weight 1.0-1.5x faster stored `[out, in]`; f32 dots are faster `[in, out]`
 (`jaxlearn.kernels.weight_layout`). So:
 
-- "auto" (default): on one CPU device, when every plain `Linear` weight is a 16-bit
-  float, they are all stored `[out, in]`; f32 weights, int8 weights (`quantize`) and any
-  other backend or a mesh keep the trained layout;
+- "auto" (default): on one CPU device, packed where the host packs the weights' dtype
+  (below); otherwise, when every plain `Linear` weight is a 16-bit float, they are all
+  stored `[out, in]`; f32 weights, int8 weights (`quantize`) and any other backend or a
+  mesh keep the trained layout;
 - "out_in": every plain float Linear weight stored `[out, in]` (one device only);
 - "in_out": the trained layout;
 - "packed": every plain float Linear weight packed once for the packed GEMM
@@ -18,7 +19,10 @@ reads the same weight 1.0-1.5x faster stored `[out, in]`; f32 dots are faster `[
   Linear weight and compute dtype is bfloat16, the host has native bf16 dot
   instructions and the kernel builds here (`unavailable_reason`): a decode step's
   matmuls then run 1.1-1.9x faster than XLA's bf16 dot at 8-32 rows and 3-19x at one
-  row (XLA repacks the weight on every call).
+  row (XLA repacks the weight on every call). It chooses it too when every weight and
+  compute dtype is float32 and the f32 weights go to the library's AVX-512 panels
+  (`host_packs_float32`: x86 CPUs with AVX512F other than Intel's), where a decode step
+  ran 1.4-1.7x faster than on XLA's f32 dot.
   With `quantize="int8"` the plain Linears and a tied head are quantized as
   `inference.quantize` does and packed as int8 (the packed int8 GEMM; `PackedLinear`
   with `weight_dtype="int8"`): the same products as `Int8Linear`'s XLA int8 dot, at
@@ -55,6 +59,7 @@ from jaxlearn.inference.quantize import (
 )
 from jaxlearn.inference.serving_layers import PackedLinear, TransposedLinear
 from jaxlearn.kernels import PackedTable, PackedWeights, quantize_int8, transpose_weight
+from jaxlearn.kernels.mkl import backend_for
 from jaxlearn.kernels.packed_gemm import host_has_bf16, host_has_int8, unavailable_reason
 from jaxlearn.layers import LoraAdapter
 from jaxlearn.layers.lora import LoraFields
@@ -143,19 +148,24 @@ def packed_layout_chosen(model_cfg: Any, params: Any, layout: str, *,
             log.warning("weight_layout='auto': int8 weights on XLA's int8 dot (slower): %s", why)
             return False
         return True
-    if layout == "auto" and not (cpu and host_has_bf16()):
+    if layout == "auto" and not cpu:
         return False
     linears = plain_linears(model_cfg.instantiate(), params, lora=True)
     dtypes = {jnp.dtype(p["weight"].dtype) for _, p in linears}
-    if layout == "auto":  # bf16 weights and compute (x is cast to the weights' dtype).
-        bf16 = {jnp.dtype(jnp.bfloat16)}
-        if not (linears and dtypes == bf16 and {m.dtype for m, _ in linears} == bf16):
+    if layout == "auto":  # Weights and compute of one dtype (x is cast to the weights').
+        bf16, f32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
+        computes = {f32 if m.dtype is None else jnp.dtype(m.dtype) for m, _ in linears}
+        if not linears or len(dtypes) != 1 or computes != dtypes:
             return False
-        if (why := unavailable_reason()) is not None:
-            log.warning("weight_layout='auto': not packing the bf16 weights (XLA's slower "
-                        "bf16 dot instead): %s", why)
-            return False
-        return True
+        if dtypes == {bf16}:
+            if not host_has_bf16():
+                return False
+            if (why := unavailable_reason()) is not None:
+                log.warning("weight_layout='auto': not packing the bf16 weights (XLA's "
+                            "slower bf16 dot instead): %s", why)
+                return False
+            return True
+        return dtypes == {f32} and host_packs_float32()
     if (why := unavailable_reason()) is not None:
         raise ValueError(f"Engine.Config.weight_layout='packed': the packed GEMM cannot run "
                          f"here: {why}")
@@ -232,6 +242,16 @@ def store_weights(model_cfg: Any, params: Any, layout: str, *, mesh_shape: Any =
     return (*apply_weight_layout(model_cfg, params, layout, mesh_shape=mesh_shape), None)
 
 
+def host_packs_float32() -> bool:
+    """Whether "auto" packs float32 weights here: where the packed GEMM builds and takes
+    them on the library's AVX-512 kernel (`kernels.mkl.backend_for`: x86 CPUs with
+    AVX512F other than Intel's, whose oneMKL path is not measured against XLA's dot). On
+    a 2-vCPU AMD EPYC (Zen 4) a 60M Llama's f32 decode step ran 1.42x / 1.71x / 1.42x
+    faster at 1 / 4 / 16 rows than on XLA's f32 dot (`tools/bench/jl_decode_ab.py
+    --compare packed`): XLA's f32 dot with few rows reads a weight at 10-30 GB/s."""
+    return unavailable_reason() is None and backend_for("float32") == "avx512"
+
+
 def serving_stack(layout: str, *, dtype: Optional[str], param_dtype: Optional[str],
                   mesh_shape: Any = None, quantize: Optional[str] = None) -> str:
     """The layer stack ("scan" or "loop") to load an HF / GGUF model as, for an engine
@@ -248,9 +268,9 @@ def serving_stack(layout: str, *, dtype: Optional[str], param_dtype: Optional[st
         return "loop"
     if quantize == "int8":
         return "scan" if host_has_int8() and unavailable_reason() is None else "loop"
-    if not host_has_bf16():
+    weights = param_dtype or "float32"
+    if (dtype or weights) != weights:
         return "loop"
-    bf16 = "bfloat16"
-    if param_dtype != bf16 or (dtype or param_dtype) != bf16:
-        return "loop"
-    return "scan" if unavailable_reason() is None else "loop"
+    if weights == "bfloat16":
+        return "scan" if host_has_bf16() and unavailable_reason() is None else "loop"
+    return "scan" if weights == "float32" and host_packs_float32() else "loop"

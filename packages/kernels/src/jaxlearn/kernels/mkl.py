@@ -69,15 +69,17 @@ def backend_for(dtype: str, k: Optional[int] = None) -> str:
     """The backend that packs a weight of `dtype` ("float32", "bfloat16", "int8") with
     input dimension `k` (None: any) here.
 
-    oneMKL for float32 everywhere and on Intel CPUs, except where the CPU has AMX tiles for
+    oneMKL on Intel CPUs, except where the CPU has AMX tiles for
     the dtype (`amx_runs`) and k fills whole tile steps (a multiple of 32 for bf16, 64 for
     int8; other weights would run the AVX-512 blocks, slower than oneMKL on Intel): oneMKL's
     packed bf16 GEMM does not use the tiles (430-670 GFLOP/s at 256-288 rows on a 2-vCPU
     Emerald Rapids Xeon, where the tile kernel reaches 700-1400; kernels README). On other
-    x86 CPUs bf16 and int8 weights take the AVX-512 kernels, because oneMKL's bf16 and int8
-    GEMMs run a slow generic path there (measured on a 2-core AMD EPYC, Zen 4, AVX512_BF16 /
-    VNNI: a SmolLM2-135M decode step with oneMKL's packed bf16 68 ms at one row against 46
-    ms with XLA's bf16 dot, and int8 73 ms against 16 ms). `JAXLEARN_PACKED_GEMM=onemkl` or
+    x86 CPUs weights take the AVX-512 kernels (float32 where the CPU has AVX512F, else
+    oneMKL), because oneMKL's GEMMs run a slow generic path there (measured on a 2-core AMD
+    EPYC, Zen 4, AVX512_BF16 / VNNI: a SmolLM2-135M decode step with oneMKL's packed bf16
+    68 ms at one row against 46 ms with XLA's bf16 dot, and int8 73 ms against 16 ms;
+    oneMKL's packed f32 0.5-0.6x XLA's f32 dot at one row, the AVX-512 f32 panels 0.9-2x
+    its speed at 1-16 rows, see the kernels README). `JAXLEARN_PACKED_GEMM=onemkl` or
     `=avx512` forces one (for comparisons); ValueError (one line) for another value."""
     forced = os.environ.get("JAXLEARN_PACKED_GEMM", "")
     if forced:
@@ -86,7 +88,7 @@ def backend_for(dtype: str, k: Optional[int] = None) -> str:
                              f"{', '.join(BACKENDS)}")
         return forced
     if dtype == "float32":
-        return "onemkl"
+        return "onemkl" if host_is_intel() or not avx512_runs(dtype) else "avx512"
     if host_is_intel():
         step = 64 if dtype == "int8" else 32
         tiles = amx_runs(dtype) and (k is None or k % step == 0)
@@ -95,10 +97,10 @@ def backend_for(dtype: str, k: Optional[int] = None) -> str:
 
 
 def avx512_runs(dtype: str) -> bool:
-    """Whether the AVX-512 backend runs `dtype` weights on this CPU (bfloat16: AVX512_BF16,
-    int8: AVX512_VNNI; the library's own cpuid check)."""
+    """Whether the AVX-512 backend runs `dtype` weights on this CPU (float32: AVX512F,
+    bfloat16: AVX512_BF16, int8: AVX512_VNNI; the library's own cpuid check)."""
     lib = library()
-    return lib is not None and dtype in ("bfloat16", "int8") and bool(
+    return lib is not None and dtype in _DTYPE_CODES and bool(
         lib.jl_avx512_ok(_DTYPE_CODES[dtype]))
 
 

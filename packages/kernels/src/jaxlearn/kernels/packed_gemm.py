@@ -14,8 +14,10 @@ form with the host's native instructions (AMX / AVX512_BF16 for bf16). Measured 
 2-core Sapphire Rapids Xeon, SmolLM2-135M shapes, chains of distinct weights
 (`tools/bench/jl_gemv.py`, forms `packed_*`, `results/gemv.jsonl`): bf16 1.1-1.9x XLA's
 bf16 dot (in its faster `[out, in]` layout) at 8-32 rows and 3-19x at one row; f32
-0.5-0.6x XLA's f32 dot at one row and 0.9-1.3x at 8-32 rows, so only bf16 is packed by
-default. int8 weights (`cblas_gemm_s8u8s32_pack`: VNNI / AMX-INT8) compute exactly what
+0.5-0.6x XLA's f32 dot at one row and 0.9-1.3x at 8-32 rows, so "auto" serving packs no
+f32 weights on Intel; on other AVX-512 CPUs the library's f32 panels (below) made a 60M
+Llama's f32 decode step 1.4-1.7x faster at 1-16 rows (Zen 4), and "auto" packs them there.
+int8 weights (`cblas_gemm_s8u8s32_pack`: VNNI / AMX-INT8) compute exactly what
 `int8_matmul` computes with XLA's int8 dot: XLA quantizes x's rows (`quantize_rows`,
 the same code) and the kernel takes them shifted to uint8, removes the shift's
 128 * colsum(q) in int32 and applies the row and column scales. They read half the
@@ -26,10 +28,10 @@ included). In a whole 32-row decode step XLA's row quantization, one core at a t
 takes back what the calls save (`packages/inference/README.md`).
 
 Backends (`kernels.mkl.backend_for`, one per weight; `PackedWeights(backend=)` or
-`JAXLEARN_PACKED_GEMM` to force one): oneMKL for f32 weights and on Intel CPUs without AMX;
-on other x86 CPUs bf16 and int8 weights go to `csrc/avx512_gemm.h` (VDPBF16PS / VPDPBUSD on
-32-column panels, rows in register blocks of 8), because oneMKL's bf16 and int8 GEMMs take a
-slow generic path there. On CPUs with AMX tiles (`mkl.amx_runs`) the same panels are read by
+`JAXLEARN_PACKED_GEMM` to force one): oneMKL on Intel CPUs without AMX; on other x86 CPUs
+f32, bf16 and int8 weights go to `csrc/avx512_gemm.h` (VFMADD231PS / VDPBF16PS / VPDPBUSD
+on 32-column panels, rows in register blocks of 8), because oneMKL's GEMMs take a slow
+generic path there. On CPUs with AMX tiles (`mkl.amx_runs`) the same panels are read by
 `csrc/amx_gemm.h` (TDPBF16PS / TDPBUSD, 32 x 32 blocks of four accumulator tiles) for
 weights whose K fills whole 64-byte steps, because oneMKL's packed bf16 GEMM does not reach
 the tiles there (kernels README). Measured on a 2-core AMD EPYC (Zen 4: AVX512_BF16,
@@ -138,8 +140,8 @@ class PackedWeights:
         backend = self._backend or mkl.backend_for(dtype, k)
         if backend == "avx512" and not mkl.avx512_runs(dtype):
             raise ValueError(f"PackedWeights.pack: the avx512 backend cannot pack a {dtype} "
-                             f"weight on this CPU (bfloat16 needs AVX512_BF16, int8 "
-                             f"AVX512_VNNI; float32 is oneMKL's)")
+                             f"weight on this CPU (float32 needs AVX512F, bfloat16 "
+                             f"AVX512_BF16, int8 AVX512_VNNI)")
         wid = self._lib.jl_pack(a.ctypes.data, k, n, _DTYPES[a.dtype], parts,
                                 None if s is None else s.ctypes.data, mkl.backend_code(backend))
         if wid < 0:

@@ -143,7 +143,7 @@ __attribute__((target("amx-tile"))) void Panels(const uint8_t* x, int64_t m, int
                                                 const uint8_t* w, int64_t p0, int64_t p1,
                                                 const Finish& finish) {
   const int64_t ldx = kInt8 ? k : 2 * k;
-  const int64_t stride = a5::PanelBytes(k, kInt8);
+  const int64_t stride = a5::PanelBytes(k, kInt8 ? a5::Kind::kInt8 : a5::Kind::kBf16);
   alignas(64) int32_t acc[32][32];
   int top = -1, bottom = -1;
   for (int64_t r0 = 0; r0 < m; r0 += 32) {

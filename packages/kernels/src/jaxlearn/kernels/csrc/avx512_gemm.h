@@ -1,15 +1,18 @@
-// AVX-512 BF16 / VNNI matmul on weights packed in column panels: the packed GEMM for
-// x86 hosts where oneMKL's bf16 and int8 GEMMs take a slow generic path (non-Intel CPUs;
-// measured on AMD Zen 4: 4-5x slower than XLA's own dots, see packed_gemm.py).
+// AVX-512 F32 / BF16 / VNNI matmul on weights packed in column panels: the packed GEMM for
+// x86 hosts where oneMKL's GEMMs take a slow generic path (non-Intel CPUs; measured on AMD
+// Zen 4: bf16 and int8 4-5x slower than XLA's own dots, packed f32 0.5-0.6x at one row,
+// see packed_gemm.py).
 //
 // A weight W [K, N] is packed once into panels of kPanel = 32 columns (two zmm of f32 or
 // int32 results), the K dimension interleaved the way the dot instructions read it:
+//   f32:  panel[k][c]             (VFMADD231PS: one product per lane)
 //   bf16: panel[k / 2][c][k % 2]  (VDPBF16PS: a pair of bf16 products per f32 lane)
 //   int8: panel[k / 4][c][k % 4]  (VPDPBUSD: four u8 x s8 products per int32 lane)
 // K is zero-padded to a multiple of 2 (4), N to a multiple of 32. A register block of up
 // to kRows rows x 32 columns keeps 2 * kRows accumulators; each step loads the panel's next
-// two vectors once and broadcasts one row's pair (quad) of x per row.
+// two vectors once and broadcasts one row's element (pair, quad) of x per row.
 //
+//   f32:  y[M, N] f32 = x[M, K] f32 @ W
 //   bf16: y[M, N] f32 = x[M, K] bf16 @ W   (f32 accumulation; the instruction treats bf16
 //         denormals as zero)
 //   int8: y[M, N] f32 = f32(xq[M, K] u8 @ q + off) * sx[M] * s   (xq = q_x + 128 and
@@ -17,7 +20,7 @@
 //         one the oneMKL path applies, so both give the same floats)
 //
 // The functions carry their own target attributes, so this compiles on any x86-64 host;
-// a caller runs them only where the CPU has AVX512_BF16 (AVX512_VNNI) (`HostHas*`).
+// a caller runs them only where the CPU has AVX512F (AVX512_BF16, AVX512_VNNI) (`HostHas*`).
 #ifndef JAXLEARN_KERNELS_AVX512_GEMM_H_
 #define JAXLEARN_KERNELS_AVX512_GEMM_H_
 
@@ -35,12 +38,23 @@ constexpr int kRows = 8;
 
 inline int64_t Panels(int64_t n) { return (n + kPanel - 1) / kPanel; }
 inline int64_t Steps(int64_t k, int64_t per) { return (k + per - 1) / per; }
+enum class Kind { kF32, kBf16, kInt8 };
 // Bytes of one packed panel and of the whole packed weight.
-inline int64_t PanelBytes(int64_t k, bool int8) {
-  return int8 ? Steps(k, 4) * kPanel * 4 : Steps(k, 2) * kPanel * 2 * 2;
+inline int64_t PanelBytes(int64_t k, Kind kind) {
+  switch (kind) {
+    case Kind::kF32: return k * kPanel * 4;
+    case Kind::kBf16: return Steps(k, 2) * kPanel * 2 * 2;
+    default: return Steps(k, 4) * kPanel * 4;
+  }
 }
-inline int64_t PackedBytes(int64_t k, int64_t n, bool int8) {
-  return Panels(n) * PanelBytes(k, int8);
+inline int64_t PackedBytes(int64_t k, int64_t n, Kind kind) {
+  return Panels(n) * PanelBytes(k, kind);
+}
+
+inline bool HostHasF32() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  return (b & (1u << 16)) && (b & (1u << 30));  // AVX512F, AVX512BW
 }
 
 inline bool HostHasBf16() {
@@ -57,8 +71,8 @@ inline bool HostHasVnni() {
 }
 
 // Packs w [k, n] (row major) into out (PackedBytes bytes): panels of kPanel columns, each
-// `group` consecutive rows of a column adjacent (bf16: T = uint16_t bits, group 2; int8:
-// T = int8_t, group 4).
+// `group` consecutive rows of a column adjacent (f32: T = float, group 1; bf16: T =
+// uint16_t bits, group 2; int8: T = int8_t, group 4).
 template <typename T, int group>
 void PackPanels(const T* w, int64_t k, int64_t n, T* out) {
   for (int64_t p = 0; p < Panels(n); ++p) {
@@ -72,6 +86,9 @@ void PackPanels(const T* w, int64_t k, int64_t n, T* out) {
       }
     }
   }
+}
+inline void PackF32(const float* w, int64_t k, int64_t n, float* out) {
+  PackPanels<float, 1>(w, k, n, out);
 }
 inline void PackBf16(const uint16_t* w, int64_t k, int64_t n, uint16_t* out) {
   PackPanels<uint16_t, 2>(w, k, n, out);
@@ -136,6 +153,32 @@ __attribute__((target("avx512f,avx512bw"))) inline void StoreInt8Row(const Int8S
   _mm512_mask_storeu_ps(y + 16, c.m1, _mm512_mul_ps(_mm512_mul_ps(v1, rs), c.s1));
 }
 
+// R rows of x (stride ldx) times one f32 panel -> y (stride ldy), `cols` valid columns.
+template <int R>
+__attribute__((target("avx512f,avx512bw"))) void F32Block(const float* x, int64_t ldx,
+                                                           int64_t k, const float* panel,
+                                                           float* y, int64_t ldy,
+                                                           int64_t cols) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const float* wp = panel;
+  for (int64_t s = 0; s < k; ++s) {
+    const __m512 w0 = _mm512_loadu_ps(wp);
+    const __m512 w1 = _mm512_loadu_ps(wp + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xb = _mm512_set1_ps(x[r * ldx + s]);
+      acc[r][0] = _mm512_fmadd_ps(xb, w0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(xb, w1, acc[r][1]);
+    }
+    wp += kPanel;
+  }
+  const __mmask16 m0 = Mask0(cols), m1 = Mask1(cols);
+  for (int r = 0; r < R; ++r) {
+    _mm512_mask_storeu_ps(y + r * ldy, m0, acc[r][0]);
+    _mm512_mask_storeu_ps(y + r * ldy + 16, m1, acc[r][1]);
+  }
+}
+
 // R rows of x (stride ldx) times one bf16 panel -> y (stride ldy), `cols` valid columns.
 template <int R>
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void Bf16Block(
@@ -195,7 +238,15 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void Int8Block(
   for (int r = 0; r < R; ++r) StoreInt8Row(c, acc[r][0], acc[r][1], sx[r], y + r * ldy);
 }
 
-// Bf16Block / Int8Block for `rows` (1..R) rows: the block of that height.
+// F32Block / Bf16Block / Int8Block for `rows` (1..R) rows: the block of that height.
+template <int R>
+void F32Rows(int64_t rows, const float* x, int64_t k, const float* panel, float* y,
+             int64_t ldy, int64_t cols) {
+  if constexpr (R > 1) {
+    if (rows < R) return F32Rows<R - 1>(rows, x, k, panel, y, ldy, cols);
+  }
+  F32Block<R>(x, k, k, panel, y, ldy, cols);
+}
 template <int R>
 void Bf16Rows(int64_t rows, const uint16_t* x, int64_t k, const uint16_t* panel, float* y,
               int64_t ldy, int64_t cols) {
@@ -214,10 +265,23 @@ void Int8Rows(int64_t rows, const uint8_t* xq, int64_t k, const int8_t* panel,
   Int8Block<R>(xq, k, k, panel, off, sx, s, y, ldy, cols);
 }
 
-// Every row of x [m, k] times panels [p0, p1) of a packed bf16 weight [k, n] -> y [m, n].
+// Every row of x [m, k] times panels [p0, p1) of a packed f32 weight [k, n] -> y [m, n].
+inline void F32Panels(const float* x, int64_t m, int64_t k, int64_t n, const float* w,
+                      int64_t p0, int64_t p1, float* y) {
+  const int64_t stride = PanelBytes(k, Kind::kF32) / 4;
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t cols = std::min(kPanel, n - p * kPanel);
+    for (int64_t r0 = 0; r0 < m; r0 += kRows) {
+      F32Rows<kRows>(std::min<int64_t>(kRows, m - r0), x + r0 * k, k, w + p * stride,
+                     y + r0 * n + p * kPanel, n, cols);
+    }
+  }
+}
+
+// The same for a packed bf16 weight.
 inline void Bf16Panels(const uint16_t* x, int64_t m, int64_t k, int64_t n, const uint16_t* w,
                        int64_t p0, int64_t p1, float* y) {
-  const int64_t stride = PanelBytes(k, false) / 2;
+  const int64_t stride = PanelBytes(k, Kind::kBf16) / 2;
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t cols = std::min(kPanel, n - p * kPanel);
     for (int64_t r0 = 0; r0 < m; r0 += kRows) {
@@ -232,7 +296,7 @@ inline void Bf16Panels(const uint16_t* x, int64_t m, int64_t k, int64_t n, const
 inline void Int8Panels(const uint8_t* xq, const float* sx, int64_t m, int64_t k, int64_t n,
                        const int8_t* w, const int32_t* off, const float* s, int64_t p0,
                        int64_t p1, float* y) {
-  const int64_t stride = PanelBytes(k, true);
+  const int64_t stride = PanelBytes(k, Kind::kInt8);
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t c0 = p * kPanel, cols = std::min(kPanel, n - c0);
     for (int64_t r0 = 0; r0 < m; r0 += kRows) {

@@ -197,6 +197,14 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<
   if (m == 0) return ffi::Error::Success();
   const void* xd = x.untyped_data();
   float* yd = y->typed_data();
+  if (w->backend == kAvx512 && w->dtype == kF32) {
+    const auto* xf = static_cast<const float*>(xd);
+    const auto* wf = static_cast<const float*>(w->parts[0].buf);
+    RunPanels(pool, *w, [&](int64_t p0, int64_t p1) {
+      jaxlearn::avx512::F32Panels(xf, m, w->k, w->n, wf, p0, p1, yd);
+    });
+    return ffi::Error::Success();
+  }
   if (w->backend == kAvx512) {
     const auto* xb = static_cast<const uint16_t*>(xd);
     const auto* wb = static_cast<const uint16_t*>(w->parts[0].buf);
@@ -456,8 +464,8 @@ int jl_init(const char* path, char* err, int err_len) {
 
 // Packs w ([k, n] row major; f32 for dtype 0, bf16 bits for dtype 1, int8 for dtype 2
 // with per-column `scale` [n]). backend kMklBackend: `parts` column blocks of multiples of
-// 64 columns for oneMKL; kAvx512 (bf16 and int8 only, on a host with the instructions,
-// jl_avx512_ok): the panels of avx512_gemm.h in one block.
+// 64 columns for oneMKL; kAvx512 (on a host with the instructions, jl_avx512_ok): the
+// panels of avx512_gemm.h in one block.
 // Returns its id (>= 0), or -1 (not initialised, unsupported, out of ids or memory).
 int jl_pack(const void* w, int64_t k, int64_t n, int dtype, int parts, const float* scale,
             int backend) {
@@ -465,7 +473,8 @@ int jl_pack(const void* w, int64_t k, int64_t n, int dtype, int parts, const flo
   if (mkl.s_compute == nullptr || k <= 0 || n <= 0 || k > INT32_MAX || n > INT32_MAX ||
       parts < 1 || dtype < kF32 || dtype > kInt8 || (dtype == kInt8 && scale == nullptr) ||
       (backend != kMklBackend && backend != kAvx512) ||
-      (backend == kAvx512 && (dtype == kF32 || (dtype == kBf16 && !a5::HostHasBf16()) ||
+      (backend == kAvx512 && ((dtype == kF32 && !a5::HostHasF32()) ||
+                              (dtype == kBf16 && !a5::HostHasBf16()) ||
                               (dtype == kInt8 && !a5::HostHasVnni())))) {
     return -1;
   }
@@ -485,11 +494,15 @@ int jl_pack(const void* w, int64_t k, int64_t n, int dtype, int parts, const flo
     }
   }
   if (backend == kAvx512) {
-    const size_t bytes = static_cast<size_t>(a5::PackedBytes(k, n, dtype == kInt8));
+    const a5::Kind kind = dtype == kF32 ? a5::Kind::kF32 : dtype == kBf16 ? a5::Kind::kBf16
+                                                                           : a5::Kind::kInt8;
+    const size_t bytes = static_cast<size_t>(a5::PackedBytes(k, n, kind));
     void* buf = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (buf == MAP_FAILED) return -1;
     weight->parts.push_back({0, n, buf, bytes});
-    if (dtype == kBf16) {
+    if (dtype == kF32) {
+      a5::PackF32(static_cast<const float*>(w), k, n, static_cast<float*>(buf));
+    } else if (dtype == kBf16) {
       a5::PackBf16(static_cast<const uint16_t*>(w), k, n, static_cast<uint16_t*>(buf));
     } else {
       a5::PackInt8(static_cast<const int8_t*>(w), k, n, static_cast<int8_t*>(buf));
@@ -531,10 +544,12 @@ int jl_pack(const void* w, int64_t k, int64_t n, int dtype, int parts, const flo
   return id;
 }
 
-// Whether this CPU runs the avx512 backend for dtype (kBf16: AVX512_BF16, kInt8: VNNI).
+// Whether this CPU runs the avx512 backend for dtype (kF32: AVX512F, kBf16: AVX512_BF16,
+// kInt8: VNNI).
 int jl_avx512_ok(int dtype) {
   namespace a5 = jaxlearn::avx512;
-  return (dtype == kBf16 && a5::HostHasBf16()) || (dtype == kInt8 && a5::HostHasVnni());
+  return (dtype == kF32 && a5::HostHasF32()) || (dtype == kBf16 && a5::HostHasBf16()) ||
+         (dtype == kInt8 && a5::HostHasVnni());
 }
 
 // Whether matmuls of dtype (kBf16, kInt8) on the avx512 backend's panels run AMX tiles
