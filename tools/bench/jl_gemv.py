@@ -29,8 +29,11 @@ write bytes). Formulations (w: [K, N] "nn", or its transpose [N, K] "nt"; x is f
   red_f32_nt / _nn        broadcast-multiply + reduce (a fusion, not a dot), f32 weights
   red_bf16_nt / _nn       the same on bf16 weights (converted in the fusion)
   red_i8_nt / _nn         the same on int8 weights, scale after
-  packed_f32_nn           oneMKL's packed f32 GEMM (`jaxlearn.kernels.packed_gemm`)
-  packed_bf16_nn          oneMKL's packed bf16 x bf16 -> f32 GEMM (AMX / AVX512_BF16)
+  packed_f32_nn           the packed f32 GEMM (`jaxlearn.kernels.packed_gemm`; its backend
+                          `kernels.mkl.backend_for`: oneMKL on Intel, the library's
+                          AVX-512 f32 panels on other AVX512F CPUs)
+  packed_bf16_nn          the packed bf16 x bf16 -> f32 GEMM (the same choice: oneMKL,
+                          AMX tiles or AVX512_BF16 panels)
 """
 
 from __future__ import annotations
