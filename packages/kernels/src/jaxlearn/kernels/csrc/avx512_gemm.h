@@ -30,6 +30,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace jaxlearn::avx512 {
 
@@ -265,30 +266,32 @@ void Int8Rows(int64_t rows, const uint8_t* xq, int64_t k, const int8_t* panel,
   Int8Block<R>(xq, k, k, panel, off, sx, s, y, ldy, cols);
 }
 
-// Every row of x [m, k] times panels [p0, p1) of a packed f32 weight [k, n] -> y [m, n].
-inline void F32Panels(const float* x, int64_t m, int64_t k, int64_t n, const float* w,
-                      int64_t p0, int64_t p1, float* y) {
-  const int64_t stride = PanelBytes(k, Kind::kF32) / 4;
+// Every row of x [m, k] times panels [p0, p1) of a packed float weight [k, n] -> y [m, n]
+// (T = float: f32; T = uint16_t: bf16 bits).
+template <typename T>
+inline void FloatPanels(const T* x, int64_t m, int64_t k, int64_t n, const T* w, int64_t p0,
+                        int64_t p1, float* y) {
+  constexpr bool f32 = std::is_same_v<T, float>;
+  const int64_t stride = PanelBytes(k, f32 ? Kind::kF32 : Kind::kBf16) / int64_t(sizeof(T));
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t cols = std::min(kPanel, n - p * kPanel);
     for (int64_t r0 = 0; r0 < m; r0 += kRows) {
-      F32Rows<kRows>(std::min<int64_t>(kRows, m - r0), x + r0 * k, k, w + p * stride,
-                     y + r0 * n + p * kPanel, n, cols);
+      const int64_t rows = std::min<int64_t>(kRows, m - r0);
+      if constexpr (f32) {
+        F32Rows<kRows>(rows, x + r0 * k, k, w + p * stride, y + r0 * n + p * kPanel, n, cols);
+      } else {
+        Bf16Rows<kRows>(rows, x + r0 * k, k, w + p * stride, y + r0 * n + p * kPanel, n, cols);
+      }
     }
   }
 }
-
-// The same for a packed bf16 weight.
+inline void F32Panels(const float* x, int64_t m, int64_t k, int64_t n, const float* w,
+                      int64_t p0, int64_t p1, float* y) {
+  FloatPanels(x, m, k, n, w, p0, p1, y);
+}
 inline void Bf16Panels(const uint16_t* x, int64_t m, int64_t k, int64_t n, const uint16_t* w,
                        int64_t p0, int64_t p1, float* y) {
-  const int64_t stride = PanelBytes(k, Kind::kBf16) / 2;
-  for (int64_t p = p0; p < p1; ++p) {
-    const int64_t cols = std::min(kPanel, n - p * kPanel);
-    for (int64_t r0 = 0; r0 < m; r0 += kRows) {
-      Bf16Rows<kRows>(std::min<int64_t>(kRows, m - r0), x + r0 * k, k, w + p * stride,
-                      y + r0 * n + p * kPanel, n, cols);
-    }
-  }
+  FloatPanels(x, m, k, n, w, p0, p1, y);
 }
 
 // The same for an int8 weight: xq [m, k] u8, row scales sx [m], column offsets / scales
