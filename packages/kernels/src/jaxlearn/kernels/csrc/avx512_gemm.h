@@ -240,21 +240,18 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void Int8Block(
 }
 
 // F32Block / Bf16Block / Int8Block for `rows` (1..R) rows: the block of that height.
-template <int R>
-void F32Rows(int64_t rows, const float* x, int64_t k, const float* panel, float* y,
-             int64_t ldy, int64_t cols) {
+// (T = float: F32Block; T = uint16_t: Bf16Block.)
+template <int R, typename T>
+void FloatRows(int64_t rows, const T* x, int64_t k, const T* panel, float* y, int64_t ldy,
+               int64_t cols) {
   if constexpr (R > 1) {
-    if (rows < R) return F32Rows<R - 1>(rows, x, k, panel, y, ldy, cols);
+    if (rows < R) return FloatRows<R - 1>(rows, x, k, panel, y, ldy, cols);
   }
-  F32Block<R>(x, k, k, panel, y, ldy, cols);
-}
-template <int R>
-void Bf16Rows(int64_t rows, const uint16_t* x, int64_t k, const uint16_t* panel, float* y,
-              int64_t ldy, int64_t cols) {
-  if constexpr (R > 1) {
-    if (rows < R) return Bf16Rows<R - 1>(rows, x, k, panel, y, ldy, cols);
+  if constexpr (std::is_same_v<T, float>) {
+    F32Block<R>(x, k, k, panel, y, ldy, cols);
+  } else {
+    Bf16Block<R>(x, k, k, panel, y, ldy, cols);
   }
-  Bf16Block<R>(x, k, k, panel, y, ldy, cols);
 }
 template <int R>
 void Int8Rows(int64_t rows, const uint8_t* xq, int64_t k, const int8_t* panel,
@@ -276,12 +273,8 @@ inline void FloatPanels(const T* x, int64_t m, int64_t k, int64_t n, const T* w,
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t cols = std::min(kPanel, n - p * kPanel);
     for (int64_t r0 = 0; r0 < m; r0 += kRows) {
-      const int64_t rows = std::min<int64_t>(kRows, m - r0);
-      if constexpr (f32) {
-        F32Rows<kRows>(rows, x + r0 * k, k, w + p * stride, y + r0 * n + p * kPanel, n, cols);
-      } else {
-        Bf16Rows<kRows>(rows, x + r0 * k, k, w + p * stride, y + r0 * n + p * kPanel, n, cols);
-      }
+      FloatRows<kRows>(std::min<int64_t>(kRows, m - r0), x + r0 * k, k, w + p * stride,
+                       y + r0 * n + p * kPanel, n, cols);
     }
   }
 }
