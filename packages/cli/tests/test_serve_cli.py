@@ -83,8 +83,10 @@ def test_generate_from_run_dir_restores_the_recorded_model(run, capsys):
     assert len(block) == len(to_flat_text(engine_config(build_parser().parse_args(argv),
                                                         max_queue=1)).splitlines())
     args = build_parser().parse_args(argv)
-    # Unfused projections, so the served params are the restored tree itself.
-    engine = load_model(str(out), engine_config(args, max_queue=1, fuse_projections=False))
+    # Unfused projections on the trained layout (not packed), so the served params are the
+    # restored tree itself.
+    engine = load_model(str(out), engine_config(args, max_queue=1, fuse_projections=False,
+                                                weight_layout="in_out"))
     # The model as given to the engine (its serving swaps, e.g. `paged_kernel`, apart).
     served = [f"model.{line}" for line in to_flat_text(engine.base_model_cfg).splitlines()
               if not line.startswith("name:")]

@@ -163,7 +163,10 @@ class Engine(Configurable):
             Intel CPUs, AVX-512 BF16 / VNNI kernels on others) on one CPU
             device of a host with native bf16 instructions (1.1-1.9x faster decode
             matmuls than XLA's dot at 8-32 rows), int8 ones (`quantize`) on one CPU
-            device of a host with VNNI / AMX-INT8, else stores 16-bit dense weights
+            device of a host with VNNI / AMX-INT8, f32 ones with f32 compute on one CPU
+            device of a non-Intel host with AVX512F (the library's f32 panels: a 60M
+            Llama's f32 decode 1.4-1.7x XLA's f32 dot, Zen 4;
+            `weight_layout.host_packs_float32`), else stores 16-bit dense weights
             [out, in] (XLA:CPU's bf16 decode dots read them 1.0-1.5x faster);
             "packed" packs f32 or bf16 weights, "out_in" stores every float dense
             weight [out, in], "in_out" keeps the trained layout
