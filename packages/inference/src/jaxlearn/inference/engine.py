@@ -159,14 +159,11 @@ class Engine(Configurable):
             int8 + f32 per-channel scales (`inference.quantize`; one device only), with
             activations quantized per row; packed for the int8 GEMM where
             `weight_layout` packs (same products; a one-row step 1.5x packed bf16's).
-        weight_layout: "auto" packs bf16 dense weights (`kernels.packed_gemm`: oneMKL on
-            Intel CPUs, AVX-512 BF16 / VNNI kernels on others) on one CPU
-            device of a host with native bf16 instructions (1.1-1.9x faster decode
-            matmuls than XLA's dot at 8-32 rows), int8 ones (`quantize`) on one CPU
-            device of a host with VNNI / AMX-INT8, f32 ones with f32 compute on one CPU
-            device of a non-Intel host with AVX512F (the library's f32 panels: a 60M
-            Llama's f32 decode 1.4-1.7x XLA's f32 dot, Zen 4;
-            `weight_layout.host_packs_float32`), else stores 16-bit dense weights
+        weight_layout: "auto" packs dense weights on one CPU device (`kernels.packed_gemm`)
+            of a host with native bf16 instructions for bf16 ones (1.1-1.9x faster decode
+            matmuls than XLA's dot at 8-32 rows), VNNI / AMX-INT8 for int8 ones
+            (`quantize`), AVX512F on a non-Intel CPU for f32 ones with f32 compute (1.4-1.7x
+            a 60M Llama's f32 decode on Zen 4), else stores 16-bit dense weights
             [out, in] (XLA:CPU's bf16 decode dots read them 1.0-1.5x faster);
             "packed" packs f32 or bf16 weights, "out_in" stores every float dense
             weight [out, in], "in_out" keeps the trained layout

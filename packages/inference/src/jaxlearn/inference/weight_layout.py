@@ -11,9 +11,7 @@ reads the same weight 1.0-1.5x faster stored `[out, in]`; f32 dots are faster `[
 - "out_in": every plain float Linear weight stored `[out, in]` (one device only);
 - "in_out": the trained layout;
 - "packed": every plain float Linear weight packed once for the packed GEMM
-  (`kernels.packed_gemm`: oneMKL on Intel CPUs, bf16 on AMX / AVX512_BF16, f32 on any
-  x86-64; the library's AVX-512 BF16 / VNNI kernels for bf16 and int8 on other CPUs,
-  `kernels.mkl.backend_for`), one CPU device;
+  (`kernels.packed_gemm`, its backend `kernels.mkl.backend_for`), one CPU device;
   a `LoraLinear`'s base weight too (a `PackedLoraLinear`, its adapter unpacked).
   Activations are cast to the weights' dtype. "auto" chooses it first when every plain
   Linear weight and compute dtype is bfloat16, the host has native bf16 dot
@@ -244,11 +242,8 @@ def store_weights(model_cfg: Any, params: Any, layout: str, *, mesh_shape: Any =
 
 def host_packs_float32() -> bool:
     """Whether "auto" packs float32 weights here: where the packed GEMM builds and takes
-    them on the library's AVX-512 kernel (`kernels.mkl.backend_for`: x86 CPUs with
-    AVX512F other than Intel's, whose oneMKL path is not measured against XLA's dot). On
-    a 2-vCPU AMD EPYC (Zen 4) a 60M Llama's f32 decode step ran 1.42x / 1.71x / 1.42x
-    faster at 1 / 4 / 16 rows than on XLA's f32 dot (`tools/bench/jl_decode_ab.py
-    --compare packed`): XLA's f32 dot with few rows reads a weight at 10-30 GB/s."""
+    them on the library's AVX-512 f32 panels (`kernels.mkl.backend_for`: non-Intel x86
+    CPUs with AVX512F; 1.4-1.7x a 60M Llama's f32 decode step on Zen 4, module doc)."""
     return unavailable_reason() is None and backend_for("float32") == "avx512"
 
 
