@@ -127,7 +127,7 @@ def test_packed_weights_serve_the_same_logits_and_tokens(stack, tied, dtype, mon
     a loop of one repeated layer is served as a scan of it, `roll_layers`), a tied head a
     PackedTable; prefill logits within rounding of the summation order and the same
     greedy tokens as the trained layout (a loop stays a loop there), one and four rows.
-    The engine sets the kernels' pool spin: on for bf16 packed weights, off for f32."""
+    The engine sets the kernels' pool spin for packed weights, off for the others."""
     monkeypatch.delenv("JAXLEARN_POOL_SPIN_US", raising=False)
     cfg = _untied_or_tied(tiny_config(stack, dtype="bfloat16" if dtype == "bf16" else None),
                           tied)
@@ -136,8 +136,8 @@ def test_packed_weights_serve_the_same_logits_and_tokens(stack, tied, dtype, mon
         params = _bf16(params)
     base, packed = _engine(cfg, params, "in_out"), _engine(cfg, params, "packed")
     assert base.pool_spin_us == 0
-    assert packed.pool_spin_us == pool_spin_us() == (POOL_SPIN_US["bfloat16"] if dtype == "bf16"
-                                                     else 0)
+    assert packed.pool_spin_us == pool_spin_us() == POOL_SPIN_US[
+        "bfloat16" if dtype == "bf16" else "float32"]
     rolled = rolled_layers(cfg, params)[1]
     linears = {k.removesuffix("['weight']") for k in _paths(rolled)
                if k.endswith("['weight']") and "['emb']" not in k}

@@ -175,7 +175,7 @@ class Engine(Configurable):
         pool_spin_us: how long a helper of the kernels' thread pool lingers for the next
             job (`kernels.set_pool_spin_us`; the process's setting, set by the latest
             engine); None: `engine_setup.POOL_SPIN_US` of the packed dense weights'
-            dtype (bf16 300 us, int8 30 us), else 0. A set JAXLEARN_POOL_SPIN_US wins.
+            dtype (f32 and bf16 300 us, int8 30 us), else 0. A set JAXLEARN_POOL_SPIN_US wins.
         roll_layers: where the weights will be packed, serve a decoder stack that loops
             over one repeated layer (the fine-tuning recipes' CPU rule trains one) as a
             scan of it, its params stacked (`engine_setup.rolled_layers`): every program

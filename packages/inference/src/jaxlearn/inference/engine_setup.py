@@ -159,18 +159,16 @@ def serving_model(cfg: Any, model_cfg: Any, params: Any) -> ServingModel:
 
 
 # How long lingering pool helpers wait (`kernels.set_pool_spin_us`), by the packed weights'
-# dtype. On a 2-vCPU Zen 4 serving SmolLM2-135M (packages/kernels/README.md), against no
-# spin: bf16 decode steps 1.09-1.13x faster in process, CPU share 0.89-0.92 -> 0.95-0.97
-# served; 300 us against 100 us, four rounds: share 0.944-0.974 against 0.863-0.967,
-# throughput per cell -5 % to +17 %. int8 steps are shorter and the 32 streaming clients'
-# threads need the cores: 100 us and 300 us lost 11-30 % at 32 in flight; 30 us, two
-# rounds: -2 % to +32 % per cell, share 0.87-0.90 -> 0.92-0.96.
-POOL_SPIN_US = {"bfloat16": 300, "int8": 30}
+# dtype, measured serving SmolLM2-135M on a 2-vCPU Zen 4 (kernels and inference READMEs):
+# bf16 300 us (share 0.89-0.92 -> 0.94-0.97, per cell -5 % to +17 % against 100 us); int8
+# 30 us (100 and 300 us lost 11-30 % at 32 in flight, 30 us -2 % to +32 %); f32 300 us
+# (one stream +17 / +31 %, 8 and 32 in flight -7 % to +11 %, share 0.91 -> 0.96-0.97).
+POOL_SPIN_US = {"float32": 300, "bfloat16": 300, "int8": 30}
 
 
 def pool_spin_for(asked: Optional[int], packed: Optional[PackedWeights]) -> int:
     """`Engine.Config.pool_spin_us` for an engine whose weights `packed` owns: `asked`, or
-    `POOL_SPIN_US` of the packed weights' one dtype (0 for f32, mixed or unpacked)."""
+    `POOL_SPIN_US` of the packed weights' one dtype (0 for mixed or unpacked)."""
     if asked is not None:
         return asked
     if packed is None or len(packed.dtypes) != 1:
