@@ -52,23 +52,26 @@ inline int64_t PackedBytes(int64_t k, int64_t n, Kind kind) {
   return Panels(n) * PanelBytes(k, kind);
 }
 
-inline bool HostHasF32() {
+// AVX512F + AVX512BW, what every kernel here needs (the f32 one nothing more).
+inline bool HostHasAvx512() {
   unsigned a, b, c, d;
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  return (b & (1u << 16)) && (b & (1u << 30));  // AVX512F, AVX512BW
+  return (b & (1u << 16)) && (b & (1u << 30));
 }
-
 inline bool HostHasBf16() {
   unsigned a, b, c, d;
   if (!__get_cpuid_count(7, 1, &a, &b, &c, &d)) return false;
-  const bool bf16 = a & (1u << 5);
-  __get_cpuid_count(7, 0, &a, &b, &c, &d);
-  return bf16 && (b & (1u << 16)) && (b & (1u << 30));  // + AVX512F, AVX512BW
+  return (a & (1u << 5)) && HostHasAvx512();  // AVX512_BF16
 }
 inline bool HostHasVnni() {
   unsigned a, b, c, d;
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  return (c & (1u << 11)) && (b & (1u << 16)) && (b & (1u << 30));  // VNNI, F, BW
+  return (c & (1u << 11)) && HostHasAvx512();  // AVX512_VNNI
+}
+// Whether this CPU runs the kernel for weights of `kind`.
+inline bool HostRuns(Kind kind) {
+  return kind == Kind::kF32 ? HostHasAvx512() : kind == Kind::kBf16 ? HostHasBf16()
+                                                                    : HostHasVnni();
 }
 
 // Packs w [k, n] (row major) into out (PackedBytes bytes): panels of kPanel columns, each

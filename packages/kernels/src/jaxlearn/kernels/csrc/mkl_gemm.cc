@@ -63,6 +63,11 @@ constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112, kPacked = 151, kBMa
 constexpr int kRowOffset = 171;  // oc[N]: one offset per column of C.
 constexpr int kF32 = 0, kBf16 = 1, kInt8 = 2;
 constexpr int kMklBackend = 0, kAvx512 = 1;
+// The avx512 panels' kind of a dtype code (kF32, kBf16, kInt8).
+jaxlearn::avx512::Kind KindOf(int dtype) {
+  using jaxlearn::avx512::Kind;
+  return dtype == kF32 ? Kind::kF32 : dtype == kBf16 ? Kind::kBf16 : Kind::kInt8;
+}
 constexpr int64_t kRowBlock = 32;  // int8: rows per int32 scratch block.
 constexpr int kThreadingSequential = 1, kInterfaceLp64 = 0;
 
@@ -473,9 +478,7 @@ int jl_pack(const void* w, int64_t k, int64_t n, int dtype, int parts, const flo
   if (mkl.s_compute == nullptr || k <= 0 || n <= 0 || k > INT32_MAX || n > INT32_MAX ||
       parts < 1 || dtype < kF32 || dtype > kInt8 || (dtype == kInt8 && scale == nullptr) ||
       (backend != kMklBackend && backend != kAvx512) ||
-      (backend == kAvx512 && ((dtype == kF32 && !a5::HostHasF32()) ||
-                              (dtype == kBf16 && !a5::HostHasBf16()) ||
-                              (dtype == kInt8 && !a5::HostHasVnni())))) {
+      (backend == kAvx512 && !a5::HostRuns(KindOf(dtype)))) {
     return -1;
   }
   auto weight = std::make_unique<Weight>();
@@ -494,9 +497,7 @@ int jl_pack(const void* w, int64_t k, int64_t n, int dtype, int parts, const flo
     }
   }
   if (backend == kAvx512) {
-    const a5::Kind kind = dtype == kF32 ? a5::Kind::kF32 : dtype == kBf16 ? a5::Kind::kBf16
-                                                                           : a5::Kind::kInt8;
-    const size_t bytes = static_cast<size_t>(a5::PackedBytes(k, n, kind));
+    const size_t bytes = static_cast<size_t>(a5::PackedBytes(k, n, KindOf(dtype)));
     void* buf = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (buf == MAP_FAILED) return -1;
     weight->parts.push_back({0, n, buf, bytes});
@@ -547,9 +548,7 @@ int jl_pack(const void* w, int64_t k, int64_t n, int dtype, int parts, const flo
 // Whether this CPU runs the avx512 backend for dtype (kF32: AVX512F, kBf16: AVX512_BF16,
 // kInt8: VNNI).
 int jl_avx512_ok(int dtype) {
-  namespace a5 = jaxlearn::avx512;
-  return (dtype == kF32 && a5::HostHasF32()) || (dtype == kBf16 && a5::HostHasBf16()) ||
-         (dtype == kInt8 && a5::HostHasVnni());
+  return dtype >= kF32 && dtype <= kInt8 && jaxlearn::avx512::HostRuns(KindOf(dtype));
 }
 
 // Whether matmuls of dtype (kBf16, kInt8) on the avx512 backend's panels run AMX tiles
